@@ -1,0 +1,20 @@
+"""Errors raised by hf_demo. Each names the problem; none is raised after state was half-changed."""
+
+
+class DeMoError(RuntimeError):
+    """Base class of every error hf_demo raises on purpose."""
+
+
+class DeMoSyncError(DeMoError):
+    """Ranks disagree (model layout, settings, step, world size), or received data is invalid.
+
+    Raised on every rank of the step, because every rank sees every header.
+    """
+
+
+class DeMoNonFiniteError(DeMoError):
+    """A rank's local gradients hold NaN or Inf and the policy is ``nonfinite="raise"``."""
+
+
+class DeMoStateError(DeMoError):
+    """A saved optimizer state does not fit this run (other world size, rank, layout or version)."""

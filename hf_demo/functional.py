@@ -1,0 +1,59 @@
+"""The per-parameter math of DeMo as pure functions, in the order a gradient meets them.
+
+momentum (kept in the DCT domain) -> select top-k -> error feedback -> [pack, gather, unpack: codec/comm]
+-> average over ranks -> inverse DCT -> parameter update.
+
+Momentum lives in the DCT domain: the transform is linear and orthonormal, so
+``DCT(decay*m + lr*g) == decay*DCT(m) + lr*DCT(g)``, and each step needs one forward transform (of the
+gradient) and one inverse (of the averaged update) instead of the reference's three.
+"""
+from __future__ import annotations
+
+import torch
+
+from .blocks import BlockLayout, decode, encode
+
+
+def accumulate(momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout,
+               decay: float, lr: float) -> None:
+    """``momentum <- decay*momentum + lr*DCT(grad)`` in place (fp32). A missing grad counts as zero."""
+    momentum.mul_(decay)
+    if grad is not None:
+        momentum.add_(encode(grad, layout), alpha=lr)
+
+
+def select(momentum: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest-magnitude coefficients of each block: (positions (nblocks, k) int64, values)."""
+    idx = momentum.abs().topk(k, dim=1, sorted=False).indices
+    return idx, momentum.gather(1, idx)
+
+
+def feedback(momentum: torch.Tensor, idx: torch.Tensor, sent: torch.Tensor) -> None:
+    """Error feedback: subtract exactly what receivers will decode; the rest stays as the residual."""
+    momentum.scatter_add_(1, idx, -sent)
+
+
+def average(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Coefficients of all ranks (world, nblocks, k) -> dense (nblocks, bsize).
+
+    Each coefficient is the mean over the ranks that selected it; coefficients nobody selected are zero.
+    """
+    world, nblocks, k = idx.shape
+    idx = idx.permute(1, 0, 2).reshape(nblocks, world * k)
+    values = values.permute(1, 0, 2).reshape(nblocks, world * k)
+    total = values.new_zeros(nblocks, layout.bsize).scatter_add_(1, idx, values)
+    if world == 1:
+        return total
+    count = values.new_zeros(nblocks, layout.bsize).scatter_add_(1, idx, torch.ones_like(values))
+    return total / count.clamp_min_(1.0)
+
+
+def apply_update(param: torch.Tensor, coeffs: torch.Tensor, layout: BlockLayout, lr: float,
+                 weight_decay: float, sign_update: bool) -> None:
+    """Decoupled weight decay, then ``param -= lr * sign(IDCT(coeffs))`` (or the unsigned update)."""
+    if weight_decay:
+        param.mul_(1.0 - lr * weight_decay)
+    update = decode(coeffs, layout)
+    if sign_update:
+        update = update.sign_()
+    param.add_(update.to(param.dtype), alpha=-lr)
