@@ -67,13 +67,17 @@ class CommStats:
                 setattr(self, k, type(getattr(self, k))(v))
 
 
+# torch >= 2.11 renamed all_gather_into_tensor to all_gather_single (same arguments)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_bytes(buf: torch.Tensor, group, world: int, stats: CommStats) -> torch.Tensor:
     """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
     if world == 1:
         return buf.view(1, -1)
     out = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
     t0 = time.perf_counter()
-    dist.all_gather_into_tensor(out, buf, group=group)
+    _ALL_GATHER(out, buf, group=group)
     stats.record(buf.numel(), buf.numel() * (world - 1), time.perf_counter() - t0)
     return out.view(world, -1)
 

@@ -1,0 +1,66 @@
+"""Blocking, padding and the orthonormal DCT-II."""
+import pytest
+import torch
+
+from hf_demo.blocks import dct_matrix, decode, encode, from_blocks, plan, to_blocks
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 29, 64, 256])
+def test_dct_is_orthonormal(n):
+    d = dct_matrix(n).double()
+    torch.testing.assert_close(d @ d.T, torch.eye(n, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_dct_matches_the_cosine_formula():
+    d = dct_matrix(8).double()
+    import math
+    for k in range(8):
+        for i in range(8):
+            a = math.sqrt(1 / 8) if k == 0 else math.sqrt(2 / 8)
+            assert abs(d[k, i].item() - a * math.cos(math.pi * (2 * i + 1) * k / 16)) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (64,), (100,), (128, 64), (130, 70), (3, 1000),
+                                   (8, 4, 3, 3), (50257, 8)])
+def test_round_trip(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    layout = plan(tuple(shape), 64, 32)
+    coeffs = encode(x, layout)
+    assert coeffs.shape == (layout.nblocks, layout.bsize)
+    torch.testing.assert_close(decode(coeffs, layout), x, atol=1e-5, rtol=1e-5)
+    # orthonormal: energy preserved (padding adds zeros only)
+    torch.testing.assert_close(coeffs.square().sum(), x.square().sum(), rtol=1e-4, atol=1e-4)
+
+
+def test_padding_round_trip_and_zero_fill():
+    layout = plan((130, 70), 64, 32)
+    assert layout.padded and (layout.block_rows, layout.block_cols) == (3, 2)
+    x = torch.randn(130, 70)
+    blocks = to_blocks(x, layout)
+    assert blocks.shape == (3, 2, 64, 64)
+    dense = blocks.permute(0, 2, 1, 3).reshape(192, 128)
+    assert dense[130:].abs().sum() == 0 and dense[:, 70:].abs().sum() == 0
+    torch.testing.assert_close(from_blocks(blocks, layout), x, atol=0, rtol=0)
+
+
+def test_awkward_vocab_is_padded_not_cut_into_divisors():
+    layout = plan((50257, 576), 64, 32)
+    assert (layout.b0, layout.b1) == (64, 64)          # the reference would pick 29-long blocks
+    assert layout.block_rows == 786 and layout.block_cols == 9
+
+
+def test_small_and_scalar_tensors():
+    scalar = plan((), 64, 32)
+    assert (scalar.nblocks, scalar.bsize, scalar.k) == (1, 1, 1)      # sent whole
+    vec = plan((10,), 64, 32)
+    assert (vec.b0, vec.b1, vec.k) == (1, 10, 10)                    # one block, all of it sent
+    long = plan((200,), 64, 32)
+    assert (long.b0, long.b1, long.nblocks, long.k) == (1, 64, 4, 32)
+    conv = plan((8, 4, 3, 3), 64, 32)
+    assert (conv.rows, conv.cols, conv.b0, conv.b1) == (8, 36, 8, 36)
+
+
+def test_empty_parameter_is_rejected():
+    with pytest.raises(ValueError, match="empty parameter"):
+        plan((0, 5), 64, 32)

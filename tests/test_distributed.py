@@ -1,0 +1,194 @@
+"""hf_demo.DeMo on real gloo process groups: agreement across ranks and clear errors on every rank."""
+import io
+import os
+import time
+
+import pytest
+import torch
+
+import hf_demo
+from dist_utils import RankError, expect_ok, run_ranks
+from models import loss_and_backward, tiny_mlp
+
+
+def _make(model, **kw):
+    return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
+
+
+def _hundred_steps(rank, world, fmt):
+    model = tiny_mlp()
+    opt = _make(model, value_format=fmt)
+    losses = []
+    for step in range(100):
+        losses.append(loss_and_backward(model, rank, step % 10))
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    return ([p.detach().clone() for p in model.parameters()], grads,
+            [s["momentum"].clone() for s in opt.state.values()], losses, opt.comm_stats.as_dict())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["bf16", "sign"])
+def test_ranks_end_bitwise_identical(world, fmt):
+    results = expect_ok(run_ranks(_hundred_steps, world, fmt))
+    params0, grads0, momenta0, losses0, stats0 = results[0]
+    for params, grads, momenta, losses, stats in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params0, params))           # bitwise identical
+        assert not all(torch.equal(a, b) for a, b in zip(grads0, grads))         # from different data
+        assert not all(torch.equal(a, b) for a, b in zip(momenta0, momenta))     # each rank its own momentum
+    assert sum(losses0[-10:]) < sum(losses0[:10])
+    # two collectives a step, bytes counted from the buffers handed to torch.distributed
+    assert stats0["collectives"] == 2 and stats0["total_collectives"] == 200
+    assert stats0["bytes_received"] == (world - 1) * stats0["bytes_sent"]
+    assert 0 < stats0["ratio_to_dense"] < 1
+
+
+def _missing_grad_on_one_rank(rank, world):
+    model = tiny_mlp()
+    opt = _make(model)
+    for step in range(10):
+        loss_and_backward(model, rank, step)
+        if rank == 1:
+            model[2].weight.grad = None   # e.g. a branch this rank's batch never used
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_missing_gradient_on_one_rank_keeps_ranks_in_sync():
+    results = expect_ok(run_ranks(_missing_grad_on_one_rank, 2))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _expect_error_everywhere(results, type_name, match, started):
+    assert time.monotonic() - started < 60, "the error took too long to surface"
+    for rank, r in enumerate(results):
+        assert isinstance(r, RankError), f"rank {rank} did not raise, returned {r!r}"
+        assert r.type == type_name, r.traceback
+        assert match in r.message, r.message
+
+
+def _mismatch(rank, world, what):
+    hidden = 32 if (what != "layout" or rank == 0) else 40
+    model = tiny_mlp(hidden=hidden)
+    opt = _make(model, lr=3e-3 if (what != "settings" or rank == 0) else 1e-3)
+    loss_and_backward(model, rank, 0)
+    if what == "step":
+        opt.step()
+        if rank == 1:
+            opt.steps -= 1            # as if rank 1 resumed from an older checkpoint
+        loss_and_backward(model, rank, 1)
+    opt.step()
+    return "no error"
+
+
+@pytest.mark.parametrize("what,match", [("layout", "different parameter layout"),
+                                        ("settings", "different optimizer settings"),
+                                        ("step", "optimizer step")])
+def test_mismatch_across_ranks_raises_on_every_rank(what, match):
+    started = time.monotonic()
+    _expect_error_everywhere(run_ranks(_mismatch, 2, what), "DeMoSyncError", match, started)
+
+
+def _corrupt_payload(rank, world, what):
+    from hf_demo import codec
+    model = tiny_mlp()
+    opt = _make(model, value_format="fp32")
+    if rank == world - 1:
+        if what == "index":
+            real = codec.pack_indices
+            codec.pack_indices = lambda idx: real(torch.full_like(idx, 65535))
+        else:
+            real = codec.quantize
+            def nan_values(values, fmt):
+                sent, wire = real(values, fmt)
+                return sent, torch.full_like(sent, float("nan")).view(torch.uint8).reshape(-1)
+            codec.quantize = nan_values
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_and_backward(model, rank, 0)
+    try:
+        opt.step()
+    finally:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert unchanged, "parameters changed before the bad payload was detected"
+    return "no error"
+
+
+@pytest.mark.parametrize("what,match", [("index", "out-of-range indices"), ("nan", "NaN/Inf coefficients")])
+def test_corrupted_payload_raises_on_every_rank(what, match):
+    started = time.monotonic()
+    results = run_ranks(_corrupt_payload, 4, what)
+    _expect_error_everywhere(results, "DeMoSyncError", match, started)
+    assert "rank(s) [3]" in results[0].message
+
+
+def _nan_gradient(rank, world, policy):
+    model = tiny_mlp()
+    opt = _make(model, nonfinite=policy)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    momenta = [s["momentum"].clone() for s in opt.state.values()]
+    loss_and_backward(model, rank, 1)
+    if rank == 1:
+        model[0].weight.grad[0, 0] = float("nan")
+    opt.step()
+    return ([torch.equal(a, b) for a, b in zip(before, model.parameters())],
+            [torch.equal(a, s["momentum"]) for a, s in zip(momenta, opt.state.values())],
+            opt.steps, opt.skipped_steps)
+
+
+def test_nonfinite_gradient_skips_the_step_on_every_rank():
+    for params_same, momenta_same, steps, skipped in expect_ok(run_ranks(_nan_gradient, 2, "skip")):
+        assert all(params_same) and all(momenta_same)
+        assert (steps, skipped) == (2, 1)
+
+
+def test_nonfinite_gradient_raises_on_every_rank_with_policy_raise():
+    started = time.monotonic()
+    _expect_error_everywhere(run_ranks(_nan_gradient, 2, "raise"), "DeMoNonFiniteError", "rank(s) [1]", started)
+
+
+def _save_state(rank, world, folder):
+    model = tiny_mlp()
+    opt = _make(model)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pt"))   # no collective inside
+    return opt.state_dict()["demo"]
+
+
+def _load_state(rank, world, folder):
+    model = tiny_mlp()
+    opt = _make(model)
+    opt.load_state_dict(torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True))
+    return "no error"
+
+
+def test_resume_on_a_different_world_size_is_detected(tmp_path):
+    meta = expect_ok(run_ranks(_save_state, 2, str(tmp_path)))
+    assert [(m["rank"], m["world_size"]) for m in meta] == [(0, 2), (1, 2)]
+    started = time.monotonic()
+    _expect_error_everywhere(run_ranks(_load_state, 4, str(tmp_path)), "DeMoStateError",
+                             "saved with 2 process(es) but this run has 4", started)
+    # a single process (torch.distributed not initialised) is caught at its first step
+    model = tiny_mlp()
+    opt = _make(model)
+    opt.load_state_dict(torch.load(tmp_path / "rank0.pt", weights_only=True))
+    loss_and_backward(model, 0, 0)
+    with pytest.raises(hf_demo.DeMoStateError, match="saved with 2 process"):
+        opt.step()
+
+
+def _state_dict_on_rank0_only(rank, world):
+    model = tiny_mlp()
+    opt = _make(model)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    if rank == 0:
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)     # would hang if state_dict() called a collective
+    return "ok"
+
+
+def test_state_dict_calls_no_collective():
+    assert expect_ok(run_ranks(_state_dict_on_rank0_only, 2, timeout=60)) == ["ok", "ok"]

@@ -1,0 +1,183 @@
+"""Single-process behaviour of hf_demo.DeMo: invariants, formats, dtypes, state, validation."""
+import io
+
+import pytest
+import torch
+
+import hf_demo
+from hf_demo import codec, functional as F
+from hf_demo.blocks import encode, plan
+from models import loss_and_backward, tiny_mlp
+
+
+@pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
+def test_momentum_equals_residual_plus_sent(fmt):
+    torch.manual_seed(0)
+    layout = plan((128, 96), 64, 32)
+    momentum = torch.randn(layout.nblocks, layout.bsize)
+    before = momentum.clone()
+    idx, values = F.select(momentum, layout.k)
+    assert torch.equal(values.abs().min(1).values >= momentum.abs().kthvalue(layout.bsize - layout.k, 1).values,
+                       torch.ones(layout.nblocks, dtype=torch.bool))
+    sent, _ = codec.quantize(values, fmt)
+    F.feedback(momentum, idx, sent)
+    dense_sent = torch.zeros_like(momentum).scatter_(1, idx, sent)
+    if fmt == "sign":  # scale*sign is not exactly subtractable in fp32: within one rounding
+        torch.testing.assert_close(momentum + dense_sent, before, atol=1e-6, rtol=0)
+    else:             # v - round(v) is exact in fp32
+        assert torch.equal(momentum + dense_sent, before)
+    if fmt == "fp32":
+        assert torch.equal(momentum.gather(1, idx), torch.zeros_like(values))
+
+
+def test_average_is_the_mean_over_ranks_that_selected():
+    layout = plan((4,), 64, 2)
+    idx = torch.tensor([[[0, 1]], [[1, 2]]])             # 2 ranks, 1 block, k=2
+    values = torch.tensor([[[1.0, 2.0]], [[4.0, 8.0]]])
+    assert torch.equal(F.average(idx, values, layout), torch.tensor([[1.0, 3.0, 8.0, 0.0]]))
+
+
+def test_optimizer_momentum_is_dct_of_decayed_gradients():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = hf_demo.DeMo([p], lr=0.1, compression_decay=0.5, value_format="fp32")
+    g = torch.randn(64, 64)
+    p.grad = g.clone()
+    opt.step()
+    layout = plan((64, 64), 64, 32)
+    expected = 0.1 * encode(g, layout)
+    idx, _ = F.select(expected.clone(), 32)
+    expected.scatter_(1, idx, 0.0)                        # what was sent left the momentum
+    torch.testing.assert_close(opt.state[p]["momentum"], expected, atol=1e-6, rtol=0)
+
+
+def test_bf16_parameters_keep_fp32_momentum_and_real_decay():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    opt = hf_demo.DeMo([p], lr=1e-3, compression_decay=0.999, value_format="fp32")
+    p.grad = torch.randn(64, 64).to(torch.bfloat16)
+    opt.step()
+    m1 = opt.state[p]["momentum"].clone()
+    assert m1.dtype == torch.float32
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    m2 = opt.state[p]["momentum"]
+    untouched = m2 != 0
+    assert untouched.sum() > 3000
+    # the decay really happened in fp32 (in bf16, 0.999*x rounds back to x for most x)
+    assert torch.equal(m2[untouched], (m1 * 0.999)[untouched])
+
+
+def _train(fmt, steps=80, lr=1e-2):
+    model = tiny_mlp(hidden=64)
+    opt = hf_demo.DeMo(model.parameters(), lr=lr, compression_topk=8, compression_chunk=16, value_format=fmt)
+    losses = []
+    for step in range(steps):
+        losses.append(loss_and_backward(model, 0, step % 4))
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
+def test_every_value_format_trains(fmt):
+    losses = _train(fmt)
+    assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4
+
+
+def _snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], [s["momentum"].clone() for s in opt.state.values()]
+
+
+def test_resume_is_bitwise_exact_through_weights_only_load():
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8)
+    for step in range(5):
+        loss_and_backward(model, 0, step)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    for step in range(5, 10):
+        loss_and_backward(model, 0, step)
+        opt.step()
+    straight = _snapshot(model, opt)
+
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model2 = tiny_mlp(seed=123)
+    model2.load_state_dict(ckpt["model"])
+    opt2 = hf_demo.DeMo(model2.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8)
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.steps == 5
+    for step in range(5, 10):
+        loss_and_backward(model2, 0, step)
+        opt2.step()
+    resumed = _snapshot(model2, opt2)
+    for a, b in zip(straight[0] + straight[1], resumed[0] + resumed[1]):
+        assert torch.equal(a, b)
+    assert opt2.steps == opt.steps == 10
+
+
+def test_momentum_stays_fp32_after_loading_into_bf16_parameters():
+    p = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    opt = hf_demo.DeMo([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    opt2 = hf_demo.DeMo([p], lr=1e-3)
+    opt2.load_state_dict(sd)
+    assert opt2.state[p]["momentum"].dtype == torch.float32
+    assert torch.equal(opt2.state[p]["momentum"], opt.state[p]["momentum"])
+
+
+def test_loading_a_state_for_another_layout_fails_clearly():
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = hf_demo.DeMo([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    other = hf_demo.DeMo([torch.nn.Parameter(torch.randn(32, 128))], lr=1e-3)   # same size, other shape
+    with pytest.raises(hf_demo.DeMoStateError, match="saved momentum of parameter 0"):
+        other.load_state_dict(opt.state_dict())
+    with pytest.raises(hf_demo.DeMoStateError, match="not saved by hf_demo"):
+        other.load_state_dict(torch.optim.SGD([p], lr=1).state_dict())
+
+
+def test_missing_grad_counts_as_zero_and_scalar_parameters_work():
+    a = torch.nn.Parameter(torch.tensor(1.5))
+    b = torch.nn.Parameter(torch.randn(3))
+    opt = hf_demo.DeMo([a, b], lr=0.1)
+    a.grad = torch.tensor(2.0)
+    opt.step()
+    assert a.item() == pytest.approx(1.4)       # sign update of the whole (sent) scalar
+    assert torch.equal(opt.state[b]["momentum"], torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(compression_decay=1.5), "compression_decay"),
+    (dict(compression_chunk=0), "compression_chunk"),
+    (dict(compression_chunk=300), "compression_chunk"),
+    (dict(compression_chunk=2.5), "compression_chunk"),
+    (dict(compression_topk=0), "compression_topk"),
+    (dict(compression_topk=65, compression_chunk=8), "compression_topk"),
+    (dict(value_format="int4"), "value_format"),
+    (dict(nonfinite="ignore"), "nonfinite"),
+    (dict(sign_update="yes"), "sign_update"),
+])
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hf_demo.DeMo([torch.nn.Parameter(torch.ones(3))], **{"lr": 1e-3, **kwargs})
+
+
+def test_nonfinite_gradient_single_process():
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    before = p.detach().clone()
+    opt = hf_demo.DeMo([p], lr=1e-2)
+    p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    assert torch.equal(p.detach(), before) and opt.skipped_steps == 1 and opt.steps == 1
+    assert "momentum" not in opt.state[p]
+    strict = hf_demo.DeMo([p], lr=1e-2, nonfinite="raise")
+    p.grad = torch.full_like(p, float("inf"))
+    with pytest.raises(hf_demo.DeMoNonFiniteError, match="rank"):
+        strict.step()
