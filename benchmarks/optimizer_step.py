@@ -88,17 +88,23 @@ def peer_missing() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------- counting traffic
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "_all_gather_base", "all_reduce", "reduce",
-                "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "all_to_all",
-                "all_to_all_single", "gather", "scatter", "send", "isend", "recv", "irecv", "barrier",
-                "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-# where the tensor this rank contributes sits: (positional index, keyword); a list is summed
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+                "all_gather_coalesced", "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "broadcast",
+                "all_to_all", "all_to_all_single", "gather", "scatter", "send", "isend", "recv", "irecv",
+                "batch_isend_irecv", "barrier", "monitored_barrier", "all_gather_object",
+                "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
+                "recv_object_list")
+# where the tensor(s) this rank contributes sit: (positional index, keyword); a list is summed
 _INPUT_ARG = {"all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-              "_all_gather_base": (1, "input_tensor"), "all_reduce": (0, "tensor"), "reduce": (0, "tensor"),
+              "all_gather_single": (1, "input_tensor"), "_all_gather_base": (1, "input_tensor"),
+              "all_gather_coalesced": (1, "input_tensor_list"), "all_reduce": (0, "tensor"),
+              "all_reduce_coalesced": (0, "tensors"), "reduce": (0, "tensor"),
               "reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
-              "_reduce_scatter_base": (1, "input"), "broadcast": (0, "tensor"),
-              "all_to_all": (1, "input_tensor_list"), "all_to_all_single": (1, "input"), "gather": (0, "tensor"),
-              "scatter": (1, "scatter_list"), "send": (0, "tensor"), "isend": (0, "tensor")}
+              "reduce_scatter_single": (1, "input"), "_reduce_scatter_base": (1, "input"),
+              "broadcast": (0, "tensor"), "all_to_all": (1, "input_tensor_list"),
+              "all_to_all_single": (1, "input"), "gather": (0, "tensor"), "scatter": (1, "scatter_list"),
+              "send": (0, "tensor"), "isend": (0, "tensor")}
 
 
 def _nbytes(x) -> int:
@@ -112,10 +118,11 @@ def _nbytes(x) -> int:
 class CollectiveCounter:
     """While active, counts every torch.distributed collective and the bytes this rank hands to it.
 
-    Patches the functions in ``torch.distributed``, ``torch.distributed.distributed_c10d`` and in every
-    loaded module of the given packages that imported them by name (``from torch.distributed import
-    all_gather``, as pytorch_optimizer does). Calls nested inside a counted call are not counted again.
-    Objects (``*_object``) are counted as collectives with 0 bytes.
+    Patches the functions in ``torch.distributed`` and ``torch.distributed.distributed_c10d``, and every
+    global of a loaded module of the given packages that holds one of them under any name (``from
+    torch.distributed import all_gather`` as pytorch_optimizer does, or an alias such as ``_ALL_GATHER =
+    dist.all_gather_single``). Calls nested inside a counted call are not counted again. Objects
+    (``*_object*``) and point-to-point batches are counted as collectives with 0 bytes.
     """
 
     def __init__(self, packages: tuple[str, ...] = ()):
@@ -155,13 +162,15 @@ class CollectiveCounter:
         modules = [dist, sys.modules.get("torch.distributed.distributed_c10d")]
         modules += [m for n, m in list(sys.modules.items())
                     if m is not None and any(n == p or n.startswith(p + ".") for p in self.packages)]
+        by_id = {id(fn): name for name, fn in originals.items()}
         for mod in modules:
             if mod is None:
                 continue
-            for name, fn in originals.items():
-                if getattr(mod, name, None) is fn:
-                    self._patched.append((mod, name, fn))
-                    setattr(mod, name, wrappers[name])
+            for attr, value in list(vars(mod).items()):
+                name = by_id.get(id(value))
+                if name is not None and value is originals[name]:
+                    self._patched.append((mod, attr, value))
+                    setattr(mod, attr, wrappers[name])
         return self
 
     def __exit__(self, *exc):
@@ -241,8 +250,8 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
         params = [p for p in model.parameters() if p.requires_grad]
         n_params = sum(p.numel() for p in params)
         grads = fixed_grads(params, rank)
-        for p in params:
-            p.grad = torch.empty_like(p)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()  # resident before the baseline is taken
         opt = make_optimizer(name, params, args)
         counter = CollectiveCounter(packages=("hf_demo", "pytorch_optimizer"))
         gc.collect()
@@ -287,6 +296,35 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
         dist.destroy_process_group()
 
 
+class OtherCpu:
+    """How many cores processes other than this one and its children kept busy since construction."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.ours0 = time.perf_counter(), self._machine_busy(), self._ours()
+
+    @staticmethod
+    def _machine_busy() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours() -> float:
+        import resource
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def others_cores(self) -> float | None:
+        busy = self._machine_busy()
+        if busy is None or self.busy0 is None:
+            return None
+        return max(0.0, (busy - self.busy0) - (self._ours() - self.ours0)) / (time.perf_counter() - self.t0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -324,9 +362,16 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.0f}"
 
 
-def print_report(summaries: dict[str, dict], skipped: dict[str, str], args) -> None:
+def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load: dict) -> None:
     any_s = next(iter(summaries.values()), None)
     print()
+    known = [x for x in load.values() if x is not None]
+    if known:
+        print("CPU used by other processes while each world ran (cores, average): "
+              + ", ".join(f"{n} {x:.2f}" for n, x in load.items() if x is not None)
+              + (f"  -- WARNING: the machine ({os.cpu_count()} CPUs) was not idle; other processes competed "
+                 "with the ranks and the times are noisy. Compare the 'fastest steps' ratios too, or rerun "
+                 "on an idle machine." if max(known) > 0.2 else ""))
     if any_s:
         print(f"## Optimizer step, Llama/SmolLM2-135M shapes, {args.layers} layers "
               f"({any_s['n_params'] / 1e6:.1f}M parameters), {args.world_size} gloo rank(s) on CPU, "
@@ -361,11 +406,14 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args) -> N
         if s is None:
             continue
         if peer:
-            lines.append(f"- {OPTIMIZERS[name]} / peer: step time {s['median'] / peer['median']:.3f}x, "
+            lines.append(f"- {OPTIMIZERS[name]} / peer: step time {s['median'] / peer['median']:.3f}x "
+                         f"(fastest steps: {s['min'] / peer['min']:.3f}x), "
                          f"bytes sent {s['sent'] / peer['sent']:.3f}x")
         if "adamw" in summaries:
-            lines.append(f"- {OPTIMIZERS[name]} / AdamW: step time {s['median'] / summaries['adamw']['median']:.3f}x"
-                         f", bytes sent vs a DDP fp32 all-reduce {s['sent'] / s['dense_bytes']:.4f}x")
+            adamw = summaries["adamw"]
+            lines.append(f"- {OPTIMIZERS[name]} / AdamW: step time {s['median'] / adamw['median']:.3f}x "
+                         f"(fastest steps: {s['min'] / adamw['min']:.3f}x), "
+                         f"bytes sent vs a DDP fp32 all-reduce {s['sent'] / s['dense_bytes']:.4f}x")
     if lines:
         print("Ratios (step time: median of the per-step slowest rank):")
         print("\n".join(lines))
@@ -422,8 +470,8 @@ def profile(name: str, args) -> None:
     model = build_model(args.layers)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = fixed_grads(params, 0)
-    for p in params:
-        p.grad = torch.empty_like(p)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
     opt = make_optimizer(name, params, args)
 
     def refill():
@@ -500,17 +548,19 @@ def main(argv=None) -> int:
         profile(args.profile, args)
         return 0
 
-    summaries = {}
+    summaries, load = {}, {}
     t_all = time.perf_counter()
     for name in names:
         if name in skipped:
             continue
         t0 = time.perf_counter()
         print(f"[{name}] {args.world_size} rank(s), {args.layers} layers ...", file=sys.stderr, flush=True)
+        cpu0 = OtherCpu()
         summaries[name] = summarise(run_world(name, args))
+        load[name] = cpu0.others_cores()
         print(f"[{name}] done in {time.perf_counter() - t0:.0f}s: step {summaries[name]['median']:.3f}s",
               file=sys.stderr, flush=True)
-    print_report(summaries, skipped, args)
+    print_report(summaries, skipped, args, load)
     print(f"\n(total wall time {time.perf_counter() - t_all:.0f}s)")
     return 0
 

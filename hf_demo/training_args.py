@@ -1,0 +1,58 @@
+"""``DeMoTrainingArguments``: TrainingArguments that also accept ``--optim demo`` and DeMo's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from .settings import SETTINGS, parse_optim_args
+
+DEMO = "demo"
+
+
+@dataclass
+class DeMoTrainingArguments(TrainingArguments):
+    """TrainingArguments plus DeMo. ``--optim demo`` selects DeMo; every built-in ``--optim`` still works.
+
+    DeMo's settings come from the ``demo_*`` fields below or from HF's own ``--optim_args
+    "compression_topk=16,value_format=sign"`` (keys without the ``demo_`` prefix); ``--optim_args`` wins.
+    """
+
+    optim: str = field(
+        default=TrainingArguments.__dataclass_fields__["optim"].default,  # Trainer's own default
+        metadata={"help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
+                          f"({', '.join(o.value for o in OptimizerNames)})."},
+    )
+    demo_compression_decay: float = field(default=SETTINGS["compression_decay"][1],
+                                          metadata={"help": "DeMo: " + SETTINGS["compression_decay"][2]})
+    demo_compression_topk: int = field(default=SETTINGS["compression_topk"][1],
+                                       metadata={"help": "DeMo: " + SETTINGS["compression_topk"][2]})
+    demo_compression_chunk: int = field(default=SETTINGS["compression_chunk"][1],
+                                        metadata={"help": "DeMo: " + SETTINGS["compression_chunk"][2]})
+    demo_value_format: str = field(default=SETTINGS["value_format"][1],
+                                   metadata={"help": "DeMo: " + SETTINGS["value_format"][2],
+                                             "choices": ["bf16", "fp32", "sign"]})
+    demo_sign_update: bool = field(default=SETTINGS["sign_update"][1],
+                                   metadata={"help": "DeMo: " + SETTINGS["sign_update"][2]})
+    demo_nonfinite: str = field(default=SETTINGS["nonfinite"][1],
+                                metadata={"help": "DeMo: " + SETTINGS["nonfinite"][2], "choices": ["skip", "raise"]})
+
+    def __post_init__(self):
+        wants_demo = str(getattr(self.optim, "value", self.optim)) == DEMO
+        if wants_demo:
+            self.optim = OptimizerNames.ADAMW_TORCH  # let TrainingArguments validate everything else
+        super().__post_init__()
+        if wants_demo:
+            self.optim = DEMO
+            self.demo_settings()  # unknown or malformed --optim_args fail here, at start-up
+
+    @property
+    def uses_demo(self) -> bool:
+        return self.optim == DEMO
+
+    def demo_settings(self) -> dict:
+        """DeMo keyword arguments (besides lr and weight decay) from the fields and ``--optim_args``."""
+        settings = {key: getattr(self, f"demo_{key}") for key in SETTINGS}
+        settings.update(parse_optim_args(self.optim_args))
+        return settings

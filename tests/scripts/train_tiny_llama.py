@@ -1,0 +1,92 @@
+"""A plain Trainer script on a tiny random Llama, switchable to DeMoTrainer by two names (--trainer demo).
+
+Each rank writes <record_dir>/rank<r>.pt: world size, parameter checksums, the first step's gradient
+checksum, the log history. Used by tests/test_trainer.py through `accelerate launch`.
+"""
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import hf_demo
+
+
+@dataclass
+class ScriptArgs:
+    trainer: str = field(default="demo", metadata={"help": "demo (DeMoTrainer) or plain (Trainer)"})
+    record_dir: str = field(default="")
+    stop_at_step: int = field(default=0)
+    samples: int = field(default=256)
+    seq: int = field(default=64)
+    gradient_checkpointing_on: bool = field(default=False)
+
+
+def stdlib_blocks(n: int, seq: int) -> Dataset:
+    text = b"".join(p.read_bytes() for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("a*.py")))
+    ids = list(text[: n * seq])
+    blocks = [ids[i * seq:(i + 1) * seq] for i in range(n)]
+    return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, script):
+        self.script, self.first_grad, self.trainer = script, None, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.first_grad is None:
+            self.first_grad = digest(p.grad for p in self.trainer.model.parameters() if p.grad is not None)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.script.stop_at_step and state.global_step >= self.script.stop_at_step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def main():
+    parser = HfArgumentParser((ScriptArgs, hf_demo.DeMoTrainingArguments))
+    script, args = parser.parse_args_into_dataclasses()
+    TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
+    if script.trainer != "demo":   # a plain script: plain TrainingArguments
+        args = TrainingArguments(**{k: v for k, v in vars(args).items() if not k.startswith("demo_")
+                                    and k in TrainingArguments.__dataclass_fields__
+                                    and TrainingArguments.__dataclass_fields__[k].init})
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=script.seq)
+    model = LlamaForCausalLM(config)
+    if script.gradient_checkpointing_on:
+        args.gradient_checkpointing = True
+    recorder = Recorder(script)
+    trainer = TrainerClass(model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq),
+                           callbacks=[recorder])
+    recorder.trainer = trainer
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if script.record_dir:
+        os.makedirs(script.record_dir, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.save({
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "params": digest(trainer.model.parameters()),
+            "first_grad": recorder.first_grad,
+            "log_history": trainer.state.log_history,
+            "global_step": trainer.state.global_step,
+            "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+        }, os.path.join(script.record_dir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""DeMoTrainer for real: 2 processes through `accelerate launch --config_file accelerate_configs/...`."""
+import pytest
+import torch
+
+from launch_utils import ROOT, accelerate_launch, load_records
+
+SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
+COMMON = ["--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--max_steps", "20",
+          "--logging_steps", "5", "--save_steps", "10", "--seed", "1", "--disable_tqdm", "true",
+          "--report_to", "none", "--use_cpu", "true"]
+
+
+def _train(tmp, name, *extra, num_processes=2, check=True):
+    return accelerate_launch(SCRIPT, "--output_dir", tmp / name / "out", "--record_dir", tmp / name / "rec",
+                             *COMMON, *extra, num_processes=num_processes, check=check)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    _train(tmp, "straight", "--optim", "demo", "--report_to", "tensorboard")
+    return tmp, load_records(tmp / "straight" / "rec", 2)
+
+
+def test_demo_trains_keeps_ranks_identical_and_local_gradients(straight):
+    _, (r0, r1) = straight
+    assert r0["optimizer"] == "DeMo" and r0["global_step"] == 20
+    assert r0["params"] == r1["params"]                 # bitwise identical parameters on every rank
+    assert r0["first_grad"] != r1["first_grad"]         # DDP did not average the gradients
+    losses = [row["loss"] for row in r0["log_history"] if "loss" in row]
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_communication_metrics_reach_tensorboard(straight):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tmp, (r0, _) = straight
+    events = list((tmp / "straight" / "out" / "runs").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for name in ["bytes_sent_per_step", "bytes_received_per_step", "total_bytes_sent", "total_bytes_received",
+                 "ratio_to_dense", "comm_seconds_per_step", "total_comm_seconds"]:
+        assert f"train/demo/{name}" in tags, sorted(tags)
+    ratio = acc.Scalars("train/demo/ratio_to_dense")[-1].value
+    sent = acc.Scalars("train/demo/bytes_sent_per_step")[-1].value
+    assert 0 < ratio < 0.05 and sent > 0
+
+
+def test_resume_is_bitwise_exact(straight):
+    tmp, (r0, _) = straight
+    _train(tmp, "half", "--optim", "demo", "--stop_at_step", "10")
+    assert (tmp / "half" / "out" / "checkpoint-10" / "optimizer.rank1.pt").is_file()
+    _train(tmp, "resumed", "--optim", "demo", "--resume_from_checkpoint", tmp / "half" / "out" / "checkpoint-10")
+    resumed = load_records(tmp / "resumed" / "rec", 2)
+    assert resumed[0]["global_step"] == 20
+    assert resumed[0]["params"] == resumed[1]["params"] == r0["params"]
+
+
+def test_resume_with_another_number_of_processes_fails_clearly(straight):
+    tmp, _ = straight
+    ckpt = tmp / "straight" / "out" / "checkpoint-10"
+    proc = _train(tmp, "one", "--optim", "demo", "--resume_from_checkpoint", ckpt, num_processes=1, check=False)
+    assert proc.returncode != 0
+    assert "DeMoStateError" in proc.stdout and "saved with 2 process(es) but this run has 1" in proc.stdout
+
+
+def test_adamw_under_demo_trainer_is_plain_trainer(tmp_path):
+    _train(tmp_path, "adamw_demo", "--optim", "adamw_torch", "--trainer", "demo")
+    _train(tmp_path, "adamw_plain", "--optim", "adamw_torch", "--trainer", "plain")
+    a = load_records(tmp_path / "adamw_demo" / "rec", 2)
+    b = load_records(tmp_path / "adamw_plain" / "rec", 2)
+    assert a[0]["optimizer"] == b[0]["optimizer"] == "AdamW"
+    assert a[0]["first_grad"] == a[1]["first_grad"]          # DDP averaged the gradients as usual
+    assert a[0]["params"] == b[0]["params"] == a[1]["params"]
+
+
+def test_gradient_accumulation_bf16_checkpointing_and_clipping(tmp_path):
+    _train(tmp_path, "mix", "--optim", "demo", "--gradient_accumulation_steps", "2", "--bf16", "true",
+           "--gradient_checkpointing_on", "true", "--max_grad_norm", "0.5", "--max_steps", "12")
+    r0, r1 = load_records(tmp_path / "mix" / "rec", 2)
+    assert r0["params"] == r1["params"] and r0["first_grad"] != r1["first_grad"]
+    losses = [row["loss"] for row in r0["log_history"] if "loss" in row]
+    assert all(l == l for l in losses) and losses[-1] < losses[0]
+
+
+def test_custom_accelerate_loop_with_prepare(tmp_path):
+    accelerate_launch(ROOT / "tests" / "scripts" / "accelerate_loop.py", tmp_path / "rankRANK.pt")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["params"] == r1["params"] and r0["grad0"] != r1["grad0"]
+    assert sum(r0["losses"][-5:]) < sum(r0["losses"][:5])
