@@ -49,6 +49,26 @@ class DeMoTrainer(Trainer):
             return isinstance(cls, type) and issubclass(cls, DeMo)
         return str(self.args.optim) == "demo"
 
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """Trainer's accelerator arguments, plus the DDP comm hook of ``--ddp_comm_hook`` (baselines)."""
+        args = super()._build_accelerator_args(**kwargs)
+        hook = getattr(self.args, "ddp_comm_hook", "no")
+        if hook != "no":
+            from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+            state = {}
+            if "power_sgd" in hook:
+                state = {"matrix_approximation_rank": self.args.powersgd_rank,
+                         "start_powerSGD_iter": self.args.powersgd_start_iter}
+            handlers = []
+            for h in args.get("kwargs_handlers", []):
+                if isinstance(h, DistributedDataParallelKwargs):
+                    h.comm_hook = DDPCommunicationHookType(hook)
+                    h.comm_state_option = state
+                handlers.append(h)
+            args["kwargs_handlers"] = handlers
+        return args
+
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None and str(self.args.optim) == "demo":

@@ -38,6 +38,14 @@ class DeMoTrainingArguments(TrainingArguments):
     demo_nonfinite: str = field(default=SETTINGS["nonfinite"][1],
                                 metadata={"help": "DeMo: " + SETTINGS["nonfinite"][2], "choices": ["skip", "raise"]})
 
+    ddp_comm_hook: str = field(default="no", metadata={
+        "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
+                "batched_power_sgd (Accelerate's DDPCommunicationHookType).",
+        "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"]})
+    powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})
+    powersgd_start_iter: int = field(default=2, metadata={
+        "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."})
+
     def __post_init__(self):
         wants_demo = str(getattr(self.optim, "value", self.optim)) == DEMO
         if wants_demo:
@@ -46,6 +54,9 @@ class DeMoTrainingArguments(TrainingArguments):
         if wants_demo:
             self.optim = DEMO
             self.demo_settings()  # unknown or malformed --optim_args fail here, at start-up
+            if self.ddp_comm_hook != "no":
+                raise ValueError(f"--ddp_comm_hook {self.ddp_comm_hook} compresses DDP's gradient all-reduce; "
+                                 "with --optim demo there is none (DeMo moves the momentum): drop it")
 
     @property
     def uses_demo(self) -> bool:
