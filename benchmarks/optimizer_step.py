@@ -259,7 +259,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
 
         exact_peak = reset_peak_rss()
         rss0 = rss_bytes()
-        times, sent, colls, comm_s, reported = [], [], [], [], []
+        times, cpu, sent, colls, comm_s, reported = [], [], [], [], [], []
         for step in range(args.warmup + args.steps):
             with torch.no_grad():
                 for p, g in zip(params, grads):
@@ -267,12 +267,13 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
             dist.barrier()
             counter.reset()
             with counter:
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 opt.step()
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
             if step < args.warmup:
                 continue
             times.append(t1 - t0)
+            cpu.append(c1 - c0)
             sent.append(counter.bytes_sent)
             colls.append(counter.collectives)
             stats = getattr(opt, "comm_stats", None)
@@ -283,7 +284,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
                 reported.append((opt.data_transmit, None))
         peak = peak_rss_bytes()
         result = dict(
-            name=name, rank=rank, n_params=n_params, times=times, sent=sent, collectives=colls,
+            name=name, rank=rank, n_params=n_params, times=times, cpu=cpu, sent=sent, collectives=colls,
             comm_seconds=comm_s, reported=reported, state_bytes=state_bytes(opt), rss_before=rss0,
             peak_delta=peak - rss0, exact_peak=exact_peak, by_name=dict(counter.by_name),
             dense_bytes=4 * n_params,
@@ -348,6 +349,7 @@ def summarise(per_rank: list[dict]) -> dict:
         name=r0["name"], n_params=r0["n_params"], dense_bytes=r0["dense_bytes"],
         median=statistics.median(step_max), min=min(step_max), max=max(step_max),
         median_rank0=statistics.median(r0["times"]),
+        cpu=statistics.median([max(r["cpu"][i] for r in per_rank) for i in range(len(r0["cpu"]))]),
         comm=statistics.median(r0["comm_seconds"]) if r0["comm_seconds"] else None,
         state=max(r["state_bytes"] for r in per_rank), peak=max(r["peak_delta"] for r in per_rank),
         exact_peak=all(r["exact_peak"] for r in per_rank),
@@ -378,12 +380,12 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
               f"{args.threads} thread(s)/rank, median of {args.steps} steps after {args.warmup} warm-up, "
               f"chunk {args.chunk}, top-k {args.topk}, torch {torch.__version__}")
     print()
-    print("| optimizer | step s (median) | step s (min / max) | in collectives s | state MiB | peak RSS Δ MiB "
-          "| bytes sent/step | bytes/param/step | collectives/step | sent / dense fp32 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| optimizer | step s (median) | step s (min / max) | CPU s/step | in collectives s | state MiB "
+          "| peak RSS Δ MiB | bytes sent/step | bytes/param/step | collectives/step | sent / dense fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, label in OPTIMIZERS.items():
         if name in skipped:
-            print(f"| {label} | not run: {skipped[name]} | | | | | | | | |")
+            print(f"| {label} | not run: {skipped[name]} | | | | | | | | | |")
             continue
         if name not in summaries:
             continue
@@ -395,7 +397,8 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
         else:
             sent, bpp, ratio = f"{s['sent']:,.0f}", f"{s['bpp']:.4f}", f"{s['sent'] / s['dense_bytes']:.4f}"
         peak = _mib(s["peak"]) + ("" if s["exact_peak"] else " (≥)")
-        print(f"| {label} | {s['median']:.3f} | {s['min']:.3f} / {s['max']:.3f} | {comm} | {_mib(s['state'])} "
+        print(f"| {label} | {s['median']:.3f} | {s['min']:.3f} / {s['max']:.3f} | {s['cpu']:.3f} | {comm} "
+              f"| {_mib(s['state'])} "
               f"| {peak} | {sent} | {bpp} | {s['collectives']:g} | {ratio} |")
 
     print()
@@ -407,12 +410,12 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
             continue
         if peer:
             lines.append(f"- {OPTIMIZERS[name]} / peer: step time {s['median'] / peer['median']:.3f}x "
-                         f"(fastest steps: {s['min'] / peer['min']:.3f}x), "
+                         f"(fastest steps: {s['min'] / peer['min']:.3f}x, CPU time: {s['cpu'] / peer['cpu']:.3f}x), "
                          f"bytes sent {s['sent'] / peer['sent']:.3f}x")
         if "adamw" in summaries:
             adamw = summaries["adamw"]
             lines.append(f"- {OPTIMIZERS[name]} / AdamW: step time {s['median'] / adamw['median']:.3f}x "
-                         f"(fastest steps: {s['min'] / adamw['min']:.3f}x), "
+                         f"(fastest steps: {s['min'] / adamw['min']:.3f}x, CPU time: {s['cpu'] / adamw['cpu']:.3f}x), "
                          f"bytes sent vs a DDP fp32 all-reduce {s['sent'] / s['dense_bytes']:.4f}x")
     if lines:
         print("Ratios (step time: median of the per-step slowest rank):")
@@ -436,7 +439,8 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
             r = s["median"] / peer["median"]
             verdict = "PASS" if r <= TARGET_TIME_VS_PEER else "FAIL"
             print(f"{verdict}  {OPTIMIZERS[name]}: step time {s['median']:.3f}s = {r:.3f}x peer's "
-                  f"{peer['median']:.3f}s <= {TARGET_TIME_VS_PEER}x")
+                  f"{peer['median']:.3f}s <= {TARGET_TIME_VS_PEER}x   (CPU time: {s['cpu'] / peer['cpu']:.3f}x, "
+                  f"fastest steps: {s['min'] / peer['min']:.3f}x)")
     print()
 
     print("Cross-checks of the byte counts:")
@@ -452,7 +456,9 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
     print()
     print("Measured: step time = wall time of opt.step() alone (grads are copied in before, outside the "
           "timer; a barrier lines the ranks up before each step), per step the slowest rank, median over "
-          "steps. 'in collectives' = hf_demo's comm_stats.seconds on rank 0 (waiting for the other rank "
+          "steps. CPU s/step = process CPU time (all threads, gloo's included) spent in opt.step(), per step the "
+          "busiest rank, median: much less sensitive than wall time to other processes on the machine. "
+          "'in collectives' = hf_demo's comm_stats.seconds on rank 0 (waiting for the other rank "
           "included). state = bytes of the tensors in opt.state (max over ranks). peak RSS Δ = the process's "
           "peak resident set (VmHWM, reset just before the first step via /proc/self/clear_refs) minus its "
           "resident set then, max over ranks: optimizer state plus the step's transient buffers ('≥' where "

@@ -101,6 +101,13 @@ def load_model_and_tokenizer(model_name_or_path: str | None, gguf_file: str | No
     except (OSError, ValueError) as exc:
         where = "a local folder" if os.path.isdir(model_name_or_path) else "not a local folder, nor on the hub"
         raise ValueError(f"could not load model {model_name_or_path!r} ({where}): {exc}") from exc
+    if gguf_file:
+        # transformers de-quantizes GGUF weights to ordinary fp32 tensors but still marks the model quantized,
+        # which Trainer refuses to fine-tune: the weights are plain, so drop the marks.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -95,11 +95,12 @@ def main(argv=None):
 
     model_args, data_args, args = parse(sys.argv[1:] if argv is None else argv)
     set_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args.gguf_file)
-    with args.main_process_first(desc="dataset"):
+    with args.main_process_first(desc="dataset"):   # data errors first: they are the cheap ones to find
         raw, text_column = load_raw(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
                                     data_args.validation_file, data_args.text_column,
                                     data_args.validation_split_percentage, args.seed)
+    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args.gguf_file)
+    with args.main_process_first(desc="tokenising"):
         blocks = tokenize_and_pack(raw, tokenizer, text_column, data_args.block_size,
                                    data_args.preprocessing_num_workers)
     train, evaluation = blocks["train"], blocks["validation"]
@@ -124,6 +125,7 @@ def main(argv=None):
         "data": data_args.dataset_name or data_args.train_file or "python stdlib sources",
         "optim": str(args.optim), "world_size": args.world_size,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "param_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad],
         "train_blocks": len(train), "eval_blocks": len(evaluation), "global_step": trainer.state.global_step,
         "before": {"perplexity": before["eval_before_perplexity"],
                    "next_token_accuracy": before["eval_before_next_token_accuracy"],

