@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo quickstart bench
+.PHONY: setup test demo quickstart bench compare
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
@@ -12,7 +12,19 @@ test: setup
 quickstart: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 examples/quickstart.py
 
-demo: quickstart
+# The main job: a 2-process DeMo fine-tune of SmolLM2-135M on the Python stdlib sources (a few minutes).
+DEMO_OUT ?= outputs/smollm2-demo
+DEMO_ARGS ?= --max_steps 20 --per_device_train_batch_size 2 --block_size 128 --learning_rate 1e-4 \
+	--max_eval_samples 16 --logging_steps 5 --save_strategy no --report_to tensorboard
+demo: setup
+	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU-$$(nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo 1)} \
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE-1} OMP_NUM_THREADS=1 \
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_multiprocess.yaml \
+	recipes/run_clm.py --output_dir $(DEMO_OUT) --use_cpu $$(nvidia-smi -L >/dev/null 2>&1 && echo false || echo true) $(DEMO_ARGS)
+
+compare: setup
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE-1} $(PY) recipes/compare.py --output_dir outputs/compare --steps 20 --eval_steps 5 -- \
+	--per_device_train_batch_size 2 --block_size 128 --max_eval_samples 16
 
 bench: setup
 	$(PY) -m pip install -q pytorch-optimizer

@@ -47,13 +47,16 @@ def load_raw(dataset_name=None, dataset_config_name=None, train_file=None, valid
             text_column = "text"
     else:  # offline default: one document per stdlib source file, split by file
         raw = load_dataset("text", data_files={"train": stdlib_files()}, sample_by="document")
-    if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
-        raw = DatasetDict(train=split["train"], validation=split["test"])
     for split, ds in raw.items():
         if text_column not in ds.column_names:
             raise ValueError(f"--text_column {text_column!r} is not a column of the {split} data; "
                              f"its columns are {ds.column_names}")
+    if "validation" not in raw:
+        if len(raw["train"]) < 2:
+            raise ValueError(f"the training data has {len(raw['train'])} document(s): too few to hold out a "
+                             "validation split; pass --validation_file")
+        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        raw = DatasetDict(train=split["train"], validation=split["test"])
     return raw, text_column
 
 
