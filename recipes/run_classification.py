@@ -11,6 +11,9 @@ are left out: 3,000 positive, 3,817 negative; shuffled with a fixed seed and spl
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/cpu_multiprocess.yaml \\
         recipes/run_classification.py --output_dir out/cls --max_steps 30 --use_cpu true
 
+The recipe's learning rate defaults to 3e-4 (Trainer's 5e-5 learns little in a short run): with
+``--max_steps 30`` on 2 CPU processes, accuracy on the held-out VADER words goes 0.48 -> 0.90.
+
 ``--optim demo`` is the default (DeMo: each rank keeps its own momentum and only compressed DCT
 coefficients cross the wire); every Trainer argument works, e.g. ``--optim adamw_torch`` for the baseline,
 ``--report_to tensorboard`` (events in <output_dir>/runs), ``--resume_from_checkpoint``.
@@ -351,9 +354,11 @@ def parse_args(argv: list[str] | None = None):
         import yaml  # noqa: PLC0415 - only for config files
         config = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
         config.setdefault("optim", "demo")
+        config.setdefault("learning_rate", 3e-4)
         return parser.parse_dict(config)
-    # recipe defaults: DeMo, short logging interval (DeMo's figures reach the logs), a bigger batch
-    parser.set_defaults(optim="demo", output_dir="outputs/classification", logging_steps=10,
+    # recipe defaults: DeMo, a learning rate that suits short fine-tunes (0.48 -> 0.90 accuracy in 30 steps),
+    # short logging interval (DeMo's figures reach the logs), a bigger batch
+    parser.set_defaults(optim="demo", learning_rate=3e-4, output_dir="outputs/classification", logging_steps=10,
                         per_device_train_batch_size=32, per_device_eval_batch_size=64)
     return parser.parse_args_into_dataclasses(args=argv)
 
@@ -421,6 +426,11 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path, config=config, cache_dir=model_args.cache_dir,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes)
+    # One label per example and a mean loss per micro-batch. Sequence classifiers such as BERT take **kwargs in
+    # forward but ignore num_items_in_batch; Trainer (transformers 5) would then take the loss as already divided
+    # by the global label count and multiply it by the world size (2x loss and gradients on 2 processes) and skip
+    # the division by gradient_accumulation_steps. False: Trainer averages the usual way.
+    model.accepts_loss_kwargs = False
 
     trainer = hf_demo.DeMoTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
@@ -462,9 +472,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[run_classification] after training ({trainer.state.global_step} steps, {train_seconds:.1f} s): "
               f"accuracy {after['accuracy']:.4f}  f1 ({f1_average}) {after['f1']:.4f}", flush=True)
         if "demo/total_bytes_sent" in results:
+            dense = results.get("demo/dense_allreduce_bytes_per_step", 0.0) / 1e6
             print(f"[run_classification] DeMo sent {results['demo/total_bytes_sent'] / 1e6:.2f} MB per rank in "
-                  f"total (dense all-reduce would move {results.get('demo/dense_allreduce_bytes_per_step', 0) / 1e6:.2f}"
-                  f" MB per step)", flush=True)
+                  f"total (a dense all-reduce would move {dense:.2f} MB per step)", flush=True)
         print(f"[run_classification] results: {out}", flush=True)
     return results
 

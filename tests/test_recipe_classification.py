@@ -69,6 +69,9 @@ def test_two_process_demo_run_writes_metrics_before_and_after(smoke):
     for when in ("before", "after"):
         assert 0.0 <= results[when]["accuracy"] <= 1.0 and 0.0 <= results[when]["f1"] <= 1.0, results[when]
     assert "before training: accuracy" in stdout and "after training" in stdout
+    # a per-example mean near ln 2, not the world-size multiple Trainer would log for a model whose forward
+    # takes **kwargs but ignores num_items_in_batch (the recipe sets model.accepts_loss_kwargs = False)
+    assert results["train_loss"] < 1.0
 
 
 def test_two_process_run_logged_demo_communication(smoke):

@@ -1,0 +1,238 @@
+"""An emulated cluster on one Linux machine: network namespaces, a switch, and rate-limited links.
+
+Topology (a star, as nodes in a rack behind one switch)::
+
+    <prefix>-n0 [eth0 198.18.0.1/24] --veth-- [p0] \
+    <prefix>-n1 [eth0 198.18.0.2/24] --veth-- [p1]  +- br0  in namespace <prefix>-sw
+    ...                                            /
+
+Every node is its own network namespace; its only interface is ``eth0``, one end of a veth pair whose other
+end ``p<i>`` is a port of the bridge ``br0`` in a separate "switch" namespace. Nothing is created in the
+host's namespace, and no address outside 198.18.0.0/24 (RFC 2544 benchmarking range) is ever used.
+
+The link of every node is limited in both directions with a token bucket (``tc qdisc ... tbf`` by default,
+or ``htb``): egress of ``eth0`` (the node's upload) and egress of ``p<i>`` (its download). So a node has an
+R-bit/s NIC, as a machine with an R-bit/s port on a switch.
+
+This kernel has no ``netem``: there is no way to add delay or loss in the network. Benchmarks that want
+latency add it in the application (see ``wan_worker.py --delay-ms``).
+
+Cleanup: :class:`Cluster` is a context manager; ``close()`` kills the processes it started (by their pid /
+process group, nothing else), deletes the qdiscs and then the namespaces (which takes the veths and the
+bridge with them). :func:`install_signal_handlers` turns SIGINT/SIGTERM/SIGHUP into exceptions so the
+``finally`` runs on interruption too.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+SUBNET = "198.18.0"  # /24 inside 198.18.0.0/15, the benchmarking range
+DEFAULT_PREFIX = "demowan"
+
+
+class NetnsUnavailable(RuntimeError):
+    """Raised when the machine cannot run the emulation (not root, no ``ip``/``tc``, no netns)."""
+
+
+def check_available() -> None:
+    """Raise :class:`NetnsUnavailable` with the reason when namespaces and qdiscs cannot be used here."""
+    if not sys.platform.startswith("linux"):
+        raise NetnsUnavailable(f"network namespaces need Linux (this is {sys.platform})")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise NetnsUnavailable(f"missing tool(s): {', '.join(missing)} (install iproute2)")
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("creating network namespaces and qdiscs needs root (run as root or with sudo)")
+    name = f"{DEFAULT_PREFIX}-probe{os.getpid()}"
+    try:
+        _run(["ip", "netns", "add", name])
+    except subprocess.CalledProcessError as e:
+        raise NetnsUnavailable(f"'ip netns add' failed: {e.stderr.strip() if e.stderr else e}") from None
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def _ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", "netns", "exec", ns, *cmd], check=check)
+
+
+def parse_rate(rate: str) -> float:
+    """'100mbit' -> 1e8 bit/s (tc's units: kbit, mbit, gbit; 'k'/'m'/'g' alone too)."""
+    r = rate.strip().lower()
+    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0), ("g", 1e9), ("m", 1e6),
+                         ("k", 1e3)):
+        if r.endswith(suffix):
+            return float(r[: -len(suffix)]) * mult
+    return float(r)
+
+
+def shaping_args(rate: str, kind: str = "tbf") -> list[list[str]]:
+    """The tc commands (without 'tc qdisc add dev X') for a rate limit."""
+    bps = parse_rate(rate)
+    # veth carries GSO super-packets up to 64 KiB, so the bucket must hold at least that; beyond it, about
+    # 4 ms worth of traffic (HZ=250), as tc's documentation asks for at high rates.
+    burst = max(256 * 1024, int(bps / 8 / 250))
+    if kind == "tbf":
+        return [["root", "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]]
+    if kind == "htb":
+        return [["root", "handle", "1:", "htb", "default", "10"],
+                ["parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate, "burst", str(burst),
+                 "cburst", str(burst)]]
+    raise ValueError(f"unknown shaper {kind!r} (tbf or htb)")
+
+
+class Cluster:
+    """``n`` namespaces on a bridge, each link limited to ``rate`` (None: unlimited veth)."""
+
+    def __init__(self, n: int, rate: str | None, shaper: str = "tbf", prefix: str | None = None):
+        if not 1 <= n <= 250:
+            raise ValueError("1..250 nodes")
+        self.n, self.rate, self.shaper = n, rate, shaper
+        self.prefix = prefix or f"{DEFAULT_PREFIX}{os.getpid()}"
+        self.switch = f"{self.prefix}-sw"
+        self.nodes = [f"{self.prefix}-n{i}" for i in range(n)]
+        self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.ifname = "eth0"
+        self._created: list[str] = []
+        self._qdiscs: list[tuple[str, str]] = []   # (namespace, device)
+        self._procs: list[subprocess.Popen] = []
+
+    # ------------------------------------------------------------------ setup / teardown
+    def __enter__(self) -> "Cluster":
+        try:
+            self.setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def setup(self) -> None:
+        for ns in [self.switch, *self.nodes]:
+            _run(["ip", "netns", "add", ns])
+            self._created.append(ns)
+            _ns(ns, "ip", "link", "set", "lo", "up")
+        _ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        _ns(self.switch, "ip", "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(zip(self.nodes, self.addrs)):
+            port = f"p{i}"
+            _ns(self.switch, "ip", "link", "add", port, "type", "veth", "peer", "name", self.ifname, "netns", ns)
+            _ns(self.switch, "ip", "link", "set", port, "master", "br0")
+            _ns(self.switch, "ip", "link", "set", port, "up")
+            _ns(ns, "ip", "addr", "add", f"{addr}/24", "dev", self.ifname)
+            _ns(ns, "ip", "link", "set", self.ifname, "up")
+            if self.rate:
+                for where, dev in ((ns, self.ifname), (self.switch, port)):
+                    self._qdiscs.append((where, dev))
+                    for args in shaping_args(self.rate, self.shaper):
+                        verb = "add" if args[0] == "root" else None
+                        if verb:
+                            _ns(where, "tc", "qdisc", "add", "dev", dev, *args)
+                        else:
+                            _ns(where, "tc", "class", "add", "dev", dev, *args)
+        self._wait_reachable()
+
+    def _wait_reachable(self, timeout: float = 15.0) -> None:
+        """Wait until every node's eth0 is up and every bridge port is forwarding (brport state 3)."""
+        deadline = time.time() + timeout
+        for i, ns in enumerate(self.nodes):
+            while True:
+                link = _ns(ns, "cat", f"/sys/class/net/{self.ifname}/operstate", check=False).stdout.strip()
+                port = _ns(self.switch, "cat", f"/sys/class/net/p{i}/brport/state", check=False).stdout.strip()
+                if link == "up" and port == "3":
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"{ns}: {self.ifname} is {link!r}, bridge port p{i} state {port!r}")
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in self._procs:
+            kill_tree(p)
+        self._procs.clear()
+        for ns, dev in reversed(self._qdiscs):
+            _ns(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        self._qdiscs.clear()
+        for ns in reversed(self._created):
+            _run(["ip", "netns", "del", ns], check=False)
+        self._created.clear()
+
+    # ------------------------------------------------------------------ running things in a node
+    def popen(self, i: int, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        """Start ``cmd`` in node ``i`` (own process group, so it can be killed with its children)."""
+        full_env = dict(os.environ if env is None else env)
+        full_env["GLOO_SOCKET_IFNAME"] = self.ifname
+        p = subprocess.Popen(["ip", "netns", "exec", self.nodes[i], *cmd], env=full_env,
+                             start_new_session=True, **kw)
+        self._procs.append(p)
+        return p
+
+    def forget(self, p: subprocess.Popen) -> None:
+        if p in self._procs:
+            self._procs.remove(p)
+
+    def counters(self, i: int) -> tuple[int, int]:
+        """(tx_bytes, rx_bytes) of node i's eth0."""
+        out = _ns(self.nodes[i], "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes",
+                  f"/sys/class/net/{self.ifname}/statistics/rx_bytes").stdout.split()
+        return int(out[0]), int(out[1])
+
+    def qdisc_report(self) -> str:
+        lines = []
+        for ns, dev in self._qdiscs:
+            lines.append(f"{ns} {dev}: " + _ns(ns, "tc", "qdisc", "show", "dev", dev, check=False).stdout.strip())
+        return "\n".join(lines)
+
+
+def kill_tree(p: subprocess.Popen, grace: float = 3.0) -> None:
+    """Terminate the process group this module started for ``p`` (and only that one)."""
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
+    return [line.split()[0] for line in out if line.strip() and line.split()[0].startswith(prefix)]
+
+
+def remove_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Delete namespaces left behind by a killed (SIGKILL) run of this script; returns their names."""
+    names = list_namespaces(prefix)
+    for ns in names:
+        _run(["ip", "netns", "del", ns], check=False)
+    return names
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def install_signal_handlers() -> None:
+    """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`, so every ``finally`` (the cleanup) runs."""
+    def handler(signum, frame):
+        raise Interrupted(f"interrupted by signal {signum}")
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handler)

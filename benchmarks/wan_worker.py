@@ -1,0 +1,264 @@
+"""One rank of the emulated multi-node training job (started by ``wan.py`` through ``torchrun``).
+
+The job: a byte-level ``LlamaForCausalLM`` (vocab 256, random init from a fixed seed) trained on the Python
+standard library's own ``.py`` sources (``sysconfig.get_paths()["stdlib"]``, without site-packages and test
+directories, files in sorted order). The last ``--heldout`` fraction of the bytes is the held-out set; the
+rest is cut into ``world`` contiguous shards, and rank r draws its training windows only from shard r, at
+offsets from a generator seeded with (seed, rank): every method sees exactly the same data in the same order.
+
+Methods (``--method``):
+
+- ``demo-bf16``  ``hf_demo.DeMo`` (defaults: chunk 64, top-k 32, bf16 values); no DDP wrapper: initial
+  weights are broadcast from rank 0 once, each rank back-propagates its own loss, DeMo exchanges.
+- ``demo-sign``  the same with ``value_format="sign"``.
+- ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
+- ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps).
+
+What is measured (rank 0 writes one JSON): per training step the wall time of forward + backward + step
+(ranks lined up by a barrier only before the first step and after each evaluation; evaluation time is
+excluded from the clock), the training loss, and the bytes that crossed this node's interface
+(``/sys/class/net/$GLOO_SOCKET_IFNAME/statistics``, read just before and after each step: wire bytes, TCP/IP
+headers included) for every rank; every ``--eval-every`` steps the held-out loss (computed by rank 0 only;
+the models are identical on all ranks for all four methods). For DeMo also ``opt.comm_stats``.
+
+``--delay-ms D`` emulates latency in the application, since this kernel has no netem: before each collective
+the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before an
+all-gather (DeMo) and ``2(W-1)·D`` before an all-reduce (DDP: through its Python all-reduce hook; PowerSGD
+does three all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with
+anything, which is pessimistic for DDP (whose all-reduces normally overlap the backward pass).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+METHODS = ("demo-bf16", "demo-sign", "adamw", "powersgd")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--out", required=True, help="JSON written by rank 0")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of --batch-size windows")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--lr", type=float, default=None,
+                   help="default: 2e-3 for AdamW/PowerSGD, 1e-3 for DeMo (its sign step is absolute)")
+    p.add_argument("--warmup", type=int, default=5, help="linear learning-rate warmup steps")
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout", type=float, default=0.02)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="emulated one-way latency per ring hop")
+    p.add_argument("--timeout-min", type=float, default=60.0)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ data
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def load_corpus() -> torch.Tensor:
+    data = b"".join(f.read_bytes() + b"\n" for f in stdlib_files())
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class Data:
+    def __init__(self, corpus: torch.Tensor, rank: int, world: int, seq_len: int, batch: int, seed: int,
+                 heldout: float, eval_batches: int):
+        n = corpus.numel()
+        cut = int(n * (1 - heldout))
+        shard = cut // world
+        self.train = corpus[rank * shard: (rank + 1) * shard]
+        held = corpus[cut:]
+        self.seq_len, self.batch = seq_len, batch
+        self.gen = torch.Generator().manual_seed(seed * 1000003 + rank)
+        n_eval = eval_batches * batch
+        starts = torch.linspace(0, held.numel() - seq_len - 1, n_eval).long()
+        windows = torch.stack([held[s: s + seq_len] for s in starts.tolist()]).long()
+        self.eval = windows.split(batch)
+        self.sizes = dict(corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut,
+                          eval_windows=n_eval)
+
+    def next_batch(self) -> torch.Tensor:
+        starts = torch.randint(0, self.train.numel() - self.seq_len, (self.batch,), generator=self.gen)
+        return torch.stack([self.train[s: s + self.seq_len] for s in starts.tolist()]).long()
+
+
+# ------------------------------------------------------------------ helpers
+def wire_counters() -> tuple[int, int]:
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return 0, 0
+    base = Path(f"/sys/class/net/{ifname}/statistics")
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return 0, 0
+
+
+def install_delay(ms: float, world: int) -> None:
+    """Sleep before each collective (see the module docstring). Patches attributes at run time only."""
+    if ms <= 0 or world == 1:
+        return
+    import hf_demo.comm as hcomm
+
+    ag, ar = hcomm._ALL_GATHER, dist.all_reduce
+
+    def delayed_all_gather(*a, **k):
+        time.sleep(ms / 1000 * (world - 1))
+        return ag(*a, **k)
+
+    def delayed_all_reduce(*a, **k):
+        time.sleep(ms / 1000 * 2 * (world - 1))
+        return ar(*a, **k)
+
+    hcomm._ALL_GATHER = delayed_all_gather
+    dist.all_reduce = delayed_all_reduce
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+@torch.no_grad()
+def evaluate(model, batches) -> float:
+    model.eval()
+    losses = [float(model(input_ids=b, labels=b).loss) for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+# ------------------------------------------------------------------ main
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=args.timeout_min))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    install_delay(args.delay_ms, world)
+
+    data = Data(load_corpus(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout,
+                args.eval_batches)
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():          # identical start on every rank (same seed anyway)
+        dist.broadcast(p.data, 0)
+
+    is_demo = args.method.startswith("demo")
+    lr = args.lr if args.lr is not None else (1e-3 if is_demo else 2e-3)
+    if is_demo:
+        from hf_demo import DeMo
+
+        net = model
+        opt = DeMo(model.parameters(), lr=lr, compression_topk=args.topk, compression_chunk=args.chunk,
+                   value_format="sign" if args.method == "demo-sign" else "bf16")
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model)
+        if args.method == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                     start_powerSGD_iter=2)
+            net.register_comm_hook(state, ps.powerSGD_hook)
+        elif args.delay_ms > 0:   # the Python all-reduce hook, so the delay wrapper sees the all-reduces
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            net.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_at(step):  # step counts from 0
+        return lr * min(1.0, (step + 1) / max(1, args.warmup))
+
+    steps, evals = [], []
+    train_time = 0.0
+    wire_tx = wire_rx = 0
+
+    def do_eval(step):
+        if rank == 0:
+            evals.append(dict(step=step, train_time=train_time, loss=evaluate(model, data.eval)))
+            print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}",
+                  flush=True)
+        dist.barrier()
+
+    do_eval(0)
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        batch = data.next_batch()
+        tx0, rx0 = wire_counters()
+        t0 = time.perf_counter()
+        loss = net(input_ids=batch, labels=batch).loss
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        tx1, rx1 = wire_counters()
+        train_time += t2 - t0
+        wire_tx += tx1 - tx0
+        wire_rx += rx1 - rx0
+        rec = dict(step=step + 1, time=t2 - t0, fwd_bwd=t1 - t0, opt_step=t2 - t1, loss=float(loss.detach()),
+                   tx=tx1 - tx0, rx=rx1 - rx0)
+        if is_demo:
+            cs = opt.comm_stats
+            rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds)
+        steps.append(rec)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            do_eval(step + 1)
+
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time,
+                                          steps=steps))
+    if rank == 0:
+        extra = {}
+        if is_demo:
+            extra = dict(demo_dense_bytes=opt.comm_stats.dense_bytes,
+                         demo_ratio_to_dense=opt.comm_stats.ratio_to_dense,
+                         demo_total=opt.comm_stats.as_dict())
+        out = dict(method=args.method, world=world, n_params=n_params, lr=lr, args=vars(args), data=data.sizes,
+                   evals=evals, ranks=per_rank, torch=torch.__version__, **extra)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        med = sorted(r["time"] for r in steps)[len(steps) // 2]
+        print(f"[{args.method}] done: {n_params / 1e6:.2f}M params, median step {med:.3f}s, "
+              f"final eval {evals[-1]['loss']:.4f}, wire tx/rx per step {wire_tx / len(steps) / 1e6:.3f}/"
+              f"{wire_rx / len(steps) / 1e6:.3f} MB", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
