@@ -180,12 +180,22 @@ def summarize(rec: dict, target: float) -> dict:
     nsteps = len(ranks[0]["steps"])
     # a step ends when the slowest rank is done; the ranks are in lockstep, so take the per-step max
     step_times = [max(r["steps"][i]["time"] for r in ranks) for i in range(nsteps)]
-    tx = sum(r["wire_tx"] for r in ranks) / len(ranks) / nsteps
-    rx = sum(r["wire_rx"] for r in ranks) / len(ranks) / nsteps
-    hit = next((e for e in rec["evals"] if e["loss"] <= target), None)
+    # bytes per step: mean over ranks, median over steps (PowerSGD's first 2 steps are plain all-reduces)
+    tx = median([sum(r["steps"][i]["tx"] for r in ranks) / len(ranks) for i in range(nsteps)])
+    rx = median([sum(r["steps"][i]["rx"] for r in ranks) / len(ranks) for i in range(nsteps)])
+    ev = rec["evals"]
+    hit = next((e for e in ev if e["loss"] <= target), None)
+    interp = None   # step and training time at the target, linear between the two evaluations around it
+    for a, b in zip(ev, ev[1:]):
+        if a["loss"] > target >= b["loss"]:
+            f = (a["loss"] - target) / (a["loss"] - b["loss"])
+            interp = (a["step"] + f * (b["step"] - a["step"]),
+                      a["train_time"] + f * (b["train_time"] - a["train_time"]))
+            break
     s = dict(step_s=median(step_times), train_s=rec["evals"][-1]["train_time"], final_loss=rec["evals"][-1]["loss"],
              tx_per_step=tx, rx_per_step=rx, n_params=rec["n_params"],
-             t_target=hit["train_time"] if hit else None, step_target=hit["step"] if hit else None)
+             t_target=hit["train_time"] if hit else None, step_target=hit["step"] if hit else None,
+             step_target_interp=interp[0] if interp else None, t_target_interp=interp[1] if interp else None)
     if "demo_total" in rec:
         st = [r["steps"] for r in ranks]
         s["app_sent"] = median([x["app_sent"] for x in st[0]])
@@ -201,7 +211,7 @@ def fmt_bytes(b):
 
 
 def ratio(a, b):
-    return f"{a / b:.2f}×" if a is not None and b else "n/a"
+    return f"{a / b:.3g}×" if a is not None and b else "n/a"
 
 
 def report(args) -> None:
@@ -220,32 +230,35 @@ def report(args) -> None:
               f"{a['intermediate']}, {any_rec['n_params'] / 1e6:.2f}M parameters; {a['batch_size']} windows × "
               f"{a['seq_len']} bytes per rank per step; {a['steps']} steps, eval every {a['eval_every']} "
               f"steps on {any_rec['data']['eval_windows']} held-out windows; {a['threads']} torch thread(s) per "
-              f"rank; target eval loss {runs[0]['target_loss']}.", "",
+              f"rank; target eval loss {args.target_loss}.", "",
               "Columns: **step s** median wall time of one training step (forward+backward+optimizer, slowest "
               "rank); **to target** training wall time (evaluation excluded) until the first evaluation at or "
-              "below the target loss, with that step; **final** held-out loss after the last step; **sent / "
+              "below the target loss, with that step; **interp.** the same, linearly interpolated between the two "
+              "evaluations around the target; **final** held-out loss after the last step; **sent / "
               "received per step** bytes on the node's interface per rank per step (wire bytes: TCP/IP "
               "headers and gloo framing included); DeMo's own payload count (`comm_stats.bytes_sent`) in "
               "brackets.", ""]
-    plot_items = []
+    plot_items, summary = [], {}
     for nodes, rate, delay in configs:
         recs = {r["method"]: r for r in runs if (r["nodes"], r["rate"], r.get("delay_ms", 0.0)) == (nodes, rate, delay)}
-        target = next(iter(recs.values()))["target_loss"]
+        target = args.target_loss
         sums = {m: summarize(r, target) for m, r in recs.items()}
         title = f"{nodes} nodes, {rate or 'unlimited'} per link" + (f", +{delay:g} ms/hop (app-level)" if delay else "")
         lines += [f"## {title}", "",
-                  "| method | step s | to target s (step) | final eval loss | sent / step | received / step |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| method | step s | to target s (step) | interp. s (step) | final eval loss | sent / step "
+                  "| received / step |", "|---|---:|---:|---:|---:|---:|---:|"]
         for m in METHODS:
             if m not in sums:
                 continue
             s = sums[m]
             if s.get("failed"):
-                lines.append(f"| {LABELS[m]} | failed: {s['failed']} | | | | |")
+                lines.append(f"| {LABELS[m]} | failed: {s['failed']} | | | | | |")
                 continue
             tt = f"{s['t_target']:.1f} ({s['step_target']})" if s["t_target"] is not None else "not reached"
             app = f" [{fmt_bytes(s['app_sent'])}]" if "app_sent" in s else ""
-            lines.append(f"| {LABELS[m]} | {s['step_s']:.3f} | {tt} | {s['final_loss']:.4f} | "
+            ti = (f"{s['t_target_interp']:.1f} ({s['step_target_interp']:.1f})" if s["t_target_interp"] is not None
+                  else "n/a")
+            lines.append(f"| {LABELS[m]} | {s['step_s']:.3f} | {tt} | {ti} | {s['final_loss']:.4f} | "
                          f"{fmt_bytes(s['tx_per_step'])}{app} | {fmt_bytes(s['rx_per_step'])} |")
         lines += ["", "| ratio | step time | time to target | bytes sent / step |", "|---|---:|---:|---:|"]
         for d in ("demo-bf16", "demo-sign"):
@@ -257,7 +270,9 @@ def report(args) -> None:
                                  f"{ratio(sd['tx_per_step'], sb['tx_per_step'])} |")
         lines.append("")
         plot_items.append((title, recs, target))
+        summary[title] = sums
     (out_dir / "wan.md").write_text("\n".join(lines))
+    (out_dir / "wan_summary.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
     plot(plot_items, out_dir / "wan_eval_loss.png")
 

@@ -44,8 +44,11 @@ def average(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tor
     total = values.new_zeros(nblocks, layout.bsize).scatter_add_(1, idx, values)
     if world == 1:
         return total
-    count = values.new_zeros(nblocks, layout.bsize).scatter_add_(1, idx, torch.ones_like(values))
-    return total / count.clamp_min_(1.0)
+    # divide only where something was selected: a small count dtype and no pass over the dense block
+    count_dtype = torch.uint8 if world < 256 else torch.int32
+    count = torch.zeros(nblocks, layout.bsize, dtype=count_dtype, device=values.device)
+    count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=count_dtype, device=values.device))
+    return total.scatter_(1, idx, total.gather(1, idx) / count.gather(1, idx).to(values.dtype))
 
 
 def apply_update(param: torch.Tensor, coeffs: torch.Tensor, layout: BlockLayout, lr: float,
