@@ -203,6 +203,7 @@ def summarize(rec: dict, target: float) -> dict:
         s["comm_s"] = median([x["comm_s"] for x in st[0]])
         s["opt_s"] = median([x["opt_step"] for x in st[0]])
     s["fwd_bwd_s"] = median([x["fwd_bwd"] for x in ranks[0]["steps"]])
+    s["opt_step_s"] = median([x["opt_step"] for x in ranks[0]["steps"]])
     return s
 
 
@@ -232,7 +233,9 @@ def report(args) -> None:
               f"steps on {any_rec['data']['eval_windows']} held-out windows; {a['threads']} torch thread(s) per "
               f"rank; target eval loss {args.target_loss}.", "",
               "Columns: **step s** median wall time of one training step (forward+backward+optimizer, slowest "
-              "rank); **to target** training wall time (evaluation excluded) until the first evaluation at or "
+              "rank); **fwd+bwd s**, **opt s** its two parts on rank 0 (medians; DDP's all-reduce happens inside "
+              "the backward pass, DeMo's exchange inside the optimizer step, its time in collectives in brackets); "
+              "**to target** training wall time (evaluation excluded) until the first evaluation at or "
               "below the target loss, with that step; **interp.** the same, linearly interpolated between the two "
               "evaluations around the target; **final** held-out loss after the last step; **sent / "
               "received per step** bytes on the node's interface per rank per step (wire bytes: TCP/IP "
@@ -245,20 +248,22 @@ def report(args) -> None:
         sums = {m: summarize(r, target) for m, r in recs.items()}
         title = f"{nodes} nodes, {rate or 'unlimited'} per link" + (f", +{delay:g} ms/hop (app-level)" if delay else "")
         lines += [f"## {title}", "",
-                  "| method | step s | to target s (step) | interp. s (step) | final eval loss | sent / step "
-                  "| received / step |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| method | step s | fwd+bwd s | opt s | to target s (step) | interp. s (step) | final eval loss "
+                  "| sent / step | received / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in METHODS:
             if m not in sums:
                 continue
             s = sums[m]
             if s.get("failed"):
-                lines.append(f"| {LABELS[m]} | failed: {s['failed']} | | | | | |")
+                lines.append(f"| {LABELS[m]} | failed: {s['failed']} | | | | | | | |")
                 continue
             tt = f"{s['t_target']:.1f} ({s['step_target']})" if s["t_target"] is not None else "not reached"
             app = f" [{fmt_bytes(s['app_sent'])}]" if "app_sent" in s else ""
             ti = (f"{s['t_target_interp']:.1f} ({s['step_target_interp']:.1f})" if s["t_target_interp"] is not None
                   else "n/a")
-            lines.append(f"| {LABELS[m]} | {s['step_s']:.3f} | {tt} | {ti} | {s['final_loss']:.4f} | "
+            comm = f" ({s['comm_s']:.3f})" if "comm_s" in s else ""
+            lines.append(f"| {LABELS[m]} | {s['step_s']:.3f} | {s['fwd_bwd_s']:.3f} | {s['opt_step_s']:.3f}{comm} | "
+                         f"{tt} | {ti} | {s['final_loss']:.4f} | "
                          f"{fmt_bytes(s['tx_per_step'])}{app} | {fmt_bytes(s['rx_per_step'])} |")
         lines += ["", "| ratio | step time | time to target | bytes sent / step |", "|---|---:|---:|---:|"]
         for d in ("demo-bf16", "demo-sign"):

@@ -12,7 +12,8 @@ Methods (``--method``):
   weights are broadcast from rank 0 once, each rank back-propagates its own loss, DeMo exchanges.
 - ``demo-sign``  the same with ``value_format="sign"``.
 - ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
-- ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps).
+- ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps), in
+  one DDP bucket (the hook's chained all-reduces can get out of order between ranks with several buckets).
 
 What is measured (rank 0 writes one JSON): per training step the wall time of forward + backward + step
 (ranks lined up by a barrier only before the first step and after each evaluation; evaluation time is
@@ -63,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket size; default DDP's own for adamw, one bucket for everything for powersgd")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout", type=float, default=0.02)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -186,7 +189,11 @@ def main(argv=None):
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model)
+        # PowerSGD's hook launches its P and Q all-reduces from future callbacks; with more than one DDP bucket
+        # on gloo their order can differ between ranks (seen with 4 ranks: "Received data size doesn't match
+        # expected size"), so PowerSGD gets one bucket holding every gradient. AdamW keeps DDP's default.
+        cap = args.bucket_cap_mb if args.bucket_cap_mb is not None else (1024 if args.method == "powersgd" else None)
+        net = DDP(model, bucket_cap_mb=cap)
         if args.method == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
@@ -230,8 +237,8 @@ def main(argv=None):
         train_time += t2 - t0
         wire_tx += tx1 - tx0
         wire_rx += rx1 - rx0
-        rec = dict(step=step + 1, time=t2 - t0, fwd_bwd=t1 - t0, opt_step=t2 - t1, loss=float(loss.detach()),
-                   tx=tx1 - tx0, rx=rx1 - rx0)
+        rec = dict(step=step + 1, time=t2 - t0, fwd_bwd=t1 - t0, opt_step=t2 - t1,
+                   loss=float(loss.detach()), tx=tx1 - tx0, rx=rx1 - rx0)
         if is_demo:
             cs = opt.comm_stats
             rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds)

@@ -1,7 +1,7 @@
 """The per-parameter math of DeMo as pure functions, in the order a gradient meets them.
 
 momentum (kept in the DCT domain) -> select top-k -> error feedback -> [pack, gather, unpack: codec/comm]
--> average over ranks -> inverse DCT -> parameter update.
+-> mean over the ranks that selected each coefficient -> inverse DCT -> parameter update.
 
 Momentum lives in the DCT domain: the transform is linear and orthonormal, so
 ``DCT(decay*m + lr*g) == decay*DCT(m) + lr*DCT(g)``, and each step needs one forward transform (of the
@@ -33,30 +33,33 @@ def feedback(momentum: torch.Tensor, idx: torch.Tensor, sent: torch.Tensor) -> N
     momentum.scatter_add_(1, idx, -sent)
 
 
-def average(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """Coefficients of all ranks (world, nblocks, k) -> dense (nblocks, bsize).
+def mean_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coefficients of all ranks (world, nblocks, k) -> per block (positions, values) of length world*k.
 
-    Each coefficient is the mean over the ranks that selected it; coefficients nobody selected are zero.
+    Each value is divided by the number of ranks that selected its position, so that summing the
+    duplicates gives the mean over the ranks that selected it (the reference's rule).
     """
     world, nblocks, k = idx.shape
     idx = idx.permute(1, 0, 2).reshape(nblocks, world * k)
     values = values.permute(1, 0, 2).reshape(nblocks, world * k)
-    total = values.new_zeros(nblocks, layout.bsize).scatter_add_(1, idx, values)
     if world == 1:
-        return total
-    # divide only where something was selected: a small count dtype and no pass over the dense block
+        return idx, values
     count_dtype = torch.uint8 if world < 256 else torch.int32
-    count = torch.zeros(nblocks, layout.bsize, dtype=count_dtype, device=values.device)
-    count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=count_dtype, device=values.device))
-    return total.scatter_(1, idx, total.gather(1, idx) / count.gather(1, idx).to(values.dtype))
+    count = torch.zeros(nblocks, layout.bsize, dtype=count_dtype, device=idx.device)
+    count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=count_dtype, device=idx.device))
+    return idx, values / count.gather(1, idx).to(values.dtype)
 
 
-def apply_update(param: torch.Tensor, coeffs: torch.Tensor, layout: BlockLayout, lr: float,
-                 weight_decay: float, sign_update: bool) -> None:
-    """Decoupled weight decay, then ``param -= lr * sign(IDCT(coeffs))`` (or the unsigned update)."""
+def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Sparse per-block coefficients -> dense (nblocks, bsize), duplicates summed."""
+    return values.new_zeros(idx.shape[0], layout.bsize).scatter_add_(1, idx, values)
+
+
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
+                 sign_update: bool) -> None:
+    """Decoupled weight decay, then ``param -= lr * sign(update)`` (or the unsigned update)."""
     if weight_decay:
         param.mul_(1.0 - lr * weight_decay)
-    update = decode(coeffs, layout)
     if sign_update:
         update = update.sign_()
     param.add_(update.to(param.dtype), alpha=-lr)

@@ -7,7 +7,8 @@ One step, top to bottom (each stage is a function in :mod:`hf_demo.functional`, 
 2. per parameter: momentum += DCT(grad) in the DCT domain, select top-k per block, quantize, error
    feedback, pack into the one payload;
 3. all-gather the payload (collective 2);
-4. unpack and validate every rank's coefficients, then per parameter: average, inverse DCT, update.
+4. unpack and validate every rank's coefficients, then per parameter: mean over the ranks that selected
+   each coefficient, inverse DCT, update.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, functional as F
-from .blocks import MAX_BLOCK_SIZE, BlockLayout, plan
+from .blocks import MAX_BLOCK_SIZE, BlockLayout, decode, plan
 from .comm import CommStats, all_gather_bytes, check_headers, nonfinite_ranks
 from .errors import DeMoNonFiniteError, DeMoStateError, DeMoSyncError
 
@@ -136,8 +137,8 @@ class DeMo(torch.optim.Optimizer):
         # 4. unpack and validate everything before touching any parameter, then average -> decode -> update
         coefficients = [self._unpack(received, i, layout, off) for i, (_, _, layout, off) in enumerate(items)]
         for (p, g, layout, _), (idx, values) in zip(items, coefficients):
-            F.apply_update(p, F.average(idx, values, layout), layout, g["lr"], g["weight_decay"],
-                           g["sign_update"])
+            update = decode(F.densify(*F.mean_weights(idx, values, layout), layout), layout)
+            F.apply_update(p, update, g["lr"], g["weight_decay"], g["sign_update"])
         self.steps += 1
         return loss
 
