@@ -44,8 +44,14 @@ def test_compare_three_methods(tiny_llama_dir, tmp_path):
 
 
 def test_real_smollm2_two_steps_two_processes(tmp_path):
+    import sysconfig
+    from pathlib import Path
     out = tmp_path / "smol"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    train = tmp_path / "train.txt"     # a few real stdlib modules: the full corpus is the main job's
+    train.write_text("".join((stdlib / name).read_text() for name in ("abc.py", "bisect.py", "colorsys.py")))
     accelerate_launch(ROOT / "recipes" / "run_clm.py", "--output_dir", out, "--max_steps", "2",
+                      "--train_file", train, "--validation_split_percentage", "20",
                       "--learning_rate", "1e-4", "--report_to", "none", "--per_device_train_batch_size", "1",
                       "--block_size", "64", "--max_train_samples", "8", "--max_eval_samples", "4",
                       "--save_strategy", "no", "--use_cpu", "true", "--disable_tqdm", "true", timeout=600)
