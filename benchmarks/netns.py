@@ -157,6 +157,10 @@ class Cluster:
                 time.sleep(0.1)
 
     def close(self) -> None:
+        with _signals_deferred():
+            self._close()
+
+    def _close(self) -> None:
         for p in self._procs:
             kill_tree(p)
         self._procs.clear()
@@ -227,6 +231,23 @@ def remove_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 class Interrupted(BaseException):
     pass
+
+
+class _signals_deferred:
+    """Hold SIGINT/SIGTERM/SIGHUP while cleaning up (a second Ctrl-C must not leave half a cluster)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        try:
+            self.old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        except (AttributeError, ValueError):
+            self.old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
 
 
 def install_signal_handlers() -> None:

@@ -265,13 +265,13 @@ def report(args) -> None:
             lines.append(f"| {LABELS[m]} | {s['step_s']:.3f} | {s['fwd_bwd_s']:.3f} | {s['opt_step_s']:.3f}{comm} | "
                          f"{tt} | {ti} | {s['final_loss']:.4f} | "
                          f"{fmt_bytes(s['tx_per_step'])}{app} | {fmt_bytes(s['rx_per_step'])} |")
-        lines += ["", "| ratio | step time | time to target | bytes sent / step |", "|---|---:|---:|---:|"]
+        lines += ["", "| ratio | step time | time to target (interp.) | bytes sent / step |", "|---|---:|---:|---:|"]
         for d in ("demo-bf16", "demo-sign"):
             for base in ("adamw", "powersgd"):
                 if d in sums and base in sums and not sums[d].get("failed") and not sums[base].get("failed"):
                     sd, sb = sums[d], sums[base]
                     lines.append(f"| {LABELS[d]} / {LABELS[base]} | {ratio(sd['step_s'], sb['step_s'])} | "
-                                 f"{ratio(sd['t_target'], sb['t_target'])} | "
+                                 f"{ratio(sd['t_target_interp'], sb['t_target_interp'])} | "
                                  f"{ratio(sd['tx_per_step'], sb['tx_per_step'])} |")
         lines.append("")
         plot_items.append((title, recs, target))
@@ -318,7 +318,12 @@ def main(argv=None):
         print("removed:", netns.remove_stale() or "nothing")
         return
     if not args.report_only:
-        sweep(args)
+        try:
+            sweep(args)
+        except netns.Interrupted as e:
+            print(f"wan.py: {e}; namespaces and qdiscs removed, finished runs kept in wan_runs.json",
+                  file=sys.stderr)
+            sys.exit(130)
     report(args)
 
 
