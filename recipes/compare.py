@@ -32,7 +32,10 @@ def methods(args) -> dict[str, list[str]]:
         "DDP-AdamW": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr)],
         "DDP-AdamW+PowerSGD": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr),
                                "--ddp_comm_hook", "power_sgd", "--powersgd_rank", str(args.powersgd_rank),
-                               "--powersgd_start_iter", "2"],
+                               "--powersgd_start_iter", "2",
+                               # one DDP bucket: with several, gloo ranks can order PowerSGD's chained
+                               # all-reduces differently and fail ("data size doesn't match")
+                               "--ddp_bucket_cap_mb", "1024"],
     }
 
 
