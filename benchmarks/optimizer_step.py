@@ -22,6 +22,7 @@ import importlib.util
 import io
 import os
 import pstats
+import resource
 import socket
 import statistics
 import sys
@@ -41,6 +42,9 @@ OPTIMIZERS = {  # name -> label in the table
 PEER_INSTALL = "pip install pytorch-optimizer einops   (or: pip install -e '.[bench]')"
 TARGET_BYTES = {"demo-bf16": 0.035, "demo-sign": 0.02}  # bytes/param/step sent
 TARGET_TIME_VS_PEER = 0.5
+# --tune-malloc: glibc keeps freed memory (up to 32 MiB blocks from the heap, which is never trimmed) instead
+# of handing every large temporary back to the OS and page-faulting a fresh one in on the next step
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
 # ---------------------------------------------------------------------------------------- model & gradients
@@ -259,7 +263,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
 
         exact_peak = reset_peak_rss()
         rss0 = rss_bytes()
-        times, cpu, sent, colls, comm_s, reported = [], [], [], [], [], []
+        times, cpu, faults, sent, colls, comm_s, reported = [], [], [], [], [], [], []
         for step in range(args.warmup + args.steps):
             with torch.no_grad():
                 for p, g in zip(params, grads):
@@ -267,13 +271,16 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
             dist.barrier()
             counter.reset()
             with counter:
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 c0, t0 = time.process_time(), time.perf_counter()
                 opt.step()
                 t1, c1 = time.perf_counter(), time.process_time()
+                f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if step < args.warmup:
                 continue
             times.append(t1 - t0)
             cpu.append(c1 - c0)
+            faults.append(f1 - f0)
             sent.append(counter.bytes_sent)
             colls.append(counter.collectives)
             stats = getattr(opt, "comm_stats", None)
@@ -284,7 +291,7 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
                 reported.append((opt.data_transmit, None))
         peak = peak_rss_bytes()
         result = dict(
-            name=name, rank=rank, n_params=n_params, times=times, cpu=cpu, sent=sent, collectives=colls,
+            name=name, rank=rank, n_params=n_params, times=times, cpu=cpu, faults=faults, sent=sent, collectives=colls,
             comm_seconds=comm_s, reported=reported, state_bytes=state_bytes(opt), rss_before=rss0,
             peak_delta=peak - rss0, exact_peak=exact_peak, by_name=dict(counter.by_name),
             dense_bytes=4 * n_params,
@@ -350,6 +357,7 @@ def summarise(per_rank: list[dict]) -> dict:
         median=statistics.median(step_max), min=min(step_max), max=max(step_max),
         median_rank0=statistics.median(r0["times"]),
         cpu=statistics.median([max(r["cpu"][i] for r in per_rank) for i in range(len(r0["cpu"]))]),
+        faults=statistics.median([max(r["faults"][i] for r in per_rank) for i in range(len(r0["faults"]))]),
         comm=statistics.median(r0["comm_seconds"]) if r0["comm_seconds"] else None,
         state=max(r["state_bytes"] for r in per_rank), peak=max(r["peak_delta"] for r in per_rank),
         exact_peak=all(r["exact_peak"] for r in per_rank),
@@ -378,14 +386,17 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
         print(f"## Optimizer step, Llama/SmolLM2-135M shapes, {args.layers} layers "
               f"({any_s['n_params'] / 1e6:.1f}M parameters), {args.world_size} gloo rank(s) on CPU, "
               f"{args.threads} thread(s)/rank, median of {args.steps} steps after {args.warmup} warm-up, "
-              f"chunk {args.chunk}, top-k {args.topk}, torch {torch.__version__}")
+              f"chunk {args.chunk}, top-k {args.topk}, torch {torch.__version__}, "
+              + ("glibc malloc tuned (--tune-malloc: " + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")"
+                 if args.tune_malloc else "default glibc malloc settings"))
     print()
     print("| optimizer | step s (median) | step s (min / max) | CPU s/step | in collectives s | state MiB "
-          "| peak RSS Δ MiB | bytes sent/step | bytes/param/step | collectives/step | sent / dense fp32 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak RSS Δ MiB | page faults/step (GiB) | bytes sent/step | bytes/param/step | collectives/step "
+          "| sent / dense fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, label in OPTIMIZERS.items():
         if name in skipped:
-            print(f"| {label} | not run: {skipped[name]} | | | | | | | | | |")
+            print(f"| {label} | not run: {skipped[name]} | | | | | | | | | | |")
             continue
         if name not in summaries:
             continue
@@ -397,9 +408,9 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
         else:
             sent, bpp, ratio = f"{s['sent']:,.0f}", f"{s['bpp']:.4f}", f"{s['sent'] / s['dense_bytes']:.4f}"
         peak = _mib(s["peak"]) + ("" if s["exact_peak"] else " (≥)")
+        faults = f"{s['faults']:,.0f} ({s['faults'] * resource.getpagesize() / 2**30:.2f})"
         print(f"| {label} | {s['median']:.3f} | {s['min']:.3f} / {s['max']:.3f} | {s['cpu']:.3f} | {comm} "
-              f"| {_mib(s['state'])} "
-              f"| {peak} | {sent} | {bpp} | {s['collectives']:g} | {ratio} |")
+              f"| {_mib(s['state'])} | {peak} | {faults} | {sent} | {bpp} | {s['collectives']:g} | {ratio} |")
 
     print()
     peer = summaries.get("peer")
@@ -458,6 +469,9 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
           "timer; a barrier lines the ranks up before each step), per step the slowest rank, median over "
           "steps. CPU s/step = process CPU time (all threads, gloo's included) spent in opt.step(), per step the "
           "busiest rank, median: much less sensitive than wall time to other processes on the machine. "
+          "page faults/step = minor page faults of the busiest rank during opt.step() (and the memory they "
+          "first-touched, at 4 KiB a page): fresh pages for temporaries the allocator got from the OS; "
+          "contention-independent, and each costs CPU time (zeroing, kernel entry). "
           "'in collectives' = hf_demo's comm_stats.seconds on rank 0 (waiting for the other rank "
           "included). state = bytes of the tensors in opt.state (max over ranks). peak RSS Δ = the process's "
           "peak resident set (VmHWM, reset just before the first step via /proc/self/clear_refs) minus its "
@@ -485,16 +499,23 @@ def profile(name: str, args) -> None:
             for p, g in zip(params, grads):
                 p.grad.copy_(g)
 
-    times = []
+    times, cpu, faults = [], [], []
     for _ in range(max(1, args.warmup) + args.steps):
         refill()
-        t0 = time.perf_counter()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c0, t0 = time.process_time(), time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    times = times[max(1, args.warmup):]
+        cpu.append(time.process_time() - c0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    skip = max(1, args.warmup)
+    times, cpu, faults = times[skip:], cpu[skip:], faults[skip:]
     n = sum(p.numel() for p in params)
+    f = statistics.median(faults)
     print(f"## Profile of {OPTIMIZERS[name]}: {args.layers} layers, {n / 1e6:.1f}M parameters, world size 1, "
-          f"{args.threads} thread(s); step time median {statistics.median(times):.3f}s over {len(times)} steps")
+          f"{args.threads} thread(s), {'tuned' if args.tune_malloc else 'default'} glibc malloc; step time median "
+          f"{statistics.median(times):.3f}s (CPU {statistics.median(cpu):.3f}s), {f:,.0f} minor page faults/step "
+          f"({f * resource.getpagesize() / 2**30:.2f} GiB first-touched), over {len(times)} steps")
 
     refill()
     prof = cProfile.Profile()
@@ -534,7 +555,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", choices=list(OPTIMIZERS), default=None,
                     help="instead of the table: profile one step of this optimizer in one process")
     ap.add_argument("--profile-rows", type=int, default=25)
+    ap.add_argument("--tune-malloc", action="store_true",
+                    help="run with glibc malloc tuned to reuse freed memory (" +
+                         " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ") instead of the defaults")
     args = ap.parse_args(argv)
+    if args.tune_malloc and any(os.environ.get(k) != v for k, v in TUNED_MALLOC.items()):
+        # glibc reads these at process start: the spawned ranks inherit them; --profile re-executes itself
+        os.environ.update(TUNED_MALLOC)
+        if args.profile:
+            os.execv(sys.executable, [sys.executable] + sys.argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(args.threads))
 
