@@ -82,7 +82,7 @@ def all_gather_bytes(buf: torch.Tensor, group, world: int, stats: CommStats) -> 
     return out.view(world, -1)
 
 
-def check_headers(headers: list[Header], mine: Header, rank: int) -> None:
+def check_headers(headers: list[Header], rank: int) -> None:
     """Raise :class:`DeMoSyncError` (on every rank alike) when any two ranks' headers disagree."""
     problems = []
     for r, h in enumerate(headers):

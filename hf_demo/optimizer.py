@@ -109,7 +109,7 @@ class DeMo(torch.optim.Optimizer):
         device = items[0][0].device if items else torch.device("cpu")
         gathered = all_gather_bytes(header.to_bytes().to(device), group, world, self.comm_stats)
         headers = [codec.Header.from_bytes(row.cpu()) for row in gathered]
-        check_headers(headers, header, rank)
+        check_headers(headers, rank)
         bad = nonfinite_ranks(headers)
         if bad:
             if self.nonfinite == "raise":
