@@ -27,5 +27,5 @@ compare: setup
 	--per_device_train_batch_size 2 --block_size 128 --max_eval_samples 16
 
 bench: setup
-	$(PY) -m pip install -q pytorch-optimizer
+	$(PY) -m pip install -q pytorch-optimizer einops
 	$(PY) benchmarks/optimizer_step.py

@@ -39,7 +39,7 @@ OPTIMIZERS = {  # name -> label in the table
     "adamw": "torch.optim.AdamW (1 process; no DDP all-reduce)",
     "peer": "pytorch_optimizer.DeMo (peer)",
 }
-PEER_INSTALL = "pip install pytorch-optimizer einops   (or: pip install -e '.[bench]')"
+PEER_INSTALL = "pip install pytorch-optimizer einops"
 TARGET_BYTES = {"demo-bf16": 0.035, "demo-sign": 0.02}  # bytes/param/step sent
 TARGET_TIME_VS_PEER = 0.5
 # --tune-malloc: glibc keeps freed memory (up to 32 MiB blocks from the heap, which is never trimmed) instead
@@ -207,7 +207,6 @@ def rss_bytes() -> int:
     try:
         return _proc_status_kib("VmRSS") * 1024
     except (OSError, KeyError):
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -215,7 +214,6 @@ def peak_rss_bytes() -> int:
     try:
         return _proc_status_kib("VmHWM") * 1024
     except (OSError, KeyError):
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -291,8 +289,8 @@ def _rank_main(rank: int, world: int, port: int, name: str, args, results) -> No
                 reported.append((opt.data_transmit, None))
         peak = peak_rss_bytes()
         result = dict(
-            name=name, rank=rank, n_params=n_params, times=times, cpu=cpu, faults=faults, sent=sent, collectives=colls,
-            comm_seconds=comm_s, reported=reported, state_bytes=state_bytes(opt), rss_before=rss0,
+            name=name, rank=rank, n_params=n_params, times=times, cpu=cpu, faults=faults, sent=sent,
+            collectives=colls, comm_seconds=comm_s, reported=reported, state_bytes=state_bytes(opt), rss_before=rss0,
             peak_delta=peak - rss0, exact_peak=exact_peak, by_name=dict(counter.by_name),
             dense_bytes=4 * n_params,
         )
@@ -322,7 +320,6 @@ class OtherCpu:
 
     @staticmethod
     def _ours() -> float:
-        import resource
         return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
 
@@ -381,13 +378,14 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
               + ", ".join(f"{n} {x:.2f}" for n, x in load.items() if x is not None)
               + (f"  -- WARNING: the machine ({os.cpu_count()} CPUs) was not idle; other processes competed "
                  "with the ranks and the times are noisy. Compare the 'fastest steps' ratios too, or rerun "
-                 "on an idle machine." if max(known) > 0.2 else ""))
+                 "on an idle machine." if max(known) > 0.2 else "") + "\n")
     if any_s:
         print(f"## Optimizer step, Llama/SmolLM2-135M shapes, {args.layers} layers "
               f"({any_s['n_params'] / 1e6:.1f}M parameters), {args.world_size} gloo rank(s) on CPU, "
               f"{args.threads} thread(s)/rank, median of {args.steps} steps after {args.warmup} warm-up, "
               f"chunk {args.chunk}, top-k {args.topk}, torch {torch.__version__}, "
-              + ("glibc malloc tuned (--tune-malloc: " + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")"
+              + ("glibc malloc tuned (--tune-malloc: "
+                 + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")"
                  if args.tune_malloc else "default glibc malloc settings"))
     print()
     print("| optimizer | step s (median) | step s (min / max) | CPU s/step | in collectives s | state MiB "
@@ -421,12 +419,13 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
             continue
         if peer:
             lines.append(f"- {OPTIMIZERS[name]} / peer: step time {s['median'] / peer['median']:.3f}x "
-                         f"(fastest steps: {s['min'] / peer['min']:.3f}x, CPU time: {s['cpu'] / peer['cpu']:.3f}x), "
-                         f"bytes sent {s['sent'] / peer['sent']:.3f}x")
+                         f"(fastest steps: {s['min'] / peer['min']:.3f}x, "
+                         f"CPU time: {s['cpu'] / peer['cpu']:.3f}x), bytes sent {s['sent'] / peer['sent']:.3f}x")
         if "adamw" in summaries:
             adamw = summaries["adamw"]
             lines.append(f"- {OPTIMIZERS[name]} / AdamW: step time {s['median'] / adamw['median']:.3f}x "
-                         f"(fastest steps: {s['min'] / adamw['min']:.3f}x, CPU time: {s['cpu'] / adamw['cpu']:.3f}x), "
+                         f"(fastest steps: {s['min'] / adamw['min']:.3f}x, "
+                         f"CPU time: {s['cpu'] / adamw['cpu']:.3f}x), "
                          f"bytes sent vs a DDP fp32 all-reduce {s['sent'] / s['dense_bytes']:.4f}x")
     if lines:
         print("Ratios (step time: median of the per-step slowest rank):")
@@ -457,18 +456,18 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
     print("Cross-checks of the byte counts:")
     for name, s in summaries.items():
         if name.startswith("demo"):
-            own = s["reported"][-1] if s["reported"] else None
+            own = s["reported"][-1] if s["reported"] else (0, 0)
             print(f"- {name}: counted at torch.distributed {s['sent']:,.0f} B in {s['by_name']}; "
-                  f"opt.comm_stats says {own[0]:,} B in {own[1]} collectives" if own else "")
+                  f"opt.comm_stats says {own[0]:,} B in {own[1]} collectives")
         elif name == "peer":
-            own = s["reported"][-1][0] if s["reported"] else None
+            own = s["reported"][-1][0] if s["reported"] else 0
             print(f"- peer: counted at torch.distributed {s['sent']:,.0f} B in {s['by_name']}; "
                   f"its own data_transmit says {own:,} B")
     print()
     print("Measured: step time = wall time of opt.step() alone (grads are copied in before, outside the "
           "timer; a barrier lines the ranks up before each step), per step the slowest rank, median over "
-          "steps. CPU s/step = process CPU time (all threads, gloo's included) spent in opt.step(), per step the "
-          "busiest rank, median: much less sensitive than wall time to other processes on the machine. "
+          "steps. CPU s/step = process CPU time (all threads, gloo's included) spent in opt.step(), per step "
+          "the busiest rank, median: much less sensitive than wall time to other processes on the machine. "
           "page faults/step = minor page faults of the busiest rank during opt.step() (and the memory they "
           "first-touched, at 4 KiB a page): fresh pages for temporaries the allocator got from the OS; "
           "contention-independent, and each costs CPU time (zeroing, kernel entry). "
