@@ -15,14 +15,13 @@ import os
 
 import torch
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # rank 0's state goes in Trainer's own file
 
 from .accelerate_utils import check_supported, disable_gradient_allreduce, unwrap_optimizer
 from .errors import DeMoStateError
 from .optimizer import DeMo
 from .settings import optimizer_cls_and_kwargs
 
-OPTIMIZER_NAME = "optimizer.pt"          # rank 0's state: Trainer's own file
-SCHEDULER_NAME = "scheduler.pt"
 
 
 def rank_state_file(rank: int) -> str:

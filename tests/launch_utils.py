@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from dist_utils import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "accelerate_configs" / "cpu_multiprocess.yaml"
 
@@ -14,7 +16,7 @@ def accelerate_launch(script, *args, num_processes=2, timeout=300, check=True):
     """Run ``script`` on ``num_processes`` CPU processes; returns the CompletedProcess (output in .stdout)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes),
-           "--main_process_port", str(_free_port()), str(script), *map(str, args)]
+           "--main_process_port", str(free_port()), str(script), *map(str, args)]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -28,10 +30,3 @@ def load_records(folder, world):
     records = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert all(r["world_size"] == world for r in records), "did not get the world size asked for"
     return records
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
