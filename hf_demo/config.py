@@ -1,0 +1,111 @@
+"""Every DeMo setting, once: name, type, default, allowed values and help.
+
+``DeMo(**settings)``, ``--optim_args``, the ``--demo_*`` fields of ``DeMoTrainingArguments`` and the
+settings checksum that ranks compare all read :class:`DeMoSettings`. Allowed values come from the
+registries of the modules that implement them (value formats in :mod:`hf_demo.codec`, exchanges in
+:mod:`hf_demo.exchange`, update rules in :mod:`hf_demo.update_rules`), so adding one touches one module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from . import codec, exchange, update_rules
+
+NONFINITE_POLICIES = ("skip", "raise")
+DRIFT_POLICIES = ("raise", "resync")
+
+
+def _setting(default, help: str, choices=None, per_group: bool = False):
+    meta = {"help": help, "per_group": per_group}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DeMoSettings:
+    """DeMo's settings besides ``lr`` and ``weight_decay`` (keyword arguments of :class:`hf_demo.DeMo`).
+
+    Settings marked per-group may be overridden in a parameter group; the others hold for the optimizer.
+    """
+
+    compression_decay: float = _setting(0.999, "momentum decay in [0, 1]", per_group=True)
+    compression_topk: int = _setting(32, "DCT coefficients sent per block", per_group=True)
+    compression_chunk: int = _setting(
+        64, "block side: chunk x chunk blocks for matrices, chunk for vectors (1..256)", per_group=True
+    )
+    value_format: str = _setting(
+        "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + a bf16 scale per block)", codec.VALUE_FORMATS
+    )
+    exchange: str = _setting(
+        "all_gather",
+        "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (positions chosen "
+        "by a rotating leader, values summed: traffic flat in the number of ranks)",
+        exchange.EXCHANGES,
+    )
+    update_rule: str = _setting(
+        "sign",
+        "how the averaged update becomes a step: sign (the paper's), raw, or adam (second-moment "
+        "normalised, computed identically on every rank: no extra traffic)",
+        update_rules.UPDATE_RULES,
+    )
+    nonfinite: str = _setting(
+        "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
+    )
+    nonfinite_patience: int = _setting(10, "warn after this many consecutive skipped (non-finite) steps")
+    comm_timeout: float = _setting(
+        300.0, "seconds DeMo's collectives wait for every rank before raising DeMoSyncError (0 = no limit)"
+    )
+    check_every: int = _setting(
+        100, "every this many steps, a fingerprint of the parameters is compared across ranks (0 = never)"
+    )
+    drift: str = _setting(
+        "resync",
+        "when fingerprints differ: resync (copy rank 0's parameters, logged, counted) or raise",
+        DRIFT_POLICIES,
+    )
+    full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected one of {', '.join(choices)}")
+            kind = _TYPES[f.name]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected an integer")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected a number")
+        if not 0.0 <= self.compression_decay <= 1.0:
+            raise ValueError(f"DeMo: invalid compression_decay={self.compression_decay!r}: must be in [0, 1]")
+        if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
+            raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        for name in ("check_every", "full_sync_every", "nonfinite_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be >= 0")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def per_group_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["per_group"])
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, type, object, str, tuple | None]]:
+        """(name, type, default, help, choices) of every setting, for argument parsers and docs."""
+        return [
+            (f.name, _TYPES[f.name], f.default, f.metadata["help"], f.metadata.get("choices"))
+            for f in dataclasses.fields(cls)
+        ]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_TYPES = {f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)}

@@ -1,0 +1,67 @@
+"""How the averaged, decoded update becomes a parameter step (after decoupled weight decay).
+
+Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
+bitwise identical and no rule costs communication. A rule is a small object with ``apply(param, update,
+state, lr)``; its per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and
+resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sign_step(update: torch.Tensor) -> torch.Tensor:
+    """The paper's rule: ``sign(update)`` (in place)."""
+    return update.sign_()
+
+
+def adam_step(update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
+    """Second-moment normalisation of the averaged update: ``u / (sqrt(v / (1 - beta2**t)) + eps)``.
+
+    ``exp_avg_sq`` (fp32, the parameter's shape) is updated in place; ``step`` counts from 1.
+    """
+    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
+    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
+    return update.div_(denom)
+
+
+class SignRule:
+    name = "sign"
+
+    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
+        param.add_(sign_step(update).to(param.dtype), alpha=-lr)
+
+
+class RawRule:
+    name = "raw"
+
+    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
+        param.add_(update.to(param.dtype), alpha=-lr)
+
+
+class AdamRule:
+    """Adam-style normalisation of the averaged update (state ``exp_avg_sq``: 4 bytes per parameter)."""
+
+    name = "adam"
+    beta2 = 0.999
+    eps = 1e-8
+
+    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
+        if "exp_avg_sq" not in state:
+            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            state["rule_step"] = torch.zeros((), dtype=torch.int64)
+        state["rule_step"] += 1
+        step = adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
+        param.add_(step.to(param.dtype), alpha=-lr)
+
+
+RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule)}
+UPDATE_RULES = tuple(RULES)
+
+
+def get(name: str):
+    try:
+        return RULES[name]()
+    except KeyError:
+        raise ValueError(f"unknown update rule {name!r}; expected one of {', '.join(UPDATE_RULES)}") from None
