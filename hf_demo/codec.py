@@ -1,41 +1,214 @@
-"""The wire format: what one rank sends in one step, byte for byte.
+"""The wire protocol: what one rank sends in one step, byte for byte, and every check made on receipt.
 
 Every step a rank sends two buffers (two collectives):
 
-1. a fixed 64-byte header, eight int64 words: magic, format version, step, layout checksum, settings
-   checksum, flags, world size, payload length. Every rank checks every header before the payload moves,
-   so ranks with a different model, different settings or a different step stop with a clear error,
-   and a non-finite gradient on one rank makes every rank skip the step.
-2. one payload holding every parameter, in parameter order. A parameter's segment is its indices (16 bit,
-   position inside the block, little endian) followed by its values. Segments are 4-byte aligned.
+1. a fixed header (:data:`HEADER_BYTES`): twelve int64 words (magic, format version, step, layout
+   checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
+   exchange milliseconds, reserved) and a 32-byte HMAC-SHA256 tag (zero unless a shared secret is set).
+   Every rank checks every header (:func:`check_headers`) before the payload moves, so ranks with a
+   different model, settings or step stop with a clear error on every rank, and a non-finite gradient on
+   one rank makes every rank skip the step.
+2. one payload holding every parameter, in parameter order (:class:`PayloadCodec`). A parameter's segment
+   is its indices (16 bit, position inside the block, little endian) followed by its values. Segments are
+   4-byte aligned. Every received row is checked against its sender's CRC32 (and HMAC tag) before it is
+   decoded, and decoded indices and values are range- and finiteness-checked before anything is applied.
 
-Value formats: ``fp32`` (4 bytes), ``bf16`` (2 bytes), ``sign`` (1 bit per coefficient plus one bf16
-scale per block: the mean magnitude of the block's selected coefficients). :func:`quantize` returns the
-values exactly as receivers will decode them, so the sender's error feedback subtracts what was seen.
-gloo has no int16 collectives: every buffer travels as uint8.
+Value formats (:data:`FORMATS`): ``fp32`` (4 bytes), ``bf16`` (2 bytes), ``sign`` (1 bit per coefficient
+plus one bf16 scale per block: the mean magnitude of the block's selected coefficients). ``encode``
+returns the values exactly as receivers decode them, so the sender's error feedback subtracts what was
+seen. gloo has no int16 collectives: every buffer travels as uint8.
 """
+
 from __future__ import annotations
 
+import hashlib
+import hmac
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from .blocks import BlockLayout
+from .errors import DeMoSyncError
 
 MAGIC = 0x44654D6F  # "DeMo"
-FORMAT_VERSION = 1
-HEADER_WORDS = 8
-HEADER_BYTES = HEADER_WORDS * 8
-VALUE_FORMATS = ("fp32", "bf16", "sign")
+FORMAT_VERSION = 2
+HEADER_WORDS = 12
+TAG_BYTES = 32
+HEADER_BYTES = HEADER_WORDS * 8 + TAG_BYTES
 
-FLAG_NONFINITE = 1
+FLAG_NONFINITE = 1  # NaN/Inf in this rank's gradients
+FLAG_NONFINITE_PARAMS = 2  # NaN/Inf in this rank's parameters
+FLAG_FINGERPRINT = 4  # the fingerprint word holds this rank's parameter fingerprint
+FLAG_AUTH = 8  # the tag is an HMAC over header and payload
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _align(n: int) -> int:
     return (n + 3) // 4 * 4
+
+
+def _pad_to(buf: torch.Tensor, n: int) -> torch.Tensor:
+    if buf.numel() == n:
+        return buf
+    return torch.cat([buf, buf.new_zeros(n - buf.numel())])
+
+
+def checksum(obj) -> int:
+    """A stable 32-bit checksum of a value's repr (tuples of ints, floats and strings)."""
+    return zlib.crc32(repr(obj).encode())
+
+
+def crc32(buf: torch.Tensor) -> int:
+    """CRC32 of a uint8 tensor's bytes."""
+    return zlib.crc32(buf.detach().cpu().contiguous().numpy().tobytes()) if buf.numel() else 0
+
+
+# ---------------------------------------------------------------- value formats
+class Fp32Format:
+    name = "fp32"
+
+    def nbytes(self, nblocks: int, k: int) -> int:
+        return nblocks * k * 4
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = values.float().contiguous()
+        return q, q.view(torch.uint8).reshape(-1)
+
+    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
+        world = wire.shape[0]
+        return wire[:, : nblocks * k * 4].contiguous().view(torch.float32).view(world, nblocks, k)
+
+
+class Bf16Format:
+    name = "bf16"
+
+    def nbytes(self, nblocks: int, k: int) -> int:
+        return _align(nblocks * k * 2)
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        wire = values.to(torch.bfloat16).contiguous()
+        return wire.float(), _pad_to(wire.view(torch.uint8).reshape(-1), self.nbytes(*values.shape))
+
+    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
+        world = wire.shape[0]
+        return wire[:, : nblocks * k * 2].contiguous().view(torch.bfloat16).float().view(world, nblocks, k)
+
+
+class SignFormat:
+    """1 bit per coefficient and one bf16 scale per block (the mean magnitude of its selected values)."""
+
+    name = "sign"
+
+    def nbytes(self, nblocks: int, k: int) -> int:
+        return _align(nblocks * 2) + _align((nblocks * k + 7) // 8)
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nblocks, k = values.shape
+        scale = values.abs().mean(dim=1).to(torch.bfloat16)
+        negative = values < 0
+        q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
+        bits = _pad_to(negative.reshape(-1).to(torch.uint8), (nblocks * k + 7) // 8 * 8)
+        packed = (bits.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+        wire = torch.cat([_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))])
+        return q, wire
+
+    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
+        world, n = wire.shape[0], nblocks * k
+        s = _align(nblocks * 2)
+        scale = wire[:, : nblocks * 2].contiguous().view(torch.bfloat16).float()
+        packed = wire[:, s : s + (n + 7) // 8]
+        shifts = torch.arange(8, dtype=torch.uint8, device=wire.device)
+        bits = (packed[:, :, None] >> shifts) & 1
+        negative = bits.reshape(world, -1)[:, :n].view(world, nblocks, k).bool()
+        return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
+
+
+FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat())}
+VALUE_FORMATS = tuple(FORMATS)
+
+
+def value_format(name: str):
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown value format {name!r}; expected one of {', '.join(VALUE_FORMATS)}") from None
+
+
+# ---------------------------------------------------------------- indices
+def index_bytes(layout: BlockLayout) -> int:
+    return _align(layout.nblocks * layout.k * 2)
+
+
+def pack_indices(idx: torch.Tensor) -> torch.Tensor:
+    """Block positions (nblocks, k) int64 in [0, 65536) -> 16-bit little-endian bytes (4-aligned)."""
+    wire = idx.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8).reshape(-1)
+    return _pad_to(wire, _align(wire.numel()))
+
+
+def unpack_indices(wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
+    """Bytes (world, index_bytes) uint8 -> positions (world, nblocks, k) int64."""
+    world, n = wire.shape[0], nblocks * k
+    return (wire[:, : n * 2].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).view(world, nblocks, k)
+
+
+def segment_bytes(layout: BlockLayout, fmt: str) -> int:
+    """Bytes of one parameter's segment (indices + values) in the payload."""
+    return index_bytes(layout) + value_format(fmt).nbytes(layout.nblocks, layout.k)
+
+
+# ---------------------------------------------------------------- payload
+class PayloadCodec:
+    """Packs every parameter's selected coefficients into one payload, and unpacks and validates it."""
+
+    def __init__(self, layouts: list[BlockLayout], fmt: str):
+        self.layouts = layouts
+        self.format = value_format(fmt)
+        self.offsets, off = [], 0
+        for layout in layouts:
+            self.offsets.append(off)
+            off += segment_bytes(layout, fmt)
+        self.nbytes = off
+
+    def encode(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
+        """[(positions, values)] per parameter -> (payload uint8, [values as receivers decode them])."""
+        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        sent = []
+        for layout, off, (idx, values) in zip(self.layouts, self.offsets, selections):
+            decoded, wire = self.format.encode(values)
+            ib = index_bytes(layout)
+            payload[off : off + ib] = pack_indices(idx)
+            payload[off + ib : off + ib + wire.numel()] = wire
+            sent.append(decoded)
+        return payload, sent
+
+    def decode(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of every rank (world, nbytes) -> [(positions, values) each (world, nblocks, k)], validated.
+
+        Raises :class:`DeMoSyncError` naming the parameter and the sending ranks on out-of-range indices or
+        NaN/Inf values; nothing is returned half-decoded.
+        """
+        out = []
+        for i, (layout, off) in enumerate(zip(self.layouts, self.offsets)):
+            ib = index_bytes(layout)
+            end = off + segment_bytes(layout, self.format.name)
+            idx = unpack_indices(received[:, off : off + ib], layout.nblocks, layout.k)
+            values = self.format.decode(received[:, off + ib : end], layout.nblocks, layout.k)
+            bad_idx = (idx >= layout.bsize).flatten(1).any(1)
+            if bool(bad_idx.any()):
+                raise DeMoSyncError(
+                    f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
+                    f"{layout.bsize}) from rank(s) {bad_idx.nonzero().flatten().tolist()}: corrupted payload"
+                )
+            bad_val = (~values.isfinite()).flatten(1).any(1)
+            if bool(bad_val.any()):
+                raise DeMoSyncError(
+                    f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) from rank(s) "
+                    f"{bad_val.nonzero().flatten().tolist()}"
+                )
+            out.append((idx, values))
+        return out
 
 
 # ---------------------------------------------------------------- header
@@ -47,105 +220,105 @@ class Header:
     flags: int
     world_size: int
     payload_bytes: int
+    payload_crc: int = 0
+    fingerprint: int = 0
+    exchange_ms: int = 0
+    reserved: int = 0
     magic: int = MAGIC
     version: int = FORMAT_VERSION
+    tag: bytes = bytes(TAG_BYTES)
+
+    _WORDS = (
+        "magic", "version", "step", "layout_checksum", "settings_checksum", "flags", "world_size",
+        "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "reserved",
+    )  # fmt: skip
+
+    def words_bytes(self) -> bytes:
+        return torch.tensor([getattr(self, w) for w in self._WORDS], dtype=torch.int64).numpy().tobytes()
 
     def to_bytes(self) -> torch.Tensor:
-        words = torch.tensor(
-            [self.magic, self.version, self.step, self.layout_checksum, self.settings_checksum,
-             self.flags, self.world_size, self.payload_bytes],
-            dtype=torch.int64,
-        )
-        return words.view(torch.uint8)
+        return torch.frombuffer(bytearray(self.words_bytes() + self.tag), dtype=torch.uint8)
 
     @classmethod
-    def from_bytes(cls, buf: torch.Tensor) -> "Header":
-        w = buf.contiguous().view(torch.int64).tolist()
-        return cls(magic=w[0], version=w[1], step=w[2], layout_checksum=w[3], settings_checksum=w[4],
-                   flags=w[5], world_size=w[6], payload_bytes=w[7])
+    def from_bytes(cls, buf: torch.Tensor) -> Header:
+        raw = buf.detach().cpu().contiguous().numpy().tobytes()
+        w = torch.frombuffer(bytearray(raw[: HEADER_WORDS * 8]), dtype=torch.int64).tolist()
+        return cls(**dict(zip(cls._WORDS, w)), tag=raw[HEADER_WORDS * 8 : HEADER_BYTES])
 
 
-def checksum(obj) -> int:
-    """A stable 32-bit checksum of a value's repr (tuples of ints, floats and strings)."""
-    return zlib.crc32(repr(obj).encode())
+assert len(Header._WORDS) == HEADER_WORDS and {f.name for f in fields(Header)} >= set(Header._WORDS)
 
 
-# ---------------------------------------------------------------- segment sizes
-def index_bytes(layout: BlockLayout) -> int:
-    return _align(layout.nblocks * layout.k * 2)
+def sign(header: Header, payload: torch.Tensor, secret: bytes | None) -> Header:
+    """The header with its payload CRC32 and, with a secret, the HMAC-SHA256 tag over header and payload."""
+    header = _replace(header, payload_crc=crc32(payload))
+    if secret is None:
+        return header
+    header = _replace(header, flags=header.flags | FLAG_AUTH)
+    return _replace(header, tag=_tag(header, payload, secret))
 
 
-def value_bytes(layout: BlockLayout, fmt: str) -> int:
-    n = layout.nblocks * layout.k
-    if fmt == "fp32":
-        return n * 4
-    if fmt == "bf16":
-        return _align(n * 2)
-    if fmt == "sign":
-        return _align(layout.nblocks * 2) + _align((n + 7) // 8)
-    raise ValueError(f"unknown value format {fmt!r}; expected one of {VALUE_FORMATS}")
+def _tag(header: Header, payload: torch.Tensor, secret: bytes) -> bytes:
+    body = payload.detach().cpu().contiguous().numpy().tobytes()
+    return hmac.new(secret, header.words_bytes() + body, hashlib.sha256).digest()
 
 
-def segment_bytes(layout: BlockLayout, fmt: str) -> int:
-    return index_bytes(layout) + value_bytes(layout, fmt)
+def _replace(header: Header, **changes) -> Header:
+    return Header(**{**{f.name: getattr(header, f.name) for f in fields(Header)}, **changes})
 
 
-# ---------------------------------------------------------------- values
-def quantize(values: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected coefficients (nblocks, k) fp32 -> (what receivers decode, fp32; the wire bytes, uint8)."""
-    if fmt == "fp32":
-        q = values.contiguous()
-        return q, q.view(torch.uint8).reshape(-1)
-    if fmt == "bf16":
-        wire = values.to(torch.bfloat16).contiguous()
-        return wire.float(), _pad_to(wire.view(torch.uint8).reshape(-1), _align(wire.numel() * 2))
-    if fmt == "sign":
-        nblocks, k = values.shape
-        scale = values.abs().mean(dim=1).to(torch.bfloat16)
-        negative = values < 0
-        q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
-        bits = _pad_to(negative.reshape(-1).to(torch.uint8), (nblocks * k + 7) // 8 * 8)
-        packed = (bits.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
-        wire = torch.cat([_pad_to(scale.view(torch.uint8), _align(nblocks * 2)),
-                          _pad_to(packed, _align(packed.numel()))])
-        return q, wire
-    raise ValueError(f"unknown value format {fmt!r}; expected one of {VALUE_FORMATS}")
+def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | None, rank: int, step: int) -> None:
+    """Every received payload row against its sender's CRC32 and (with a secret) HMAC tag."""
+    for r, (h, row) in enumerate(zip(headers, received)):
+        if crc32(row) != h.payload_crc:
+            raise DeMoSyncError(
+                f"rank {rank}: the payload from rank {r} at optimizer step {step} fails its CRC32 check "
+                "(corrupted on the way: a faulty link, NIC or memory); nothing was applied"
+            )
+        if secret is not None and not hmac.compare_digest(_tag(h, row, secret), h.tag):
+            raise DeMoSyncError(
+                f"rank {rank}: the payload from rank {r} at optimizer step {step} carries no valid "
+                "HMAC-SHA256 tag for this HF_DEMO_SECRET: refused (a different secret, or injected traffic)"
+            )
 
 
-def dequantize(wire: torch.Tensor, fmt: str, nblocks: int, k: int) -> torch.Tensor:
-    """Wire bytes (world, value_bytes) uint8 -> values (world, nblocks, k) fp32."""
-    world = wire.shape[0]
-    n = nblocks * k
-    if fmt == "fp32":
-        return wire[:, : n * 4].contiguous().view(torch.float32).view(world, nblocks, k)
-    if fmt == "bf16":
-        return wire[:, : n * 2].contiguous().view(torch.bfloat16).float().view(world, nblocks, k)
-    if fmt == "sign":
-        s = _align(nblocks * 2)
-        scale = wire[:, : nblocks * 2].contiguous().view(torch.bfloat16).float()
-        packed = wire[:, s: s + (n + 7) // 8]
-        shifts = torch.arange(8, dtype=torch.uint8, device=wire.device)
-        bits = (packed[:, :, None] >> shifts) & 1
-        negative = bits.reshape(world, -1)[:, :n].view(world, nblocks, k).bool()
-        return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
-    raise ValueError(f"unknown value format {fmt!r}; expected one of {VALUE_FORMATS}")
+def check_headers(headers: list[Header], rank: int) -> None:
+    """Raise :class:`DeMoSyncError` (on every rank alike) when any two ranks' headers disagree."""
+    problems = []
+    ref = headers[0]
+    for r, h in enumerate(headers):
+        if h.magic != MAGIC or h.version != FORMAT_VERSION:
+            problems.append(
+                f"rank {r} speaks wire format {h.magic:#x}/v{h.version}, expected {MAGIC:#x}/v{FORMAT_VERSION} "
+                "(different hf_demo versions?)"
+            )
+            continue
+        if h.world_size != ref.world_size:
+            problems.append(f"rank {r} thinks the world has {h.world_size} ranks, rank 0 {ref.world_size}")
+        if h.step != ref.step:
+            problems.append(
+                f"rank {r} is at optimizer step {h.step}, rank 0 at step {ref.step} (a rank skipped or "
+                "repeated optimizer.step(), or resumed from another checkpoint)"
+            )
+        if h.layout_checksum != ref.layout_checksum or h.payload_bytes != ref.payload_bytes:
+            problems.append(
+                f"rank {r} has a different parameter layout than rank 0 (layout checksum "
+                f"{h.layout_checksum:#010x} vs {ref.layout_checksum:#010x}, payload {h.payload_bytes} vs "
+                f"{ref.payload_bytes} bytes): different model, frozen parameters, parameter order, chunk or top-k"
+            )
+        if (h.flags & FLAG_AUTH) != (ref.flags & FLAG_AUTH):
+            problems.append(
+                f"rank {r} {'signs' if h.flags & FLAG_AUTH else 'does not sign'} its payloads and rank 0 "
+                f"{'does' if ref.flags & FLAG_AUTH else 'does not'}: set the same HF_DEMO_SECRET on every rank"
+            )
+        elif h.settings_checksum != ref.settings_checksum:
+            problems.append(
+                f"rank {r} has different optimizer settings than rank 0 (lr, weight decay, momentum decay, "
+                "value format, exchange, update rule, non-finite policy, checks or timeouts differ)"
+            )
+    if problems:
+        raise DeMoSyncError(f"DeMo ranks disagree (seen by rank {rank}):\n  " + "\n  ".join(problems))
 
 
-# ---------------------------------------------------------------- indices
-def pack_indices(idx: torch.Tensor) -> torch.Tensor:
-    """Block positions (nblocks, k) int64 in [0, 65536) -> 16-bit little-endian bytes (4-aligned)."""
-    wire = idx.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8).reshape(-1)
-    return _pad_to(wire, _align(wire.numel()))
-
-
-def unpack_indices(wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-    """Bytes (world, index_bytes) uint8 -> positions (world, nblocks, k) int64."""
-    world = wire.shape[0]
-    n = nblocks * k
-    return (wire[:, : n * 2].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).view(world, nblocks, k)
-
-
-def _pad_to(buf: torch.Tensor, n: int) -> torch.Tensor:
-    if buf.numel() == n:
-        return buf
-    return torch.cat([buf, buf.new_zeros(n - buf.numel())])
+def flagged(headers: list[Header], flag: int) -> list[int]:
+    return [r for r, h in enumerate(headers) if h.flags & flag]

@@ -1,17 +1,24 @@
-"""Moving bytes between ranks, counting them, and checking that every rank is in the same step.
+"""Moving bytes between ranks: DeMo's own collectives, with a timeout, counters and named failures.
 
-All traffic goes through :func:`all_gather_bytes`, so the counters in :class:`CommStats` are counted from
-the very buffers handed to ``torch.distributed``.
+All of DeMo's traffic goes through one :class:`Transport`, so the counters in :class:`CommStats` are
+counted from the very buffers handed to ``torch.distributed``, every collective honours ``comm_timeout``,
+and a raw backend error ("Connection closed by peer", a gloo timeout) becomes a :class:`DeMoSyncError`
+that names the step and, where the rendezvous store can tell, the ranks that did not answer.
+
+:func:`register_collective_hook` is the public hook for tools (the WAN benchmarks delay collectives with
+it): ``fn(name, nbytes)`` runs on every rank just before each of DeMo's collectives.
 """
+
 from __future__ import annotations
 
+import datetime
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from .codec import FLAG_NONFINITE, FORMAT_VERSION, MAGIC, Header
 from .errors import DeMoSyncError
 
 
@@ -20,8 +27,9 @@ class CommStats:
     """Traffic of this rank: the last step and the running totals (``total_*``).
 
     ``bytes_sent`` is what this rank handed to the collectives; ``bytes_received`` what it got from the
-    other ranks. ``dense_bytes`` is what an fp32 all-reduce of the same parameters moves per step
-    (4 bytes per parameter), the figure DeMo saves against.
+    other ranks (for an all-reduce, what a ring all-reduce moves: ``2 (W-1)/W`` of the buffer each way).
+    ``dense_bytes`` is what an fp32 all-reduce of the same parameters moves per step (4 bytes per
+    parameter), the figure DeMo saves against.
     """
 
     bytes_sent: int = 0
@@ -57,56 +65,129 @@ class CommStats:
         return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        d = asdict(self)
         d["ratio_to_dense"] = self.ratio_to_dense
         return d
 
     def load(self, d: dict) -> None:
         for k, v in d.items():
-            if hasattr(self, k) and not k.startswith("_") and k != "ratio_to_dense":
+            if hasattr(self, k) and k != "ratio_to_dense":
                 setattr(self, k, type(getattr(self, k))(v))
 
 
+# ---------------------------------------------------------------- the public hook
+_HOOKS: dict[int, Callable[[str, int], None]] = {}
+
+
+class HookHandle:
+    def __init__(self, key: int):
+        self.key = key
+
+    def remove(self) -> None:
+        _HOOKS.pop(self.key, None)
+
+
+def register_collective_hook(fn: Callable[[str, int], None]) -> HookHandle:
+    """Call ``fn(name, nbytes)`` before each of DeMo's collectives (e.g. to emulate network delay)."""
+    key = id(fn) ^ time.monotonic_ns()
+    _HOOKS[key] = fn
+    return HookHandle(key)
+
+
 # torch >= 2.11 renamed all_gather_into_tensor to all_gather_single (same arguments)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_bytes(buf: torch.Tensor, group, world: int, stats: CommStats) -> torch.Tensor:
-    """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
-    if world == 1:
-        return buf.view(1, -1)
-    out = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
-    t0 = time.perf_counter()
-    _ALL_GATHER(out, buf, group=group)
-    stats.record(buf.numel(), buf.numel() * (world - 1), time.perf_counter() - t0)
-    return out.view(world, -1)
+class Transport:
+    """DeMo's collectives over one process group, with a timeout and counters.
 
+    With ``timeout`` > 0, DeMo communicates in a group of its own created with that timeout (same ranks,
+    same backend), so a frozen or vanished peer makes every surviving rank raise instead of blocking for
+    the backend's default 30 minutes.
+    """
 
-def check_headers(headers: list[Header], rank: int) -> None:
-    """Raise :class:`DeMoSyncError` (on every rank alike) when any two ranks' headers disagree."""
-    problems = []
-    for r, h in enumerate(headers):
-        if h.magic != MAGIC or h.version != FORMAT_VERSION:
-            problems.append(f"rank {r} speaks wire format {h.magic:#x}/v{h.version}, "
-                            f"expected {MAGIC:#x}/v{FORMAT_VERSION} (different hf_demo versions?)")
-            continue
-        ref = headers[0]
-        if h.world_size != ref.world_size:
-            problems.append(f"rank {r} thinks the world has {h.world_size} ranks, rank 0 {ref.world_size}")
-        if h.step != ref.step:
-            problems.append(f"rank {r} is at optimizer step {h.step}, rank 0 at step {ref.step} "
-                            "(a rank skipped or repeated optimizer.step(), or resumed from another checkpoint)")
-        if h.layout_checksum != ref.layout_checksum or h.payload_bytes != ref.payload_bytes:
-            problems.append(f"rank {r} has a different parameter layout than rank 0 (layout checksum "
-                            f"{h.layout_checksum:#010x} vs {ref.layout_checksum:#010x}, payload "
-                            f"{h.payload_bytes} vs {ref.payload_bytes} bytes): different model, parameter "
-                            "order, chunk or top-k")
-        if h.settings_checksum != ref.settings_checksum:
-            problems.append(f"rank {r} has different optimizer settings than rank 0 (lr, weight decay, "
-                            "momentum decay, value format or sign update differ)")
-    if problems:
-        raise DeMoSyncError(f"DeMo ranks disagree (seen by rank {rank}):\n  " + "\n  ".join(problems))
+    def __init__(self, group, timeout: float, stats: CommStats):
+        self.stats = stats
+        self.timeout = timeout
+        self.step = 0
+        self.failures = 0
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.base_group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.group = group
+        if group is not None and self.world > 1 and timeout > 0:
+            ranks = dist.get_process_group_ranks(group)
+            self.group = dist.new_group(
+                ranks=ranks,
+                timeout=datetime.timedelta(seconds=timeout),
+                backend=dist.get_backend(group),
+                use_local_synchronization=True,
+            )
 
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank
 
-def nonfinite_ranks(headers: list[Header]) -> list[int]:
-    return [r for r, h in enumerate(headers) if h.flags & FLAG_NONFINITE]
+    # ------------------------------------------------------------ collectives
+    def all_gather(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
+        if self.world == 1:
+            return buf.view(1, -1)
+        out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=buf.device)
+        self._run(name, buf.numel(), buf.numel() * (self.world - 1), lambda: _all_gather(out, buf, group=self.group))
+        return out.view(self.world, -1)
+
+    def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Sum a tensor over every rank, in place (every rank gets the same bits)."""
+        if self.world == 1:
+            return buf
+        ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
+        self._run(name, ring, ring, lambda: dist.all_reduce(buf, group=self.group))
+        return buf
+
+    def broadcast(self, buf: torch.Tensor, src: int, name: str) -> torch.Tensor:
+        """Rank ``src``'s (group rank) tensor to every rank, in place."""
+        if self.world == 1:
+            return buf
+        n = buf.numel() * buf.element_size()
+        sent, received = (n * (self.world - 1), 0) if self.rank == src else (0, n)
+        self._run(name, sent, received, lambda: dist.broadcast(buf, src=self.global_rank(src), group=self.group))
+        return buf
+
+    def _run(self, name: str, sent: int, received: int, op: Callable[[], object]) -> None:
+        for hook in list(_HOOKS.values()):
+            hook(name, sent)
+        t0 = time.perf_counter()
+        try:
+            op()
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failure(name, time.perf_counter() - t0, exc) from exc
+        self.stats.record(sent, received, time.perf_counter() - t0)
+
+    def _failure(self, name: str, waited: float, exc: BaseException) -> DeMoSyncError:
+        silent = self._unanswered_ranks()
+        who = f"rank(s) {silent} did not answer" if silent else "a peer is missing or out of step"
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        why = f"no answer within comm_timeout={self.timeout:g}s" if timed_out else "the connection failed"
+        return DeMoSyncError(
+            f"rank {self.rank}: DeMo's {name} exchange of optimizer step {self.step} failed after {waited:.1f}s "
+            f"({why}): {who} (frozen, killed, cut off, or a rank called optimizer.step() a different number "
+            f"of times). No state was changed. Backend said: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        )
+
+    def _unanswered_ranks(self) -> list[int]:
+        """Ask the rendezvous store which ranks are alive: each survivor writes a key, waits briefly, reads."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            self.failures += 1
+            prefix = f"hf_demo/alive/{self.step}/{self.failures}/"
+            store.set(prefix + str(self.rank), "1")
+            deadline = time.monotonic() + min(5.0, max(self.timeout, 1.0))
+            while True:
+                missing = [r for r in range(self.world) if not store.check([prefix + str(r)])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store itself may be gone with the failed peer
+            return []

@@ -1,2 +1,123 @@
-"""How coefficients move between ranks (placeholder: filled in by the core refactor)."""
-EXCHANGES = ("all_gather", "all_reduce")
+"""How selected coefficients move between ranks and become one averaged update (identical on every rank).
+
+An exchange works on the step's *working* momenta (copies: the optimizer commits them only when the whole
+step succeeded) in two phases:
+
+- ``prepare(working)``: local work before the headers travel; subtracts what will be sent from the working
+  momenta (error feedback) where the choice is local, and returns the payload whose CRC32/HMAC the header
+  carries (empty when nothing is known yet);
+- ``communicate(transport, headers, payload, working)``: the collectives, validation of everything
+  received, and the averaged DCT-domain coefficients per parameter, dense ``(nblocks, bsize)``.
+
+Exchanges (:data:`EXCHANGES`):
+
+- ``all_gather`` (default): each rank sends its own top-k positions and values; each coefficient is the
+  mean over the ranks that picked it. Each rank receives ``W - 1`` payloads.
+- ``all_reduce``: one rank per step (rotating: ``step % W``) picks the positions and broadcasts them; every
+  rank sends its values at those positions and an all-reduce sums them; each coefficient is the mean over
+  all ranks. Only values travel in the reduction, so the bytes per rank stay flat in ``W`` (a ring
+  all-reduce moves ``2 (W-1)/W`` of the buffer), plus one broadcast of the positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codec, functional as F
+from .blocks import BlockLayout
+from .errors import DeMoSyncError
+
+
+class AllGatherExchange:
+    name = "all_gather"
+
+    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None):
+        self.layouts = layouts
+        self.codec = codec.PayloadCodec(layouts, value_format)
+        self.payload_nbytes = self.codec.nbytes
+        self.secret = secret
+
+    def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
+        selections = [F.select(m, layout.k) for m, layout in zip(working, self.layouts)]
+        device = working[0].device if working else torch.device("cpu")
+        payload, sent = self.codec.encode(selections, device)
+        for m, (idx, _), values in zip(working, selections, sent):
+            F.feedback(m, idx, values)
+        return payload
+
+    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
+        received = transport.all_gather(payload, "payload")
+        codec.verify_rows(headers, received, self.secret, transport.rank, transport.step)
+        return [
+            F.densify(*F.mean_weights(idx, values, layout), layout)
+            for (idx, values), layout in zip(self.codec.decode(received), self.layouts)
+        ]
+
+
+class AllReduceExchange:
+    name = "all_reduce"
+    VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None):
+        if value_format not in self.VALUE_DTYPES:
+            raise ValueError(
+                f"exchange='all_reduce' sums values, so value_format must be one of "
+                f"{', '.join(self.VALUE_DTYPES)} (got {value_format!r}); use exchange='all_gather' for sign"
+            )
+        self.layouts = layouts
+        self.dtype = self.VALUE_DTYPES[value_format]
+        self.secret = secret  # positions and sums are the same bytes on every rank: the drift check covers them
+        self.index_offsets, off = [], 0
+        for layout in layouts:
+            self.index_offsets.append(off)
+            off += codec.index_bytes(layout)
+        self.index_nbytes = off
+        self.payload_nbytes = 0  # nothing is announced before the headers: positions follow them
+
+    def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
+        device = working[0].device if working else torch.device("cpu")
+        leader = transport.step % transport.world
+        positions = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
+        if transport.rank == leader:
+            for m, layout, off in zip(working, self.layouts, self.index_offsets):
+                wire = codec.pack_indices(F.select(m, layout.k)[0])
+                positions[off : off + wire.numel()] = wire
+        transport.broadcast(positions, leader, "positions")
+        chosen = []
+        for layout, off in zip(self.layouts, self.index_offsets):
+            idx = codec.unpack_indices(positions[None, off : off + codec.index_bytes(layout)], layout.nblocks, layout.k)[0]
+            if bool((idx >= layout.bsize).any()):
+                raise DeMoSyncError(
+                    f"rank {transport.rank}: positions broadcast by rank {leader} at optimizer step "
+                    f"{transport.step} are out of range for a block of {layout.bsize}: corrupted on the way"
+                )
+            chosen.append(idx)
+        # every rank contributes its own values at the agreed positions, exactly as they travel
+        contributions = [m.gather(1, idx).to(self.dtype) for m, idx in zip(working, chosen)]
+        sums = transport.all_reduce(torch.cat([c.reshape(-1) for c in contributions]), "values")
+        if not bool(sums.isfinite().all()):
+            raise DeMoSyncError(
+                f"rank {transport.rank}: the summed values of optimizer step {transport.step} hold NaN/Inf"
+            )
+        out, start = [], 0
+        for m, idx, mine, layout in zip(working, chosen, contributions, self.layouts):
+            F.feedback(m, idx, mine.float())
+            n = mine.numel()
+            mean = sums[start : start + n].float().view_as(idx) / transport.world
+            out.append(F.densify(idx, mean, layout))
+            start += n
+        return out
+
+
+EXCHANGES_BY_NAME = {cls.name: cls for cls in (AllGatherExchange, AllReduceExchange)}
+EXCHANGES = tuple(EXCHANGES_BY_NAME)
+
+
+def get(name: str):
+    try:
+        return EXCHANGES_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown exchange {name!r}; expected one of {', '.join(EXCHANGES)}") from None

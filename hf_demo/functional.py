@@ -1,7 +1,7 @@
 """The per-parameter math of DeMo as pure functions, in the order a gradient meets them.
 
 momentum (kept in the DCT domain) -> select top-k -> error feedback -> [pack, gather, unpack: codec/comm]
--> mean over the ranks that selected each coefficient -> inverse DCT -> parameter update.
+-> mean over the ranks that selected each coefficient -> inverse DCT -> weight decay -> the update rule\n(:mod:`hf_demo.update_rules`).
 
 Momentum lives in the DCT domain: the transform is linear and orthonormal, so
 ``DCT(decay*m + lr*g) == decay*DCT(m) + lr*DCT(g)``, and each step needs one forward transform (of the
@@ -55,11 +55,7 @@ def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tor
     return values.new_zeros(idx.shape[0], layout.bsize).scatter_add_(1, idx, values)
 
 
-def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
-                 sign_update: bool) -> None:
-    """Decoupled weight decay, then ``param -= lr * sign(update)`` (or the unsigned update)."""
+def apply_weight_decay(param: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """Decoupled weight decay: ``param *= 1 - lr*weight_decay``."""
     if weight_decay:
         param.mul_(1.0 - lr * weight_decay)
-    if sign_update:
-        update = update.sign_()
-    param.add_(update.to(param.dtype), alpha=-lr)

@@ -1,29 +1,41 @@
 """``hf_demo.DeMo``: Decoupled Momentum Optimization as a ``torch.optim.Optimizer``.
 
-One step, top to bottom (each stage is a function in :mod:`hf_demo.functional`, :mod:`hf_demo.codec` or
-:mod:`hf_demo.comm`):
+One step, top to bottom; every stage is a function or small object of its own module:
 
-1. check local gradients for NaN/Inf and exchange the 64-byte headers (collective 1);
-2. per parameter: momentum += DCT(grad) in the DCT domain, select top-k per block, quantize, error
-   feedback, pack into the one payload;
-3. all-gather the payload (collective 2);
-4. unpack and validate every rank's coefficients, then per parameter: mean over the ranks that selected
-   each coefficient, inverse DCT, update.
+1. local checks: NaN/Inf in gradients and parameters (element-wise), the drift fingerprint when due;
+2. momentum: ``working = decay*momentum + lr*DCT(grad)`` on copies (:mod:`hf_demo.functional`);
+3. the exchange prepares: top-k selection, encoding, error feedback (:mod:`hf_demo.exchange`,
+   :mod:`hf_demo.codec`);
+4. headers: every rank learns every rank's step, layout, settings, flags and payload CRC (collective 1,
+   checked by :func:`hf_demo.codec.check_headers`);
+5. the exchange communicates: payload collectives, validation, the averaged coefficients;
+6. commit: momenta, drift resync, decoupled weight decay, inverse DCT, the update rule
+   (:mod:`hf_demo.update_rules`).
+
+Nothing before step 6 changes the optimizer's state, the parameters or the counters: an error raised by
+``step()`` (a bad payload, a timeout, a disagreeing rank) leaves everything exactly as it was, so the
+step can be retried or the run resumed.
 """
+
 from __future__ import annotations
 
+import copy
 import math
+import os
+import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from . import codec, functional as F
-from .blocks import MAX_BLOCK_SIZE, BlockLayout, decode, plan
-from .comm import CommStats, all_gather_bytes, check_headers, nonfinite_ranks
+from . import codec, exchange as exchanges, functional as F, update_rules
+from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
+from .comm import CommStats, Transport
+from .config import DeMoSettings
 from .errors import DeMoNonFiniteError, DeMoStateError, DeMoSyncError
 
-NONFINITE_POLICIES = ("skip", "raise")
+SECRET_ENV = "HF_DEMO_SECRET"
+GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
 
 
 class DeMo(torch.optim.Optimizer):
@@ -31,64 +43,102 @@ class DeMo(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups. Groups may override ``lr``, ``weight_decay``,
-            ``compression_decay``, ``compression_topk``, ``compression_chunk`` and ``sign_update``.
+            ``compression_decay``, ``compression_topk`` and ``compression_chunk``. Parameters with
+            ``requires_grad=False`` are left untouched (no decay, no momentum, not sent).
         lr: learning rate; also scales the gradient into the momentum, as in the reference.
-        compression_decay: momentum decay (0 <= decay < 1 recommended; must be in [0, 1]).
-        compression_topk: coefficients kept per block.
-        compression_chunk: block side (1..256; blocks of chunk x chunk for matrices, chunk for vectors).
         weight_decay: decoupled weight decay, ``p *= 1 - lr*weight_decay``.
-        process_group: the group to communicate in; default the world group when
-            ``torch.distributed`` is initialised, otherwise a world of one.
-        value_format: ``"bf16"`` (default), ``"fp32"`` or ``"sign"`` (1 bit and a per-block scale).
-        sign_update: step with ``sign(update)`` (default, as the reference) or the raw update.
-        nonfinite: ``"skip"`` (every rank skips a step in which any rank saw NaN/Inf gradients; momentum
-            untouched) or ``"raise"``.
+        process_group: the group to communicate in; default the world group when ``torch.distributed`` is
+            initialised, otherwise a world of one.
+        sign_update: the reference's switch, kept for compatibility: ``False`` means
+            ``update_rule="raw"``.
+        **settings: every other setting, by name: see :class:`hf_demo.config.DeMoSettings`
+            (``compression_decay``, ``compression_topk``, ``compression_chunk``, ``value_format``,
+            ``exchange``, ``update_rule``, ``nonfinite``, ``comm_timeout``, ``check_every``, ``drift``, ...).
+
+    With ``HF_DEMO_SECRET`` set in the environment, every payload carries an HMAC-SHA256 tag and payloads
+    without the right tag are refused (see SECURITY.md).
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, compression_decay: float = 0.999,
-                 compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
-                 process_group=None, *, value_format: str = "bf16", sign_update: bool = True,
-                 nonfinite: str = "skip"):
-        if value_format not in codec.VALUE_FORMATS:
-            raise ValueError(f"value_format must be one of {codec.VALUE_FORMATS}, got {value_format!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        defaults = dict(lr=lr, compression_decay=compression_decay, compression_topk=compression_topk,
-                        compression_chunk=compression_chunk, weight_decay=weight_decay,
-                        sign_update=sign_update)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        process_group=None,
+        *,
+        sign_update: bool | None = None,
+        **settings,
+    ):
+        if sign_update is not None:
+            if not isinstance(sign_update, bool):
+                raise ValueError(f"DeMo: invalid sign_update={sign_update!r}: must be True or False")
+            rule = "sign" if sign_update else "raw"
+            if settings.setdefault("update_rule", rule) != rule:
+                raise ValueError(f"sign_update={sign_update} contradicts update_rule={settings['update_rule']!r}")
+        unknown = set(settings) - set(DeMoSettings.names())
+        if unknown:
+            raise ValueError(
+                f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(DeMoSettings.names())}"
+            )
+        self.settings = DeMoSettings(**settings)
         self.process_group = process_group
-        self.value_format = value_format
-        self.nonfinite = nonfinite
+        self.update_rule = update_rules.get(self.settings.update_rule)
+        secret = os.environ.get(SECRET_ENV)
+        self.secret = secret.encode() if secret else None
         self.comm_stats = CommStats()
-        self.steps = 0           # optimizer steps taken in lockstep, skipped ones included
+        self.steps = 0  # optimizer steps taken in lockstep, skipped ones included
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.resyncs = 0
+        self._transport: Transport | None = None
         self._saved_world: tuple[int, int] | None = None
+        defaults = dict(lr=lr, weight_decay=weight_decay)
+        defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
+        exchanges.get(self.settings.exchange)([], self.settings.value_format, None)  # settings it refuses fail now
+
+    @property
+    def value_format(self) -> str:
+        return self.settings.value_format
+
+    @property
+    def nonfinite(self) -> str:
+        return self.settings.nonfinite
 
     # ------------------------------------------------------------------ configuration
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        _validate_group(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(f"DeMo does not support complex parameters (shape {tuple(p.shape)}): "
+                                 "view them as real (torch.view_as_real) or optimise them with another optimizer")
+            if p.numel() == 0:
+                raise ValueError(f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: "
+                                 "leave it out of the optimizer")
 
-    def _world(self):
-        if dist.is_available() and dist.is_initialized():
-            group = self.process_group or dist.group.WORLD
-            return group, dist.get_rank(group), dist.get_world_size(group)
-        return None, 0, 1
+    def _transport_now(self) -> Transport:
+        initialised = dist.is_available() and dist.is_initialized()
+        if self._transport is None or (self._transport.world > 1) != initialised:
+            self._transport = Transport(self.process_group if initialised else None,
+                                        self.settings.comm_timeout if initialised else 0, self.comm_stats)
+        return self._transport
 
     def _plan(self):
-        """[(param, group, layout, offset)], payload length, layout checksum, settings checksum."""
-        items, offset, layout_key, settings_key = [], 0, [], [self.value_format]
+        """([(param, group, layout)], layout checksum, settings checksum)."""
+        items, layout_key = [], []
+        settings_key = [sorted(self.settings.as_dict().items()), self.secret is not None]
         for group in self.param_groups:
             _validate_group(group)
-            settings_key.append((float(group["lr"]), float(group["weight_decay"]),
-                                 float(group["compression_decay"]), bool(group["sign_update"])))
+            settings_key.append(tuple(float(group[k]) for k in GROUP_KEYS))
             for p in group["params"]:
+                if not p.requires_grad:
+                    continue
                 layout = plan(tuple(p.shape), group["compression_chunk"], group["compression_topk"])
-                items.append((p, group, layout, offset))
+                items.append((p, group, layout))
                 layout_key.append((layout, str(p.dtype)))
-                offset += codec.segment_bytes(layout, self.value_format)
-        return items, offset, codec.checksum(tuple(layout_key)), codec.checksum(tuple(settings_key))
+        return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(settings_key))
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -97,90 +147,123 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group, rank, world = self._world()
-        self._check_saved_world(rank, world)
-        items, payload_len, layout_ck, settings_ck = self._plan()
-        self.comm_stats.start_step(4 * sum(layout.numel for _, _, layout, _ in items))
-
-        # 1. headers: every rank learns every rank's step, layout, settings and non-finite flag
-        header = codec.Header(step=self.steps, layout_checksum=layout_ck, settings_checksum=settings_ck,
-                              flags=codec.FLAG_NONFINITE if self._local_nonfinite(items) else 0,
-                              world_size=world, payload_bytes=payload_len)
-        device = items[0][0].device if items else torch.device("cpu")
-        gathered = all_gather_bytes(header.to_bytes().to(device), group, world, self.comm_stats)
-        headers = [codec.Header.from_bytes(row.cpu()) for row in gathered]
-        check_headers(headers, rank)
-        bad = nonfinite_ranks(headers)
-        if bad:
-            if self.nonfinite == "raise":
-                raise DeMoNonFiniteError(f"non-finite gradients on rank(s) {bad} at optimizer step "
-                                         f"{self.steps}; no state was changed (nonfinite='raise')")
-            self.steps += 1
-            self.skipped_steps += 1
-            return loss
-
-        # 2. momentum -> select -> quantize -> error feedback -> pack
-        payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
-        for p, g, layout, off in items:
-            momentum = self._momentum(p, layout)
-            F.accumulate(momentum, p.grad, layout, g["compression_decay"], g["lr"])
-            idx, values = F.select(momentum, layout.k)
-            sent, wire = codec.quantize(values, self.value_format)
-            F.feedback(momentum, idx, sent)
-            ib = codec.index_bytes(layout)
-            payload[off: off + ib] = codec.pack_indices(idx)
-            payload[off + ib: off + ib + wire.numel()] = wire
-
-        # 3. gather
-        received = all_gather_bytes(payload, group, world, self.comm_stats)
-
-        # 4. unpack and validate everything before touching any parameter, then average -> decode -> update
-        coefficients = [self._unpack(received, i, layout, off) for i, (_, _, layout, off) in enumerate(items)]
-        for (p, g, layout, _), (idx, values) in zip(items, coefficients):
-            update = decode(F.densify(*F.mean_weights(idx, values, layout), layout), layout)
-            F.apply_update(p, update, g["lr"], g["weight_decay"], g["sign_update"])
-        self.steps += 1
+        transport = self._transport_now()
+        self._check_saved_world(transport.rank, transport.world)
+        before = (self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, copy.copy(self.comm_stats))
+        try:
+            self._step(transport)
+        except BaseException:
+            self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, stats = before
+            self.comm_stats.__dict__.update(stats.__dict__)
+            raise
         return loss
 
-    def _momentum(self, p: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    def _step(self, transport: Transport) -> None:
+        items, layout_ck, settings_ck = self._plan()
+        params = [p for p, _, _ in items]
+        layouts = [layout for _, _, layout in items]
+        self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
+        transport.step = self.steps
+        exchange = exchanges.get(self.settings.exchange)(layouts, self.settings.value_format, self.secret)
+
+        # 1. local checks
+        bad_grads = _nonfinite([p.grad for p in params if p.grad is not None])
+        bad_params = _nonfinite(params)
+        check_drift = _due(self.settings.check_every, self.steps) and transport.world > 1
+        flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
+        flags |= codec.FLAG_FINGERPRINT if check_drift else 0
+
+        # 2-3. momentum on copies, then the exchange's local part (select, encode, error feedback)
+        working, payload = [], torch.empty(0, dtype=torch.uint8)
+        if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+            for p, g, layout in items:
+                m = self._momentum(p, layout).clone()
+                F.accumulate(m, p.grad, layout, g["compression_decay"], g["lr"])
+                working.append(m)
+            payload = exchange.prepare(working)
+
+        # 4. headers
+        header = codec.Header(step=self.steps, layout_checksum=layout_ck, settings_checksum=settings_ck,
+                              flags=flags, world_size=transport.world, payload_bytes=exchange.payload_nbytes,
+                              fingerprint=_fingerprint(params) if check_drift else 0)
+        header = codec.sign(header, payload, self.secret)
+        device = params[0].device if params else torch.device("cpu")
+        rows = transport.all_gather(header.to_bytes().to(device), "header")
+        headers = [codec.Header.from_bytes(row) for row in rows]
+        codec.check_headers(headers, transport.rank)
+
+        drifted = check_drift and len({h.fingerprint for h in headers}) > 1
+        bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
+        resync = _due(self.settings.full_sync_every, self.steps) and transport.world > 1
+        if drifted or bad_param_ranks:
+            if self.settings.drift == "raise" or 0 in bad_param_ranks:
+                why = (f"non-finite parameters on rank(s) {bad_param_ranks}" if bad_param_ranks else
+                       f"parameter fingerprints differ: {[h.fingerprint for h in headers]}")
+                raise DeMoSyncError(f"replicas drifted apart at optimizer step {self.steps}: {why} "
+                                    f"(drift={self.settings.drift!r}); no state was changed")
+            resync = True
+        fresh = self._fetch_rank0(params, transport) if resync else None
+
+        skip = codec.flagged(headers, codec.FLAG_NONFINITE) or bad_param_ranks
+        if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
+            raise DeMoNonFiniteError(f"non-finite gradients on rank(s) {skip} at optimizer step {self.steps}; "
+                                     "no state was changed (nonfinite='raise')")
+        # 5. the exchange's collectives
+        updates = None if skip else exchange.communicate(transport, headers, payload, working)
+
+        # 6. commit: nothing below raises on purpose
+        if fresh is not None:
+            for p, value in zip(params, fresh):
+                p.copy_(value)
+            self.resyncs += 1
+            warnings.warn(f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
+                          f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
+                          stacklevel=3)
+        self.steps += 1
+        if skip:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips == self.settings.nonfinite_patience:
+                warnings.warn(f"DeMo skipped the last {self.consecutive_skips} optimizer steps for NaN/Inf "
+                              "gradients: the loss has likely diverged (lower the learning rate, check the data)",
+                              stacklevel=3)
+            return
+        self.consecutive_skips = 0
+        for (p, g, layout), m, update in zip(items, working, updates):
+            self.state[p]["momentum"] = m
+            F.apply_weight_decay(p, g["lr"], g["weight_decay"])
+            self.update_rule.apply(p, decode(update, layout), self.state[p], g["lr"])
+
+    def _momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
         state = self.state[p]
         if "momentum" not in state:
             state["momentum"] = torch.zeros(layout.nblocks, layout.bsize, dtype=torch.float32, device=p.device)
         return state["momentum"]
 
-    def _local_nonfinite(self, items) -> bool:
-        grads = [p.grad for p, _, _, _ in items if p.grad is not None]
-        if any(g.is_sparse for g in grads):
-            raise ValueError("DeMo does not support sparse gradients")
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads)
-        return not bool(torch.stack([n.float() for n in norms]).isfinite().all())
-
-    def _unpack(self, received: torch.Tensor, i: int, layout: BlockLayout, off: int):
-        ib = codec.index_bytes(layout)
-        end = off + codec.segment_bytes(layout, self.value_format)
-        idx = codec.unpack_indices(received[:, off: off + ib], layout.nblocks, layout.k)
-        values = codec.dequantize(received[:, off + ib: end], self.value_format, layout.nblocks, layout.k)
-        if bool((idx >= layout.bsize).any()):
-            ranks = sorted(set((idx >= layout.bsize).flatten(1).any(1).nonzero().flatten().tolist()))
-            raise DeMoSyncError(f"received out-of-range indices for parameter {i} (shape {layout.shape}, "
-                                f"block of {layout.bsize}) from rank(s) {ranks}: corrupted payload")
-        if not bool(values.isfinite().all()):
-            ranks = sorted(set((~values.isfinite()).flatten(1).any(1).nonzero().flatten().tolist()))
-            raise DeMoSyncError(f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) "
-                                f"from rank(s) {ranks}")
-        return idx, values
+    def _fetch_rank0(self, params, transport: Transport) -> list[torch.Tensor]:
+        """Rank 0's parameters, into copies (committed only when the step succeeds)."""
+        out = []
+        for p in params:
+            buf = p.detach().clone().contiguous()
+            transport.broadcast(buf, 0, "resync")
+            out.append(buf)
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        _, rank, world = self._world()
+        transport = self._transport_now() if dist.is_available() and dist.is_initialized() else None
         sd = super().state_dict()
-        sd["demo"] = {"format_version": codec.FORMAT_VERSION, "steps": self.steps,
-                      "skipped_steps": self.skipped_steps, "rank": rank, "world_size": world,
-                      "value_format": self.value_format,
-                      "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_")
-                               or k == "steps"}}
+        sd["demo"] = {
+            "format_version": codec.FORMAT_VERSION,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "resyncs": self.resyncs,
+            "rank": transport.rank if transport else 0,
+            "world_size": transport.world if transport else 1,
+            "settings": self.settings.as_dict(),
+            "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
+        }
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -188,30 +271,46 @@ class DeMo(torch.optim.Optimizer):
         extra = state_dict.pop("demo", None)
         if extra is None:
             raise DeMoStateError("this optimizer state was not saved by hf_demo.DeMo (no 'demo' entry)")
-        if extra.get("format_version") != codec.FORMAT_VERSION:
+        if extra.get("format_version") not in (1, codec.FORMAT_VERSION):
             raise DeMoStateError(f"optimizer state has format version {extra.get('format_version')}, "
                                  f"this hf_demo reads {codec.FORMAT_VERSION}")
-        saved_momenta = {pid: s["momentum"] for pid, s in state_dict.get("state", {}).items() if "momentum" in s}
+        requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in self.param_groups]
+        saved_groups = state_dict["param_groups"]
+        # torch casts floating state to the parameter dtype; DeMo's state stays fp32 whatever the parameter
+        saved_fp32 = {pid: {k: v for k, v in s.items() if torch.is_tensor(v) and v.is_floating_point()}
+                      for pid, s in state_dict.get("state", {}).items()}
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter dtype; momentum stays fp32 whatever the parameter
-        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        for pid, (p, group) in zip(ids, ((p, g) for g in self.param_groups for p in g["params"])):
-            if pid not in saved_momenta:
-                continue
-            layout = plan(tuple(p.shape), group["compression_chunk"], group["compression_topk"])
-            m = saved_momenta[pid]
-            if tuple(m.shape) != (layout.nblocks, layout.bsize):
-                raise DeMoStateError(f"saved momentum of parameter {pid} has shape {tuple(m.shape)}, this "
-                                     f"model needs {(layout.nblocks, layout.bsize)} (shape {tuple(p.shape)}, "
-                                     f"chunk {group['compression_chunk']}, top-k {group['compression_topk']})")
-            self.state[p]["momentum"] = m.to(device=p.device, dtype=torch.float32, copy=True)
+        changed = []
+        for group, req, saved in zip(self.param_groups, requested, saved_groups):
+            for k, v in req.items():
+                if saved.get(k, v) != v:
+                    changed.append(f"{k}: saved {saved[k]!r}, requested {v!r}")
+            group.update(req)  # the requested settings win over the checkpoint's
+        saved_settings = extra.get("settings", {})
+        changed += [f"{k}: saved {saved_settings[k]!r}, requested {v!r}" for k, v in self.settings.as_dict().items()
+                    if k in saved_settings and saved_settings[k] != v]
+        ids = [pid for g in saved_groups for pid in g["params"]]
+        pairs = [(p, g, saved_g) for g, saved_g in zip(self.param_groups, saved_groups) for p in g["params"]]
+        for pid, (p, group, saved_g) in zip(ids, pairs):
+            for key, value in saved_fp32.get(pid, {}).items():
+                value = value.to(device=p.device, dtype=torch.float32, copy=True)
+                if key == "momentum":
+                    value = _replan_momentum(pid, value, p, saved_g.get("compression_chunk", group["compression_chunk"]),
+                                             group["compression_chunk"])
+                self.state[p][key] = value
+        if changed:
+            warnings.warn("DeMo: resuming with settings that differ from the checkpoint's (the requested ones "
+                          "are used; momentum re-planned where the chunk changed): " + "; ".join(changed),
+                          stacklevel=2)
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra["skipped_steps"])
+        self.consecutive_skips = int(extra.get("consecutive_skips", 0))
+        self.resyncs = int(extra.get("resyncs", 0))
         self.comm_stats.load(extra.get("comm", {}))
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]))
-        _, rank, world = self._world()
         if dist.is_available() and dist.is_initialized():
-            self._check_saved_world(rank, world)
+            transport = self._transport_now()
+            self._check_saved_world(transport.rank, transport.world)
 
     def _check_saved_world(self, rank: int, world: int) -> None:
         if self._saved_world is None:
@@ -225,6 +324,44 @@ class DeMo(torch.optim.Optimizer):
             raise DeMoStateError(f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; "
                                  "each rank must load its own state")
         self._saved_world = None
+
+
+# ---------------------------------------------------------------------- helpers
+def _due(every: int, step: int) -> bool:
+    return bool(every) and (step + 1) % every == 0
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """Any NaN/Inf element (element-wise: a finite 1e30 is finite)."""
+    tensors = [t for t in tensors if t.numel()]
+    if any(t.is_sparse for t in tensors):
+        raise ValueError("DeMo does not support sparse gradients")
+    if not tensors:
+        return False
+    return not all(bool(t.isfinite().all()) for t in tensors)
+
+
+def _fingerprint(params: list[torch.Tensor]) -> int:
+    """An exact, order-sensitive fingerprint of the parameters' bits (integer sums: deterministic)."""
+    int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    total = 0
+    for p in params:
+        bits = p.detach().contiguous().view(int_of[p.element_size()]).reshape(-1).to(torch.int64)
+        weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
+        total = (total * 1_000_003 + int(bits.sum()) * 31 + int((bits * weights).sum())) & ((1 << 62) - 1)
+    return total
+
+
+def _replan_momentum(pid, momentum: torch.Tensor, p: torch.Tensor, saved_chunk: int, chunk: int) -> torch.Tensor:
+    shape = tuple(p.shape)
+    old, new = plan(shape, saved_chunk, 1), plan(shape, chunk, 1)
+    if tuple(momentum.shape) != (old.nblocks, old.bsize):
+        raise DeMoStateError(f"saved momentum of parameter {pid} has shape {tuple(momentum.shape)}, this model "
+                             f"needs {(old.nblocks, old.bsize)} (parameter shape {shape}, chunk {saved_chunk}): "
+                             "a different model?")
+    if saved_chunk == chunk:
+        return momentum
+    return encode(decode(momentum, old), new)
 
 
 def _validate_group(group: dict) -> None:
@@ -247,5 +384,3 @@ def _validate_group(group: dict) -> None:
         bad("compression_topk", "must be an integer >= 1")
     if topk > chunk * chunk:
         bad("compression_topk", f"cannot exceed the block size chunk*chunk = {chunk * chunk}")
-    if not isinstance(group["sign_update"], bool):
-        bad("sign_update", "must be True or False")

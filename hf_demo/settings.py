@@ -7,14 +7,11 @@ import torch
 
 from .optimizer import DeMo
 
-# key -> (type, default, help). Keys are DeMo's keyword names (the reference optimizer's own).
+from .config import DeMoSettings
+
+# key -> (type, default, help): derived from DeMoSettings, the one source of truth.
 SETTINGS: dict[str, tuple[type, object, str]] = {
-    "compression_decay": (float, 0.999, "momentum decay"),
-    "compression_topk": (int, 32, "DCT coefficients sent per block"),
-    "compression_chunk": (int, 64, "block side: chunk x chunk blocks for matrices, chunk for vectors"),
-    "value_format": (str, "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + per-block scale)"),
-    "sign_update": (bool, True, "step with sign(update) (the reference's rule) instead of the raw update"),
-    "nonfinite": (str, "skip", "NaN/Inf local gradients: skip the step on every rank, or raise"),
+    name: (kind, default, help) for name, kind, default, help, _ in DeMoSettings.describe()
 }
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .settings import SETTINGS, parse_optim_args
+from .settings import SETTINGS, parse_optim_args  # noqa: F401
 
 DEMO = "demo"
 
@@ -33,8 +33,8 @@ class DeMoTrainingArguments(TrainingArguments):
     demo_value_format: str = field(default=SETTINGS["value_format"][1],
                                    metadata={"help": "DeMo: " + SETTINGS["value_format"][2],
                                              "choices": ["bf16", "fp32", "sign"]})
-    demo_sign_update: bool = field(default=SETTINGS["sign_update"][1],
-                                   metadata={"help": "DeMo: " + SETTINGS["sign_update"][2]})
+    demo_update_rule: str = field(default=SETTINGS["update_rule"][1],
+                                  metadata={"help": "DeMo: " + SETTINGS["update_rule"][2]})
     demo_nonfinite: str = field(default=SETTINGS["nonfinite"][1],
                                 metadata={"help": "DeMo: " + SETTINGS["nonfinite"][2], "choices": ["skip", "raise"]})
 
@@ -64,6 +64,6 @@ class DeMoTrainingArguments(TrainingArguments):
 
     def demo_settings(self) -> dict:
         """DeMo keyword arguments (besides lr and weight decay) from the fields and ``--optim_args``."""
-        settings = {key: getattr(self, f"demo_{key}") for key in SETTINGS}
+        settings = {key: getattr(self, f"demo_{key}") for key in SETTINGS if hasattr(self, f"demo_{key}")}
         settings.update(parse_optim_args(self.optim_args))
         return settings

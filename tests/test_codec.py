@@ -1,14 +1,21 @@
-"""The wire format: header, indices and every value format round-trip exactly."""
+"""The wire protocol: header, indices, every value format and the payload round-trip exactly and are checked."""
+
 import pytest
 import torch
 
 from hf_demo import codec
 from hf_demo.blocks import plan
+from hf_demo.errors import DeMoSyncError
+
+
+def _header(**kw):
+    base = dict(step=12345, layout_checksum=0xDEADBEEF, settings_checksum=7, flags=codec.FLAG_NONFINITE,
+                world_size=4, payload_bytes=1 << 40, payload_crc=0xFFFFFFFF, fingerprint=(1 << 62) - 1)
+    return codec.Header(**{**base, **kw})
 
 
 def test_header_round_trip():
-    h = codec.Header(step=12345, layout_checksum=0xDEADBEEF, settings_checksum=7, flags=codec.FLAG_NONFINITE,
-                     world_size=4, payload_bytes=1 << 40)
+    h = _header(tag=bytes(range(32)))
     b = h.to_bytes()
     assert b.dtype == torch.uint8 and b.numel() == codec.HEADER_BYTES
     assert codec.Header.from_bytes(b) == h
@@ -27,19 +34,19 @@ def test_indices_round_trip_full_16_bit_range():
 def test_values_round_trip_exactly(fmt, nblocks, k):
     torch.manual_seed(nblocks * k)
     values = torch.randn(nblocks, k)
-    sent, wire = codec.quantize(values, fmt)
-    layout = plan((nblocks * 64,), 64, k)
-    assert wire.numel() == codec.value_bytes(layout, fmt)
-    decoded = codec.dequantize(torch.stack([wire, wire]), fmt, nblocks, k)
+    f = codec.value_format(fmt)
+    sent, wire = f.encode(values)
+    assert wire.numel() == f.nbytes(nblocks, k)
+    decoded = f.decode(torch.stack([wire, wire]), nblocks, k)
     assert torch.equal(decoded[0], sent) and torch.equal(decoded[1], sent)
 
 
 def test_value_formats_mean_what_they_say():
     values = torch.tensor([[0.3, -1.7, 2.0, -0.5]])
-    assert torch.equal(codec.quantize(values, "fp32")[0], values)
-    assert torch.equal(codec.quantize(values, "bf16")[0], values.to(torch.bfloat16).float())
-    sent, wire = codec.quantize(values, "sign")
-    scale = torch.tensor(1.125).to(torch.bfloat16).float()   # mean |v|
+    assert torch.equal(codec.value_format("fp32").encode(values)[0], values)
+    assert torch.equal(codec.value_format("bf16").encode(values)[0], values.to(torch.bfloat16).float())
+    sent, wire = codec.value_format("sign").encode(values)
+    scale = torch.tensor(1.125).to(torch.bfloat16).float()  # mean |v|
     assert torch.equal(sent, scale * torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
     assert wire.numel() == 8  # 2-byte scale + 1 byte of bits, each 4-aligned
 
@@ -54,4 +61,73 @@ def test_wire_cost_per_coefficient():
 
 def test_unknown_format():
     with pytest.raises(ValueError, match="value format"):
-        codec.quantize(torch.ones(1, 1), "int4")
+        codec.value_format("int4")
+
+
+def _payload(fmt="bf16"):
+    torch.manual_seed(0)
+    layouts = [plan((70, 10), 8, 5), plan((13,), 8, 3)]
+    pc = codec.PayloadCodec(layouts, fmt)
+    selections = [(torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices, torch.randn(lay.nblocks, lay.k))
+                  for lay in layouts]
+    payload, sent = pc.encode(selections, "cpu")
+    return pc, selections, payload, sent
+
+
+@pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
+def test_payload_round_trip(fmt):
+    pc, selections, payload, sent = _payload(fmt)
+    assert payload.numel() == pc.nbytes
+    decoded = pc.decode(torch.stack([payload, payload]))
+    for (idx, _), values, (d_idx, d_values) in zip(selections, sent, decoded):
+        assert torch.equal(d_idx[1], idx) and torch.equal(d_values[1], values)
+
+
+def test_payload_decode_names_out_of_range_indices_and_nan_values():
+    pc, _, payload, _ = _payload("fp32")
+    bad = payload.clone()
+    bad[:2] = 255  # first index of the first block: 65535 >= 64
+    with pytest.raises(DeMoSyncError, match=r"out-of-range indices for parameter 0 .* rank\(s\) \[1\]"):
+        pc.decode(torch.stack([payload, bad]))
+    bad = payload.clone()
+    off = codec.index_bytes(pc.layouts[0])
+    bad[off : off + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # fp32 NaN
+    with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[0\]"):
+        pc.decode(torch.stack([bad, payload]))
+
+
+def test_crc_catches_every_single_flipped_byte():
+    _, _, payload, _ = _payload("sign")
+    headers = [codec.sign(_header(), payload, None)] * 2
+    for pos in range(0, payload.numel(), 7):
+        bad = payload.clone()
+        bad[pos] ^= 0x10
+        with pytest.raises(DeMoSyncError, match="from rank 1 .* CRC32"):
+            codec.verify_rows(headers, torch.stack([payload, bad]), None, rank=0, step=3)
+
+
+def test_hmac_refuses_a_payload_signed_with_another_secret_or_unsigned():
+    _, _, payload, _ = _payload()
+    good = codec.sign(_header(), payload, b"s3cret")
+    codec.verify_rows([good], payload[None], b"s3cret", rank=0, step=0)
+    forged = codec.sign(_header(), payload, b"other")
+    with pytest.raises(DeMoSyncError, match="HMAC"):
+        codec.verify_rows([forged], payload[None], b"s3cret", rank=0, step=0)
+    unsigned = codec.sign(_header(), payload, None)
+    with pytest.raises(DeMoSyncError, match="HMAC"):
+        codec.verify_rows([unsigned], payload[None], b"s3cret", rank=0, step=0)
+    # a tag alone does not pass a changed header either (the step is covered)
+    replayed = codec._replace(good, step=good.step + 1)
+    with pytest.raises(DeMoSyncError, match="HMAC"):
+        codec.verify_rows([replayed], payload[None], b"s3cret", rank=0, step=0)
+
+
+def test_check_headers_names_every_disagreement():
+    ref = _header(flags=0)
+    with pytest.raises(DeMoSyncError, match="rank 1 is at optimizer step 12346"):
+        codec.check_headers([ref, codec._replace(ref, step=12346)], 0)
+    with pytest.raises(DeMoSyncError, match="different optimizer settings"):
+        codec.check_headers([ref, codec._replace(ref, settings_checksum=8)], 0)
+    with pytest.raises(DeMoSyncError, match="HF_DEMO_SECRET"):
+        codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_AUTH)], 0)
+    codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_NONFINITE)], 0)  # flags may differ

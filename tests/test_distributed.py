@@ -98,11 +98,12 @@ def _corrupt_payload(rank, world, what):
             real = codec.pack_indices
             codec.pack_indices = lambda idx: real(torch.full_like(idx, 65535))
         else:
-            real = codec.quantize
-            def nan_values(values, fmt):
-                sent, wire = real(values, fmt)
+            fmt = codec.value_format("fp32")
+            real = fmt.encode
+            def nan_values(values):
+                sent, wire = real(values)
                 return sent, torch.full_like(sent, float("nan")).view(torch.uint8).reshape(-1)
-            codec.quantize = nan_values
+            fmt.encode = nan_values
     before = [p.detach().clone() for p in model.parameters()]
     loss_and_backward(model, rank, 0)
     try:

@@ -19,7 +19,7 @@ def test_momentum_equals_residual_plus_sent(fmt):
     idx, values = F.select(momentum, layout.k)
     assert torch.equal(values.abs().min(1).values >= momentum.abs().kthvalue(layout.bsize - layout.k, 1).values,
                        torch.ones(layout.nblocks, dtype=torch.bool))
-    sent, _ = codec.quantize(values, fmt)
+    sent, _ = codec.value_format(fmt).encode(values)
     F.feedback(momentum, idx, sent)
     dense_sent = torch.zeros_like(momentum).scatter_(1, idx, sent)
     if fmt == "sign":  # scale*sign is not exactly subtractable in fp32: within one rounding
