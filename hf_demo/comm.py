@@ -118,13 +118,18 @@ class Transport:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.group = group
         if group is not None and self.world > 1 and timeout > 0:
-            ranks = dist.get_process_group_ranks(group)
-            self.group = dist.new_group(
-                ranks=ranks,
-                timeout=datetime.timedelta(seconds=timeout),
-                backend=dist.get_backend(group),
-                use_local_synchronization=True,
-            )
+            try:
+                self.group = dist.new_group(
+                    ranks=dist.get_process_group_ranks(group),
+                    timeout=datetime.timedelta(seconds=timeout),
+                    backend=dist.get_backend(group),
+                    use_local_synchronization=True,
+                )
+            except (RuntimeError, dist.DistError) as exc:
+                raise DeMoSyncError(
+                    f"rank {self.rank}: could not set up DeMo's process group within comm_timeout={timeout:g}s: "
+                    f"a peer is missing (not started, crashed, or already finished). Backend said: {exc}"
+                ) from exc
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank

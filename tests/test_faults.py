@@ -1,0 +1,299 @@
+"""Faults on real gloo ranks: every error leaves the whole state untouched, names the problem, and nothing hangs.
+
+Each test injects one fault (a corrupted payload, a frozen or vanished peer, a drifted replica, a different
+secret, ...) and checks what every rank raised, how long it took, and the full state afterwards.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+import hf_demo
+from dist_utils import RankError, expect_ok, run_ranks
+from models import loss_and_backward, tiny_mlp
+
+
+def _make(model, **kw):
+    return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
+
+
+def _snapshot(model, opt):
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())},
+        (opt.steps, opt.skipped_steps, opt.resyncs),
+        opt.comm_stats.as_dict(),
+    )
+
+
+def _same(a, b) -> bool:
+    params_a, state_a, counters_a, stats_a = a
+    params_b, state_b, counters_b, stats_b = b
+    return (
+        all(torch.equal(x, y) for x, y in zip(params_a, params_b))
+        and state_a.keys() == state_b.keys()
+        and all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+        and counters_a == counters_b
+        and stats_a == stats_b
+    )
+
+
+def _fail_on_second_step(rank, world, fault, kw):
+    """Step once cleanly, inject ``fault`` into the second step, report (error, state unchanged?, seconds)."""
+    from hf_demo import codec
+
+    model = tiny_mlp()
+    opt = _make(model, **kw)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    loss_and_backward(model, rank, 1)
+    before = _snapshot(model, opt)
+    if fault == "index" and rank == world - 1:
+        real_pack = codec.pack_indices
+        codec.pack_indices = lambda idx: real_pack(torch.full_like(idx, 65535))
+    if fault == "nan" and rank == world - 1:
+        fmt = codec.value_format(kw.get("value_format", "bf16"))
+        real_encode = fmt.encode
+
+        def nan_encode(values):
+            sent, wire = real_encode(values)
+            return sent, torch.full_like(wire, 0xFF)
+
+        fmt.encode = nan_encode
+    if fault == "freeze" and rank == 1:
+        time.sleep(kw["comm_timeout"] + 12)  # a frozen peer: never joins this step's collective
+        return ("slept", True, 0.0)
+    if fault == "nan_grad" and rank == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    started = time.monotonic()
+    try:
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - reported with the state check
+        return (RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started)
+    return ("no error", _same(before, _snapshot(model, opt)), time.monotonic() - started)
+
+
+@pytest.mark.parametrize(
+    "fault,kw,match",
+    [
+        ("index", {"value_format": "fp32"}, "out-of-range indices for parameter 0 (shape (32, 16), block of 64) "
+                                             "from rank(s) [2]"),
+        ("nan", {"value_format": "bf16"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
+        ("nan_grad", {"nonfinite": "raise"}, "non-finite gradients on rank(s) [1] at optimizer step 1"),
+    ],
+)
+def test_every_error_leaves_the_whole_state_untouched_on_every_rank(fault, kw, match):
+    results = expect_ok(run_ranks(_fail_on_second_step, 3, fault, kw))
+    for rank, (error, unchanged, _) in enumerate(results):
+        assert isinstance(error, RankError), f"rank {rank} did not raise"
+        assert match in error.message, error.message
+        assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
+
+
+def _flip(rank, world):
+    from hf_demo import codec, comm
+
+    model = tiny_mlp()
+    opt = _make(model, comm_timeout=5.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    if rank == 1:  # one byte of rank 0's payload flipped on its way to rank 1
+        real_gather = comm._all_gather
+
+        def flipping_gather(out, buf, group=None):
+            real_gather(out, buf, group=group)
+            if buf.numel() != codec.HEADER_BYTES:
+                out[buf.numel() // 2] ^= 0x01
+
+        comm._all_gather = flipping_gather
+    for step in (1, 2):
+        loss_and_backward(model, rank, step)
+        before = _snapshot(model, opt)
+        started = time.monotonic()
+        try:
+            opt.step()
+        except Exception as exc:  # noqa: BLE001
+            return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started, step
+    return "no error", True, 0.0, step
+
+
+def test_a_byte_flipped_on_the_wire_is_caught_by_the_receiver_and_the_sender_stops_within_the_timeout():
+    (err0, unchanged0, secs0, step0), (err1, unchanged1, _, step1) = expect_ok(run_ranks(_flip, 2, timeout=90))
+    assert (step0, step1) == (2, 1)
+    assert isinstance(err1, RankError) and err1.type == "DeMoSyncError", err1
+    assert "the payload from rank 0 at optimizer step 1 fails its CRC32 check" in err1.message, err1.message
+    assert unchanged1
+    # rank 0's next step has no partner any more: a named error within the timeout, state untouched
+    assert isinstance(err0, RankError) and err0.type == "DeMoSyncError", err0
+    assert "optimizer step" in err0.message and secs0 < 5.0 + 10, (err0.message, secs0)
+    assert unchanged0
+
+
+def test_a_frozen_peer_makes_the_survivor_raise_within_comm_timeout_naming_it():
+    timeout = 4.0
+    started = time.monotonic()
+    results = expect_ok(run_ranks(_fail_on_second_step, 2, "freeze", {"comm_timeout": timeout}, timeout=90))
+    error, unchanged, seconds = results[0]
+    assert isinstance(error, RankError) and error.type == "DeMoSyncError", error
+    assert "rank(s) [1] did not answer" in error.message, error.message
+    assert f"comm_timeout={timeout:g}s" in error.message and "optimizer step 1" in error.message
+    assert timeout <= seconds < timeout + 10, seconds
+    assert unchanged
+    assert time.monotonic() - started < 60
+
+
+def _extra_step(rank, world):
+    model = tiny_mlp()
+    opt = _make(model, comm_timeout=20.0)
+    for step in range(3 + (rank == 1)):  # rank 1 calls step() one time more than rank 0
+        loss_and_backward(model, rank, step)
+        before = _snapshot(model, opt)
+        started = time.monotonic()
+        try:
+            opt.step()
+        except Exception as exc:  # noqa: BLE001
+            return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started
+    return "finished", True, 0.0
+
+
+def test_a_rank_stepping_once_more_gets_a_named_error_not_a_raw_gloo_one():
+    results = expect_ok(run_ranks(_extra_step, 2, timeout=90))
+    assert results[0][0] == "finished"
+    error, unchanged, seconds = results[1]
+    assert isinstance(error, RankError) and error.type == "DeMoSyncError", error
+    assert "optimizer step 3" in error.message, error.message
+    assert "did not answer" in error.message or "a peer is missing or out of step" in error.message, error.message
+    assert unchanged and seconds < 30
+
+
+def _settings(rank, world, name, values):
+    model = tiny_mlp()
+    opt = _make(model, **{name: values[rank]})
+    loss_and_backward(model, rank, 0)
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "name,values",
+    [("nonfinite", ("skip", "raise")), ("update_rule", ("sign", "adam")), ("check_every", (100, 50)),
+     ("exchange", ("all_gather", "all_reduce"))],
+)
+def test_every_setting_that_must_agree_is_checked(name, values):
+    for r in run_ranks(_settings, 2, name, values):
+        assert isinstance(r, RankError) and "different optimizer settings" in r.message, r
+
+
+def _secret(rank, world, secrets):
+    if secrets[rank] is None:
+        os.environ.pop("HF_DEMO_SECRET", None)
+    else:
+        os.environ["HF_DEMO_SECRET"] = secrets[rank]
+    model = tiny_mlp()
+    opt = _make(model)
+    for step in range(3):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_authenticated_payloads():
+    same = expect_ok(run_ranks(_secret, 2, ("s3cret", "s3cret")))
+    assert all(torch.equal(a, b) for a, b in zip(*same))
+    forged = run_ranks(_secret, 2, ("s3cret", "guess"))
+    assert all(isinstance(r, RankError) and "HMAC-SHA256" in r.message for r in forged), forged
+    missing = run_ranks(_secret, 2, ("s3cret", None))
+    assert all(isinstance(r, RankError) and "HF_DEMO_SECRET" in r.message for r in missing), missing
+
+
+def _drift(rank, world, policy, full_sync_every):
+    model = tiny_mlp()
+    opt = _make(model, check_every=5, drift=policy, full_sync_every=full_sync_every)
+    for step in range(12):
+        loss_and_backward(model, rank, step)
+        if step == 2 and rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] += 1e-3  # a bit flip, a non-deterministic kernel
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.resyncs, opt.state_dict()["demo"]["resyncs"]
+
+
+def test_drift_is_detected_and_resynced():
+    (p0, n0, s0), (p1, n1, s1) = expect_ok(run_ranks(_drift, 2, "resync", 0))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert n0 == n1 == s0 == s1 == 1  # found at the check of step 4; the check of step 9 finds them equal
+
+
+def test_full_sync_every():
+    (p0, n0, _), (p1, n1, _) = expect_ok(run_ranks(_drift, 2, "raise", 4))
+    # the nudge of step 2 is overwritten by the full synchronisation of step 3, before the check of step 4
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and n0 == n1 == 3
+
+
+def test_drift_raises_with_policy_raise():
+    results = run_ranks(_drift, 2, "raise", 0)
+    for r in results:
+        assert isinstance(r, RankError) and "replicas drifted apart at optimizer step 4" in r.message, r
+
+
+def _frozen_param(rank, world):
+    model = tiny_mlp()
+    frozen = model[0].bias
+    frozen.requires_grad_(False)
+    value = frozen.detach().clone()
+    opt = _make(model, weight_decay=0.1)
+    for step in range(5):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    return torch.equal(frozen, value), frozen not in opt.state
+
+
+def test_frozen_parameters_are_left_alone():
+    for untouched, no_state in expect_ok(run_ranks(_frozen_param, 2)):
+        assert untouched and no_state
+
+
+def test_complex_and_empty_parameters_are_refused_at_construction():
+    with pytest.raises(ValueError, match="complex"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="empty parameter"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(0))])
+
+
+def test_a_huge_finite_gradient_is_not_non_finite():
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = hf_demo.DeMo([p], lr=1e-3)
+    p.grad = torch.full((8, 8), 1e30)
+    opt.step()
+    assert opt.skipped_steps == 0 and bool(p.ne(0).any())
+
+
+def test_warns_after_patience_consecutive_skipped_steps():
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = hf_demo.DeMo([p], lr=1e-3, nonfinite_patience=3)
+    p.grad = torch.full((8, 8), float("nan"))
+    opt.step()
+    opt.step()
+    with pytest.warns(UserWarning, match="skipped the last 3 optimizer steps"):
+        opt.step()
+
+
+def _inf_param(rank, world, policy):
+    model = tiny_mlp()
+    opt = _make(model, drift=policy)
+    for step in range(4):
+        loss_and_backward(model, rank, step)
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("inf")
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.skipped_steps, opt.resyncs
+
+
+def test_a_non_finite_parameter_on_one_rank_is_named_or_repaired():
+    (p0, skipped0, resyncs0), (p1, _, resyncs1) = expect_ok(run_ranks(_inf_param, 2, "resync"))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(bool(p.isfinite().all()) for p in p1)
+    assert (skipped0, resyncs0, resyncs1) == (1, 1, 1)
+    for r in run_ranks(_inf_param, 2, "raise"):
+        assert isinstance(r, RankError) and "non-finite parameters on rank(s) [1]" in r.message, r
