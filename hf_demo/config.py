@@ -52,6 +52,12 @@ class DeMoSettings:
         "normalised, computed identically on every rank: no extra traffic)",
         update_rules.UPDATE_RULES,
     )
+    param_rounding: str = _setting(
+        "nearest",
+        "how a bf16 parameter takes its step: nearest, or stochastic (unbiased rounding, identical noise on "
+        "every rank; no extra memory) so steps below bf16's resolution still move the weights",
+        ("nearest", "stochastic"),
+    )
     nonfinite: str = _setting(
         "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
     )

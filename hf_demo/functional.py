@@ -55,7 +55,31 @@ def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tor
     return values.new_zeros(idx.shape[0], layout.bsize).scatter_add_(1, idx, values)
 
 
-def apply_weight_decay(param: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """Decoupled weight decay: ``param *= 1 - lr*weight_decay``."""
+def apply_step(param: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float,
+               generator: torch.Generator | None = None) -> None:
+    """``param <- param * (1 - lr*weight_decay) - lr * direction`` (decoupled weight decay, then the step).
+
+    With a ``generator`` and a bf16 parameter the result is computed in fp32 and rounded
+    *stochastically* to the parameter's dtype (unbiased: small steps move weights on average instead of
+    vanishing below the format's resolution). The same generator state on every rank gives the same bits.
+    """
+    if generator is None or param.dtype == torch.float32 or param.dtype == torch.float64:
+        if weight_decay:
+            param.mul_(1.0 - lr * weight_decay)
+        param.add_(direction.to(param.dtype), alpha=-lr)
+        return
+    exact = param.float()
     if weight_decay:
-        param.mul_(1.0 - lr * weight_decay)
+        exact.mul_(1.0 - lr * weight_decay)
+    exact.add_(direction.float(), alpha=-lr)
+    param.copy_(stochastic_round(exact, param.dtype, generator))
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """fp32 -> bf16, rounding away from zero with probability equal to the distance to the lower neighbour
+    (in units of the last place): ``E[round(x)] = x``. Other dtypes round to nearest."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device="cpu").to(x.device)
+    return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)

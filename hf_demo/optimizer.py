@@ -9,8 +9,8 @@ One step, top to bottom; every stage is a function or small object of its own mo
 4. headers: every rank learns every rank's step, layout, settings, flags and payload CRC (collective 1,
    checked by :func:`hf_demo.codec.check_headers`);
 5. the exchange communicates: payload collectives, validation, the averaged coefficients;
-6. commit: momenta, drift resync, decoupled weight decay, inverse DCT, the update rule
-   (:mod:`hf_demo.update_rules`).
+6. commit: momenta, drift resync, inverse DCT, the update rule's direction (:mod:`hf_demo.update_rules`),
+   decoupled weight decay and the step (rounded stochastically for bf16 parameters if asked).
 
 Nothing before step 6 changes the optimizer's state, the parameters or the counters: an error raised by
 ``step()`` (a bad payload, a timeout, a disagreeing rank) leaves everything exactly as it was, so the
@@ -229,10 +229,13 @@ class DeMo(torch.optim.Optimizer):
                               stacklevel=3)
             return
         self.consecutive_skips = 0
+        generator = None
+        if self.settings.param_rounding == "stochastic":  # the same noise on every rank: replicas stay identical
+            generator = torch.Generator().manual_seed(0x5EED0000 + self.steps)
         for (p, g, layout), m, update in zip(items, working, updates):
             self.state[p]["momentum"] = m
-            F.apply_weight_decay(p, g["lr"], g["weight_decay"])
-            self.update_rule.apply(p, decode(update, layout), self.state[p], g["lr"])
+            direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
+            F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
 
     def _momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
         state = self.state[p]

@@ -1,9 +1,10 @@
 """How the averaged, decoded update becomes a parameter step (after decoupled weight decay).
 
 Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
-bitwise identical and no rule costs communication. A rule is a small object with ``apply(param, update,
-state, lr)``; its per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and
-resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
+bitwise identical and no rule costs communication. A rule is a small object whose ``direction(param, update, state)``
+returns the step direction (``param <- param - lr * direction``, applied by
+:func:`hf_demo.functional.apply_step`); its per-parameter state (if any) lives in the optimizer's
+``state[param]`` and is saved and resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ def adam_step(update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: 
 class SignRule:
     name = "sign"
 
-    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
-        param.add_(sign_step(update).to(param.dtype), alpha=-lr)
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
+        return sign_step(update)
 
 
 class RawRule:
     name = "raw"
 
-    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
-        param.add_(update.to(param.dtype), alpha=-lr)
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
+        return update
 
 
 class AdamRule:
@@ -47,13 +48,12 @@ class AdamRule:
     beta2 = 0.999
     eps = 1e-8
 
-    def apply(self, param: torch.Tensor, update: torch.Tensor, state: dict, lr: float) -> None:
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         if "exp_avg_sq" not in state:
             state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
             state["rule_step"] = torch.zeros((), dtype=torch.int64)
         state["rule_step"] += 1
-        step = adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
-        param.add_(step.to(param.dtype), alpha=-lr)
+        return adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
 
 
 RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule)}

@@ -182,3 +182,35 @@ def test_nonfinite_gradient_single_process():
     p.grad = torch.full_like(p, float("inf"))
     with pytest.raises(hf_demo.DeMoNonFiniteError, match="rank"):
         strict.step()
+
+
+def _bf16_run(rounding, steps=200, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((torch.rand(64, 64) + 0.5).to(torch.bfloat16).to(dtype))  # weights in [0.5, 1.5)
+    start = p.detach().clone()
+    opt = hf_demo.DeMo([p], lr=1e-4, param_rounding=rounding)  # sign steps of 1e-4: below bf16's ulp of 2**-7
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        p.grad = (torch.randn(64, 64, generator=g).to(torch.bfloat16) + 0.5).to(dtype)  # a steady push
+        opt.step()
+    return start, p.detach()
+
+
+def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes():
+    start, nearest = _bf16_run("nearest")
+    _, stochastic = _bf16_run("stochastic")
+    assert (nearest != start).float().mean() < 0.01  # steps below bf16's resolution: the weights never move
+    assert (stochastic != start).float().mean() > 0.5
+    _, fp32 = _bf16_run("nearest", dtype=torch.float32)
+    # on average the bf16 weights go as far as fp32 weights do (fp32 drift ~0.008 here)
+    drift, exact = ((start.float() - w.float()).mean().item() for w in (stochastic, fp32))
+    assert abs(drift - exact) < 0.1 * exact
+
+
+def test_stochastic_rounding_is_unbiased():
+    from hf_demo.functional import stochastic_round
+
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1.0 to the next bf16 (1 + 2**-7)... / 8
+    rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-5
