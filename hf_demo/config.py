@@ -58,6 +58,11 @@ class DeMoSettings:
         "every rank; no extra memory) so steps below bf16's resolution still move the weights",
         ("nearest", "stochastic"),
     )
+    sync_every: int = _setting(
+        1,
+        "synchronise every this many steps (1 = every step); in between each rank takes local steps and "
+        "the accumulated change goes through DeMo at the synchronisation (DiLoCo/SparseLoCo style)",
+    )
     nonfinite: str = _setting(
         "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
     )
@@ -90,6 +95,8 @@ class DeMoSettings:
             raise ValueError(f"DeMo: invalid compression_decay={self.compression_decay!r}: must be in [0, 1]")
         if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
             raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        if self.sync_every < 1:
+            raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be >= 0")

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from . import codec, exchange as exchanges, functional as F, update_rules
+from . import codec, exchange as exchanges, functional as F, local_steps, update_rules
 from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
@@ -164,11 +164,33 @@ class DeMo(torch.optim.Optimizer):
         layouts = [layout for _, _, layout in items]
         self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
         transport.step = self.steps
+        generator = None
+        if self.settings.param_rounding == "stochastic":  # the same noise on every rank: replicas stay identical
+            generator = torch.Generator().manual_seed(0x5EED0000 + self.steps)
+
+        # 0. less frequent synchronisation: a local step on copies; DeMo then moves the pseudo-gradient
+        local = self.settings.sync_every > 1
+        if local:
+            anchors = [local_steps.anchor(self.state[p], p) for p in params]  # the parameters at the last sync
+            inner = [local_steps.inner_step(p, p.grad, self.state[p], self.update_rule, g["lr"], g["weight_decay"],
+                                            generator) for p, g, _ in items]
+            if not local_steps.is_sync_step(self.settings.sync_every, self.steps):
+                if _nonfinite([after for after, _, _ in inner]):
+                    self._skipped()
+                    return
+                for p, step_state in zip(params, inner):
+                    local_steps.commit_inner(p, self.state[p], *step_state)
+                self.steps += 1
+                return
+            signals = [local_steps.pseudo_gradient(a, after) for a, (after, _, _) in zip(anchors, inner)]
+        else:
+            signals = [p.grad for p in params]
+        replicas = anchors if local else params  # what must be identical on every rank
         exchange = exchanges.get(self.settings.exchange)(layouts, self.settings.value_format, self.secret)
 
         # 1. local checks
-        bad_grads = _nonfinite([p.grad for p in params if p.grad is not None])
-        bad_params = _nonfinite(params)
+        bad_grads = _nonfinite([s for s in signals if s is not None])
+        bad_params = _nonfinite(replicas)
         check_drift = _due(self.settings.check_every, self.steps) and transport.world > 1
         flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
         flags |= codec.FLAG_FINGERPRINT if check_drift else 0
@@ -176,16 +198,16 @@ class DeMo(torch.optim.Optimizer):
         # 2-3. momentum on copies, then the exchange's local part (select, encode, error feedback)
         working, payload = [], torch.empty(0, dtype=torch.uint8)
         if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            for p, g, layout in items:
+            for (p, g, layout), signal in zip(items, signals):
                 m = self._momentum(p, layout).clone()
-                F.accumulate(m, p.grad, layout, g["compression_decay"], g["lr"])
+                F.accumulate(m, signal, layout, g["compression_decay"], 1.0 if local else g["lr"])
                 working.append(m)
             payload = exchange.prepare(working)
 
         # 4. headers
         header = codec.Header(step=self.steps, layout_checksum=layout_ck, settings_checksum=settings_ck,
                               flags=flags, world_size=transport.world, payload_bytes=exchange.payload_nbytes,
-                              fingerprint=_fingerprint(params) if check_drift else 0)
+                              fingerprint=_fingerprint(replicas) if check_drift else 0)
         header = codec.sign(header, payload, self.secret)
         device = params[0].device if params else torch.device("cpu")
         rows = transport.all_gather(header.to_bytes().to(device), "header")
@@ -202,7 +224,7 @@ class DeMo(torch.optim.Optimizer):
                 raise DeMoSyncError(f"replicas drifted apart at optimizer step {self.steps}: {why} "
                                     f"(drift={self.settings.drift!r}); no state was changed")
             resync = True
-        fresh = self._fetch_rank0(params, transport) if resync else None
+        fresh = self._fetch_rank0(replicas, transport) if resync else None
 
         skip = codec.flagged(headers, codec.FLAG_NONFINITE) or bad_param_ranks
         if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
@@ -213,29 +235,33 @@ class DeMo(torch.optim.Optimizer):
 
         # 6. commit: nothing below raises on purpose
         if fresh is not None:
-            for p, value in zip(params, fresh):
-                p.copy_(value)
+            for r, value in zip(replicas, fresh):
+                r.copy_(value)
             self.resyncs += 1
             warnings.warn(f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
                           f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
                           stacklevel=3)
-        self.steps += 1
         if skip:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips == self.settings.nonfinite_patience:
-                warnings.warn(f"DeMo skipped the last {self.consecutive_skips} optimizer steps for NaN/Inf "
-                              "gradients: the loss has likely diverged (lower the learning rate, check the data)",
-                              stacklevel=3)
+            self._skipped()
             return
+        self.steps += 1
         self.consecutive_skips = 0
-        generator = None
-        if self.settings.param_rounding == "stochastic":  # the same noise on every rank: replicas stay identical
-            generator = torch.Generator().manual_seed(0x5EED0000 + self.steps)
-        for (p, g, layout), m, update in zip(items, working, updates):
+        for i, ((p, g, layout), m, update) in enumerate(zip(items, working, updates)):
             self.state[p]["momentum"] = m
+            if local:
+                local_steps.commit_sync(p, self.state[p], decode(update, layout), *inner[i][1:])
+                continue
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
+
+    def _skipped(self) -> None:
+        self.steps += 1
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips == self.settings.nonfinite_patience:
+            warnings.warn(f"DeMo skipped the last {self.consecutive_skips} optimizer steps for NaN/Inf "
+                          "gradients: the loss has likely diverged (lower the learning rate, check the data)",
+                          stacklevel=4)
 
     def _momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
         state = self.state[p]
