@@ -223,14 +223,14 @@ class Header:
     payload_crc: int = 0
     fingerprint: int = 0
     exchange_ms: int = 0
-    reserved: int = 0
+    elapsed_ms: int = 0
     magic: int = MAGIC
     version: int = FORMAT_VERSION
     tag: bytes = bytes(TAG_BYTES)
 
     _WORDS = (
         "magic", "version", "step", "layout_checksum", "settings_checksum", "flags", "world_size",
-        "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "reserved",
+        "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "elapsed_ms",
     )  # fmt: skip
 
     def words_bytes(self) -> bytes:

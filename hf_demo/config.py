@@ -63,6 +63,13 @@ class DeMoSettings:
         "synchronise every this many steps (1 = every step); in between each rank takes local steps and "
         "the accumulated change goes through DeMo at the synchronisation (DiLoCo/SparseLoCo style)",
     )
+    comm_budget: float = _setting(
+        0.0,
+        "at most this fraction of training time waiting on DeMo's exchange (e.g. 0.15); the policy moves "
+        "between tiers of fewer bytes as the network changes (0 = fixed settings)",
+    )
+    policy_patience: int = _setting(3, "communicating steps over (or well under) budget before the tier changes")
+    policy_sync_every: int = _setting(8, "sync_every of the policy's last tier")
     nonfinite: str = _setting(
         "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
     )
@@ -95,6 +102,10 @@ class DeMoSettings:
             raise ValueError(f"DeMo: invalid compression_decay={self.compression_decay!r}: must be in [0, 1]")
         if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
             raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        if not (math.isfinite(self.comm_budget) and 0 <= self.comm_budget < 1):
+            raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
+        if self.policy_patience < 1 or self.policy_sync_every < 1:
+            raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):

@@ -22,13 +22,14 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from . import codec, exchange as exchanges, functional as F, local_steps, update_rules
+from . import codec, exchange as exchanges, functional as F, local_steps, policy as policies, update_rules
 from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
@@ -90,6 +91,11 @@ class DeMo(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.resyncs = 0
+        self.policy = policies.BudgetPolicy(self.settings.comm_budget, self.settings.policy_patience)
+        self.tiers = policies.tiers(self.settings.value_format, self.settings.exchange, self.settings.sync_every,
+                                    self.settings.policy_sync_every)
+        self._last_exchange_ms = 0.0
+        self._last_comm_start: float | None = None
         self._transport: Transport | None = None
         self._saved_world: tuple[int, int] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay)
@@ -100,6 +106,11 @@ class DeMo(torch.optim.Optimizer):
     @property
     def value_format(self) -> str:
         return self.settings.value_format
+
+    @property
+    def tier(self) -> int:
+        """The communication tier in use (0 = the configured settings; see :mod:`hf_demo.policy`)."""
+        return self.policy.tier
 
     @property
     def nonfinite(self) -> str:
@@ -125,17 +136,18 @@ class DeMo(torch.optim.Optimizer):
                                         self.settings.comm_timeout if initialised else 0, self.comm_stats)
         return self._transport
 
-    def _plan(self):
-        """([(param, group, layout)], layout checksum, settings checksum)."""
+    def _plan(self, tier: policies.Tier):
+        """([(param, group, layout)], layout checksum, settings checksum) for this step's tier."""
         items, layout_key = [], []
-        settings_key = [sorted(self.settings.as_dict().items()), self.secret is not None]
+        settings_key = [sorted(self.settings.as_dict().items()), self.secret is not None, tier]
         for group in self.param_groups:
             _validate_group(group)
             settings_key.append(tuple(float(group[k]) for k in GROUP_KEYS))
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                layout = plan(tuple(p.shape), group["compression_chunk"], group["compression_topk"])
+                topk = max(1, group["compression_topk"] // tier.topk_divisor)
+                layout = plan(tuple(p.shape), group["compression_chunk"], topk)
                 items.append((p, group, layout))
                 layout_key.append((layout, str(p.dtype)))
         return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(settings_key))
@@ -149,17 +161,19 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         transport = self._transport_now()
         self._check_saved_world(transport.rank, transport.world)
-        before = (self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, copy.copy(self.comm_stats))
+        before = (self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, copy.copy(self.comm_stats),
+                  self.policy)
         try:
             self._step(transport)
         except BaseException:
-            self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, stats = before
+            self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, stats, self.policy = before
             self.comm_stats.__dict__.update(stats.__dict__)
             raise
         return loss
 
     def _step(self, transport: Transport) -> None:
-        items, layout_ck, settings_ck = self._plan()
+        tier = self.tiers[self.policy.tier]
+        items, layout_ck, settings_ck = self._plan(tier)
         params = [p for p, _, _ in items]
         layouts = [layout for _, _, layout in items]
         self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
@@ -169,12 +183,16 @@ class DeMo(torch.optim.Optimizer):
             generator = torch.Generator().manual_seed(0x5EED0000 + self.steps)
 
         # 0. less frequent synchronisation: a local step on copies; DeMo then moves the pseudo-gradient
-        local = self.settings.sync_every > 1
+        local = tier.sync_every > 1
+        if not local:
+            for p in params:  # a tier without local steps: a later local phase starts from fresh anchors
+                self.state[p].pop("anchor", None)
+                self.state[p].pop("inner_momentum", None)
         if local:
             anchors = [local_steps.anchor(self.state[p], p) for p in params]  # the parameters at the last sync
             inner = [local_steps.inner_step(p, p.grad, self.state[p], self.update_rule, g["lr"], g["weight_decay"],
                                             generator) for p, g, _ in items]
-            if not local_steps.is_sync_step(self.settings.sync_every, self.steps):
+            if not local_steps.is_sync_step(tier.sync_every, self.steps):
                 if _nonfinite([after for after, _, _ in inner]):
                     self._skipped()
                     return
@@ -186,7 +204,8 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
-        exchange = exchanges.get(self.settings.exchange)(layouts, self.settings.value_format, self.secret)
+        exchange = exchanges.get(self.settings.exchange)(layouts, tier.value_format, self.secret)
+        started = time.monotonic()
 
         # 1. local checks
         bad_grads = _nonfinite([s for s in signals if s is not None])
@@ -207,12 +226,15 @@ class DeMo(torch.optim.Optimizer):
         # 4. headers
         header = codec.Header(step=self.steps, layout_checksum=layout_ck, settings_checksum=settings_ck,
                               flags=flags, world_size=transport.world, payload_bytes=exchange.payload_nbytes,
-                              fingerprint=_fingerprint(replicas) if check_drift else 0)
+                              fingerprint=_fingerprint(replicas) if check_drift else 0,
+                              **self._timings(started))
         header = codec.sign(header, payload, self.secret)
         device = params[0].device if params else torch.device("cpu")
         rows = transport.all_gather(header.to_bytes().to(device), "header")
         headers = [codec.Header.from_bytes(row) for row in rows]
         codec.check_headers(headers, transport.rank)
+        policy = self.policy.decide(max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers),
+                                    self._bytes_by_tier(items)) if self.settings.comm_budget else self.policy
 
         drifted = check_drift and len({h.fingerprint for h in headers}) > 1
         bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
@@ -241,6 +263,8 @@ class DeMo(torch.optim.Optimizer):
             warnings.warn(f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
                           f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
                           stacklevel=3)
+        self.policy = policy
+        self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         if skip:
             self._skipped()
             return
@@ -253,6 +277,17 @@ class DeMo(torch.optim.Optimizer):
                 continue
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
+
+    def _timings(self, started: float) -> dict:
+        """This rank's figures for the policy: its last exchange time and the time since its last exchange."""
+        elapsed = (started - self._last_comm_start) * 1000.0 if self._last_comm_start is not None else 0.0
+        return {"exchange_ms": round(self._last_exchange_ms), "elapsed_ms": round(elapsed)}
+
+    def _bytes_by_tier(self, items) -> list[float]:
+        """Payload bytes per step of every tier (amortised over its sync_every), for the policy's predictions."""
+        return [sum(codec.segment_bytes(plan(tuple(p.shape), g["compression_chunk"],
+                                             max(1, g["compression_topk"] // t.topk_divisor)), t.value_format)
+                    for p, g, _ in items) / t.sync_every for t in self.tiers]
 
     def _skipped(self) -> None:
         self.steps += 1
@@ -291,6 +326,7 @@ class DeMo(torch.optim.Optimizer):
             "rank": transport.rank if transport else 0,
             "world_size": transport.world if transport else 1,
             "settings": self.settings.as_dict(),
+            "policy": self.policy.state_dict(),
             "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         }
         return sd
@@ -335,6 +371,7 @@ class DeMo(torch.optim.Optimizer):
         self.skipped_steps = int(extra["skipped_steps"])
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         self.resyncs = int(extra.get("resyncs", 0))
+        self.policy.load_state_dict(extra.get("policy", {}))
         self.comm_stats.load(extra.get("comm", {}))
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]))
         if dist.is_available() and dist.is_initialized():

@@ -1,0 +1,80 @@
+"""A communication budget: tiers of fewer bytes when the network slows down, back up when it recovers.
+
+With ``comm_budget = b > 0`` the optimizer keeps the time spent waiting on DeMo's exchange at most a
+fraction ``b`` of the training time. The tiers, ordered by bytes (:func:`tiers`):
+
+====  ================================================  ================================================
+tier  exchange="all_gather"                             exchange="all_reduce"
+====  ================================================  ================================================
+0     the configured settings (e.g. bf16, top-32)       the configured settings
+1     sign values                                       top-k / 2
+2     sign values, top-k / 4                            top-k / 4
+3     tier 2, synchronising every ``policy_sync_every``  tier 2, synchronising every ``policy_sync_every``
+====  ================================================  ================================================
+
+Every rank takes the same decision at the same step: the figures come from the headers (each rank's
+exchange time and its time between communicating steps; the policy uses the largest of each), never from
+a local clock alone. A decision is taken at each communicating step and holds from the next step:
+
+- down one tier after ``policy_patience`` consecutive steps over budget;
+- up one tier after ``policy_patience`` consecutive steps where the upper tier is predicted (time scaled by
+  its bytes) to stay under 70% of the budget (the hysteresis that keeps the policy from flapping).
+
+The tier, and the counts of moves, are in ``state_dict()``: a resume continues in the same tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HYSTERESIS = 0.7
+
+
+@dataclass(frozen=True)
+class Tier:
+    value_format: str
+    topk_divisor: int
+    sync_every: int
+
+
+def tiers(value_format: str, exchange: str, sync_every: int, policy_sync_every: int) -> list[Tier]:
+    base = Tier(value_format, 1, sync_every)
+    slow_sync = max(sync_every, policy_sync_every)
+    if exchange == "all_reduce":
+        return [base, Tier(value_format, 2, sync_every), Tier(value_format, 4, sync_every),
+                Tier(value_format, 4, slow_sync)]
+    return [base, Tier("sign", 1, sync_every), Tier("sign", 4, sync_every), Tier("sign", 4, slow_sync)]
+
+
+@dataclass
+class BudgetPolicy:
+    budget: float
+    patience: int
+    tier: int = 0
+    over: int = 0
+    under: int = 0
+    moves_down: int = 0
+    moves_up: int = 0
+
+    def decide(self, exchange_ms: float, elapsed_ms: float, bytes_by_tier: list[float]) -> BudgetPolicy:
+        """The policy after one observation (a new object: the optimizer commits it with the step)."""
+        nxt = BudgetPolicy(**vars(self))
+        if self.budget <= 0 or elapsed_ms <= 0:
+            return nxt
+        fraction = exchange_ms / elapsed_ms
+        nxt.over = self.over + 1 if fraction > self.budget else 0
+        up = self.tier - 1
+        predicted = fraction * bytes_by_tier[up] / bytes_by_tier[self.tier] if up >= 0 else float("inf")
+        nxt.under = self.under + 1 if predicted < HYSTERESIS * self.budget else 0
+        if nxt.over >= self.patience and self.tier + 1 < len(bytes_by_tier):
+            nxt.tier, nxt.over, nxt.under, nxt.moves_down = self.tier + 1, 0, 0, self.moves_down + 1
+        elif nxt.under >= self.patience and up >= 0:
+            nxt.tier, nxt.over, nxt.under, nxt.moves_up = up, 0, 0, self.moves_up + 1
+        return nxt
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k not in ("budget", "patience")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, int(v))

@@ -1,0 +1,96 @@
+"""The communication-budget policy: its rule, identical decisions on every rank, exact resume in a lower tier."""
+
+import io
+
+import pytest
+import torch
+
+import hf_demo
+from dist_utils import expect_ok, run_ranks
+from hf_demo.policy import BudgetPolicy, tiers
+from models import loss_and_backward, tiny_mlp
+
+BYTES = [100.0, 50.0, 20.0, 2.5]
+
+
+def _run(policy, observations):
+    out = []
+    for exchange_ms, elapsed_ms in observations:
+        policy = policy.decide(exchange_ms, elapsed_ms, BYTES)
+        out.append(policy.tier)
+    return out, policy
+
+
+def test_moves_down_after_patience_steps_over_budget_and_not_before():
+    tiers_seen, policy = _run(BudgetPolicy(0.2, 2), [(300, 1000)] * 7)
+    assert tiers_seen == [0, 1, 1, 2, 2, 3, 3]  # and it stops at the last tier
+    assert policy.moves_down == 3
+
+
+def test_moves_up_only_when_the_upper_tier_is_predicted_well_under_budget():
+    policy = BudgetPolicy(0.2, 2, tier=2)
+    # 10% now; tier 1 would send 2.5x the bytes: 25% > 70% of 20%: stay
+    assert _run(policy, [(100, 1000)] * 4)[0] == [2, 2, 2, 2]
+    # 4% now: tier 1 predicted 10% < 14%: up after two steps; tier 0 predicted 8% ... up again
+    assert _run(policy, [(40, 1000)] * 4)[0] == [2, 1, 1, 0]
+
+
+def test_an_oscillating_link_does_not_make_it_flap():
+    seen, _ = _run(BudgetPolicy(0.2, 3), [(300, 1000), (10, 1000)] * 10)
+    assert set(seen) == {0}
+
+
+def test_tiers_are_ordered_by_bytes():
+    assert [t.value_format for t in tiers("bf16", "all_gather", 1, 8)] == ["bf16", "sign", "sign", "sign"]
+    assert [t.sync_every for t in tiers("bf16", "all_reduce", 1, 8)] == [1, 1, 1, 8]
+    assert [t.topk_divisor for t in tiers("fp32", "all_reduce", 1, 8)] == [1, 2, 4, 4]
+
+
+def _fake_timings(slow_rank, slow_until):
+    """Each rank reports its own figures: one rank's link is slow for a while (injected, deterministic)."""
+
+    def timings(self, started):
+        rank = torch.distributed.get_rank()
+        slow = rank == slow_rank and self.steps < slow_until
+        return {"exchange_ms": 500 if slow else 1, "elapsed_ms": 1000 + 37 * rank}
+
+    return timings
+
+
+def _policy_run(rank, world, steps, resume_at=None):
+    hf_demo.DeMo._timings = _fake_timings(slow_rank=1, slow_until=10)
+    kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, comm_budget=0.2, policy_patience=2)
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), **kw)
+    seen, identical_at = [], []
+    for step in range(steps):
+        if step == resume_at:
+            m, o = io.BytesIO(), io.BytesIO()
+            torch.save(model.state_dict(), m)
+            torch.save(opt.state_dict(), o)
+            model = tiny_mlp(seed=3)
+            opt = hf_demo.DeMo(model.parameters(), **kw)
+            model.load_state_dict(torch.load(io.BytesIO(m.getvalue()), weights_only=True))
+            opt.load_state_dict(torch.load(io.BytesIO(o.getvalue()), weights_only=True))
+        loss_and_backward(model, rank, step)
+        opt.step()
+        seen.append(opt.tier)
+    return seen, [p.detach().clone() for p in model.parameters()], opt.comm_stats.total_bytes_sent
+
+
+def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
+    (tiers0, params0, _), (tiers1, params1, _) = expect_ok(run_ranks(_policy_run, 2, 30))
+    assert tiers0 == tiers1
+    assert max(tiers0) == 3 and tiers0[-1] == 0  # down to synchronising every 8 steps, then back up
+    assert tiers0.index(1) < tiers0.index(2) < tiers0.index(3)
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+@pytest.mark.parametrize("resume_at", [5, 12])  # in tier 2; in tier 3 between two synchronisations
+def test_resume_in_a_lower_tier_is_exact(resume_at):
+    straight = expect_ok(run_ranks(_policy_run, 2, 30))
+    resumed = expect_ok(run_ranks(_policy_run, 2, 30, resume_at))
+    assert straight[0][0][resume_at] >= 2
+    for (tiers_a, params_a, bytes_a), (tiers_b, params_b, bytes_b) in zip(straight, resumed):
+        assert tiers_a == tiers_b and bytes_a == bytes_b
+        assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
