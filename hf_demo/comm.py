@@ -98,6 +98,24 @@ def register_collective_hook(fn: Callable[[str, int], None]) -> HookHandle:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_TIMED_GROUPS: dict[tuple, object] = {}
+
+
+def timed_group(ranks: list[int], timeout: float, backend: str | None = None):
+    """A process group over ``ranks`` whose collectives give up after ``timeout`` seconds (cached: every DeMo
+    in the process that needs the same one shares it). Called by every rank of the world in the same order
+    when ``ranks`` is the whole world; otherwise by the members only."""
+    key = (tuple(ranks), float(timeout), backend)
+    if key not in _TIMED_GROUPS:
+        _TIMED_GROUPS[key] = dist.new_group(
+            ranks=list(ranks),
+            timeout=datetime.timedelta(seconds=timeout) if timeout > 0 else None,
+            backend=backend,
+            use_local_synchronization=len(ranks) != dist.get_world_size(),
+        )
+    return _TIMED_GROUPS[key]
+
+
 class Transport:
     """DeMo's collectives over one process group, with a timeout and counters.
 
@@ -119,12 +137,7 @@ class Transport:
         self.group = group
         if group is not None and self.world > 1 and timeout > 0:
             try:
-                self.group = dist.new_group(
-                    ranks=dist.get_process_group_ranks(group),
-                    timeout=datetime.timedelta(seconds=timeout),
-                    backend=dist.get_backend(group),
-                    use_local_synchronization=True,
-                )
+                self.group = timed_group(dist.get_process_group_ranks(group), timeout, dist.get_backend(group))
             except (RuntimeError, dist.DistError) as exc:
                 raise DeMoSyncError(
                     f"rank {self.rank}: could not set up DeMo's process group within comm_timeout={timeout:g}s: "
@@ -186,7 +199,7 @@ class Transport:
         try:
             store = dist.distributed_c10d._get_default_store()
             self.failures += 1
-            prefix = f"hf_demo/alive/{self.step}/{self.failures}/"
+            prefix = f"hf_demo/alive/{self.global_rank(0)}-{self.world}/{self.step}/{self.failures}/"
             store.set(prefix + str(self.rank), "1")
             deadline = time.monotonic() + min(5.0, max(self.timeout, 1.0))
             while True:

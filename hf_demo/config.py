@@ -46,6 +46,12 @@ class DeMoSettings:
         "by a rotating leader, values summed: traffic flat in the number of ranks)",
         exchange.EXCHANGES,
     )
+    hierarchy: str = _setting(
+        "flat",
+        "flat (DeMo between every rank) or node (gradients averaged densely inside each node of "
+        "LOCAL_WORLD_SIZE processes, parameters sharded over its ranks, DeMo only between nodes)",
+        ("flat", "node"),
+    )
     update_rule: str = _setting(
         "sign",
         "how the averaged update becomes a step: sign (the paper's), raw, or adam (second-moment "
@@ -106,6 +112,8 @@ class DeMoSettings:
             raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
         if self.policy_patience < 1 or self.policy_sync_every < 1:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
+        if self.hierarchy == "node" and (self.sync_every > 1 or self.comm_budget > 0):
+            raise ValueError("DeMo: hierarchy='node' is not combined with sync_every > 1 or comm_budget yet")
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):

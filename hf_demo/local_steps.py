@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
+from .update_rules import STATE_KEYS
 
 INNER_BETA = 0.9
-RULE_KEYS = ("exp_avg_sq", "rule_step")
 
 
 def is_sync_step(sync_every: int, step: int) -> bool:
@@ -38,7 +38,7 @@ def inner_step(param, grad, state: dict, rule, lr: float, weight_decay: float, g
     m_in = torch.zeros(param.shape, dtype=torch.float32, device=param.device) if m_in is None else m_in.clone()
     if grad is not None:
         m_in.mul_(INNER_BETA).add_(grad.float(), alpha=1.0 - INNER_BETA)
-    rule_state = {k: v.clone() for k, v in state.items() if k in RULE_KEYS}
+    rule_state = {k: v.clone() for k, v in state.items() if k in STATE_KEYS}
     direction = rule.direction(param, m_in.clone(), rule_state)
     after = param.detach().clone()
     F.apply_step(after, direction, lr, weight_decay, generator)

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from . import codec, exchange as exchanges, functional as F, local_steps, policy as policies, update_rules
+from . import codec, exchange as exchanges, functional as F, hierarchy, local_steps, policy as policies, update_rules
 from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
@@ -97,6 +97,7 @@ class DeMo(torch.optim.Optimizer):
         self._last_exchange_ms = 0.0
         self._last_comm_start: float | None = None
         self._transport: Transport | None = None
+        self._node: tuple[hierarchy.Topology, Transport] | None = None
         self._saved_world: tuple[int, int] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
@@ -131,9 +132,18 @@ class DeMo(torch.optim.Optimizer):
 
     def _transport_now(self) -> Transport:
         initialised = dist.is_available() and dist.is_initialized()
-        if self._transport is None or (self._transport.world > 1) != initialised:
-            self._transport = Transport(self.process_group if initialised else None,
-                                        self.settings.comm_timeout if initialised else 0, self.comm_stats)
+        if self._transport is not None and (self._transport.world > 1 or self._node) == initialised:
+            return self._transport
+        timeout = self.settings.comm_timeout if initialised else 0
+        if initialised and self.settings.hierarchy == "node":
+            if self.process_group is not None:
+                raise ValueError("hierarchy='node' builds its groups from the whole world: pass no process_group")
+            topo = hierarchy.topology(dist.get_world_size(), dist.get_rank())
+            node_group, peer_group = hierarchy.groups(topo, timeout, dist.get_backend())
+            self._node = (topo, Transport(node_group, timeout, self.comm_stats))
+            self._transport = Transport(peer_group, timeout, self.comm_stats)
+        else:
+            self._transport = Transport(self.process_group if initialised else None, timeout, self.comm_stats)
         return self._transport
 
     def _plan(self, tier: policies.Tier):
@@ -174,6 +184,13 @@ class DeMo(torch.optim.Optimizer):
     def _step(self, transport: Transport) -> None:
         tier = self.tiers[self.policy.tier]
         items, layout_ck, settings_ck = self._plan(tier)
+        all_items, node_grads = items, None
+        if self._node is not None:  # hierarchy: the node's mean gradient; this rank's shard of the parameters
+            topo, node = self._node
+            node.step = self.steps
+            node_grads = hierarchy.node_mean([p.grad for p, _, _ in items], [p for p, _, _ in items], node)
+            items = all_items[topo.local_rank :: topo.local_size]
+            node_grads = node_grads[topo.local_rank :: topo.local_size]
         params = [p for p, _, _ in items]
         layouts = [layout for _, _, layout in items]
         self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
@@ -202,7 +219,7 @@ class DeMo(torch.optim.Optimizer):
                 return
             signals = [local_steps.pseudo_gradient(a, after) for a, (after, _, _) in zip(anchors, inner)]
         else:
-            signals = [p.grad for p in params]
+            signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
         exchange = exchanges.get(self.settings.exchange)(layouts, tier.value_format, self.secret)
         started = time.monotonic()
@@ -254,6 +271,9 @@ class DeMo(torch.optim.Optimizer):
                                      "no state was changed (nonfinite='raise')")
         # 5. the exchange's collectives
         updates = None if skip else exchange.communicate(transport, headers, payload, working)
+        shared = None
+        if self._node is not None and not skip:  # hierarchy: owners' new values to every rank of the node
+            shared, rule_states = self._share_in_node(items, all_items, updates, generator)
 
         # 6. commit: nothing below raises on purpose
         if fresh is not None:
@@ -270,6 +290,13 @@ class DeMo(torch.optim.Optimizer):
             return
         self.steps += 1
         self.consecutive_skips = 0
+        if shared is not None:
+            for (p, _, _), m, rule_state in zip(items, working, rule_states):
+                self.state[p]["momentum"] = m
+                self.state[p].update(rule_state)
+            for (p, _, _), value in zip(all_items, shared):
+                p.copy_(value)
+            return
         for i, ((p, g, layout), m, update) in enumerate(zip(items, working, updates)):
             self.state[p]["momentum"] = m
             if local:
@@ -277,6 +304,19 @@ class DeMo(torch.optim.Optimizer):
                 continue
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
+
+    def _share_in_node(self, items, all_items, updates, generator):
+        """(every parameter's new value, this shard's new rule states), nothing committed."""
+        topo, node = self._node
+        values, rule_states = {}, []
+        for i, ((p, g, layout), update) in enumerate(zip(items, updates)):
+            rule_state = {k: v.clone() for k, v in self.state[p].items() if k in update_rules.STATE_KEYS}
+            direction = self.update_rule.direction(p, decode(update, layout), rule_state)
+            value = p.detach().clone()
+            F.apply_step(value, direction, g["lr"], g["weight_decay"], generator)
+            values[topo.local_rank + i * topo.local_size] = value
+            rule_states.append(rule_state)
+        return hierarchy.share(values, [p for p, _, _ in all_items], topo, node), rule_states
 
     def _timings(self, started: float) -> dict:
         """This rank's figures for the policy: its last exchange time and the time since its last exchange."""

@@ -56,6 +56,8 @@ class AdamRule:
         return adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
 
 
+STATE_KEYS = ("exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
+
 RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule)}
 UPDATE_RULES = tuple(RULES)
 

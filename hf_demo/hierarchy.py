@@ -1,0 +1,100 @@
+"""Hierarchical mode (``hierarchy="node"``): dense averaging inside a node, DeMo only between nodes.
+
+The topology is the one the launcher already knows: ``LOCAL_WORLD_SIZE`` processes per node (torchrun and
+``accelerate launch`` set it), ranks ``node * L .. node * L + L - 1`` on node ``node``. Per step:
+
+1. gradients are averaged densely inside the node over the fast local link (one all-reduce): every local
+   rank of a node then holds the node's mean gradient;
+2. parameters are sharded over the local ranks (parameter ``i`` belongs to local rank ``i % L``): local rank
+   ``j`` keeps the momentum of its shard only and runs DeMo for it with local rank ``j`` of every other node
+   (its *inter-node group*), so each node sends one DeMo payload per step over the slow link, not ``L``;
+3. each owner broadcasts its shard's new values inside the node (dense, fast link), and every rank commits.
+
+Momentum memory per rank is divided by ``L``. Not combined with ``sync_every > 1`` or ``comm_budget``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    world: int
+    rank: int
+    local_size: int
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_size
+
+    def node_ranks(self) -> list[int]:
+        return [self.node * self.local_size + j for j in range(self.local_size)]
+
+    def peer_ranks(self) -> list[int]:
+        """The same local rank on every node: this rank's inter-node group."""
+        return [n * self.local_size + self.local_rank for n in range(self.nodes)]
+
+
+def topology(world: int, rank: int) -> Topology:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None or not raw.isdigit() or int(raw) < 1 or world % int(raw):
+        raise ValueError(
+            f"hierarchy='node' needs LOCAL_WORLD_SIZE (processes per node, set by torchrun and accelerate launch) "
+            f"dividing the world size {world}; got {raw!r}. Launch with torchrun/accelerate, or use hierarchy='flat'"
+        )
+    return Topology(world, rank, int(raw))
+
+
+def node_mean(tensors: list[torch.Tensor | None], like: list[torch.Tensor], transport) -> list[torch.Tensor]:
+    """The mean over the node of each tensor (a missing one counts as zeros), one all-reduce, fp32."""
+    flat = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1).float() for t, p in zip(tensors, like)])
+    transport.all_reduce(flat, "node_gradients")
+    flat /= transport.world
+    out, start = [], 0
+    for p in like:
+        out.append(flat[start : start + p.numel()].view(p.shape))
+        start += p.numel()
+    return out
+
+
+def share(values: dict[int, torch.Tensor], params: list[torch.Tensor], topo: Topology, transport) -> list[torch.Tensor]:
+    """Every owner's new values (``values``: index -> tensor, this rank's shard) to every rank of the node."""
+    out: list[torch.Tensor | None] = [None] * len(params)
+    for owner in range(topo.local_size):
+        mine = [i for i in range(len(params)) if i % topo.local_size == owner]
+        if not mine:
+            continue
+        if owner == topo.local_rank:
+            buf = torch.cat([values[i].reshape(-1).float() for i in mine])
+        else:
+            buf = torch.empty(sum(params[i].numel() for i in mine), dtype=torch.float32, device=params[0].device)
+        transport.broadcast(buf, owner, "node_parameters")
+        start = 0
+        for i in mine:
+            out[i] = buf[start : start + params[i].numel()].view(params[i].shape).to(params[i].dtype)
+            start += params[i].numel()
+    return out
+
+
+def groups(topo: Topology, timeout: float, backend: str | None = None):
+    """(node group, inter-node group) of this rank. Every rank creates every group, in the same order."""
+    from .comm import timed_group
+
+    node_groups = [timed_group([n * topo.local_size + j for j in range(topo.local_size)], timeout, backend)
+                   for n in range(topo.nodes)]
+    peer_groups = [timed_group([n * topo.local_size + j for n in range(topo.nodes)], timeout, backend)
+                   for j in range(topo.local_size)]
+    return node_groups[topo.node], peer_groups[topo.local_rank]
