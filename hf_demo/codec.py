@@ -4,7 +4,9 @@ Every step a rank sends two buffers (two collectives):
 
 1. a fixed header (:data:`HEADER_BYTES`): twelve int64 words (magic, format version, step, layout
    checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
-   exchange milliseconds, reserved) and a 32-byte HMAC-SHA256 tag (zero unless a shared secret is set).
+   the sender's last exchange time and its time between communicating steps, in milliseconds) and a
+   32-byte tag (zero unless a shared secret is set: 16 bytes of HMAC-SHA256 over the header, 16 over header
+   and payload).
    Every rank checks every header (:func:`check_headers`) before the payload moves, so ranks with a
    different model, settings or step stop with a clear error on every rank, and a non-finite gradient on
    one rank makes every rank skip the step.
@@ -250,21 +252,34 @@ assert len(Header._WORDS) == HEADER_WORDS and {f.name for f in fields(Header)} >
 
 
 def sign(header: Header, payload: torch.Tensor, secret: bytes | None) -> Header:
-    """The header with its payload CRC32 and, with a secret, the HMAC-SHA256 tag over header and payload."""
+    """The header with its payload CRC32 and, with a secret, its tag: 16 bytes of HMAC-SHA256 over the header
+    (checked before any header field is acted on) and 16 over header and payload (checked on receipt)."""
     header = _replace(header, payload_crc=crc32(payload))
     if secret is None:
         return header
     header = _replace(header, flags=header.flags | FLAG_AUTH)
-    return _replace(header, tag=_tag(header, payload, secret))
+    return _replace(header, tag=_tag(header, None, secret) + _tag(header, payload, secret))
 
 
-def _tag(header: Header, payload: torch.Tensor, secret: bytes) -> bytes:
-    body = payload.detach().cpu().contiguous().numpy().tobytes()
-    return hmac.new(secret, header.words_bytes() + body, hashlib.sha256).digest()
+def _tag(header: Header, payload: torch.Tensor | None, secret: bytes) -> bytes:
+    body = b"" if payload is None else b"payload" + payload.detach().cpu().contiguous().numpy().tobytes()
+    return hmac.new(secret, header.words_bytes() + body, hashlib.sha256).digest()[: TAG_BYTES // 2]
 
 
 def _replace(header: Header, **changes) -> Header:
     return Header(**{**{f.name: getattr(header, f.name) for f in fields(Header)}, **changes})
+
+
+def verify_headers(headers: list[Header], secret: bytes | None, rank: int, step: int) -> None:
+    """With a secret: every header's own tag, before any of its fields is trusted."""
+    if secret is None:
+        return
+    for r, h in enumerate(headers):
+        if not hmac.compare_digest(_tag(h, None, secret), h.tag[: TAG_BYTES // 2]):
+            raise DeMoSyncError(
+                f"rank {rank}: the header from rank {r} at optimizer step {step} carries no valid HMAC-SHA256 "
+                "tag for this HF_DEMO_SECRET: refused (a different secret, or injected traffic)"
+            )
 
 
 def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | None, rank: int, step: int) -> None:
@@ -275,7 +290,7 @@ def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | N
                 f"rank {rank}: the payload from rank {r} at optimizer step {step} fails its CRC32 check "
                 "(corrupted on the way: a faulty link, NIC or memory); nothing was applied"
             )
-        if secret is not None and not hmac.compare_digest(_tag(h, row, secret), h.tag):
+        if secret is not None and not hmac.compare_digest(_tag(h, row, secret), h.tag[TAG_BYTES // 2 :]):
             raise DeMoSyncError(
                 f"rank {rank}: the payload from rank {r} at optimizer step {step} carries no valid "
                 "HMAC-SHA256 tag for this HF_DEMO_SECRET: refused (a different secret, or injected traffic)"

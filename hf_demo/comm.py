@@ -98,6 +98,26 @@ def register_collective_hook(fn: Callable[[str, int], None]) -> HookHandle:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class Pending:
+    """A collective running in the background; :meth:`wait` counts only the time spent waiting for it."""
+
+    def __init__(self, transport, name, work, rows, sent, received, step):
+        self.transport, self.name, self.work, self.rows = transport, name, work, rows
+        self.sent, self.received, self.step = sent, received, step
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            try:
+                self.work.wait()
+            except (RuntimeError, dist.DistError) as exc:
+                self.transport.step = self.step
+                raise self.transport._failure(self.name, time.perf_counter() - t0, exc) from exc
+            self.transport.stats.record(self.sent, self.received, time.perf_counter() - t0)
+            self.work = None
+        return self.rows
+
+
 _TIMED_GROUPS: dict[tuple, object] = {}
 
 
@@ -155,6 +175,21 @@ class Transport:
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=buf.device)
         self._run(name, buf.numel(), buf.numel() * (self.world - 1), lambda: _all_gather(out, buf, group=self.group))
         return out.view(self.world, -1)
+
+    def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
+        """:meth:`all_gather` started in the background (overlap): :meth:`Pending.wait` returns the rows."""
+        out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=buf.device)
+        if self.world == 1:
+            out.copy_(buf)
+            return Pending(self, name, None, out.view(1, -1), 0, 0, self.step)
+        for hook in list(_HOOKS.values()):
+            hook(name, buf.numel())
+        try:
+            work = _all_gather(out, buf, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failure(name, 0.0, exc) from exc
+        return Pending(self, name, work, out.view(self.world, -1), buf.numel(), buf.numel() * (self.world - 1),
+                       self.step)
 
     def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Sum a tensor over every rank, in place (every rank gets the same bits)."""

@@ -52,6 +52,11 @@ class DeMoSettings:
         "LOCAL_WORLD_SIZE processes, parameters sharded over its ranks, DeMo only between nodes)",
         ("flat", "node"),
     )
+    overlap: bool = _setting(
+        False,
+        "run step t's payload exchange in the background while step t+1 computes; its update is applied at "
+        "step t+1 (one step late, as Psyche does). all_gather, flat, every-step synchronisation only",
+    )
     update_rule: str = _setting(
         "sign",
         "how the averaged update becomes a step: sign (the paper's), raw, or adam (second-moment "
@@ -100,6 +105,8 @@ class DeMoSettings:
             if choices is not None and value not in choices:
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected one of {', '.join(choices)}")
             kind = _TYPES[f.name]
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected True or False")
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected an integer")
             if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -114,6 +121,10 @@ class DeMoSettings:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
         if self.hierarchy == "node" and (self.sync_every > 1 or self.comm_budget > 0):
             raise ValueError("DeMo: hierarchy='node' is not combined with sync_every > 1 or comm_budget yet")
+        if self.overlap and (self.exchange != "all_gather" or self.hierarchy != "flat" or self.sync_every > 1
+                             or self.comm_budget > 0):
+            raise ValueError("DeMo: overlap=True needs exchange='all_gather', hierarchy='flat', sync_every=1 and "
+                             "no comm_budget")
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):

@@ -46,8 +46,11 @@ class AllGatherExchange:
         return payload
 
     def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
-        received = transport.all_gather(payload, "payload")
-        codec.verify_rows(headers, received, self.secret, transport.rank, transport.step)
+        return self.finish(transport.all_gather(payload, "payload"), headers, transport.rank, transport.step)
+
+    def finish(self, received: torch.Tensor, headers, rank: int, step: int) -> list[torch.Tensor]:
+        """Every rank's payload row -> the averaged coefficients (validated first)."""
+        codec.verify_rows(headers, received, self.secret, rank, step)
         return [
             F.densify(*F.mean_weights(idx, values, layout), layout)
             for (idx, values), layout in zip(self.codec.decode(received), self.layouts)

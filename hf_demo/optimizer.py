@@ -98,6 +98,7 @@ class DeMo(torch.optim.Optimizer):
         self._last_comm_start: float | None = None
         self._transport: Transport | None = None
         self._node: tuple[hierarchy.Topology, Transport] | None = None
+        self._pending: dict | None = None  # overlap: the exchange started by the last step
         self._saved_world: tuple[int, int] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
@@ -222,6 +223,7 @@ class DeMo(torch.optim.Optimizer):
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
         exchange = exchanges.get(self.settings.exchange)(layouts, tier.value_format, self.secret)
+        late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()
 
         # 1. local checks
@@ -249,6 +251,7 @@ class DeMo(torch.optim.Optimizer):
         device = params[0].device if params else torch.device("cpu")
         rows = transport.all_gather(header.to_bytes().to(device), "header")
         headers = [codec.Header.from_bytes(row) for row in rows]
+        codec.verify_headers(headers, self.secret, transport.rank, self.steps)
         codec.check_headers(headers, transport.rank)
         policy = self.policy.decide(max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers),
                                     self._bytes_by_tier(items)) if self.settings.comm_budget else self.policy
@@ -269,8 +272,13 @@ class DeMo(torch.optim.Optimizer):
         if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
             raise DeMoNonFiniteError(f"non-finite gradients on rank(s) {skip} at optimizer step {self.steps}; "
                                      "no state was changed (nonfinite='raise')")
-        # 5. the exchange's collectives
-        updates = None if skip else exchange.communicate(transport, headers, payload, working)
+        # 5. the exchange's collectives (overlap: started now, finished by the next step)
+        pending = updates = None
+        if not skip and self.settings.overlap:
+            pending = {"rows": transport.start_all_gather(payload, "payload"), "headers": headers,
+                       "step": self.steps, "lr": [(g["lr"], g["weight_decay"]) for _, g, _ in items]}
+        elif not skip:
+            updates = exchange.communicate(transport, headers, payload, working)
         shared = None
         if self._node is not None and not skip:  # hierarchy: owners' new values to every rank of the node
             shared, rule_states = self._share_in_node(items, all_items, updates, generator)
@@ -285,11 +293,19 @@ class DeMo(torch.optim.Optimizer):
                           stacklevel=3)
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
+        if self.settings.overlap:
+            self._apply_late(items, late)
+            self._pending = pending
+            if not skip:
+                for (p, _, _), m in zip(items, working):
+                    self.state[p]["momentum"] = m
         if skip:
             self._skipped()
             return
         self.steps += 1
         self.consecutive_skips = 0
+        if self.settings.overlap:
+            return
         if shared is not None:
             for (p, _, _), m, rule_state in zip(items, working, rule_states):
                 self.state[p]["momentum"] = m
@@ -304,6 +320,35 @@ class DeMo(torch.optim.Optimizer):
                 continue
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Overlap: apply the update of the exchange still in flight (call on every rank after the last step)."""
+        if self._pending is not None:
+            items = self._plan(self.tiers[self.policy.tier])[0]
+            self._apply_late(items, self._finish_pending(items))
+            self._pending = None
+
+    def _finish_pending(self, items) -> list[torch.Tensor]:
+        """Overlap: wait for the exchange the last step started, validate and average it (nothing committed)."""
+        pending, transport = self._pending, self._transport
+        rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
+        pending["rows"] = rows  # done: a failure below does not wait twice
+        tier = self.tiers[self.policy.tier]
+        exchange = exchanges.get(self.settings.exchange)([layout for _, _, layout in items], tier.value_format,
+                                                         self.secret)
+        return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
+
+    def _apply_late(self, items, updates) -> None:
+        if updates is None:
+            return
+        pending = self._pending
+        generator = None
+        if self.settings.param_rounding == "stochastic":
+            generator = torch.Generator().manual_seed(0x5EED0000 + pending["step"])
+        for (p, _, layout), update, (lr, wd) in zip(items, updates, pending["lr"]):
+            direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
+            F.apply_step(p, direction, lr, wd, generator)
 
     def _share_in_node(self, items, all_items, updates, generator):
         """(every parameter's new value, this shard's new rule states), nothing committed."""
@@ -367,9 +412,20 @@ class DeMo(torch.optim.Optimizer):
             "world_size": transport.world if transport else 1,
             "settings": self.settings.as_dict(),
             "policy": self.policy.state_dict(),
+            "pending": self._pending_state(),
             "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         }
         return sd
+
+    def _pending_state(self) -> dict | None:
+        """Overlap: the exchange in flight, finished here (it was started by every rank: no new collective)."""
+        if self._pending is None:
+            return None
+        pending = self._pending
+        if hasattr(pending["rows"], "wait"):
+            pending["rows"] = pending["rows"].wait()
+        return {"rows": pending["rows"].clone(), "step": pending["step"], "lr": [list(x) for x in pending["lr"]],
+                "headers": torch.stack([h.to_bytes() for h in pending["headers"]])}
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
@@ -412,6 +468,10 @@ class DeMo(torch.optim.Optimizer):
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         self.resyncs = int(extra.get("resyncs", 0))
         self.policy.load_state_dict(extra.get("policy", {}))
+        pending = extra.get("pending")
+        self._pending = None if pending is None else {
+            "rows": pending["rows"].clone(), "step": int(pending["step"]), "lr": [tuple(x) for x in pending["lr"]],
+            "headers": [codec.Header.from_bytes(row) for row in pending["headers"]]}
         self.comm_stats.load(extra.get("comm", {}))
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]))
         if dist.is_available() and dist.is_initialized():

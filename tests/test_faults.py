@@ -178,20 +178,21 @@ def _settings(rank, world, name, values):
 @pytest.mark.parametrize(
     "name,values",
     [("nonfinite", ("skip", "raise")), ("update_rule", ("sign", "adam")), ("check_every", (100, 50)),
-     ("exchange", ("all_gather", "all_reduce"))],
+      ("exchange", ("all_gather", "all_reduce")), ("value_format", ("bf16", "fp32")), ("compression_topk", (4, 2))],
 )
 def test_every_setting_that_must_agree_is_checked(name, values):
     for r in run_ranks(_settings, 2, name, values):
-        assert isinstance(r, RankError) and "different optimizer settings" in r.message, r
+        assert isinstance(r, RankError) and "DeMo ranks disagree" in r.message, r
+        assert "different optimizer settings" in r.message or "different parameter layout" in r.message, r
 
 
-def _secret(rank, world, secrets):
+def _secret(rank, world, secrets, kw=None):
     if secrets[rank] is None:
         os.environ.pop("HF_DEMO_SECRET", None)
     else:
         os.environ["HF_DEMO_SECRET"] = secrets[rank]
     model = tiny_mlp()
-    opt = _make(model)
+    opt = _make(model, **(kw or {}))
     for step in range(3):
         loss_and_backward(model, rank, step)
         opt.step()
@@ -203,6 +204,8 @@ def test_authenticated_payloads():
     assert all(torch.equal(a, b) for a, b in zip(*same))
     forged = run_ranks(_secret, 2, ("s3cret", "guess"))
     assert all(isinstance(r, RankError) and "HMAC-SHA256" in r.message for r in forged), forged
+    forged_all_reduce = run_ranks(_secret, 2, ("s3cret", "guess"), {"exchange": "all_reduce"})
+    assert all(isinstance(r, RankError) and "header from rank" in r.message for r in forged_all_reduce), forged_all_reduce
     missing = run_ranks(_secret, 2, ("s3cret", None))
     assert all(isinstance(r, RankError) and "HF_DEMO_SECRET" in r.message for r in missing), missing
 

@@ -99,3 +99,48 @@ def test_all_reduce_uses_the_leaders_positions_and_the_mean_of_all_ranks():
 def test_all_reduce_refuses_the_sign_format():
     with pytest.raises(ValueError, match="all_reduce.*value_format"):
         hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], exchange="all_reduce", value_format="sign")
+
+
+def _overlap(rank, world, steps, resume_at=None, flush=True):
+    model = tiny_mlp()
+    kw = {"overlap": True}
+    opt = _make(model, **kw)
+    losses = []
+    for step in range(steps):
+        if step == resume_at:
+            params, state = io.BytesIO(), io.BytesIO()
+            torch.save(model.state_dict(), params)
+            torch.save(opt.state_dict(), state)  # finishes the exchange in flight: it travels in the state
+            model = tiny_mlp(seed=1)
+            opt = _make(model, **kw)
+            model.load_state_dict(torch.load(io.BytesIO(params.getvalue()), weights_only=True))
+            opt.load_state_dict(torch.load(io.BytesIO(state.getvalue()), weights_only=True))
+        losses.append(loss_and_backward(model, rank, step % 5))
+        opt.step()
+    if flush:
+        opt.flush()
+    return [p.detach().clone() for p in model.parameters()], losses, opt.comm_stats.total_collectives
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_keeps_replicas_identical_and_trains(world):
+    results = expect_ok(run_ranks(_overlap, world, 40))
+    for params, _, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
+    losses = results[0][1]
+    assert sum(losses[-5:]) < 0.98 * sum(losses[:5])  # it trains (one step late)
+    assert results[0][2] == 2 * 40  # the header now, the payload in the background
+
+
+def test_overlap_resumes_exactly_with_an_exchange_in_flight():
+    straight = expect_ok(run_ranks(_overlap, 2, 12))
+    resumed = expect_ok(run_ranks(_overlap, 2, 12, 6))
+    for (a, _, _), (b, _, _) in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_overlap_applies_each_update_one_step_late():
+    (late, _, _), _ = expect_ok(run_ranks(_overlap, 2, 1, None, False))
+    assert all(torch.equal(a, b) for a, b in zip(late, tiny_mlp().parameters()))  # nothing applied yet
+    (flushed, _, _), _ = expect_ok(run_ranks(_overlap, 2, 1))
+    assert not all(torch.equal(a, b) for a, b in zip(flushed, tiny_mlp().parameters()))
