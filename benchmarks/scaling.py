@@ -28,12 +28,11 @@ import argparse
 import json
 import math
 import os
-import socket
-import sys
 from pathlib import Path
 
+from common import expect_ok, run_ranks
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 DEFAULT_SETTINGS = "bf16:32:64,sign:32:64,fp32:32:64,bf16:16:64,bf16:8:64,sign:8:64,sign:4:64"
 
@@ -75,12 +74,10 @@ def small_model(args):
     return build_model(ns)
 
 
-def _rank(rank, world, port, args, settings, q):
+def _rank(rank, world, args, settings):
+    """One rank (run by ``run_ranks``): the traffic every setting counted, in ``settings`` order."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from hf_demo import DeMo
 
     model = small_model(args)
@@ -97,34 +94,13 @@ def _rank(rank, world, port, args, settings, q):
         cs = opt.comm_stats
         res.append(dict(fmt=fmt, topk=k, chunk=c, sent=cs.bytes_sent, received=cs.bytes_received,
                         collectives=cs.collectives, dense=cs.dense_bytes))
-    all_res = [None] * world
-    dist.all_gather_object(all_res, res)
-    if rank == 0:
-        q.put(dict(world=world, n_params=sum(p.numel() for p in params), ranks=all_res))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return dict(n_params=sum(p.numel() for p in params), res=res)
 
 
 def measure(world, args, settings):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, settings, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"world {world}: exit codes {[p.exitcode for p in procs]}")
-    out = q.get()
+    ranks = expect_ok(run_ranks(_rank, world, args, settings, timeout=1800, collective_timeout=600,
+                                start_method="spawn"))
+    out = dict(world=world, n_params=ranks[0]["n_params"], ranks=[r["res"] for r in ranks])
     for r, rr in enumerate(out["ranks"]):
         for a, b in zip(rr, out["ranks"][0]):
             if (a["sent"], a["received"]) != (b["sent"], b["received"]):

@@ -23,24 +23,25 @@ headers included) for every rank; every ``--eval-every`` steps the held-out loss
 the models are identical on all ranks for all four methods). For DeMo also ``opt.comm_stats``.
 
 ``--delay-ms D`` emulates latency in the application, since this kernel has no netem: before each collective
-the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before an
-all-gather (DeMo) and ``2(W-1)·D`` before an all-reduce (DDP: through its Python all-reduce hook; PowerSGD
-does three all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with
-anything, which is pessimistic for DDP (whose all-reduces normally overlap the backward pass).
+the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before each
+of DeMo's collectives (``hf_demo.comm.register_collective_hook``) and ``2(W-1)·D`` before an all-reduce (DDP:
+``torch.distributed.all_reduce`` wrapped, reached through DDP's Python all-reduce hook; PowerSGD does three
+all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with anything, which is
+pessimistic for DDP (whose all-reduces normally overlap the backward pass).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from common import stdlib_bytes
 
 METHODS = ("demo-bf16", "demo-sign", "adamw", "powersgd")
 
@@ -75,17 +76,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------ data
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-
-
-def load_corpus() -> torch.Tensor:
-    data = b"".join(f.read_bytes() + b"\n" for f in stdlib_files())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
 class Data:
     def __init__(self, corpus: torch.Tensor, rank: int, world: int, seq_len: int, batch: int, seed: int,
                  heldout: float, eval_batches: int):
@@ -120,23 +110,21 @@ def wire_counters() -> tuple[int, int]:
         return 0, 0
 
 
-def install_delay(ms: float, world: int) -> None:
-    """Sleep before each collective (see the module docstring). Patches attributes at run time only."""
+def install_delay(ms: float, world: int, demo: bool) -> None:
+    """Sleep before each collective (see the module docstring)."""
     if ms <= 0 or world == 1:
         return
-    import hf_demo.comm as hcomm
+    if demo:
+        from hf_demo.comm import register_collective_hook
 
-    ag, ar = hcomm._ALL_GATHER, dist.all_reduce
-
-    def delayed_all_gather(*a, **k):
-        time.sleep(ms / 1000 * (world - 1))
-        return ag(*a, **k)
+        register_collective_hook(lambda name, nbytes: time.sleep(ms / 1000 * (world - 1)))
+        return
+    all_reduce = dist.all_reduce
 
     def delayed_all_reduce(*a, **k):
         time.sleep(ms / 1000 * 2 * (world - 1))
-        return ar(*a, **k)
+        return all_reduce(*a, **k)
 
-    hcomm._ALL_GATHER = delayed_all_gather
     dist.all_reduce = delayed_all_reduce
 
 
@@ -169,16 +157,16 @@ def main(argv=None):
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=args.timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
-    install_delay(args.delay_ms, world)
+    is_demo = args.method.startswith("demo")
+    install_delay(args.delay_ms, world, is_demo)
 
-    data = Data(load_corpus(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout,
+    data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout,
                 args.eval_batches)
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     for p in model.parameters():          # identical start on every rank (same seed anyway)
         dist.broadcast(p.data, 0)
 
-    is_demo = args.method.startswith("demo")
     lr = args.lr if args.lr is not None else (1e-3 if is_demo else 2e-3)
     if is_demo:
         from hf_demo import DeMo
