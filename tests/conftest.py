@@ -1,9 +1,10 @@
 """Test tiers and shared fixtures (tiny real models saved to disk, so recipes load them as a user's folder).
 
 ``pytest -m "not launch"`` runs the fast tier: everything except the tests that start processes through
-``accelerate launch`` (``launch_utils.accelerate_launch``, or ``recipes/compare.py`` which calls it in turn).
-A test is a launch test if it carries ``@pytest.mark.launch`` or is listed in ``LAUNCH_TESTS`` below;
-``accelerate_launch`` refuses to run inside a test that is neither, so the fast tier cannot silently grow.
+``accelerate launch`` (``launch_utils.accelerate_launch``, or ``recipes/compare.py``, which runs it itself).
+A test is a launch test if it carries ``@pytest.mark.launch`` or is listed in ``LAUNCH_TESTS`` below (the
+place for them until the test files carry the marker); ``accelerate_launch`` refuses to run inside a test that
+is neither, so the fast tier does not silently grow.
 """
 
 import os
