@@ -2,12 +2,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo quickstart bench compare
+.PHONY: setup test test-fast lint demo quickstart bench compare
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest -q
+
+# Everything but the tests that start processes through accelerate launch (under a minute on 2 cores).
+test-fast: setup
+	$(PY) -m pytest -q -m "not launch"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 quickstart: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 examples/quickstart.py

@@ -22,6 +22,7 @@ process group, nothing else), deletes the qdiscs and then the namespaces (which 
 bridge with them). :func:`install_signal_handlers` turns SIGINT/SIGTERM/SIGHUP into exceptions so the
 ``finally`` runs on interruption too.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,7 @@ def _ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def parse_rate(rate: str) -> float:
     """'100mbit' -> 1e8 bit/s (tc's units: kbit, mbit, gbit; 'k'/'m'/'g' alone too)."""
     r = rate.strip().lower()
-    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0), ("g", 1e9), ("m", 1e6),
-                         ("k", 1e3)):
+    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0), ("g", 1e9), ("m", 1e6), ("k", 1e3)):
         if r.endswith(suffix):
             return float(r[: -len(suffix)]) * mult
     return float(r)
@@ -84,9 +84,24 @@ def shaping_args(rate: str, kind: str = "tbf") -> list[list[str]]:
     if kind == "tbf":
         return [["root", "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]]
     if kind == "htb":
-        return [["root", "handle", "1:", "htb", "default", "10"],
-                ["parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate, "burst", str(burst),
-                 "cburst", str(burst)]]
+        return [
+            ["root", "handle", "1:", "htb", "default", "10"],
+            [
+                "parent",
+                "1:",
+                "classid",
+                "1:10",
+                "htb",
+                "rate",
+                rate,
+                "ceil",
+                rate,
+                "burst",
+                str(burst),
+                "cburst",
+                str(burst),
+            ],
+        ]
     raise ValueError(f"unknown shaper {kind!r} (tbf or htb)")
 
 
@@ -103,11 +118,11 @@ class Cluster:
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self.ifname = "eth0"
         self._created: list[str] = []
-        self._qdiscs: list[tuple[str, str]] = []   # (namespace, device)
+        self._qdiscs: list[tuple[str, str]] = []  # (namespace, device)
         self._procs: list[subprocess.Popen] = []
 
     # ------------------------------------------------------------------ setup / teardown
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self.setup()
         except BaseException:
@@ -176,8 +191,7 @@ class Cluster:
         """Start ``cmd`` in node ``i`` (own process group, so it can be killed with its children)."""
         full_env = dict(os.environ if env is None else env)
         full_env["GLOO_SOCKET_IFNAME"] = self.ifname
-        p = subprocess.Popen(["ip", "netns", "exec", self.nodes[i], *cmd], env=full_env,
-                             start_new_session=True, **kw)
+        p = subprocess.Popen(["ip", "netns", "exec", self.nodes[i], *cmd], env=full_env, start_new_session=True, **kw)
         self._procs.append(p)
         return p
 
@@ -187,8 +201,12 @@ class Cluster:
 
     def counters(self, i: int) -> tuple[int, int]:
         """(tx_bytes, rx_bytes) of node i's eth0."""
-        out = _ns(self.nodes[i], "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes",
-                  f"/sys/class/net/{self.ifname}/statistics/rx_bytes").stdout.split()
+        out = _ns(
+            self.nodes[i],
+            "cat",
+            f"/sys/class/net/{self.ifname}/statistics/tx_bytes",
+            f"/sys/class/net/{self.ifname}/statistics/rx_bytes",
+        ).stdout.split()
         return int(out[0]), int(out[1])
 
     def qdisc_report(self) -> str:
@@ -252,6 +270,7 @@ class _signals_deferred:
 
 def install_signal_handlers() -> None:
     """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`, so every ``finally`` (the cleanup) runs."""
+
     def handler(signum, frame):
         raise Interrupted(f"interrupted by signal {signum}")
 

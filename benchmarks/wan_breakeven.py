@@ -25,6 +25,7 @@ perfectly overlapped DDP: R* = (B_ddp - f·B_demo) / (f·c·(1 + o)).
 
     python benchmarks/wan_breakeven.py --workers 8 --compute-s 0.5,1,2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,12 @@ def main(argv=None):
     p.add_argument("--compute-s", default="0.5,1,2", help="compute time per step c (forward+backward), s")
     p.add_argument("--config", default=None, help="wan_summary.json key (default: the 2-node 1gbit run)")
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--overhead", type=float, default=None,
-                   help="override o (DeMo optimizer compute / forward+backward), e.g. for a GPU with a big batch")
+    p.add_argument(
+        "--overhead",
+        type=float,
+        default=None,
+        help="override o (DeMo optimizer compute / forward+backward), e.g. for a GPU with a big batch",
+    )
     p.add_argument("--steps-ratio", type=float, default=None, help="override f (DeMo steps / AdamW steps)")
     p.add_argument("--out", default="breakeven.md")
     args = p.parse_args(argv)
@@ -70,29 +75,40 @@ def main(argv=None):
     shapes = llama_shapes(**LLAMA_1B)
     n = sum(math.prod(s) for s in shapes)
     s_by = {e["setting"]: e["s_1b"] for e in scaling["exact"]}
-    methods = {"DeMo bf16": ("demo-bf16", s_by["bf16, top-32/64×64"]),
-               "DeMo sign": ("demo-sign", s_by["sign, top-32/64×64"])}
+    methods = {
+        "DeMo bf16": ("demo-bf16", s_by["bf16, top-32/64×64"]),
+        "DeMo sign": ("demo-sign", s_by["sign, top-32/64×64"]),
+    }
     base = runs["adamw"]
-    lines = [f"Measured inputs (from `{key}`): AdamW reached the target at step "
-             f"{base['step_target_interp']:.1f} (interpolated)."]
+    lines = [
+        f"Measured inputs (from `{key}`): AdamW reached the target at step "
+        f"{base['step_target_interp']:.1f} (interpolated)."
+    ]
     fo = {}
     for name, (m, s) in methods.items():
         r = runs[m]
         f = r["step_target_interp"] / base["step_target_interp"]
         o = (r["opt_s"] - r["comm_s"]) / r["fwd_bwd_s"]
-        lines.append(f"{name}: measured f = {f:.2f} (steps to target vs AdamW), o = {o:.2f} (optimizer compute / "
-                     f"forward+backward on this CPU), s = {s:.4f} B/param/step (1.24B model).")
+        lines.append(
+            f"{name}: measured f = {f:.2f} (steps to target vs AdamW), o = {o:.2f} (optimizer compute / "
+            f"forward+backward on this CPU), s = {s:.4f} B/param/step (1.24B model)."
+        )
         f = args.steps_ratio if args.steps_ratio is not None else f
         o = args.overhead if args.overhead is not None else o
         fo[name] = (f, o, s)
     if args.overhead is not None or args.steps_ratio is not None:
-        lines.append(f"**Used below instead of the measured values:** f = {args.steps_ratio or 'measured'}, "
-                     f"o = {args.overhead if args.overhead is not None else 'measured'}.")
+        lines.append(
+            f"**Used below instead of the measured values:** f = {args.steps_ratio or 'measured'}, "
+            f"o = {args.overhead if args.overhead is not None else 'measured'}."
+        )
     s_psgd = powersgd_bytes(shapes, args.powersgd_rank) / n
-    lines += [f"PowerSGD rank {args.powersgd_rank}: {s_psgd:.4f} B/param/step all-reduced (1.24B model).", "",
-              "| W | c s | B per link, DDP | B DeMo bf16 | B DeMo sign | B PowerSGD | R_c DDP | R_c DeMo bf16 "
-              "| R* DeMo bf16 vs DDP | R* DeMo sign vs DDP | R* DeMo bf16 vs overlapped DDP |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        f"PowerSGD rank {args.powersgd_rank}: {s_psgd:.4f} B/param/step all-reduced (1.24B model).",
+        "",
+        "| W | c s | B per link, DDP | B DeMo bf16 | B DeMo sign | B PowerSGD | R_c DDP | R_c DeMo bf16 "
+        "| R* DeMo bf16 vs DDP | R* DeMo sign vs DDP | R* DeMo bf16 vs overlapped DDP |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def gbit(b):
         return f"{b * 8 / 1e9:.2f} Gbit"
@@ -113,11 +129,13 @@ def main(argv=None):
         b_bf = (w - 1) * fo["DeMo bf16"][2] * n
         b_sg = (w - 1) * fo["DeMo sign"][2] * n
         for c in [float(x) for x in args.compute_s.split(",")]:
-            lines.append(f"| {w} | {c:g} | {gbit(b_ddp)} | {gbit(b_bf)} | {gbit(b_sg)} | {gbit(b_psgd)} | "
-                         f"{b_ddp * 8 / c / 1e9:.1f} Gbit/s | {b_bf * 8 / c / 1e9:.2f} Gbit/s | "
-                         f"{rstar(b_ddp, b_bf, *fo['DeMo bf16'][:2], c)} | "
-                         f"{rstar(b_ddp, b_sg, *fo['DeMo sign'][:2], c)} | "
-                         f"{rstar(b_ddp, b_bf, *fo['DeMo bf16'][:2], c, overlap=True)} |")
+            lines.append(
+                f"| {w} | {c:g} | {gbit(b_ddp)} | {gbit(b_bf)} | {gbit(b_sg)} | {gbit(b_psgd)} | "
+                f"{b_ddp * 8 / c / 1e9:.1f} Gbit/s | {b_bf * 8 / c / 1e9:.2f} Gbit/s | "
+                f"{rstar(b_ddp, b_bf, *fo['DeMo bf16'][:2], c)} | "
+                f"{rstar(b_ddp, b_sg, *fo['DeMo sign'][:2], c)} | "
+                f"{rstar(b_ddp, b_bf, *fo['DeMo bf16'][:2], c, overlap=True)} |"
+            )
     text = "\n".join(lines)
     (res / args.out).write_text(text + "\n")
     print(text)

@@ -23,24 +23,26 @@ headers included) for every rank; every ``--eval-every`` steps the held-out loss
 the models are identical on all ranks for all four methods). For DeMo also ``opt.comm_stats``.
 
 ``--delay-ms D`` emulates latency in the application, since this kernel has no netem: before each collective
-the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before an
-all-gather (DeMo) and ``2(W-1)·D`` before an all-reduce (DDP: through its Python all-reduce hook; PowerSGD
-does three all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with
-anything, which is pessimistic for DDP (whose all-reduces normally overlap the backward pass).
+the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before each
+of DeMo's collectives (``hf_demo.comm.register_collective_hook``) and ``2(W-1)·D`` before an all-reduce (DDP:
+``torch.distributed.all_reduce`` wrapped, reached through DDP's Python all-reduce hook; PowerSGD does three
+all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with anything, which is
+pessimistic for DDP (whose all-reduces normally overlap the backward pass).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from common import stdlib_bytes
 
 METHODS = ("demo-bf16", "demo-sign", "adamw", "powersgd")
 
@@ -58,14 +60,22 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=688)
-    p.add_argument("--lr", type=float, default=None,
-                   help="default: 2e-3 for AdamW/PowerSGD, 1e-3 for DeMo (its sign step is absolute)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="default: 2e-3 for AdamW/PowerSGD, 1e-3 for DeMo (its sign step is absolute)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="linear learning-rate warmup steps")
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP bucket size; default DDP's own for adamw, one bucket for everything for powersgd")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size; default DDP's own for adamw, one bucket for everything for powersgd",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout", type=float, default=0.02)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -75,37 +85,36 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------ data
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-
-
-def load_corpus() -> torch.Tensor:
-    data = b"".join(f.read_bytes() + b"\n" for f in stdlib_files())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
 class Data:
-    def __init__(self, corpus: torch.Tensor, rank: int, world: int, seq_len: int, batch: int, seed: int,
-                 heldout: float, eval_batches: int):
+    def __init__(
+        self,
+        corpus: torch.Tensor,
+        rank: int,
+        world: int,
+        seq_len: int,
+        batch: int,
+        seed: int,
+        heldout: float,
+        eval_batches: int,
+    ):
         n = corpus.numel()
         cut = int(n * (1 - heldout))
         shard = cut // world
-        self.train = corpus[rank * shard: (rank + 1) * shard]
+        self.train = corpus[rank * shard : (rank + 1) * shard]
         held = corpus[cut:]
         self.seq_len, self.batch = seq_len, batch
         self.gen = torch.Generator().manual_seed(seed * 1000003 + rank)
         n_eval = eval_batches * batch
         starts = torch.linspace(0, held.numel() - seq_len - 1, n_eval).long()
-        windows = torch.stack([held[s: s + seq_len] for s in starts.tolist()]).long()
+        windows = torch.stack([held[s : s + seq_len] for s in starts.tolist()]).long()
         self.eval = windows.split(batch)
-        self.sizes = dict(corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut,
-                          eval_windows=n_eval)
+        self.sizes = dict(
+            corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut, eval_windows=n_eval
+        )
 
     def next_batch(self) -> torch.Tensor:
         starts = torch.randint(0, self.train.numel() - self.seq_len, (self.batch,), generator=self.gen)
-        return torch.stack([self.train[s: s + self.seq_len] for s in starts.tolist()]).long()
+        return torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()]).long()
 
 
 # ------------------------------------------------------------------ helpers
@@ -120,33 +129,40 @@ def wire_counters() -> tuple[int, int]:
         return 0, 0
 
 
-def install_delay(ms: float, world: int) -> None:
-    """Sleep before each collective (see the module docstring). Patches attributes at run time only."""
+def install_delay(ms: float, world: int, demo: bool) -> None:
+    """Sleep before each collective (see the module docstring)."""
     if ms <= 0 or world == 1:
         return
-    import hf_demo.comm as hcomm
+    if demo:
+        from hf_demo.comm import register_collective_hook
 
-    ag, ar = hcomm._ALL_GATHER, dist.all_reduce
-
-    def delayed_all_gather(*a, **k):
-        time.sleep(ms / 1000 * (world - 1))
-        return ag(*a, **k)
+        register_collective_hook(lambda name, nbytes: time.sleep(ms / 1000 * (world - 1)))
+        return
+    all_reduce = dist.all_reduce
 
     def delayed_all_reduce(*a, **k):
         time.sleep(ms / 1000 * 2 * (world - 1))
-        return ar(*a, **k)
+        return all_reduce(*a, **k)
 
-    hcomm._ALL_GATHER = delayed_all_gather
     dist.all_reduce = delayed_all_reduce
 
 
 def build_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
     model.config.use_cache = False
@@ -169,23 +185,27 @@ def main(argv=None):
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=args.timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
-    install_delay(args.delay_ms, world)
+    is_demo = args.method.startswith("demo")
+    install_delay(args.delay_ms, world, is_demo)
 
-    data = Data(load_corpus(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout,
-                args.eval_batches)
+    data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout, args.eval_batches)
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
-    for p in model.parameters():          # identical start on every rank (same seed anyway)
+    for p in model.parameters():  # identical start on every rank (same seed anyway)
         dist.broadcast(p.data, 0)
 
-    is_demo = args.method.startswith("demo")
     lr = args.lr if args.lr is not None else (1e-3 if is_demo else 2e-3)
     if is_demo:
         from hf_demo import DeMo
 
         net = model
-        opt = DeMo(model.parameters(), lr=lr, compression_topk=args.topk, compression_chunk=args.chunk,
-                   value_format="sign" if args.method == "demo-sign" else "bf16")
+        opt = DeMo(
+            model.parameters(),
+            lr=lr,
+            compression_topk=args.topk,
+            compression_chunk=args.chunk,
+            value_format="sign" if args.method == "demo-sign" else "bf16",
+        )
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -197,10 +217,11 @@ def main(argv=None):
         if args.method == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                     start_powerSGD_iter=2)
+            state = ps.PowerSGDState(
+                process_group=None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2
+            )
             net.register_comm_hook(state, ps.powerSGD_hook)
-        elif args.delay_ms > 0:   # the Python all-reduce hook, so the delay wrapper sees the all-reduces
+        elif args.delay_ms > 0:  # the Python all-reduce hook, so the delay wrapper sees the all-reduces
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -216,8 +237,7 @@ def main(argv=None):
     def do_eval(step):
         if rank == 0:
             evals.append(dict(step=step, train_time=train_time, loss=evaluate(model, data.eval)))
-            print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}",
-                  flush=True)
+            print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}", flush=True)
         dist.barrier()
 
     do_eval(0)
@@ -237,8 +257,15 @@ def main(argv=None):
         train_time += t2 - t0
         wire_tx += tx1 - tx0
         wire_rx += rx1 - rx0
-        rec = dict(step=step + 1, time=t2 - t0, fwd_bwd=t1 - t0, opt_step=t2 - t1,
-                   loss=float(loss.detach()), tx=tx1 - tx0, rx=rx1 - rx0)
+        rec = dict(
+            step=step + 1,
+            time=t2 - t0,
+            fwd_bwd=t1 - t0,
+            opt_step=t2 - t1,
+            loss=float(loss.detach()),
+            tx=tx1 - tx0,
+            rx=rx1 - rx0,
+        )
         if is_demo:
             cs = opt.comm_stats
             rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds)
@@ -247,22 +274,38 @@ def main(argv=None):
             do_eval(step + 1)
 
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time,
-                                          steps=steps))
+    dist.all_gather_object(
+        per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time, steps=steps)
+    )
     if rank == 0:
         extra = {}
         if is_demo:
-            extra = dict(demo_dense_bytes=opt.comm_stats.dense_bytes,
-                         demo_ratio_to_dense=opt.comm_stats.ratio_to_dense,
-                         demo_total=opt.comm_stats.as_dict())
-        out = dict(method=args.method, world=world, n_params=n_params, lr=lr, args=vars(args), data=data.sizes,
-                   evals=evals, ranks=per_rank, torch=torch.__version__, **extra)
+            extra = dict(
+                demo_dense_bytes=opt.comm_stats.dense_bytes,
+                demo_ratio_to_dense=opt.comm_stats.ratio_to_dense,
+                demo_total=opt.comm_stats.as_dict(),
+            )
+        out = dict(
+            method=args.method,
+            world=world,
+            n_params=n_params,
+            lr=lr,
+            args=vars(args),
+            data=data.sizes,
+            evals=evals,
+            ranks=per_rank,
+            torch=torch.__version__,
+            **extra,
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         med = sorted(r["time"] for r in steps)[len(steps) // 2]
-        print(f"[{args.method}] done: {n_params / 1e6:.2f}M params, median step {med:.3f}s, "
-              f"final eval {evals[-1]['loss']:.4f}, wire tx/rx per step {wire_tx / len(steps) / 1e6:.3f}/"
-              f"{wire_rx / len(steps) / 1e6:.3f} MB", flush=True)
+        print(
+            f"[{args.method}] done: {n_params / 1e6:.2f}M params, median step {med:.3f}s, "
+            f"final eval {evals[-1]['loss']:.4f}, wire tx/rx per step {wire_tx / len(steps) / 1e6:.3f}/"
+            f"{wire_rx / len(steps) / 1e6:.3f} MB",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

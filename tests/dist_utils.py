@@ -1,4 +1,8 @@
-"""Run a function on N real gloo ranks (forked processes) and collect what every rank returned or raised."""
+"""Run a function on N real gloo ranks (local processes) and collect what every rank returned or raised.
+
+The one launcher of gloo worlds for the tests and the benchmarks (``benchmarks/common.py`` imports it).
+"""
+
 from __future__ import annotations
 
 import datetime
@@ -31,12 +35,13 @@ class RankError:
         return f"RankError({self.type}: {self.message})"
 
 
-def _worker(fn, rank, world, port, results, args):
+def _worker(fn, rank, world, port, results, args, collective_timeout):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout)
+        )
         assert dist.get_world_size() == world
         out = fn(rank, world, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -50,17 +55,24 @@ def _worker(fn, rank, world, port, results, args):
         pass
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
+def run_ranks(
+    fn, world: int, *args, timeout: float = 120.0, collective_timeout: float = 60.0, start_method: str = "fork"
+) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
 
-    A rank that raised returns a :class:`RankError`. A rank that does not answer within ``timeout`` fails
-    the test (nothing may hang).
+    Each rank is a new process with one torch thread and an initialised default process group (127.0.0.1,
+    a free port); ``fn`` may change the thread count. A rank that raised returns a :class:`RankError`. A
+    collective that waits longer than ``collective_timeout`` raises on its rank; results that do not all
+    arrive within ``timeout`` fail the caller (nothing may hang). ``start_method="spawn"`` gives every rank a
+    fresh interpreter (clean memory figures; ``fn`` and ``args`` must then pickle); "fork" starts faster.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, args), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, results, args, collective_timeout), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = {}
@@ -69,8 +81,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
             rank, value = results.get(timeout=timeout)
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout}s "
-                             f"(hang?)") from None
+        raise AssertionError(
+            f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout}s (hang?)"
+        ) from None
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,4 +1,5 @@
 """Launch scripts for real with `accelerate launch --config_file accelerate_configs/cpu_multiprocess.yaml`."""
+
 import os
 import subprocess
 import sys
@@ -10,17 +11,37 @@ from dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "accelerate_configs" / "cpu_multiprocess.yaml"
+LAUNCH_ALLOWED = "HF_DEMO_TEST_MAY_LAUNCH"  # "0" inside a test not marked launch (set by conftest.py)
 
 
 def accelerate_launch(script, *args, num_processes=2, timeout=300, check=True):
     """Run ``script`` on ``num_processes`` CPU processes; returns the CompletedProcess (output in .stdout)."""
+    if os.environ.get(LAUNCH_ALLOWED) == "0":
+        raise AssertionError("this test starts processes: mark it @pytest.mark.launch (see tests/conftest.py)")
     accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes),
-           "--main_process_port", str(free_port()), str(script), *map(str, args)]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(CPU_CONFIG),
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *map(str, args),
+    ]
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return proc

@@ -1,22 +1,46 @@
-"""Small models and data shared by the tests."""
+"""Small models and data shared by the tests (and, through ``benchmarks/common.py``, the benchmarks)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
 import torch
 
 
-def tiny_mlp(seed: int = 0, hidden: int = 32) -> torch.nn.Module:
+def tiny_mlp(seed: int = 0, hidden: int = 32, inputs: int = 16, outputs: int = 8) -> torch.nn.Sequential:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 8))
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, outputs))
 
 
-def batch(rank: int, step: int, n: int = 32):
+def awkward_mlp(seed: int = 0) -> torch.nn.Sequential:
+    """An MLP whose shapes a chunk of 8 does not divide: (20, 13), (20,), (5, 20) are padded, (5,) is one block."""
+    return tiny_mlp(seed, hidden=20, inputs=13, outputs=5)
+
+
+def batch(rank: int, step: int, n: int = 32, inputs: int = 16, classes: int = 8):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(n, 16, generator=g)
-    y = torch.randint(0, 8, (n,), generator=g)
+    x = torch.randn(n, inputs, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
     return x, y
 
 
 def loss_and_backward(model, rank, step):
-    x, y = batch(rank, step)
+    x, y = batch(rank, step, inputs=model[0].in_features, classes=model[-1].out_features)
     model.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     return loss.item()
+
+
+def stdlib_files() -> list[Path]:
+    """The Python standard library's own ``.py`` sources, sorted, without site-packages and test suites."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def stdlib_bytes() -> torch.Tensor:
+    """Those files concatenated in order, each followed by a newline, as a uint8 tensor (~12 MB)."""
+    data = b"".join(f.read_bytes() + b"\n" for f in stdlib_files())
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -2,8 +2,15 @@
 
 Momentum in the parameter domain (float64), one naive DCT basis built from the cosine formula, a Python
 loop over blocks, int64 indices and float64 values gathered per tensor, and the mean over the ranks that
-picked a coefficient computed with a dictionary. Only for shapes the chunk divides.
+picked a coefficient computed with a dictionary.
+
+A dimension the chunk does not divide is zero-padded up to a multiple of the block side (the side is
+``min(chunk, dim)``), as ``hf_demo.blocks`` does. The momentum lives on that padded matrix: error feedback
+subtracts the inverse transform of the sent coefficients on the whole padded matrix, so a residual can remain
+in the padding (as it does in the optimizer's DCT-domain momentum). Only the parameter's own positions of the
+averaged update are applied.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,51 +33,51 @@ class ReferenceDeMo:
         self.params = list(params)
         self.lr, self.decay, self.topk, self.chunk = lr, decay, topk, chunk
         self.weight_decay, self.sign_update = weight_decay, sign_update
-        self.momentum = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.momentum = [torch.zeros(self._blocks(p)[4:], dtype=torch.float64) for p in self.params]
 
     def _blocks(self, p):
+        """rows, cols of the parameter seen as a matrix; block sides b0, b1; padded rows, padded cols."""
         rows, cols = (1, p.numel()) if p.dim() <= 1 else (p.shape[0], p.numel() // p.shape[0])
         b0, b1 = min(self.chunk, rows), min(self.chunk, cols)
-        assert rows % b0 == 0 and cols % b1 == 0, "the reference only handles shapes the chunk divides"
-        return rows, cols, b0, b1
+        return rows, cols, b0, b1, math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1
 
-    def _forward(self, x, rows, cols, b0, b1):
+    @staticmethod
+    def _forward(x, b0, b1):
         d0, d1 = dct_basis(b0), dct_basis(b1)
-        x = x.reshape(rows, cols)
         out = []
-        for r in range(0, rows, b0):
-            for c in range(0, cols, b1):
-                out.append((d0 @ x[r:r + b0, c:c + b1] @ d1.T).reshape(-1))
+        for r in range(0, x.shape[0], b0):
+            for c in range(0, x.shape[1], b1):
+                out.append((d0 @ x[r : r + b0, c : c + b1] @ d1.T).reshape(-1))
         return out
 
-    def _inverse(self, coeffs, rows, cols, b0, b1, shape):
+    @staticmethod
+    def _inverse(coeffs, b0, b1, padded_rows, padded_cols):
         d0, d1 = dct_basis(b0), dct_basis(b1)
-        x = torch.zeros(rows, cols, dtype=torch.float64)
+        x = torch.zeros(padded_rows, padded_cols, dtype=torch.float64)
         i = 0
-        for r in range(0, rows, b0):
-            for c in range(0, cols, b1):
-                x[r:r + b0, c:c + b1] = d0.T @ coeffs[i].reshape(b0, b1) @ d1
+        for r in range(0, padded_rows, b0):
+            for c in range(0, padded_cols, b1):
+                x[r : r + b0, c : c + b1] = d0.T @ coeffs[i].reshape(b0, b1) @ d1
                 i += 1
-        return x.reshape(shape)
+        return x
 
     @torch.no_grad()
     def step(self):
         world = dist.get_world_size() if dist.is_initialized() else 1
         for p, m in zip(self.params, self.momentum):
+            rows, cols, b0, b1, prows, pcols = self._blocks(p)
             p.mul_(1 - self.lr * self.weight_decay)
+            m.mul_(self.decay)
             if p.grad is not None:
-                m.mul_(self.decay).add_(p.grad.double(), alpha=self.lr)
-            else:
-                m.mul_(self.decay)
-            rows, cols, b0, b1 = self._blocks(p)
+                m[:rows, :cols].add_(p.grad.double().reshape(rows, cols), alpha=self.lr)
             k = min(self.topk, b0 * b1)
-            blocks = self._forward(m, rows, cols, b0, b1)
+            blocks = self._forward(m, b0, b1)
             idx = torch.stack([b.abs().topk(k).indices for b in blocks])
             val = torch.stack([b[i] for b, i in zip(blocks, idx)])
             sent = [torch.zeros(b0 * b1, dtype=torch.float64) for _ in blocks]
             for s, i, v in zip(sent, idx, val):
                 s[i] = v
-            m.sub_(self._inverse(sent, rows, cols, b0, b1, p.shape))
+            m.sub_(self._inverse(sent, b0, b1, prows, pcols))
 
             all_idx, all_val = [idx], [val]
             if world > 1:
@@ -89,7 +96,7 @@ class ReferenceDeMo:
                 for j in sums:
                     dense[j] = sums[j] / counts[j]
                 averaged.append(dense)
-            update = self._inverse(averaged, rows, cols, b0, b1, p.shape)
+            update = self._inverse(averaged, b0, b1, prows, pcols)[:rows, :cols].reshape(p.shape)
             if self.sign_update:
                 update = update.sign()
             p.sub_(self.lr * update.to(p.dtype))

@@ -1,4 +1,5 @@
 """Blocking, padding and the orthonormal DCT-II."""
+
 import pytest
 import torch
 
@@ -14,14 +15,16 @@ def test_dct_is_orthonormal(n):
 def test_dct_matches_the_cosine_formula():
     d = dct_matrix(8).double()
     import math
+
     for k in range(8):
         for i in range(8):
             a = math.sqrt(1 / 8) if k == 0 else math.sqrt(2 / 8)
             assert abs(d[k, i].item() - a * math.cos(math.pi * (2 * i + 1) * k / 16)) < 1e-6
 
 
-@pytest.mark.parametrize("shape", [(), (1,), (5,), (64,), (100,), (128, 64), (130, 70), (3, 1000),
-                                   (8, 4, 3, 3), (50257, 8)])
+@pytest.mark.parametrize(
+    "shape", [(), (1,), (5,), (64,), (100,), (128, 64), (130, 70), (3, 1000), (8, 4, 3, 3), (50257, 8)]
+)
 def test_round_trip(shape):
     torch.manual_seed(0)
     x = torch.randn(shape)
@@ -46,15 +49,15 @@ def test_padding_round_trip_and_zero_fill():
 
 def test_awkward_vocab_is_padded_not_cut_into_divisors():
     layout = plan((50257, 576), 64, 32)
-    assert (layout.b0, layout.b1) == (64, 64)          # the reference would pick 29-long blocks
+    assert (layout.b0, layout.b1) == (64, 64)  # the reference would pick 29-long blocks
     assert layout.block_rows == 786 and layout.block_cols == 9
 
 
 def test_small_and_scalar_tensors():
     scalar = plan((), 64, 32)
-    assert (scalar.nblocks, scalar.bsize, scalar.k) == (1, 1, 1)      # sent whole
+    assert (scalar.nblocks, scalar.bsize, scalar.k) == (1, 1, 1)  # sent whole
     vec = plan((10,), 64, 32)
-    assert (vec.b0, vec.b1, vec.k) == (1, 10, 10)                    # one block, all of it sent
+    assert (vec.b0, vec.b1, vec.k) == (1, 10, 10)  # one block, all of it sent
     long = plan((200,), 64, 32)
     assert (long.b0, long.b1, long.nblocks, long.k) == (1, 64, 4, 32)
     conv = plan((8, 4, 3, 3), 64, 32)
