@@ -9,9 +9,9 @@ setup:
 test: setup
 	$(PY) -m pytest -q
 
-# Everything but the tests that start processes through accelerate launch (under a minute on 2 cores).
+# The fast tier: everything but accelerate launches and the long fault/mode suites on gloo ranks.
 test-fast: setup
-	$(PY) -m pytest -q -m "not launch"
+	$(PY) -m pytest -q -m "not launch and not ranks"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,11 +9,12 @@ divide is zero-padded up to a multiple of the chunk; it is never cut into smalle
 Each block is transformed with the orthonormal DCT-II along both axes: ``C = D0 @ X @ D1.T``. Being
 orthonormal, the transform preserves energy and its inverse is the transpose.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ class BlockLayout:
         return self.rows % self.b0 != 0 or self.cols % self.b1 != 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def plan(shape: tuple[int, ...], chunk: int, topk: int) -> BlockLayout:
     """The block layout of a parameter of ``shape`` for the given chunk and top-k."""
     if len(shape) == 0:
@@ -72,7 +73,7 @@ def plan(shape: tuple[int, ...], chunk: int, topk: int) -> BlockLayout:
     return BlockLayout(tuple(shape), rows, cols, b0, b1, min(topk, b0 * b1))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _dct_matrix_cpu(n: int) -> torch.Tensor:
     k = torch.arange(n, dtype=torch.float64)[:, None]
     i = torch.arange(n, dtype=torch.float64)[None, :]

@@ -113,7 +113,9 @@ class SignFormat:
         q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
         bits = _pad_to(negative.reshape(-1).to(torch.uint8), (nblocks * k + 7) // 8 * 8)
         packed = (bits.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
-        wire = torch.cat([_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))])
+        wire = torch.cat(
+            [_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))]
+        )
         return q, wire
 
     def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:

@@ -188,8 +188,9 @@ class Transport:
             work = _all_gather(out, buf, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, 0.0, exc) from exc
-        return Pending(self, name, work, out.view(self.world, -1), buf.numel(), buf.numel() * (self.world - 1),
-                       self.step)
+        return Pending(
+            self, name, work, out.view(self.world, -1), buf.numel(), buf.numel() * (self.world - 1), self.step
+        )
 
     def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Sum a tensor over every rank, in place (every rank gets the same bits)."""

@@ -121,10 +121,12 @@ class DeMoSettings:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
         if self.hierarchy == "node" and (self.sync_every > 1 or self.comm_budget > 0):
             raise ValueError("DeMo: hierarchy='node' is not combined with sync_every > 1 or comm_budget yet")
-        if self.overlap and (self.exchange != "all_gather" or self.hierarchy != "flat" or self.sync_every > 1
-                             or self.comm_budget > 0):
-            raise ValueError("DeMo: overlap=True needs exchange='all_gather', hierarchy='flat', sync_every=1 and "
-                             "no comm_budget")
+        if self.overlap and (
+            self.exchange != "all_gather" or self.hierarchy != "flat" or self.sync_every > 1 or self.comm_budget > 0
+        ):
+            raise ValueError(
+                "DeMo: overlap=True needs exchange='all_gather', hierarchy='flat', sync_every=1 and no comm_budget"
+            )
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):
@@ -151,4 +153,6 @@ class DeMoSettings:
         return dataclasses.asdict(self)
 
 
-_TYPES = {f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)}
+_TYPES = {
+    f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)
+}

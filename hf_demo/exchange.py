@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from . import codec, functional as F
+from . import codec
+from . import functional as F
 from .blocks import BlockLayout
 from .errors import DeMoSyncError
 
@@ -91,7 +92,9 @@ class AllReduceExchange:
         transport.broadcast(positions, leader, "positions")
         chosen = []
         for layout, off in zip(self.layouts, self.index_offsets):
-            idx = codec.unpack_indices(positions[None, off : off + codec.index_bytes(layout)], layout.nblocks, layout.k)[0]
+            idx = codec.unpack_indices(
+                positions[None, off : off + codec.index_bytes(layout)], layout.nblocks, layout.k
+            )[0]
             if bool((idx >= layout.bsize).any()):
                 raise DeMoSyncError(
                     f"rank {transport.rank}: positions broadcast by rank {leader} at optimizer step "

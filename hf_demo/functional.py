@@ -1,21 +1,22 @@
 """The per-parameter math of DeMo as pure functions, in the order a gradient meets them.
 
 momentum (kept in the DCT domain) -> select top-k -> error feedback -> [pack, gather, unpack: codec/comm]
--> mean over the ranks that selected each coefficient -> inverse DCT -> weight decay -> the update rule\n(:mod:`hf_demo.update_rules`).
+-> mean over the ranks that selected each coefficient -> inverse DCT -> the update rule's direction
+(:mod:`hf_demo.update_rules`) -> decoupled weight decay and the step.
 
 Momentum lives in the DCT domain: the transform is linear and orthonormal, so
 ``DCT(decay*m + lr*g) == decay*DCT(m) + lr*DCT(g)``, and each step needs one forward transform (of the
 gradient) and one inverse (of the averaged update) instead of the reference's three.
 """
+
 from __future__ import annotations
 
 import torch
 
-from .blocks import BlockLayout, decode, encode
+from .blocks import BlockLayout, encode
 
 
-def accumulate(momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout,
-               decay: float, lr: float) -> None:
+def accumulate(momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout, decay: float, lr: float) -> None:
     """``momentum <- decay*momentum + lr*DCT(grad)`` in place (fp32). A missing grad counts as zero."""
     momentum.mul_(decay)
     if grad is not None:
@@ -55,8 +56,13 @@ def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tor
     return values.new_zeros(idx.shape[0], layout.bsize).scatter_add_(1, idx, values)
 
 
-def apply_step(param: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float,
-               generator: torch.Generator | None = None) -> None:
+def apply_step(
+    param: torch.Tensor,
+    direction: torch.Tensor,
+    lr: float,
+    weight_decay: float,
+    generator: torch.Generator | None = None,
+) -> None:
     """``param <- param * (1 - lr*weight_decay) - lr * direction`` (decoupled weight decay, then the step).
 
     With a ``generator`` and a bf16 parameter the result is computed in fp32 and rounded

@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,12 @@ def groups(topo: Topology, timeout: float, backend: str | None = None):
     """(node group, inter-node group) of this rank. Every rank creates every group, in the same order."""
     from .comm import timed_group
 
-    node_groups = [timed_group([n * topo.local_size + j for j in range(topo.local_size)], timeout, backend)
-                   for n in range(topo.nodes)]
-    peer_groups = [timed_group([n * topo.local_size + j for n in range(topo.nodes)], timeout, backend)
-                   for j in range(topo.local_size)]
+    node_groups = [
+        timed_group([n * topo.local_size + j for j in range(topo.local_size)], timeout, backend)
+        for n in range(topo.nodes)
+    ]
+    peer_groups = [
+        timed_group([n * topo.local_size + j for n in range(topo.nodes)], timeout, backend)
+        for j in range(topo.local_size)
+    ]
     return node_groups[topo.node], peer_groups[topo.local_rank]

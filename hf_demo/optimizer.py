@@ -29,7 +29,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from . import codec, exchange as exchanges, functional as F, hierarchy, local_steps, policy as policies, update_rules
+from . import codec, hierarchy, local_steps, update_rules
+from . import exchange as exchanges
+from . import functional as F
+from . import policy as policies
 from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
@@ -92,8 +95,12 @@ class DeMo(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self.resyncs = 0
         self.policy = policies.BudgetPolicy(self.settings.comm_budget, self.settings.policy_patience)
-        self.tiers = policies.tiers(self.settings.value_format, self.settings.exchange, self.settings.sync_every,
-                                    self.settings.policy_sync_every)
+        self.tiers = policies.tiers(
+            self.settings.value_format,
+            self.settings.exchange,
+            self.settings.sync_every,
+            self.settings.policy_sync_every,
+        )
         self._last_exchange_ms = 0.0
         self._last_comm_start: float | None = None
         self._transport: Transport | None = None
@@ -125,11 +132,14 @@ class DeMo(torch.optim.Optimizer):
         _validate_group(group)
         for p in group["params"]:
             if p.is_complex():
-                raise ValueError(f"DeMo does not support complex parameters (shape {tuple(p.shape)}): "
-                                 "view them as real (torch.view_as_real) or optimise them with another optimizer")
+                raise ValueError(
+                    f"DeMo does not support complex parameters (shape {tuple(p.shape)}): "
+                    "view them as real (torch.view_as_real) or optimise them with another optimizer"
+                )
             if p.numel() == 0:
-                raise ValueError(f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: "
-                                 "leave it out of the optimizer")
+                raise ValueError(
+                    f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: leave it out of the optimizer"
+                )
 
     def _transport_now(self) -> Transport:
         initialised = dist.is_available() and dist.is_initialized()
@@ -172,8 +182,14 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         transport = self._transport_now()
         self._check_saved_world(transport.rank, transport.world)
-        before = (self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, copy.copy(self.comm_stats),
-                  self.policy)
+        before = (
+            self.steps,
+            self.skipped_steps,
+            self.consecutive_skips,
+            self.resyncs,
+            copy.copy(self.comm_stats),
+            self.policy,
+        )
         try:
             self._step(transport)
         except BaseException:
@@ -208,8 +224,12 @@ class DeMo(torch.optim.Optimizer):
                 self.state[p].pop("inner_momentum", None)
         if local:
             anchors = [local_steps.anchor(self.state[p], p) for p in params]  # the parameters at the last sync
-            inner = [local_steps.inner_step(p, p.grad, self.state[p], self.update_rule, g["lr"], g["weight_decay"],
-                                            generator) for p, g, _ in items]
+            inner = [
+                local_steps.inner_step(
+                    p, p.grad, self.state[p], self.update_rule, g["lr"], g["weight_decay"], generator
+                )
+                for p, g, _ in items
+            ]
             if not local_steps.is_sync_step(tier.sync_every, self.steps):
                 if _nonfinite([after for after, _, _ in inner]):
                     self._skipped()
@@ -243,40 +263,62 @@ class DeMo(torch.optim.Optimizer):
             payload = exchange.prepare(working)
 
         # 4. headers
-        header = codec.Header(step=self.steps, layout_checksum=layout_ck, settings_checksum=settings_ck,
-                              flags=flags, world_size=transport.world, payload_bytes=exchange.payload_nbytes,
-                              fingerprint=_fingerprint(replicas) if check_drift else 0,
-                              **self._timings(started))
+        header = codec.Header(
+            step=self.steps,
+            layout_checksum=layout_ck,
+            settings_checksum=settings_ck,
+            flags=flags,
+            world_size=transport.world,
+            payload_bytes=exchange.payload_nbytes,
+            fingerprint=_fingerprint(replicas) if check_drift else 0,
+            **self._timings(started),
+        )
         header = codec.sign(header, payload, self.secret)
         device = params[0].device if params else torch.device("cpu")
         rows = transport.all_gather(header.to_bytes().to(device), "header")
         headers = [codec.Header.from_bytes(row) for row in rows]
         codec.verify_headers(headers, self.secret, transport.rank, self.steps)
         codec.check_headers(headers, transport.rank)
-        policy = self.policy.decide(max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers),
-                                    self._bytes_by_tier(items)) if self.settings.comm_budget else self.policy
+        policy = (
+            self.policy.decide(
+                max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers), self._bytes_by_tier(items)
+            )
+            if self.settings.comm_budget
+            else self.policy
+        )
 
         drifted = check_drift and len({h.fingerprint for h in headers}) > 1
         bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
         resync = _due(self.settings.full_sync_every, self.steps) and transport.world > 1
         if drifted or bad_param_ranks:
             if self.settings.drift == "raise" or 0 in bad_param_ranks:
-                why = (f"non-finite parameters on rank(s) {bad_param_ranks}" if bad_param_ranks else
-                       f"parameter fingerprints differ: {[h.fingerprint for h in headers]}")
-                raise DeMoSyncError(f"replicas drifted apart at optimizer step {self.steps}: {why} "
-                                    f"(drift={self.settings.drift!r}); no state was changed")
+                why = (
+                    f"non-finite parameters on rank(s) {bad_param_ranks}"
+                    if bad_param_ranks
+                    else f"parameter fingerprints differ: {[h.fingerprint for h in headers]}"
+                )
+                raise DeMoSyncError(
+                    f"replicas drifted apart at optimizer step {self.steps}: {why} "
+                    f"(drift={self.settings.drift!r}); no state was changed"
+                )
             resync = True
         fresh = self._fetch_rank0(replicas, transport) if resync else None
 
         skip = codec.flagged(headers, codec.FLAG_NONFINITE) or bad_param_ranks
         if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
-            raise DeMoNonFiniteError(f"non-finite gradients on rank(s) {skip} at optimizer step {self.steps}; "
-                                     "no state was changed (nonfinite='raise')")
+            raise DeMoNonFiniteError(
+                f"non-finite gradients on rank(s) {skip} at optimizer step {self.steps}; "
+                "no state was changed (nonfinite='raise')"
+            )
         # 5. the exchange's collectives (overlap: started now, finished by the next step)
         pending = updates = None
         if not skip and self.settings.overlap:
-            pending = {"rows": transport.start_all_gather(payload, "payload"), "headers": headers,
-                       "step": self.steps, "lr": [(g["lr"], g["weight_decay"]) for _, g, _ in items]}
+            pending = {
+                "rows": transport.start_all_gather(payload, "payload"),
+                "headers": headers,
+                "step": self.steps,
+                "lr": [(g["lr"], g["weight_decay"]) for _, g, _ in items],
+            }
         elif not skip:
             updates = exchange.communicate(transport, headers, payload, working)
         shared = None
@@ -288,9 +330,11 @@ class DeMo(torch.optim.Optimizer):
             for r, value in zip(replicas, fresh):
                 r.copy_(value)
             self.resyncs += 1
-            warnings.warn(f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
-                          f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
-                          stacklevel=3)
+            warnings.warn(
+                f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
+                f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
+                stacklevel=3,
+            )
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         if self.settings.overlap:
@@ -335,8 +379,9 @@ class DeMo(torch.optim.Optimizer):
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
         tier = self.tiers[self.policy.tier]
-        exchange = exchanges.get(self.settings.exchange)([layout for _, _, layout in items], tier.value_format,
-                                                         self.secret)
+        exchange = exchanges.get(self.settings.exchange)(
+            [layout for _, _, layout in items], tier.value_format, self.secret
+        )
         return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
 
     def _apply_late(self, items, updates) -> None:
@@ -370,18 +415,28 @@ class DeMo(torch.optim.Optimizer):
 
     def _bytes_by_tier(self, items) -> list[float]:
         """Payload bytes per step of every tier (amortised over its sync_every), for the policy's predictions."""
-        return [sum(codec.segment_bytes(plan(tuple(p.shape), g["compression_chunk"],
-                                             max(1, g["compression_topk"] // t.topk_divisor)), t.value_format)
-                    for p, g, _ in items) / t.sync_every for t in self.tiers]
+        return [
+            sum(
+                codec.segment_bytes(
+                    plan(tuple(p.shape), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
+                    t.value_format,
+                )
+                for p, g, _ in items
+            )
+            / t.sync_every
+            for t in self.tiers
+        ]
 
     def _skipped(self) -> None:
         self.steps += 1
         self.skipped_steps += 1
         self.consecutive_skips += 1
         if self.consecutive_skips == self.settings.nonfinite_patience:
-            warnings.warn(f"DeMo skipped the last {self.consecutive_skips} optimizer steps for NaN/Inf "
-                          "gradients: the loss has likely diverged (lower the learning rate, check the data)",
-                          stacklevel=4)
+            warnings.warn(
+                f"DeMo skipped the last {self.consecutive_skips} optimizer steps for NaN/Inf "
+                "gradients: the loss has likely diverged (lower the learning rate, check the data)",
+                stacklevel=4,
+            )
 
     def _momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
         state = self.state[p]
@@ -424,8 +479,12 @@ class DeMo(torch.optim.Optimizer):
         pending = self._pending
         if hasattr(pending["rows"], "wait"):
             pending["rows"] = pending["rows"].wait()
-        return {"rows": pending["rows"].clone(), "step": pending["step"], "lr": [list(x) for x in pending["lr"]],
-                "headers": torch.stack([h.to_bytes() for h in pending["headers"]])}
+        return {
+            "rows": pending["rows"].clone(),
+            "step": pending["step"],
+            "lr": [list(x) for x in pending["lr"]],
+            "headers": torch.stack([h.to_bytes() for h in pending["headers"]]),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
@@ -433,13 +492,17 @@ class DeMo(torch.optim.Optimizer):
         if extra is None:
             raise DeMoStateError("this optimizer state was not saved by hf_demo.DeMo (no 'demo' entry)")
         if extra.get("format_version") not in (1, codec.FORMAT_VERSION):
-            raise DeMoStateError(f"optimizer state has format version {extra.get('format_version')}, "
-                                 f"this hf_demo reads {codec.FORMAT_VERSION}")
+            raise DeMoStateError(
+                f"optimizer state has format version {extra.get('format_version')}, "
+                f"this hf_demo reads {codec.FORMAT_VERSION}"
+            )
         requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in self.param_groups]
         saved_groups = state_dict["param_groups"]
         # torch casts floating state to the parameter dtype; DeMo's state stays fp32 whatever the parameter
-        saved_fp32 = {pid: {k: v for k, v in s.items() if torch.is_tensor(v) and v.is_floating_point()}
-                      for pid, s in state_dict.get("state", {}).items()}
+        saved_fp32 = {
+            pid: {k: v for k, v in s.items() if torch.is_tensor(v) and v.is_floating_point()}
+            for pid, s in state_dict.get("state", {}).items()
+        }
         super().load_state_dict(state_dict)
         changed = []
         for group, req, saved in zip(self.param_groups, requested, saved_groups):
@@ -448,30 +511,47 @@ class DeMo(torch.optim.Optimizer):
                     changed.append(f"{k}: saved {saved[k]!r}, requested {v!r}")
             group.update(req)  # the requested settings win over the checkpoint's
         saved_settings = extra.get("settings", {})
-        changed += [f"{k}: saved {saved_settings[k]!r}, requested {v!r}" for k, v in self.settings.as_dict().items()
-                    if k in saved_settings and saved_settings[k] != v]
+        changed += [
+            f"{k}: saved {saved_settings[k]!r}, requested {v!r}"
+            for k, v in self.settings.as_dict().items()
+            if k in saved_settings and saved_settings[k] != v
+        ]
         ids = [pid for g in saved_groups for pid in g["params"]]
         pairs = [(p, g, saved_g) for g, saved_g in zip(self.param_groups, saved_groups) for p in g["params"]]
         for pid, (p, group, saved_g) in zip(ids, pairs):
             for key, value in saved_fp32.get(pid, {}).items():
                 value = value.to(device=p.device, dtype=torch.float32, copy=True)
                 if key == "momentum":
-                    value = _replan_momentum(pid, value, p, saved_g.get("compression_chunk", group["compression_chunk"]),
-                                             group["compression_chunk"])
+                    value = _replan_momentum(
+                        pid,
+                        value,
+                        p,
+                        saved_g.get("compression_chunk", group["compression_chunk"]),
+                        group["compression_chunk"],
+                    )
                 self.state[p][key] = value
         if changed:
-            warnings.warn("DeMo: resuming with settings that differ from the checkpoint's (the requested ones "
-                          "are used; momentum re-planned where the chunk changed): " + "; ".join(changed),
-                          stacklevel=2)
+            warnings.warn(
+                "DeMo: resuming with settings that differ from the checkpoint's (the requested ones "
+                "are used; momentum re-planned where the chunk changed): " + "; ".join(changed),
+                stacklevel=2,
+            )
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra["skipped_steps"])
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         self.resyncs = int(extra.get("resyncs", 0))
         self.policy.load_state_dict(extra.get("policy", {}))
         pending = extra.get("pending")
-        self._pending = None if pending is None else {
-            "rows": pending["rows"].clone(), "step": int(pending["step"]), "lr": [tuple(x) for x in pending["lr"]],
-            "headers": [codec.Header.from_bytes(row) for row in pending["headers"]]}
+        self._pending = (
+            None
+            if pending is None
+            else {
+                "rows": pending["rows"].clone(),
+                "step": int(pending["step"]),
+                "lr": [tuple(x) for x in pending["lr"]],
+                "headers": [codec.Header.from_bytes(row) for row in pending["headers"]],
+            }
+        )
         self.comm_stats.load(extra.get("comm", {}))
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]))
         if dist.is_available() and dist.is_initialized():
@@ -483,12 +563,15 @@ class DeMo(torch.optim.Optimizer):
             return
         saved_rank, saved_world = self._saved_world
         if saved_world != world:
-            raise DeMoStateError(f"optimizer state was saved with {saved_world} process(es) but this run has "
-                                 f"{world}: each rank's momentum is its own, resume with {saved_world} processes "
-                                 "(or start the optimizer afresh)")
+            raise DeMoStateError(
+                f"optimizer state was saved with {saved_world} process(es) but this run has "
+                f"{world}: each rank's momentum is its own, resume with {saved_world} processes "
+                "(or start the optimizer afresh)"
+            )
         if saved_rank != rank:
-            raise DeMoStateError(f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; "
-                                 "each rank must load its own state")
+            raise DeMoStateError(
+                f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; each rank must load its own state"
+            )
         self._saved_world = None
 
 
@@ -522,9 +605,11 @@ def _replan_momentum(pid, momentum: torch.Tensor, p: torch.Tensor, saved_chunk: 
     shape = tuple(p.shape)
     old, new = plan(shape, saved_chunk, 1), plan(shape, chunk, 1)
     if tuple(momentum.shape) != (old.nblocks, old.bsize):
-        raise DeMoStateError(f"saved momentum of parameter {pid} has shape {tuple(momentum.shape)}, this model "
-                             f"needs {(old.nblocks, old.bsize)} (parameter shape {shape}, chunk {saved_chunk}): "
-                             "a different model?")
+        raise DeMoStateError(
+            f"saved momentum of parameter {pid} has shape {tuple(momentum.shape)}, this model "
+            f"needs {(old.nblocks, old.bsize)} (parameter shape {shape}, chunk {saved_chunk}): "
+            "a different model?"
+        )
     if saved_chunk == chunk:
         return momentum
     return encode(decode(momentum, old), new)

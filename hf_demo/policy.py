@@ -41,8 +41,12 @@ def tiers(value_format: str, exchange: str, sync_every: int, policy_sync_every: 
     base = Tier(value_format, 1, sync_every)
     slow_sync = max(sync_every, policy_sync_every)
     if exchange == "all_reduce":
-        return [base, Tier(value_format, 2, sync_every), Tier(value_format, 4, sync_every),
-                Tier(value_format, 4, slow_sync)]
+        return [
+            base,
+            Tier(value_format, 2, sync_every),
+            Tier(value_format, 4, sync_every),
+            Tier(value_format, 4, slow_sync),
+        ]
     return [base, Tier("sign", 1, sync_every), Tier("sign", 4, sync_every), Tier("sign", 4, slow_sync)]
 
 

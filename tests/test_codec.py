@@ -9,8 +9,16 @@ from hf_demo.errors import DeMoSyncError
 
 
 def _header(**kw):
-    base = dict(step=12345, layout_checksum=0xDEADBEEF, settings_checksum=7, flags=codec.FLAG_NONFINITE,
-                world_size=4, payload_bytes=1 << 40, payload_crc=0xFFFFFFFF, fingerprint=(1 << 62) - 1)
+    base = dict(
+        step=12345,
+        layout_checksum=0xDEADBEEF,
+        settings_checksum=7,
+        flags=codec.FLAG_NONFINITE,
+        world_size=4,
+        payload_bytes=1 << 40,
+        payload_crc=0xFFFFFFFF,
+        fingerprint=(1 << 62) - 1,
+    )
     return codec.Header(**{**base, **kw})
 
 
@@ -68,8 +76,10 @@ def _payload(fmt="bf16"):
     torch.manual_seed(0)
     layouts = [plan((70, 10), 8, 5), plan((13,), 8, 3)]
     pc = codec.PayloadCodec(layouts, fmt)
-    selections = [(torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices, torch.randn(lay.nblocks, lay.k))
-                  for lay in layouts]
+    selections = [
+        (torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices, torch.randn(lay.nblocks, lay.k))
+        for lay in layouts
+    ]
     payload, sent = pc.encode(selections, "cpu")
     return pc, selections, payload, sent
 

@@ -1,4 +1,5 @@
 """hf_demo.DeMo on real gloo process groups: agreement across ranks and clear errors on every rank."""
+
 import io
 import os
 import time
@@ -23,8 +24,13 @@ def _hundred_steps(rank, world, fmt):
         losses.append(loss_and_backward(model, rank, step % 10))
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
-    return ([p.detach().clone() for p in model.parameters()], grads,
-            [s["momentum"].clone() for s in opt.state.values()], losses, opt.comm_stats.as_dict())
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        grads,
+        [s["momentum"].clone() for s in opt.state.values()],
+        losses,
+        opt.comm_stats.as_dict(),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -32,10 +38,10 @@ def _hundred_steps(rank, world, fmt):
 def test_ranks_end_bitwise_identical(world, fmt):
     results = expect_ok(run_ranks(_hundred_steps, world, fmt))
     params0, grads0, momenta0, losses0, stats0 = results[0]
-    for params, grads, momenta, losses, stats in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(params0, params))           # bitwise identical
-        assert not all(torch.equal(a, b) for a, b in zip(grads0, grads))         # from different data
-        assert not all(torch.equal(a, b) for a, b in zip(momenta0, momenta))     # each rank its own momentum
+    for params, grads, momenta, _, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params0, params))  # bitwise identical
+        assert not all(torch.equal(a, b) for a, b in zip(grads0, grads))  # from different data
+        assert not all(torch.equal(a, b) for a, b in zip(momenta0, momenta))  # each rank its own momentum
     assert sum(losses0[-10:]) < sum(losses0[:10])
     # two collectives a step, bytes counted from the buffers handed to torch.distributed
     assert stats0["collectives"] == 2 and stats0["total_collectives"] == 200
@@ -49,7 +55,7 @@ def _missing_grad_on_one_rank(rank, world):
     for step in range(10):
         loss_and_backward(model, rank, step)
         if rank == 1:
-            model[2].weight.grad = None   # e.g. a branch this rank's batch never used
+            model[2].weight.grad = None  # e.g. a branch this rank's batch never used
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -75,15 +81,20 @@ def _mismatch(rank, world, what):
     if what == "step":
         opt.step()
         if rank == 1:
-            opt.steps -= 1            # as if rank 1 resumed from an older checkpoint
+            opt.steps -= 1  # as if rank 1 resumed from an older checkpoint
         loss_and_backward(model, rank, 1)
     opt.step()
     return "no error"
 
 
-@pytest.mark.parametrize("what,match", [("layout", "different parameter layout"),
-                                        ("settings", "different optimizer settings"),
-                                        ("step", "optimizer step")])
+@pytest.mark.parametrize(
+    "what,match",
+    [
+        ("layout", "different parameter layout"),
+        ("settings", "different optimizer settings"),
+        ("step", "optimizer step"),
+    ],
+)
 def test_mismatch_across_ranks_raises_on_every_rank(what, match):
     started = time.monotonic()
     _expect_error_everywhere(run_ranks(_mismatch, 2, what), "DeMoSyncError", match, started)
@@ -91,6 +102,7 @@ def test_mismatch_across_ranks_raises_on_every_rank(what, match):
 
 def _corrupt_payload(rank, world, what):
     from hf_demo import codec
+
     model = tiny_mlp()
     opt = _make(model, value_format="fp32")
     if rank == world - 1:
@@ -100,9 +112,11 @@ def _corrupt_payload(rank, world, what):
         else:
             fmt = codec.value_format("fp32")
             real = fmt.encode
+
             def nan_values(values):
                 sent, wire = real(values)
                 return sent, torch.full_like(sent, float("nan")).view(torch.uint8).reshape(-1)
+
             fmt.encode = nan_values
     before = [p.detach().clone() for p in model.parameters()]
     loss_and_backward(model, rank, 0)
@@ -133,9 +147,12 @@ def _nan_gradient(rank, world, policy):
     if rank == 1:
         model[0].weight.grad[0, 0] = float("nan")
     opt.step()
-    return ([torch.equal(a, b) for a, b in zip(before, model.parameters())],
-            [torch.equal(a, s["momentum"]) for a, s in zip(momenta, opt.state.values())],
-            opt.steps, opt.skipped_steps)
+    return (
+        [torch.equal(a, b) for a, b in zip(before, model.parameters())],
+        [torch.equal(a, s["momentum"]) for a, s in zip(momenta, opt.state.values())],
+        opt.steps,
+        opt.skipped_steps,
+    )
 
 
 def test_nonfinite_gradient_skips_the_step_on_every_rank():
@@ -154,7 +171,7 @@ def _save_state(rank, world, folder):
     opt = _make(model)
     loss_and_backward(model, rank, 0)
     opt.step()
-    torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pt"))   # no collective inside
+    torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pt"))  # no collective inside
     return opt.state_dict()["demo"]
 
 
@@ -169,8 +186,12 @@ def test_resume_on_a_different_world_size_is_detected(tmp_path):
     meta = expect_ok(run_ranks(_save_state, 2, str(tmp_path)))
     assert [(m["rank"], m["world_size"]) for m in meta] == [(0, 2), (1, 2)]
     started = time.monotonic()
-    _expect_error_everywhere(run_ranks(_load_state, 4, str(tmp_path)), "DeMoStateError",
-                             "saved with 2 process(es) but this run has 4", started)
+    _expect_error_everywhere(
+        run_ranks(_load_state, 4, str(tmp_path)),
+        "DeMoStateError",
+        "saved with 2 process(es) but this run has 4",
+        started,
+    )
     # a single process (torch.distributed not initialised) is caught at its first step
     model = tiny_mlp()
     opt = _make(model)
@@ -187,7 +208,7 @@ def _state_dict_on_rank0_only(rank, world):
     opt.step()
     if rank == 0:
         buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)     # would hang if state_dict() called a collective
+        torch.save(opt.state_dict(), buf)  # would hang if state_dict() called a collective
     return "ok"
 
 

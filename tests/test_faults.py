@@ -14,6 +14,8 @@ import hf_demo
 from dist_utils import RankError, expect_ok, run_ranks
 from models import loss_and_backward, tiny_mlp
 
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
+
 
 def _make(model, **kw):
     return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
@@ -78,8 +80,11 @@ def _fail_on_second_step(rank, world, fault, kw):
 @pytest.mark.parametrize(
     "fault,kw,match",
     [
-        ("index", {"value_format": "fp32"}, "out-of-range indices for parameter 0 (shape (32, 16), block of 64) "
-                                             "from rank(s) [2]"),
+        (
+            "index",
+            {"value_format": "fp32"},
+            "out-of-range indices for parameter 0 (shape (32, 16), block of 64) from rank(s) [2]",
+        ),
         ("nan", {"value_format": "bf16"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
         ("nan_grad", {"nonfinite": "raise"}, "non-finite gradients on rank(s) [1] at optimizer step 1"),
     ],
@@ -177,8 +182,14 @@ def _settings(rank, world, name, values):
 
 @pytest.mark.parametrize(
     "name,values",
-    [("nonfinite", ("skip", "raise")), ("update_rule", ("sign", "adam")), ("check_every", (100, 50)),
-      ("exchange", ("all_gather", "all_reduce")), ("value_format", ("bf16", "fp32")), ("compression_topk", (4, 2))],
+    [
+        ("nonfinite", ("skip", "raise")),
+        ("update_rule", ("sign", "adam")),
+        ("check_every", (100, 50)),
+        ("exchange", ("all_gather", "all_reduce")),
+        ("value_format", ("bf16", "fp32")),
+        ("compression_topk", (4, 2)),
+    ],
 )
 def test_every_setting_that_must_agree_is_checked(name, values):
     for r in run_ranks(_settings, 2, name, values):
@@ -205,7 +216,9 @@ def test_authenticated_payloads():
     forged = run_ranks(_secret, 2, ("s3cret", "guess"))
     assert all(isinstance(r, RankError) and "HMAC-SHA256" in r.message for r in forged), forged
     forged_all_reduce = run_ranks(_secret, 2, ("s3cret", "guess"), {"exchange": "all_reduce"})
-    assert all(isinstance(r, RankError) and "header from rank" in r.message for r in forged_all_reduce), forged_all_reduce
+    assert all(isinstance(r, RankError) and "header from rank" in r.message for r in forged_all_reduce), (
+        forged_all_reduce
+    )
     missing = run_ranks(_secret, 2, ("s3cret", None))
     assert all(isinstance(r, RankError) and "HF_DEMO_SECRET" in r.message for r in missing), missing
 

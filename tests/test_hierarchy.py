@@ -10,6 +10,8 @@ import hf_demo
 from dist_utils import RankError, expect_ok, run_ranks
 from models import loss_and_backward, tiny_mlp
 
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
+
 KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8, value_format="fp32", update_rule="adam")
 STEPS = 12
 

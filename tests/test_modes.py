@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import hf_demo
-from hf_demo import codec
 from dist_utils import expect_ok, run_ranks
+from hf_demo import codec
 from models import loss_and_backward, tiny_mlp
+
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
 MODES = {
     "all_gather+sign": {},
@@ -77,8 +79,17 @@ def _leader_positions(rank, world):
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(8, 8))
-    opt = hf_demo.DeMo([p], lr=1.0, compression_topk=3, compression_chunk=8, exchange="all_reduce",
-                       value_format="fp32", update_rule="raw", compression_decay=0.0, check_every=0)
+    opt = hf_demo.DeMo(
+        [p],
+        lr=1.0,
+        compression_topk=3,
+        compression_chunk=8,
+        exchange="all_reduce",
+        value_format="fp32",
+        update_rule="raw",
+        compression_decay=0.0,
+        check_every=0,
+    )
     grads = [torch.randn(8, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     p.grad = grads[rank].clone()
     opt.step()

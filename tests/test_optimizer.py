@@ -1,11 +1,13 @@
 """Single-process behaviour of hf_demo.DeMo: invariants, formats, dtypes, state, validation."""
+
 import io
 
 import pytest
 import torch
 
 import hf_demo
-from hf_demo import codec, functional as F
+from hf_demo import codec
+from hf_demo import functional as F
 from hf_demo.blocks import encode, plan
 from models import loss_and_backward, tiny_mlp
 
@@ -17,14 +19,16 @@ def test_momentum_equals_residual_plus_sent(fmt):
     momentum = torch.randn(layout.nblocks, layout.bsize)
     before = momentum.clone()
     idx, values = F.select(momentum, layout.k)
-    assert torch.equal(values.abs().min(1).values >= momentum.abs().kthvalue(layout.bsize - layout.k, 1).values,
-                       torch.ones(layout.nblocks, dtype=torch.bool))
+    assert torch.equal(
+        values.abs().min(1).values >= momentum.abs().kthvalue(layout.bsize - layout.k, 1).values,
+        torch.ones(layout.nblocks, dtype=torch.bool),
+    )
     sent, _ = codec.value_format(fmt).encode(values)
     F.feedback(momentum, idx, sent)
     dense_sent = torch.zeros_like(momentum).scatter_(1, idx, sent)
     if fmt == "sign":  # scale*sign is not exactly subtractable in fp32: within one rounding
         torch.testing.assert_close(momentum + dense_sent, before, atol=1e-6, rtol=0)
-    else:             # v - round(v) is exact in fp32
+    else:  # v - round(v) is exact in fp32
         assert torch.equal(momentum + dense_sent, before)
     if fmt == "fp32":
         assert torch.equal(momentum.gather(1, idx), torch.zeros_like(values))
@@ -32,7 +36,7 @@ def test_momentum_equals_residual_plus_sent(fmt):
 
 def test_average_is_the_mean_over_ranks_that_selected():
     layout = plan((4,), 64, 2)
-    idx = torch.tensor([[[0, 1]], [[1, 2]]])             # 2 ranks, 1 block, k=2
+    idx = torch.tensor([[[0, 1]], [[1, 2]]])  # 2 ranks, 1 block, k=2
     values = torch.tensor([[[1.0, 2.0]], [[4.0, 8.0]]])
     dense = F.densify(*F.mean_weights(idx, values, layout), layout)
     assert torch.equal(dense, torch.tensor([[1.0, 3.0, 8.0, 0.0]]))
@@ -48,7 +52,7 @@ def test_optimizer_momentum_is_dct_of_decayed_gradients():
     layout = plan((64, 64), 64, 32)
     expected = 0.1 * encode(g, layout)
     idx, _ = F.select(expected.clone(), 32)
-    expected.scatter_(1, idx, 0.0)                        # what was sent left the momentum
+    expected.scatter_(1, idx, 0.0)  # what was sent left the momentum
     torch.testing.assert_close(opt.state[p]["momentum"], expected, atol=1e-6, rtol=0)
 
 
@@ -134,7 +138,7 @@ def test_loading_a_state_for_another_layout_fails_clearly():
     opt = hf_demo.DeMo([p], lr=1e-3)
     p.grad = torch.randn_like(p)
     opt.step()
-    other = hf_demo.DeMo([torch.nn.Parameter(torch.randn(32, 128))], lr=1e-3)   # same size, other shape
+    other = hf_demo.DeMo([torch.nn.Parameter(torch.randn(32, 128))], lr=1e-3)  # same size, other shape
     with pytest.raises(hf_demo.DeMoStateError, match="saved momentum of parameter 0"):
         other.load_state_dict(opt.state_dict())
     with pytest.raises(hf_demo.DeMoStateError, match="not saved by hf_demo"):
@@ -147,24 +151,27 @@ def test_missing_grad_counts_as_zero_and_scalar_parameters_work():
     opt = hf_demo.DeMo([a, b], lr=0.1)
     a.grad = torch.tensor(2.0)
     opt.step()
-    assert a.item() == pytest.approx(1.4)       # sign update of the whole (sent) scalar
+    assert a.item() == pytest.approx(1.4)  # sign update of the whole (sent) scalar
     assert torch.equal(opt.state[b]["momentum"], torch.zeros(1, 3))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(lr=-1.0), "lr"),
-    (dict(lr=float("nan")), "lr"),
-    (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(compression_decay=1.5), "compression_decay"),
-    (dict(compression_chunk=0), "compression_chunk"),
-    (dict(compression_chunk=300), "compression_chunk"),
-    (dict(compression_chunk=2.5), "compression_chunk"),
-    (dict(compression_topk=0), "compression_topk"),
-    (dict(compression_topk=65, compression_chunk=8), "compression_topk"),
-    (dict(value_format="int4"), "value_format"),
-    (dict(nonfinite="ignore"), "nonfinite"),
-    (dict(sign_update="yes"), "sign_update"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(compression_decay=1.5), "compression_decay"),
+        (dict(compression_chunk=0), "compression_chunk"),
+        (dict(compression_chunk=300), "compression_chunk"),
+        (dict(compression_chunk=2.5), "compression_chunk"),
+        (dict(compression_topk=0), "compression_topk"),
+        (dict(compression_topk=65, compression_chunk=8), "compression_topk"),
+        (dict(value_format="int4"), "value_format"),
+        (dict(nonfinite="ignore"), "nonfinite"),
+        (dict(sign_update="yes"), "sign_update"),
+    ],
+)
 def test_invalid_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         hf_demo.DeMo([torch.nn.Parameter(torch.ones(3))], **{"lr": 1e-3, **kwargs})

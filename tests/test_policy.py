@@ -62,7 +62,7 @@ def _policy_run(rank, world, steps, resume_at=None):
     kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, comm_budget=0.2, policy_patience=2)
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), **kw)
-    seen, identical_at = [], []
+    seen = []
     for step in range(steps):
         if step == resume_at:
             m, o = io.BytesIO(), io.BytesIO()
@@ -78,6 +78,7 @@ def _policy_run(rank, world, steps, resume_at=None):
     return seen, [p.detach().clone() for p in model.parameters()], opt.comm_stats.total_bytes_sent
 
 
+@pytest.mark.ranks
 def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
     (tiers0, params0, _), (tiers1, params1, _) = expect_ok(run_ranks(_policy_run, 2, 30))
     assert tiers0 == tiers1
@@ -86,6 +87,7 @@ def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("resume_at", [5, 12])  # in tier 2; in tier 3 between two synchronisations
 def test_resume_in_a_lower_tier_is_exact(resume_at):
     straight = expect_ok(run_ranks(_policy_run, 2, 30))

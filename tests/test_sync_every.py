@@ -8,6 +8,8 @@ from dist_utils import expect_ok, run_ranks
 from models import batch, loss_and_backward, tiny_mlp
 from reference_demo import dct_basis
 
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
+
 SETTINGS = dict(lr=3e-3, compression_decay=0.9, compression_topk=6, compression_chunk=8, weight_decay=0.01)
 H, STEPS, BETA = 4, 10, 0.9
 
@@ -40,8 +42,9 @@ def _unblocks(coeffs, shape, geometry):
 
 def reference(world):
     """W ranks simulated in one process, float64, Python loops: inner Signum steps, then DeMo on anchor - param."""
-    lr, decay, k, chunk, wd = (SETTINGS[n] for n in ("lr", "compression_decay", "compression_topk",
-                                                      "compression_chunk", "weight_decay"))
+    lr, decay, k, chunk, wd = (
+        SETTINGS[n] for n in ("lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay")
+    )
     models = [tiny_mlp().double() for _ in range(world)]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     inner = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]
