@@ -29,11 +29,17 @@ def dct_basis(n: int) -> torch.Tensor:
 
 
 class ReferenceDeMo:
-    def __init__(self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True):
+    def __init__(self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True, rule=None):
         self.params = list(params)
         self.lr, self.decay, self.topk, self.chunk = lr, decay, topk, chunk
-        self.weight_decay, self.sign_update = weight_decay, sign_update
+        self.weight_decay = weight_decay
+        self.rule = rule or ("sign" if sign_update else "raw")
+        self.second_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.t = 0
         self.momentum = [torch.zeros(self._blocks(p)[4:], dtype=torch.float64) for p in self.params]
+
+    def _v(self, p):
+        return next(v for q, v in zip(self.params, self.second_moment) if q is p)
 
     def _blocks(self, p):
         """rows, cols of the parameter seen as a matrix; block sides b0, b1; padded rows, padded cols."""
@@ -97,6 +103,11 @@ class ReferenceDeMo:
                     dense[j] = sums[j] / counts[j]
                 averaged.append(dense)
             update = self._inverse(averaged, b0, b1, prows, pcols)[:rows, :cols].reshape(p.shape)
-            if self.sign_update:
+            if self.rule == "sign":
                 update = update.sign()
+            elif self.rule == "adam":  # Adam's second moment of the averaged update, bias-corrected
+                v = self._v(p)
+                v.mul_(0.999).add_(0.001 * update * update)
+                update = update / ((v / (1 - 0.999 ** (self.t + 1))).sqrt() + 1e-8)
             p.sub_(self.lr * update.to(p.dtype))
+        self.t += 1

@@ -221,3 +221,10 @@ def test_stochastic_rounding_is_unbiased():
     rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(rounded.mean().item() - x[0].item()) < 2e-5
+
+
+def test_sign_update_is_the_reference_spelling_of_update_rule():
+    assert hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2))], sign_update=False).settings.update_rule == "raw"
+    assert hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2))], sign_update=True).settings.update_rule == "sign"
+    with pytest.raises(ValueError, match="contradicts"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2))], sign_update=False, update_rule="adam")
