@@ -156,3 +156,22 @@ class DeMoSettings:
 _TYPES = {
     f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)
 }
+
+
+def markdown_table() -> str:
+    """The settings as a Markdown table (docs/SETTINGS.md is this, checked by the tests)."""
+    rows = ["| setting | default | allowed | per group | what it does |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(DeMoSettings):
+        choices = ", ".join(f.metadata.get("choices") or ()) or _TYPES[f.name].__name__
+        per_group = "yes" if f.metadata["per_group"] else ""
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {choices} | {per_group} | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m hf_demo.config > docs/SETTINGS.md
+    print(
+        "# DeMo settings\n\nGenerated from `hf_demo.config.DeMoSettings` (`python -m hf_demo.config > "
+        "docs/SETTINGS.md`). Each is a keyword of `hf_demo.DeMo`, a `--demo_<name>` field of "
+        "`DeMoTrainingArguments` and a key of `--optim_args`; `lr` and `weight_decay` come from Trainer.\n"
+    )
+    print(markdown_table())

@@ -228,3 +228,12 @@ def test_sign_update_is_the_reference_spelling_of_update_rule():
     assert hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2))], sign_update=True).settings.update_rule == "sign"
     with pytest.raises(ValueError, match="contradicts"):
         hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2))], sign_update=False, update_rule="adam")
+
+
+def test_the_settings_page_is_generated_from_the_one_source_of_truth():
+    from pathlib import Path
+
+    from hf_demo.config import markdown_table
+
+    page = (Path(__file__).parent.parent / "docs" / "SETTINGS.md").read_text()
+    assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.config > docs/SETTINGS.md"
