@@ -284,15 +284,19 @@ class EvalBeforeTraining(TrainerCallback):
             self.metrics = dict(metrics or {})
 
 
-def train_and_evaluate(trainer, resume_from_checkpoint=None):
-    """train(), save, evaluate(): ``(train_result, metrics before, metrics after)``; before is None without
-    ``--eval_on_start``."""
+def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) -> dict:
+    """train(), save the model, evaluate(); the results (layout above, with ``extra``) on every rank, and
+    results.json, training.png and the summary from rank 0. "before" is None without ``--eval_on_start``."""
     before = EvalBeforeTraining()
     trainer.add_callback(before)
-    train_result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model()
     after = trainer.evaluate()
-    return train_result, eval_metrics(before.metrics), eval_metrics(after)
+    results = collect_results(recipe, trainer, train_result, eval_metrics(before.metrics), eval_metrics(after),
+                              model=model, data=data, **extra)
+    if trainer.is_world_process_zero():
+        report(results, trainer.args.output_dir)
+    return results
 
 
 def eval_metrics(metrics: dict | None, prefix: str = "eval_") -> dict | None:

@@ -1,12 +1,13 @@
 """The same fine-tune with DeMo, DDP-AdamW and DDP-AdamW with the PowerSGD hook, side by side.
 
-    python recipes/compare.py --output_dir outputs/compare --steps 40 [--num_processes 2] \
+    python recipes/compare.py --output_dir outputs/compare --steps 40 [--num_processes 2] \\
         [--recipe run_classification.py] [-- recipe args]
 
 Each method runs a recipe (default recipes/run_clm.py) through `accelerate launch` (on a CPU-only machine
 with accelerate_configs/cpu_multiprocess.yaml and ACCELERATE_USE_CPU=1) and reads its results.json (the
 layout of recipes/common.py). Writes compare.png (eval loss against steps and against bytes communicated)
-and compare.md (final eval loss, the recipe's first metric, bytes per step, total bytes, wall time). Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp32 all-reduce
+and compare.md (final eval loss, the recipe's first metric, bytes per step, total bytes, wall time).
+Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp32 all-reduce
 (4 bytes/parameter/step); PowerSGD's are computed from the parameter shapes with torch's PowerSGD rule
 (matrices whose rank-r factors are smaller than half the matrix are sent as P and Q, the rest dense; plain
 all-reduce before start_powerSGD_iter).

@@ -236,13 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
             model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
             compute_metrics=compute_metrics)
-        train_result, before, after = common.train_and_evaluate(trainer, training_args.resume_from_checkpoint)
-        results = common.collect_results("run_classification", trainer, train_result, before, after,
-                                         model=model_path, data=data_desc, labels=label_names,
-                                         f1_average=f1_average)
-        if trainer.is_world_process_zero():
-            common.report(results, training_args.output_dir)
-        return results
+        return common.train_and_report("run_classification", trainer, model=model_path, data=data_desc,
+                                       labels=label_names, f1_average=f1_average)
     finally:
         common.end(trainer)
 

