@@ -15,6 +15,7 @@ results.json (one layout for every recipe; recipes/compare.py reads it)::
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ RECIPE_DEFAULTS = {"optim": "demo", "eval_on_start": True}
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "A hub model id or a local folder saved with save_pretrained. Default: the recipe's offline model "
-                "(see its --help description)."})
+                "(see above)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's own."})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub models and data sets are cached."})
 
@@ -70,13 +71,17 @@ class DataTrainingArguments:
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for datasets.map."})
 
 
-def parse_args(dataclass_types, argv: list[str] | None = None, **defaults):
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def parse_args(dataclass_types, argv: list[str] | None = None, *, description: str | None = None, **defaults):
     """Parse the command line, or a single .json/.yaml file, into the dataclasses.
 
     Defaults: ``RECIPE_DEFAULTS`` (DeMo, evaluation at the start of training), then the recipe's ``defaults``,
-    then what the user gives.
+    then what the user gives. ``description`` (the recipe's docstring) heads ``--help``.
     """
-    parser = HfArgumentParser(dataclass_types)
+    parser = HfArgumentParser(dataclass_types, description=description, formatter_class=_HelpFormatter)
     defaults = {**RECIPE_DEFAULTS, **defaults}
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):

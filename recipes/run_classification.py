@@ -20,9 +20,9 @@ coefficients cross the wire); every Trainer argument works, e.g. ``--optim adamw
 
 Other models and data: ``--model_name_or_path`` (a hub id or a folder saved with ``save_pretrained``),
 ``--dataset_name [--dataset_config_name]`` (hub) or ``--train_file [--validation_file]`` (.csv, .tsv,
-.json, .jsonl, .txt), with ``--text_column [--text_pair_column] --label_column``. Labels may be strings (mapped to
-ids in sorted order), ints or a ClassLabel. Without a validation set, ``--validation_split_percentage`` of the
-training data is held out.
+.json, .jsonl), with ``--text_column [--text_pair_column] --label_column``. Labels may be strings (mapped
+to ids in sorted order), ints or a ClassLabel. Without a validation set, ``--validation_split_percentage``
+of the training data is held out.
 
 The model is evaluated (accuracy and F1: binary for two classes, macro otherwise, from the local metric
 scripts in recipes/metrics) at the start of training and after it. Writes results.json (layout:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     # recipe defaults: a learning rate that suits short fine-tunes (0.48 -> 0.90 accuracy in 30 steps), a short
     # logging interval (DeMo's figures reach the logs), bigger batches
     model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv,
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv, description=__doc__,
         learning_rate=3e-4, output_dir="outputs/classification", logging_steps=10, per_device_train_batch_size=32,
         per_device_eval_batch_size=64, validation_split_percentage=10.0)
     common.setup_logging(training_args)

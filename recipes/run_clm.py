@@ -123,7 +123,7 @@ def make_compute_metrics():
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv,
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv, description=__doc__,
         validation_split_percentage=5.0, max_eval_samples=64)
     common.setup_logging(training_args)
     common.check_data_files(data_args)  # on every rank, before anything is loaded
