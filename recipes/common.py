@@ -1,0 +1,443 @@
+"""What every recipe shares: arguments, data loading, metrics, the results.json layout, the report, the exit.
+
+The recipes are scripts (``python recipes/run_clm.py ...``); Python puts their folder on ``sys.path``, so
+they import this module as ``common``.
+
+results.json (one layout for every recipe; recipes/compare.py reads it)::
+
+    recipe, model, data, optim, world_size, parameters, param_shapes, train_samples, eval_samples,
+    global_step, train_loss, train_runtime_s, ddp (the model was wrapped in DistributedDataParallel),
+    before / after      the evaluation metrics without the "eval_" prefix (loss and the recipe's metrics),
+                        "before" from Trainer's evaluation at the start of train() (--eval_on_start)
+    communication       method, bytes_sent, dense_bytes, saving[, bytes_per_param_per_step]
+    demo_counters       the last value of every demo/* figure DeMoTrainer logged ({} without DeMo)
+    plot, log_history   and whatever the recipe adds (e.g. labels)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from datasets import Dataset, DatasetDict  # noqa: E402
+from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
+
+import hf_demo  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+METRICS = Path(__file__).resolve().parent / "metrics"
+FILE_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
+TEXT_CANDIDATES = ("text", "sentence", "content", "review", "document")
+# Every recipe trains with DeMo unless --optim says otherwise, and evaluates at the start of train(): an
+# evaluate() before train() would mark the model as prepared, and Trainer would then never wrap it in DDP.
+RECIPE_DEFAULTS = {"optim": "demo", "eval_on_start": True}
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A hub model id or a local folder saved with save_pretrained. Default: the recipe's offline model "
+                "(see above)."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's own."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where hub models and data sets are cached."})
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A data set on the hub (datasets)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
+    train_file: str | None = field(default=None, metadata={
+        "help": f"Training data: {', '.join(FILE_FORMATS)}."})
+    validation_file: str | None = field(default=None, metadata={"help": "Evaluation data, same formats."})
+    text_column: str | None = field(default=None, metadata={
+        "help": f"Column with the text. Default: the first of {', '.join(TEXT_CANDIDATES)}."})
+    validation_split_percentage: float = field(default=5.0, metadata={
+        "help": "Percent of the training data held out when there is no validation set."})
+    split_seed: int = field(default=42, metadata={"help": "Seed of the train/validation split and sub-sampling."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many evaluation examples."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for datasets.map."})
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def parse_args(dataclass_types, argv: list[str] | None = None, *, description: str | None = None, **defaults):
+    """Parse the command line, or a single .json/.yaml file, into the dataclasses.
+
+    Defaults: ``RECIPE_DEFAULTS`` (DeMo, evaluation at the start of training), then the recipe's ``defaults``,
+    then what the user gives. ``description`` (the recipe's docstring) heads ``--help``.
+    """
+    parser = HfArgumentParser(dataclass_types, description=description, formatter_class=_HelpFormatter)
+    defaults = {**RECIPE_DEFAULTS, **defaults}
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        text = Path(argv[0]).read_text()
+        if argv[0].endswith(".json"):
+            config = json.loads(text)
+        else:
+            import yaml
+
+            config = yaml.safe_load(text)
+        return parser.parse_dict({**defaults, **config})
+    parser.set_defaults(**defaults)
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def setup_logging(training_args) -> None:
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
+                        handlers=[logging.StreamHandler(sys.stdout)])
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+
+
+def optim_name(training_args) -> str:
+    return str(getattr(training_args.optim, "value", training_args.optim))
+
+
+# ---------------------------------------------------------------------------------------------- models
+def _looks_like_local_path(name: str) -> bool:
+    return (name.startswith((".", "/", "~", "\\")) or os.path.isabs(name) or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name))
+
+
+def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None = None) -> str:
+    """``name`` as a path or hub id, once it is known to exist; FileNotFoundError/ValueError naming it if not."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        needed = gguf_file or "config.json"
+        if not (p / needed).is_file():
+            raise FileNotFoundError(f"model folder {name} has no {needed}"
+                                    + ("" if gguf_file else " (save the model with save_pretrained)"))
+        return str(p)
+    if p.exists():
+        raise ValueError(f"--model_name_or_path {name} is a file; give the folder the model was saved to")
+    if _looks_like_local_path(name):
+        raise FileNotFoundError(f"model path {name} does not exist")
+    try:
+        transformers.AutoConfig.from_pretrained(name, cache_dir=cache_dir,
+                                                **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        where = "in the local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub or in the local cache"
+        raise FileNotFoundError(f"model {name!r} is not a local folder and was not found {where}: {exc}") from exc
+    return name
+
+
+# ---------------------------------------------------------------------------------------------- data
+def stdlib_files() -> list[str]:
+    """The Python standard library's own sources (no site-packages, no test suites): ~734 files, 12 MB."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return sorted(str(p) for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def load_stdlib_corpus() -> DatasetDict:
+    """The stdlib sources as a ``train`` split with a ``text`` column, one document per file."""
+    return datasets.load_dataset("text", data_files={"train": stdlib_files()}, sample_by="document")
+
+
+def check_data_file(path: str, flag: str) -> str:
+    """The ``datasets`` loader for ``path``; FileNotFoundError/ValueError naming it when it cannot be used."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {path} does not exist")
+    if not p.is_file():
+        raise ValueError(f"{flag} {path} is not a file")
+    fmt = FILE_FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{flag} {path}: unsupported extension {p.suffix or '(none)'!r}; "
+                         f"use one of {', '.join(FILE_FORMATS)}")
+    return fmt
+
+
+def load_data_file(path: str, flag: str, cache_dir: str | None = None) -> Dataset:
+    fmt = check_data_file(path, flag)
+    kwargs = {"delimiter": "\t"} if Path(path).suffix.lower() == ".tsv" else {}
+    try:
+        ds = datasets.load_dataset(fmt, data_files={"data": str(Path(path).expanduser())}, split="data",
+                                   cache_dir=cache_dir, **kwargs)
+    except Exception as exc:  # pandas/pyarrow/json errors arrive wrapped in DatasetGenerationError
+        cause = exc.__cause__ or exc.__context__
+        detail = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        raise ValueError(f"{flag} {path} could not be parsed as {fmt}: {detail}") from exc
+    if len(ds) == 0:
+        raise ValueError(f"{flag} {path} holds no rows")
+    return ds
+
+
+def check_data_files(data_args: DataTrainingArguments) -> None:
+    """Cheap checks of the arguments and files, to run on every rank before anything is loaded."""
+    if data_args.validation_file and not data_args.train_file:
+        raise ValueError("--validation_file needs --train_file")
+    if data_args.dataset_name and data_args.train_file:
+        raise ValueError("give either --dataset_name or --train_file, not both")
+    for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
+        if path:
+            check_data_file(path, flag)
+
+
+def load_raw(data_args: DataTrainingArguments, default, cache_dir: str | None = None) -> tuple[DatasetDict, str]:
+    """``(DatasetDict with train [and validation], description)`` from the hub, the files, or ``default``.
+
+    ``default`` is ``(callable returning a DatasetDict, description)``: the recipe's offline data.
+    """
+    check_data_files(data_args)
+    if data_args.train_file:
+        raw = DatasetDict({"train": load_data_file(data_args.train_file, "--train_file", cache_dir)})
+        if data_args.validation_file:
+            raw["validation"] = load_data_file(data_args.validation_file, "--validation_file", cache_dir)
+        return raw, data_args.train_file
+    if data_args.dataset_name:
+        name, config = data_args.dataset_name, data_args.dataset_config_name
+        try:
+            loaded = datasets.load_dataset(name, config, cache_dir=cache_dir)
+        except Exception as exc:
+            raise ValueError(f"could not load --dataset_name {name!r}{f' (config {config!r})' if config else ''}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if "train" not in loaded:
+            raise ValueError(f"--dataset_name {name!r} has no 'train' split; splits: {list(loaded)}")
+        raw = DatasetDict({"train": loaded["train"]})
+        for split in ("validation", "test"):
+            if split in loaded:
+                raw["validation"] = loaded[split]
+                break
+        return raw, name + (f"/{config}" if config else "")
+    load_default, description = default
+    return load_default(), description
+
+
+def check_column(columns: list[str], wanted: str, flag: str, where: str) -> None:
+    if wanted not in columns:
+        raise ValueError(f"{flag} {wanted!r} is not a column of {where}; its columns are {columns}")
+
+
+def resolve_text_column(raw: DatasetDict, wanted: str | None, description: str) -> str:
+    """The text column (``wanted``, or the first of TEXT_CANDIDATES), checked in every split."""
+    columns = raw["train"].column_names
+    if wanted is None:
+        wanted = next((name for name in TEXT_CANDIDATES if name in columns), None)
+        if wanted is None:
+            raise ValueError(f"no --text_column given and none of {list(TEXT_CANDIDATES)} is a column of the "
+                             f"training data ({description}); its columns are {columns}")
+    for split, ds in raw.items():
+        check_column(ds.column_names, wanted, "--text_column", f"the {split} data ({description})")
+    return wanted
+
+
+def split_off_validation(raw: DatasetDict, percentage: float, seed: int,
+                         stratify_by_column: str | None = None) -> DatasetDict:
+    """``raw`` with a validation split: its own, or ``percentage`` % of train held out."""
+    if "validation" in raw:
+        return raw
+    if not 0 < percentage < 100:
+        raise ValueError(f"--validation_split_percentage must be in (0, 100), got {percentage}")
+    train = raw["train"]
+    if len(train) < 2:
+        raise ValueError(f"the training data has {len(train)} example(s): too few to hold out a validation split; "
+                         "pass --validation_file")
+    try:
+        parts = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify_by_column)
+    except ValueError:  # a class too small to stratify
+        parts = train.train_test_split(test_size=percentage / 100, seed=seed)
+    return DatasetDict({"train": parts["train"], "validation": parts["test"]})
+
+
+def take(ds: Dataset, limit: int | None, seed: int | None = None) -> Dataset:
+    """At most ``limit`` examples: the first ones, or a seeded random choice with ``seed``."""
+    if limit is None or limit >= len(ds):
+        return ds
+    if limit <= 0:
+        raise ValueError(f"max samples must be positive, got {limit}")
+    return (ds if seed is None else ds.shuffle(seed=seed)).select(range(limit))
+
+
+def load_metric(name: str):
+    """A metric script of recipes/metrics/, offline. keep_in_memory: no cache files that processes could share."""
+    import evaluate
+
+    return evaluate.load(str(METRICS / name), keep_in_memory=True, experiment_id=f"{name}-{os.getpid()}")
+
+
+# ---------------------------------------------------------------------------------------------- training
+class EvalBeforeTraining(TrainerCallback):
+    """Keeps the metrics of the evaluation Trainer runs at the start of train() (``--eval_on_start``)."""
+
+    def __init__(self):
+        self.start_step, self.metrics = None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step, self.metrics = state.global_step, None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.metrics is None and state.global_step == self.start_step:
+            self.metrics = dict(metrics or {})
+
+
+def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) -> dict:
+    """train(), save the model, evaluate(); the results (layout above, with ``extra``) on every rank, and
+    results.json, training.png and the summary from rank 0. "before" is None without ``--eval_on_start``."""
+    before = EvalBeforeTraining()
+    trainer.add_callback(before)
+    train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    trainer.save_model()
+    after = trainer.evaluate()
+    results = collect_results(recipe, trainer, train_result, eval_metrics(before.metrics), eval_metrics(after),
+                              model=model, data=data, **extra)
+    if trainer.is_world_process_zero():
+        report(results, trainer.args.output_dir)
+    return results
+
+
+def eval_metrics(metrics: dict | None, prefix: str = "eval_") -> dict | None:
+    """Evaluation metrics without the prefix and without Trainer's bookkeeping (runtime, speed, epoch)."""
+    if metrics is None:
+        return None
+    bookkeeping = ("runtime", "samples_per_second", "steps_per_second", "epoch", "model_preparation_time")
+    stripped = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in metrics.items()}
+    return {k: v for k, v in stripped.items() if k not in bookkeeping}
+
+
+def end(trainer=None) -> None:
+    """Close the run on every rank: trackers, then the process group (gloo aborts at exit without it)."""
+    if trainer is not None and hasattr(trainer, "end"):  # transformers >= 5.24: trackers and the process group
+        trainer.end()
+    elif trainer is not None:
+        for tracker in trainer.accelerator.trackers:
+            tracker.finish()
+    if hasattr(hf_demo, "shutdown"):
+        hf_demo.shutdown()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- results
+def communication(log_history: list[dict], parameters: int, steps: int) -> dict:
+    """Bytes this rank sent (DeMo's counters) against a dense fp32 all-reduce of the same model."""
+    totals = [row for row in log_history if "demo/total_bytes_sent" in row]
+    dense = 4 * parameters * steps
+    if not totals:
+        return {"method": "dense all-reduce (DDP)", "bytes_sent": dense, "dense_bytes": dense, "saving": 1.0}
+    sent = totals[-1]["demo/total_bytes_sent"]
+    return {"method": "DeMo", "bytes_sent": sent, "dense_bytes": dense, "saving": dense / max(sent, 1),
+            "bytes_per_param_per_step": sent / max(steps, 1) / parameters}
+
+
+def demo_counters(log_history: list[dict]) -> dict:
+    """The last value of every ``demo/...`` figure in Trainer's log history, without the prefix."""
+    out = {}
+    for row in log_history:
+        out.update({k[len("demo/"):]: v for k, v in row.items() if k.startswith("demo/")})
+    return out
+
+
+def collect_results(recipe: str, trainer, train_result, before: dict | None, after: dict, *, model: str,
+                    data: str, **extra) -> dict:
+    """The results.json layout (see the module's docstring), the same on every rank."""
+    log_history = trainer.state.log_history
+    parameters = list(trainer.model.parameters())
+    n = sum(p.numel() for p in parameters)
+    steps = trainer.state.global_step
+    return {
+        "recipe": recipe, "model": model, "data": data, "optim": optim_name(trainer.args),
+        "world_size": trainer.args.world_size, "parameters": n,
+        "param_shapes": [list(p.shape) for p in parameters if p.requires_grad],
+        "train_samples": len(trainer.train_dataset), "eval_samples": len(trainer.eval_dataset),
+        "global_step": steps, "train_loss": train_result.training_loss,
+        "train_runtime_s": train_result.metrics.get("train_runtime"),
+        "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
+        "before": before, "after": after,
+        "communication": communication(log_history, n, steps), "demo_counters": demo_counters(log_history),
+        **extra,
+        "log_history": log_history,
+    }
+
+
+def report(results: dict, output_dir: str) -> None:
+    """Write results.json and training.png into ``output_dir`` and print the summary (call on rank 0)."""
+    os.makedirs(output_dir, exist_ok=True)
+    plot = os.path.join(output_dir, "training.png")
+    try:
+        _plot(results, plot)
+        results["plot"] = plot
+    except ImportError:
+        results["plot"] = None
+    path = os.path.join(output_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(summary(results, output_dir, path), flush=True)
+
+
+METRIC_LABELS = {"next_token_accuracy": "next-token accuracy"}
+METRIC_FORMATS = {"perplexity": ".3f"}
+
+
+def summary(results: dict, output_dir: str, path: str) -> str:
+    lines = ["", "=" * 78,
+             f"{results['optim']} fine-tune of {results['model']} on {results['data']} "
+             f"({results['world_size']} processes, {results['global_step']} steps)"]
+    before, after = results["before"] or {}, results["after"]
+    for key, value in after.items():
+        if key == "loss" or not isinstance(value, (int, float)):
+            continue
+        fmt = METRIC_FORMATS.get(key, ".4f")
+        was = f"{before[key]:10{fmt}} -> " if key in before else ""
+        lines.append(f"  {METRIC_LABELS.get(key, key.replace('_', ' ')):20s}{was}{value:{fmt}}")
+    c = results["communication"]
+    if c["method"] == "DeMo":
+        lines.append(f"  communication       rank 0 sent {c['bytes_sent'] / 1e6:.2f} MB "
+                     f"({c['bytes_per_param_per_step']:.4f} bytes/param/step); a dense fp32 all-reduce would have "
+                     f"sent {c['dense_bytes'] / 1e6:.1f} MB: {c['saving']:.0f}x less")
+    else:
+        lines.append(f"  communication       dense all-reduce, about {c['dense_bytes'] / 1e6:.1f} MB per rank")
+    lines += [f"  plot                {results['plot']}", f"  model (checkpoint)  {output_dir}",
+              f"  results             {path}", "=" * 78]
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log_history = results["log_history"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    train = [(r["step"], r["loss"]) for r in log_history if "loss" in r and "step" in r]
+    if train:
+        ax1.plot(*zip(*train), label="training loss")
+    evals = sorted({r["step"]: r["eval_loss"] for r in log_history if "eval_loss" in r and "step" in r}.items())
+    if evals:
+        ax1.plot(*zip(*evals), color="red", marker="o", zorder=3, label="eval loss")
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    ax1.set_title(f"{results['optim']}: loss")
+    sent = [(r["step"], r["demo/total_bytes_sent"]) for r in log_history if "demo/total_bytes_sent" in r]
+    steps = [s for s, _ in sent] or [results["global_step"]]
+    ax2.plot(steps, [4 * results["parameters"] * s / 1e6 for s in steps], label="dense fp32 all-reduce")
+    if sent:
+        ax2.plot(steps, [b / 1e6 for _, b in sent], label="DeMo (measured)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("MB sent per rank (cumulative)")
+    ax2.legend()
+    ax2.set_title("communication")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
