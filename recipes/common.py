@@ -13,6 +13,7 @@ results.json (one layout for every recipe; recipes/compare.py reads it)::
     demo_counters       the last value of every demo/* figure DeMoTrainer logged ({} without DeMo)
     plot, log_history   and whatever the recipe adds (e.g. labels)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,6 @@ import json
 import logging
 import os
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from datasets import Dataset, DatasetDict  # noqa: E402
 from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
 
 import hf_demo  # noqa: E402
+from hf_demo.corpus import stdlib_files  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,13 @@ RECIPE_DEFAULTS = {"optim": "demo", "eval_on_start": True}
 # ---------------------------------------------------------------------------------------------- arguments
 @dataclass
 class ModelArguments:
-    model_name_or_path: str | None = field(default=None, metadata={
-        "help": "A hub model id or a local folder saved with save_pretrained. Default: the recipe's offline model "
-                "(see above)."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A hub model id or a local folder saved with save_pretrained. Default: the recipe's offline model "
+            "(see above)."
+        },
+    )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's own."})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub models and data sets are cached."})
 
@@ -58,13 +63,14 @@ class ModelArguments:
 class DataTrainingArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "A data set on the hub (datasets)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
-    train_file: str | None = field(default=None, metadata={
-        "help": f"Training data: {', '.join(FILE_FORMATS)}."})
+    train_file: str | None = field(default=None, metadata={"help": f"Training data: {', '.join(FILE_FORMATS)}."})
     validation_file: str | None = field(default=None, metadata={"help": "Evaluation data, same formats."})
-    text_column: str | None = field(default=None, metadata={
-        "help": f"Column with the text. Default: the first of {', '.join(TEXT_CANDIDATES)}."})
-    validation_split_percentage: float = field(default=5.0, metadata={
-        "help": "Percent of the training data held out when there is no validation set."})
+    text_column: str | None = field(
+        default=None, metadata={"help": f"Column with the text. Default: the first of {', '.join(TEXT_CANDIDATES)}."}
+    )
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Percent of the training data held out when there is no validation set."}
+    )
     split_seed: int = field(default=42, metadata={"help": "Seed of the train/validation split and sub-sampling."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many evaluation examples."})
@@ -98,8 +104,11 @@ def parse_args(dataclass_types, argv: list[str] | None = None, *, description: s
 
 
 def setup_logging(training_args) -> None:
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
-                        handlers=[logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
     log_level = training_args.get_process_log_level()
     logger.setLevel(log_level)
     datasets.utils.logging.set_verbosity(log_level)
@@ -112,8 +121,12 @@ def optim_name(training_args) -> str:
 
 # ---------------------------------------------------------------------------------------------- models
 def _looks_like_local_path(name: str) -> bool:
-    return (name.startswith((".", "/", "~", "\\")) or os.path.isabs(name) or name.count("/") > 1
-            or (os.sep != "/" and os.sep in name))
+    return (
+        name.startswith((".", "/", "~", "\\"))
+        or os.path.isabs(name)
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
 
 
 def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None = None) -> str:
@@ -122,16 +135,18 @@ def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None =
     if p.is_dir():
         needed = gguf_file or "config.json"
         if not (p / needed).is_file():
-            raise FileNotFoundError(f"model folder {name} has no {needed}"
-                                    + ("" if gguf_file else " (save the model with save_pretrained)"))
+            raise FileNotFoundError(
+                f"model folder {name} has no {needed}" + ("" if gguf_file else " (save the model with save_pretrained)")
+            )
         return str(p)
     if p.exists():
         raise ValueError(f"--model_name_or_path {name} is a file; give the folder the model was saved to")
     if _looks_like_local_path(name):
         raise FileNotFoundError(f"model path {name} does not exist")
     try:
-        transformers.AutoConfig.from_pretrained(name, cache_dir=cache_dir,
-                                                **({"gguf_file": gguf_file} if gguf_file else {}))
+        transformers.AutoConfig.from_pretrained(
+            name, cache_dir=cache_dir, **({"gguf_file": gguf_file} if gguf_file else {})
+        )
     except (OSError, ValueError) as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         where = "in the local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub or in the local cache"
@@ -140,16 +155,9 @@ def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None =
 
 
 # ---------------------------------------------------------------------------------------------- data
-def stdlib_files() -> list[str]:
-    """The Python standard library's own sources (no site-packages, no test suites): ~734 files, 12 MB."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return sorted(str(p) for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-
-
 def load_stdlib_corpus() -> DatasetDict:
     """The stdlib sources as a ``train`` split with a ``text`` column, one document per file."""
-    return datasets.load_dataset("text", data_files={"train": stdlib_files()}, sample_by="document")
+    return datasets.load_dataset("text", data_files={"train": [str(f) for f in stdlib_files()]}, sample_by="document")
 
 
 def check_data_file(path: str, flag: str) -> str:
@@ -161,8 +169,9 @@ def check_data_file(path: str, flag: str) -> str:
         raise ValueError(f"{flag} {path} is not a file")
     fmt = FILE_FORMATS.get(p.suffix.lower())
     if fmt is None:
-        raise ValueError(f"{flag} {path}: unsupported extension {p.suffix or '(none)'!r}; "
-                         f"use one of {', '.join(FILE_FORMATS)}")
+        raise ValueError(
+            f"{flag} {path}: unsupported extension {p.suffix or '(none)'!r}; use one of {', '.join(FILE_FORMATS)}"
+        )
     return fmt
 
 
@@ -170,8 +179,9 @@ def load_data_file(path: str, flag: str, cache_dir: str | None = None) -> Datase
     fmt = check_data_file(path, flag)
     kwargs = {"delimiter": "\t"} if Path(path).suffix.lower() == ".tsv" else {}
     try:
-        ds = datasets.load_dataset(fmt, data_files={"data": str(Path(path).expanduser())}, split="data",
-                                   cache_dir=cache_dir, **kwargs)
+        ds = datasets.load_dataset(
+            fmt, data_files={"data": str(Path(path).expanduser())}, split="data", cache_dir=cache_dir, **kwargs
+        )
     except Exception as exc:  # pandas/pyarrow/json errors arrive wrapped in DatasetGenerationError
         cause = exc.__cause__ or exc.__context__
         detail = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
@@ -208,8 +218,10 @@ def load_raw(data_args: DataTrainingArguments, default, cache_dir: str | None = 
         try:
             loaded = datasets.load_dataset(name, config, cache_dir=cache_dir)
         except Exception as exc:
-            raise ValueError(f"could not load --dataset_name {name!r}{f' (config {config!r})' if config else ''}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"could not load --dataset_name {name!r}{f' (config {config!r})' if config else ''}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         if "train" not in loaded:
             raise ValueError(f"--dataset_name {name!r} has no 'train' split; splits: {list(loaded)}")
         raw = DatasetDict({"train": loaded["train"]})
@@ -233,15 +245,18 @@ def resolve_text_column(raw: DatasetDict, wanted: str | None, description: str) 
     if wanted is None:
         wanted = next((name for name in TEXT_CANDIDATES if name in columns), None)
         if wanted is None:
-            raise ValueError(f"no --text_column given and none of {list(TEXT_CANDIDATES)} is a column of the "
-                             f"training data ({description}); its columns are {columns}")
+            raise ValueError(
+                f"no --text_column given and none of {list(TEXT_CANDIDATES)} is a column of the "
+                f"training data ({description}); its columns are {columns}"
+            )
     for split, ds in raw.items():
         check_column(ds.column_names, wanted, "--text_column", f"the {split} data ({description})")
     return wanted
 
 
-def split_off_validation(raw: DatasetDict, percentage: float, seed: int,
-                         stratify_by_column: str | None = None) -> DatasetDict:
+def split_off_validation(
+    raw: DatasetDict, percentage: float, seed: int, stratify_by_column: str | None = None
+) -> DatasetDict:
     """``raw`` with a validation split: its own, or ``percentage`` % of train held out."""
     if "validation" in raw:
         return raw
@@ -249,8 +264,10 @@ def split_off_validation(raw: DatasetDict, percentage: float, seed: int,
         raise ValueError(f"--validation_split_percentage must be in (0, 100), got {percentage}")
     train = raw["train"]
     if len(train) < 2:
-        raise ValueError(f"the training data has {len(train)} example(s): too few to hold out a validation split; "
-                         "pass --validation_file")
+        raise ValueError(
+            f"the training data has {len(train)} example(s): too few to hold out a validation split; "
+            "pass --validation_file"
+        )
     try:
         parts = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify_by_column)
     except ValueError:  # a class too small to stratify
@@ -297,8 +314,16 @@ def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) ->
     train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model()
     after = trainer.evaluate()
-    results = collect_results(recipe, trainer, train_result, eval_metrics(before.metrics), eval_metrics(after),
-                              model=model, data=data, **extra)
+    results = collect_results(
+        recipe,
+        trainer,
+        train_result,
+        eval_metrics(before.metrics),
+        eval_metrics(after),
+        model=model,
+        data=data,
+        **extra,
+    )
     if trainer.is_world_process_zero():
         report(results, trainer.args.output_dir)
     return results
@@ -309,7 +334,7 @@ def eval_metrics(metrics: dict | None, prefix: str = "eval_") -> dict | None:
     if metrics is None:
         return None
     bookkeeping = ("runtime", "samples_per_second", "steps_per_second", "epoch", "model_preparation_time")
-    stripped = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in metrics.items()}
+    stripped = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in metrics.items()}
     return {k: v for k, v in stripped.items() if k not in bookkeeping}
 
 
@@ -334,35 +359,49 @@ def communication(log_history: list[dict], parameters: int, steps: int) -> dict:
     if not totals:
         return {"method": "dense all-reduce (DDP)", "bytes_sent": dense, "dense_bytes": dense, "saving": 1.0}
     sent = totals[-1]["demo/total_bytes_sent"]
-    return {"method": "DeMo", "bytes_sent": sent, "dense_bytes": dense, "saving": dense / max(sent, 1),
-            "bytes_per_param_per_step": sent / max(steps, 1) / parameters}
+    return {
+        "method": "DeMo",
+        "bytes_sent": sent,
+        "dense_bytes": dense,
+        "saving": dense / max(sent, 1),
+        "bytes_per_param_per_step": sent / max(steps, 1) / parameters,
+    }
 
 
 def demo_counters(log_history: list[dict]) -> dict:
     """The last value of every ``demo/...`` figure in Trainer's log history, without the prefix."""
     out = {}
     for row in log_history:
-        out.update({k[len("demo/"):]: v for k, v in row.items() if k.startswith("demo/")})
+        out.update({k[len("demo/") :]: v for k, v in row.items() if k.startswith("demo/")})
     return out
 
 
-def collect_results(recipe: str, trainer, train_result, before: dict | None, after: dict, *, model: str,
-                    data: str, **extra) -> dict:
+def collect_results(
+    recipe: str, trainer, train_result, before: dict | None, after: dict, *, model: str, data: str, **extra
+) -> dict:
     """The results.json layout (see the module's docstring), the same on every rank."""
     log_history = trainer.state.log_history
     parameters = list(trainer.model.parameters())
     n = sum(p.numel() for p in parameters)
     steps = trainer.state.global_step
     return {
-        "recipe": recipe, "model": model, "data": data, "optim": optim_name(trainer.args),
-        "world_size": trainer.args.world_size, "parameters": n,
+        "recipe": recipe,
+        "model": model,
+        "data": data,
+        "optim": optim_name(trainer.args),
+        "world_size": trainer.args.world_size,
+        "parameters": n,
         "param_shapes": [list(p.shape) for p in parameters if p.requires_grad],
-        "train_samples": len(trainer.train_dataset), "eval_samples": len(trainer.eval_dataset),
-        "global_step": steps, "train_loss": train_result.training_loss,
+        "train_samples": len(trainer.train_dataset),
+        "eval_samples": len(trainer.eval_dataset),
+        "global_step": steps,
+        "train_loss": train_result.training_loss,
         "train_runtime_s": train_result.metrics.get("train_runtime"),
         "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
-        "before": before, "after": after,
-        "communication": communication(log_history, n, steps), "demo_counters": demo_counters(log_history),
+        "before": before,
+        "after": after,
+        "communication": communication(log_history, n, steps),
+        "demo_counters": demo_counters(log_history),
         **extra,
         "log_history": log_history,
     }
@@ -388,9 +427,12 @@ METRIC_FORMATS = {"perplexity": ".3f"}
 
 
 def summary(results: dict, output_dir: str, path: str) -> str:
-    lines = ["", "=" * 78,
-             f"{results['optim']} fine-tune of {results['model']} on {results['data']} "
-             f"({results['world_size']} processes, {results['global_step']} steps)"]
+    lines = [
+        "",
+        "=" * 78,
+        f"{results['optim']} fine-tune of {results['model']} on {results['data']} "
+        f"({results['world_size']} processes, {results['global_step']} steps)",
+    ]
     before, after = results["before"] or {}, results["after"]
     for key, value in after.items():
         if key == "loss" or not isinstance(value, (int, float)):
@@ -400,13 +442,19 @@ def summary(results: dict, output_dir: str, path: str) -> str:
         lines.append(f"  {METRIC_LABELS.get(key, key.replace('_', ' ')):20s}{was}{value:{fmt}}")
     c = results["communication"]
     if c["method"] == "DeMo":
-        lines.append(f"  communication       rank 0 sent {c['bytes_sent'] / 1e6:.2f} MB "
-                     f"({c['bytes_per_param_per_step']:.4f} bytes/param/step); a dense fp32 all-reduce would have "
-                     f"sent {c['dense_bytes'] / 1e6:.1f} MB: {c['saving']:.0f}x less")
+        lines.append(
+            f"  communication       rank 0 sent {c['bytes_sent'] / 1e6:.2f} MB "
+            f"({c['bytes_per_param_per_step']:.4f} bytes/param/step); a dense fp32 all-reduce would have "
+            f"sent {c['dense_bytes'] / 1e6:.1f} MB: {c['saving']:.0f}x less"
+        )
     else:
         lines.append(f"  communication       dense all-reduce, about {c['dense_bytes'] / 1e6:.1f} MB per rank")
-    lines += [f"  plot                {results['plot']}", f"  model (checkpoint)  {output_dir}",
-              f"  results             {path}", "=" * 78]
+    lines += [
+        f"  plot                {results['plot']}",
+        f"  model (checkpoint)  {output_dir}",
+        f"  results             {path}",
+        "=" * 78,
+    ]
     return "\n".join(lines)
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import torch
+
+from hf_demo.corpus import stdlib_bytes, stdlib_files  # noqa: F401 - the benchmarks import them from here
 
 
 def tiny_mlp(seed: int = 0, hidden: int = 32, inputs: int = 16, outputs: int = 8) -> torch.nn.Sequential:
@@ -31,16 +30,3 @@ def loss_and_backward(model, rank, step):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     return loss.item()
-
-
-def stdlib_files() -> list[Path]:
-    """The Python standard library's own ``.py`` sources, sorted, without site-packages and test suites."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-
-
-def stdlib_bytes() -> torch.Tensor:
-    """Those files concatenated in order, each followed by a newline, as a uint8 tensor (~12 MB)."""
-    data = b"".join(f.read_bytes() + b"\n" for f in stdlib_files())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
