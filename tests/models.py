@@ -13,7 +13,7 @@ def tiny_mlp(seed: int = 0, hidden: int = 32, inputs: int = 16, outputs: int = 8
 
 
 def awkward_mlp(seed: int = 0) -> torch.nn.Sequential:
-    """An MLP whose shapes a chunk of 8 does not divide: (20, 13), (20,), (5, 20) are padded, (5,) is one block."""
+    """An MLP whose shapes a chunk of 8 does not divide: 20 is cut in blocks of 5, 13 is padded to 16."""
     return tiny_mlp(seed, hidden=20, inputs=13, outputs=5)
 
 

@@ -38,13 +38,20 @@ class ReferenceDeMo:
         self.t = 0
         self.momentum = [torch.zeros(self._blocks(p)[4:], dtype=torch.float64) for p in self.params]
 
+    def _side(self, n):
+        """n if it fits in a chunk; a divisor of n no smaller than half the chunk; else the chunk, padded."""
+        if n <= self.chunk:
+            return n
+        divisors = [d for d in range(1, self.chunk + 1) if n % d == 0 and 2 * d >= self.chunk]
+        return max(divisors) if divisors else self.chunk
+
     def _v(self, p):
         return next(v for q, v in zip(self.params, self.second_moment) if q is p)
 
     def _blocks(self, p):
         """rows, cols of the parameter seen as a matrix; block sides b0, b1; padded rows, padded cols."""
         rows, cols = (1, p.numel()) if p.dim() <= 1 else (p.shape[0], p.numel() // p.shape[0])
-        b0, b1 = min(self.chunk, rows), min(self.chunk, cols)
+        b0, b1 = self._side(rows), self._side(cols)
         return rows, cols, b0, b1, math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1
 
     @staticmethod

@@ -37,20 +37,21 @@ def test_round_trip(shape):
 
 
 def test_padding_round_trip_and_zero_fill():
-    layout = plan((130, 70), 64, 32)
+    layout = plan((130, 67), 64, 32)  # neither has a divisor in [32, 64]: padded
     assert layout.padded and (layout.block_rows, layout.block_cols) == (3, 2)
-    x = torch.randn(130, 70)
+    x = torch.randn(130, 67)
     blocks = to_blocks(x, layout)
     assert blocks.shape == (3, 2, 64, 64)
     dense = blocks.permute(0, 2, 1, 3).reshape(192, 128)
-    assert dense[130:].abs().sum() == 0 and dense[:, 70:].abs().sum() == 0
+    assert dense[130:].abs().sum() == 0 and dense[:, 67:].abs().sum() == 0
     torch.testing.assert_close(from_blocks(blocks, layout), x, atol=0, rtol=0)
 
 
-def test_awkward_vocab_is_padded_not_cut_into_divisors():
-    layout = plan((50257, 576), 64, 32)
-    assert (layout.b0, layout.b1) == (64, 64)  # the reference would pick 29-long blocks
-    assert layout.block_rows == 786 and layout.block_cols == 9
+def test_a_divisor_of_at_least_half_the_chunk_is_used_else_padding():
+    mlp = plan((688, 256), 64, 32)  # 688 = 16 x 43: the reference's blocking, no padding
+    assert (mlp.b0, mlp.b1, mlp.block_rows, mlp.padded) == (43, 64, 16, False)
+    vocab = plan((50257, 576), 64, 32)  # 50257 = 29 x 1733: no divisor in [32, 64]: padded, not 29-long blocks
+    assert (vocab.b0, vocab.b1, vocab.block_rows, vocab.block_cols, vocab.padded) == (64, 64, 786, 9, True)
 
 
 def test_small_and_scalar_tensors():
@@ -59,7 +60,7 @@ def test_small_and_scalar_tensors():
     vec = plan((10,), 64, 32)
     assert (vec.b0, vec.b1, vec.k) == (1, 10, 10)  # one block, all of it sent
     long = plan((200,), 64, 32)
-    assert (long.b0, long.b1, long.nblocks, long.k) == (1, 64, 4, 32)
+    assert (long.b0, long.b1, long.nblocks, long.k) == (1, 50, 4, 32)
     conv = plan((8, 4, 3, 3), 64, 32)
     assert (conv.rows, conv.cols, conv.b0, conv.b1) == (8, 36, 8, 36)
 

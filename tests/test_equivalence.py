@@ -1,6 +1,7 @@
 """hf_demo.DeMo against the slow, plain reference written from the algorithm (1, 2 and 4 gloo ranks).
 
-Two models: one whose shapes the chunk divides, one whose shapes it does not (zero-padded blocks).
+Two models: one whose shapes the chunk divides, one whose shapes it does not (blocks of a smaller divisor, and
+zero-padded blocks where there is none).
 """
 
 import pytest
@@ -46,7 +47,13 @@ def test_the_models_cover_padding():
         for name, make in MODELS.items()
     }
     assert not any(layout.padded for layout in layouts["divisible"])
-    assert sum(layout.padded for layout in layouts["padded"]) == 3  # (20, 13), (20,), (5, 20); (5,) is one block
+    # (20, 13): 20 in blocks of 5, 13 padded to 16; (20,) and (5, 20): blocks of 5; (5,) is one block
+    assert [(lay.b0, lay.b1, lay.padded) for lay in layouts["padded"]] == [
+        (5, 8, True),
+        (1, 5, False),
+        (5, 5, False),
+        (1, 5, False),
+    ]
 
 
 @pytest.mark.parametrize("model", list(MODELS))
