@@ -5,6 +5,7 @@ checksum, the log history. Used by tests/test_trainer.py through `accelerate lau
 """
 import hashlib
 import os
+import signal
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ class ScriptArgs:
     samples: int = field(default=256)
     seq: int = field(default=64)
     gradient_checkpointing_on: bool = field(default=False)
+    arguments: str = field(default="demo", metadata={"help": "demo (DeMoTrainingArguments) or plain (TrainingArguments)"})
+    kill_rank: int = field(default=-1, metadata={"help": "this rank SIGKILLs itself after the save at kill_at_step"})
+    kill_at_step: int = field(default=0)
+    resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
 
 
 def stdlib_blocks(n: int, seq: int) -> Dataset:
@@ -50,6 +55,12 @@ class Recorder(TrainerCallback):
         if self.first_grad is None:
             self.first_grad = digest(p.grad for p in self.trainer.model.parameters() if p.grad is not None)
 
+    def on_save(self, args, state, control, **kwargs):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and state.global_step == self.script.kill_at_step and args.process_index == self.script.kill_rank:
+            print(f"rank {args.process_index}: killing myself after the step-{state.global_step} checkpoint", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.script.stop_at_step and state.global_step >= self.script.stop_at_step:
             control.should_save = True
@@ -60,7 +71,7 @@ def main():
     parser = HfArgumentParser((ScriptArgs, hf_demo.DeMoTrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
     TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
-    if script.trainer != "demo":   # a plain script: plain TrainingArguments
+    if script.trainer != "demo" or script.arguments == "plain":   # a plain script: plain TrainingArguments
         args = TrainingArguments(**{k: v for k, v in vars(args).items() if not k.startswith("demo_")
                                     and k in TrainingArguments.__dataclass_fields__
                                     and TrainingArguments.__dataclass_fields__[k].init})
@@ -74,7 +85,11 @@ def main():
     trainer = TrainerClass(model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq),
                            callbacks=[recorder])
     recorder.trainer = trainer
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    resume = args.resume_from_checkpoint
+    if script.resume_last:
+        resume = hf_demo.last_complete_checkpoint(args.output_dir)
+        print(f"rank {args.process_index}: resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
