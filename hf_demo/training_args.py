@@ -19,18 +19,14 @@ Where a setting's value comes from, lowest to highest: ``DeMoSettings``'s defaul
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from dataclasses import dataclass, field
 
-import torch
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from .config import DeMoSettings
+from .launch import prepare_launch
 from .settings import parse_optim_args
-
-logger = logging.getLogger(__name__)
 
 DEMO = "demo"  # the one spelling of DeMo's optimizer name
 
@@ -144,34 +140,14 @@ DeMoArguments.__doc__ = (
 )
 
 
-# ---------------------------------------------------------------------- CPU-only machines
-def _no_accelerator() -> bool:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return not acc.is_available()
-    return not torch.cuda.is_available()  # pragma: no cover - torch < 2.6
-
-
-def launched_on_cpu_without_switch(args) -> bool:
-    """Several launched processes (``LOCAL_RANK``, ``WORLD_SIZE`` > 1), no GPU, and no CPU switch.
-
-    Accelerate then initialises a 2-rank gloo group but reports "no distributed training": Trainer sees
-    world size 1 and every process trains alone on the same batches.
-    """
-    from transformers.utils import strtobool
-
-    launched = int(os.environ.get("LOCAL_RANK", "-1")) != -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    cpu_switch = bool(args.use_cpu) or strtobool(os.environ.get("ACCELERATE_USE_CPU", "False"))
-    return launched and not cpu_switch and _no_accelerator()
-
-
 @dataclass
 class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
     """TrainingArguments plus DeMo: ``--optim demo`` and one ``--demo_<name>`` per setting.
 
-    Every built-in ``--optim`` still works. On a machine without GPU, processes launched without the CPU
-    switch (``ACCELERATE_USE_CPU=1`` / ``--use_cpu true``) get ``use_cpu=True`` here, so they train together
-    (with world size N) instead of each alone.
+    Every built-in ``--optim`` still works. Before Trainer sets up the devices, :func:`hf_demo.launch.prepare_launch`
+    fixes two launch pitfalls: processes launched without the CPU switch on a machine without GPU get
+    ``use_cpu=True`` (they train together, world size N, instead of each alone), and workers restarted by
+    ``torchrun --max-restarts`` rendezvous on a fresh store prefix.
     """
 
     optim: OptimizerNames | str = field(
@@ -181,11 +157,7 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
     )
 
     def __post_init__(self):
-        if launched_on_cpu_without_switch(self):
-            logger.warning("hf_demo: %s processes launched on a machine without GPU: setting use_cpu=True so they "
-                           "train together over gloo (pass --use_cpu true or set ACCELERATE_USE_CPU=1 to say so)",
-                           os.environ.get("WORLD_SIZE"))
-            self.use_cpu = True
+        prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.launch)
         super().__post_init__()
         self._check_demo_arguments()
 
@@ -196,8 +168,7 @@ def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
     ``config_cls`` stays first in the bases, so its defaults (SFTConfig's bf16, learning rate, ...) hold.
     """
     def __post_init__(self):
-        if launched_on_cpu_without_switch(self):
-            self.use_cpu = True
+        prepare_launch(self)
         super(cls, self).__post_init__()
         self._check_demo_arguments()
 

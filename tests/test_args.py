@@ -104,15 +104,14 @@ def test_help_lists_demo_settings(capsys):
 
 
 def test_cpu_launch_without_the_switch_is_detected(monkeypatch):
-    from hf_demo.training_args import launched_on_cpu_without_switch
-    args = parse()
-    args.use_cpu = False
+    from hf_demo.launch import launched_on_cpu_without_switch
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert launched_on_cpu_without_switch(args) == (not torch.cuda.is_available())
+    assert launched_on_cpu_without_switch(False) == (not torch.cuda.is_available())
+    assert not launched_on_cpu_without_switch(True)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    assert not launched_on_cpu_without_switch(args)
+    assert not launched_on_cpu_without_switch(False)
 
 
 def test_trl_config_keeps_sftconfig_defaults():

@@ -1,8 +1,13 @@
 """DeMoTrainer for real: 2 processes through `accelerate launch --config_file accelerate_configs/...`."""
+import json
+import math
+import shutil
+
 import pytest
 import torch
-
 from launch_utils import ROOT, accelerate_launch, load_records
+
+from hf_demo.checkpoint import MANIFEST
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
 COMMON = ["--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--max_steps", "20",
@@ -33,7 +38,7 @@ def test_demo_trains_keeps_ranks_identical_and_local_gradients(straight):
 
 def test_communication_metrics_reach_tensorboard(straight):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tmp, (r0, _) = straight
+    tmp, _ = straight
     events = list((tmp / "straight" / "out" / "runs").rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     acc = EventAccumulator(str(events[0].parent))
@@ -62,7 +67,47 @@ def test_resume_with_another_number_of_processes_fails_clearly(straight):
     ckpt = tmp / "straight" / "out" / "checkpoint-10"
     proc = _train(tmp, "one", "--optim", "demo", "--resume_from_checkpoint", ckpt, num_processes=1, check=False)
     assert proc.returncode != 0
-    assert "DeMoStateError" in proc.stdout and "saved with 2 process(es) but this run has 1" in proc.stdout
+    assert "CheckpointError" in proc.stdout and "saved with 2 process(es) but this run has 1" in proc.stdout
+
+
+def test_checkpoints_carry_a_manifest_of_every_rank_file(straight):
+    tmp, _ = straight
+    manifest = json.loads((tmp / "straight" / "out" / "checkpoint-10" / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["global_step"] == 10
+    assert {"optimizer.pt", "optimizer.rank1.pt", "rng_state_0.pth", "rng_state_1.pth", "model.safetensors",
+            "scheduler.pt", "trainer_state.json"} <= set(manifest["files"])
+
+
+@pytest.mark.parametrize("damage", ["missing_rank1", "flipped_bytes"])
+def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
+    tmp, _ = straight
+    ckpt = tmp / f"damaged_{damage}"
+    shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
+    if damage == "missing_rank1":
+        (ckpt / "optimizer.rank1.pt").unlink()
+        expected = "optimizer.rank1.pt is missing"
+    else:
+        data = bytearray((ckpt / "optimizer.pt").read_bytes())
+        for i in range(50):                                   # 50 bytes inside the momentum tensors
+            data[len(data) // 2 + 13 * i] ^= 0x5A
+        (ckpt / "optimizer.pt").write_bytes(bytes(data))
+        expected = "optimizer.pt is corrupted"
+    proc = _train(tmp, f"from_{damage}", "--optim", "demo", "--resume_from_checkpoint", ckpt, check=False)
+    assert proc.returncode != 0
+    messages = [line for line in proc.stdout.splitlines() if "CheckpointError:" in line]
+    assert len(messages) == 2 and len({m.split("CheckpointError:", 1)[1] for m in messages}) == 1, messages
+    assert expected in messages[0]
+    assert "resume with 1 process" not in proc.stdout                 # no contradicting advice
+
+
+def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
+    tmp, (r0, _) = straight
+    proc = _train(tmp, "resettled", "--optim", "demo", "--demo_compression_topk", "16", "--demo_compression_chunk",
+                  "32", "--resume_from_checkpoint", tmp / "straight" / "out" / "checkpoint-10")
+    assert proc.stdout.count("resuming with settings that differ from the checkpoint's") == 2
+    assert "compression_topk: saved 32, requested 16" in proc.stdout
+    a, b = load_records(tmp / "resettled" / "rec", 2)
+    assert a["params"] == b["params"] != r0["params"] and a["global_step"] == 20
 
 
 def test_adamw_under_demo_trainer_is_plain_trainer(tmp_path):
@@ -81,7 +126,7 @@ def test_gradient_accumulation_bf16_checkpointing_and_clipping(tmp_path):
     r0, r1 = load_records(tmp_path / "mix" / "rec", 2)
     assert r0["params"] == r1["params"] and r0["first_grad"] != r1["first_grad"]
     losses = [row["loss"] for row in r0["log_history"] if "loss" in row]
-    assert all(l == l for l in losses) and losses[-1] < losses[0]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_custom_accelerate_loop_with_prepare(tmp_path):
