@@ -1,4 +1,5 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
+
 from .accelerate_utils import (
     DeMoSetupError,
     disable_gradient_allreduce,
@@ -22,9 +23,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without transfo
 
     def __getattr__(name):
         if name in ("DeMoTrainer", "DeMoTrainerMixin", "DeMoArguments", "DeMoTrainingArguments"):
-            raise ImportError(f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'") \
-                from _MISSING
+            raise ImportError(
+                f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'"
+            ) from _MISSING
         raise AttributeError(name)
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -7,6 +7,7 @@ A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo
 ``accelerator.prepare`` instead of ``hf_demo.prepare``) is stopped at DeMo's first step by
 :func:`check_local_gradients`, run from a step pre-hook that :func:`install_step_guard` registers.
 """
+
 from __future__ import annotations
 
 import gc
@@ -50,14 +51,20 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
         fsdp = fsdp or dt == DistributedType.FSDP
         fp16 = fp16 or accelerator.mixed_precision == "fp16"
     if deepspeed:
-        raise ValueError("DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
-                         "gradients itself. Use plain DDP (accelerate_configs/multi_gpu.yaml).")
+        raise ValueError(
+            "DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
+            "gradients itself. Use plain DDP (accelerate_configs/multi_gpu.yaml)."
+        )
     if fsdp:
-        raise ValueError("DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
-                         "momentum, FSDP shards them. Use plain DDP (accelerate_configs/multi_gpu.yaml).")
+        raise ValueError(
+            "DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
+            "momentum, FSDP shards them. Use plain DDP (accelerate_configs/multi_gpu.yaml)."
+        )
     if fp16:
-        raise ValueError("DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
-                         "to agree across ranks before DeMo's step. Use --bf16 (or fp32) instead.")
+        raise ValueError(
+            "DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
+            "to agree across ranks before DeMo's step. Use --bf16 (or fp32) instead."
+        )
 
 
 def prepare(accelerator, model, optimizer, *others):
@@ -81,8 +88,11 @@ def _allreducing_ddp(params) -> list[DistributedDataParallel]:
     ids = {id(p) for p in params}
     found = []
     for obj in gc.get_objects():
-        if (isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
-                and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))):
+        if (
+            isinstance(obj, DistributedDataParallel)
+            and any(id(p) in ids for p in obj.module.parameters())
+            and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))
+        ):
             found.append(obj)
     return found
 

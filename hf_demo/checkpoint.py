@@ -58,8 +58,10 @@ def write_manifest(folder: str, world_size: int, global_step: int | None = None)
         "format": FORMAT,
         "world_size": int(world_size),
         "global_step": global_step,
-        "files": {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
-                  for rel in _files(folder)},
+        "files": {
+            rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
+            for rel in _files(folder)
+        },
     }
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -80,7 +82,11 @@ def read_manifest(folder: str) -> dict | None:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {folder}: its manifest {MANIFEST} is unreadable ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not a manifest this hf_demo reads")
     return manifest
 
@@ -110,8 +116,9 @@ def verify_checkpoint(folder: str, world_size: int | None = None) -> dict:
         elif _sha256(path) != meta["sha256"]:
             problems.append(f"{rel} is corrupted (its SHA-256 differs from the manifest's)")
     if problems:
-        raise CheckpointError(f"checkpoint {folder} cannot be trusted: " + "; ".join(problems)
-                              + ". Resume from another checkpoint.")
+        raise CheckpointError(
+            f"checkpoint {folder} cannot be trusted: " + "; ".join(problems) + ". Resume from another checkpoint."
+        )
     saved = manifest["world_size"]
     if world_size is not None and saved != world_size:
         raise CheckpointError(
@@ -125,8 +132,11 @@ def checkpoints(output_dir: str) -> list[str]:
     """``checkpoint-<step>`` folders of ``output_dir``, oldest (lowest step) first."""
     if not os.path.isdir(output_dir):
         return []
-    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
-             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    found = [
+        (int(m.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     return [os.path.join(output_dir, name) for _, name in sorted(found)]
 
 
@@ -140,8 +150,11 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     for folder in reversed(checkpoints(output_dir)):
         if os.path.isfile(os.path.join(folder, MANIFEST)):
             if skipped:
-                warnings.warn(f"hf_demo: skipping incomplete checkpoint(s) {', '.join(skipped)} (no {MANIFEST}); "
-                              f"resuming from {folder}", stacklevel=2)
+                warnings.warn(
+                    f"hf_demo: skipping incomplete checkpoint(s) {', '.join(skipped)} (no {MANIFEST}); "
+                    f"resuming from {folder}",
+                    stacklevel=2,
+                )
             return folder
         skipped.append(os.path.basename(folder))
     return None

@@ -50,16 +50,26 @@ def init_after_elastic_restart(backend: str | None, timeout_s: float = 1800) -> 
     or when a group already exists. ``backend`` None: gloo without GPU, nccl with.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not dist.is_available() \
-            or dist.is_initialized():
+    if (
+        attempt == 0
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or not dist.is_available()
+        or dist.is_initialized()
+    ):
         return False
     timeout = datetime.timedelta(seconds=timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hf_demo/attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"hf_demo/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     logger.warning("hf_demo: restart %d of torchrun: process group initialised on a fresh store prefix", attempt)
     return True
 
@@ -67,9 +77,11 @@ def init_after_elastic_restart(backend: str | None, timeout_s: float = 1800) -> 
 def prepare_launch(args) -> None:
     """Both fixes for TrainingArguments ``args`` (in ``__post_init__``, before the devices are set up)."""
     if launched_on_cpu_without_switch(bool(args.use_cpu)):
-        logger.warning("hf_demo: %s processes launched on a machine without GPU: setting use_cpu=True so they "
-                       "train together over gloo (pass --use_cpu true or set ACCELERATE_USE_CPU=1 to say so)",
-                       os.environ.get("WORLD_SIZE"))
+        logger.warning(
+            "hf_demo: %s processes launched on a machine without GPU: setting use_cpu=True so they "
+            "train together over gloo (pass --use_cpu true or set ACCELERATE_USE_CPU=1 to say so)",
+            os.environ.get("WORLD_SIZE"),
+        )
         args.use_cpu = True
     backend = args.ddp_backend or ("gloo" if args.use_cpu or _env_true("ACCELERATE_USE_CPU") else None)
     init_after_elastic_restart(backend, args.ddp_timeout)

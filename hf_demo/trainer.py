@@ -69,8 +69,12 @@ class DeMoTrainerMixin:
         if self.uses_demo:
             if selects_demo(self.args.optim):
                 demo_settings(self.args)  # invalid settings fail now, not at the first step
-            check_supported(self.accelerator, fp16=bool(self.args.fp16), deepspeed=self.is_deepspeed_enabled,
-                            fsdp=self.is_fsdp_enabled)
+            check_supported(
+                self.accelerator,
+                fp16=bool(self.args.fp16),
+                deepspeed=self.is_deepspeed_enabled,
+                fsdp=self.is_fsdp_enabled,
+            )
 
     @property
     def uses_demo(self) -> bool:
@@ -101,8 +105,10 @@ class DeMoTrainerMixin:
 
             state = {}
             if "power_sgd" in hook:
-                state = {"matrix_approximation_rank": self.args.powersgd_rank,
-                         "start_powerSGD_iter": self.args.powersgd_start_iter}
+                state = {
+                    "matrix_approximation_rank": self.args.powersgd_rank,
+                    "start_powerSGD_iter": self.args.powersgd_start_iter,
+                }
             handlers = []
             for h in args.get("kwargs_handlers", []):
                 if isinstance(h, DistributedDataParallelKwargs):
@@ -143,8 +149,12 @@ class DeMoTrainerMixin:
             "demo/skipped_steps": float(opt.skipped_steps),
             "demo/resyncs": float(opt.resyncs),
         }
-        self._demo_last_log = {"steps": s.steps, "sent": s.total_bytes_sent, "received": s.total_bytes_received,
-                               "seconds": s.total_seconds}
+        self._demo_last_log = {
+            "steps": s.steps,
+            "sent": s.total_bytes_sent,
+            "received": s.total_bytes_received,
+            "seconds": s.total_seconds,
+        }
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -157,8 +167,12 @@ class DeMoTrainerMixin:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
             ckpt.verify_checkpoint(str(resume_from_checkpoint), self.args.world_size if self.uses_demo else None)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint or None,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.
@@ -178,8 +192,12 @@ class DeMoTrainerMixin:
             if limit:
                 from transformers.trainer_utils import rotate_checkpoints
 
-                rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                rotate_checkpoints(
+                    output_dir=self._get_output_dir(trial=trial),
+                    save_total_limit=limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    use_mtime=True,
+                )
         self._barrier()
 
     def _barrier(self) -> None:
@@ -200,8 +218,10 @@ class DeMoTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, rank_state_file(self.args.process_index))
         if not os.path.isfile(path):  # only without a manifest (verify_checkpoint catches it otherwise)
-            raise DeMoStateError(f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
-                                 f"({rank_state_file(self.args.process_index)})")
+            raise DeMoStateError(
+                f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
+                f"({rank_state_file(self.args.process_index)})"
+            )
         # DeMo.load_state_dict checks rank and world size, and keeps the requested settings (with a warning)
         opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)

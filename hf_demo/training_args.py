@@ -120,13 +120,29 @@ class _DeMoArgumentsMethods:
 
 
 _BASELINE_FIELDS = [
-    ("ddp_comm_hook", str, field(default="no", metadata={
-        "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
+    (
+        "ddp_comm_hook",
+        str,
+        field(
+            default="no",
+            metadata={
+                "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
                 "batched_power_sgd (Accelerate's DDPCommunicationHookType).",
-        "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"]})),
+                "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"],
+            },
+        ),
+    ),
     ("powersgd_rank", int, field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})),
-    ("powersgd_start_iter", int, field(default=2, metadata={
-        "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."})),
+    (
+        "powersgd_start_iter",
+        int,
+        field(
+            default=2,
+            metadata={
+                "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."
+            },
+        ),
+    ),
 ]
 
 DeMoArguments = dataclasses.make_dataclass(
@@ -152,8 +168,10 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
 
     optim: OptimizerNames | str = field(
         default=TrainingArguments.__dataclass_fields__["optim"].default,  # Trainer's own default
-        metadata={"help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
-                          f"({', '.join(o.value for o in OptimizerNames if o.value != DEMO)})."},
+        metadata={
+            "help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
+            f"({', '.join(o.value for o in OptimizerNames if o.value != DEMO)})."
+        },
     )
 
     def __post_init__(self):
@@ -167,15 +185,27 @@ def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
 
     ``config_cls`` stays first in the bases, so its defaults (SFTConfig's bf16, learning rate, ...) hold.
     """
+
     def __post_init__(self):
         prepare_launch(self)
         super(cls, self).__post_init__()
         self._check_demo_arguments()
 
-    cls = dataclasses.make_dataclass(name or f"DeMo{config_cls.__name__}", [], bases=(config_cls, DeMoArguments),
-                                     namespace={"__post_init__": __post_init__})
+    cls = dataclasses.make_dataclass(
+        name or f"DeMo{config_cls.__name__}",
+        [],
+        bases=(config_cls, DeMoArguments),
+        namespace={"__post_init__": __post_init__},
+    )
     return cls
 
 
-__all__ = ["DEMO", "DeMoArguments", "DeMoTrainingArguments", "demo_settings", "register_optimizer_name",
-           "selects_demo", "with_demo_arguments"]
+__all__ = [
+    "DEMO",
+    "DeMoArguments",
+    "DeMoTrainingArguments",
+    "demo_settings",
+    "register_optimizer_name",
+    "selects_demo",
+    "with_demo_arguments",
+]

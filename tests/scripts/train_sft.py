@@ -4,6 +4,7 @@
 --trainer plain: plain SFTTrainer given optimizers=(DeMo, None): DDP would average gradients; must fail loudly.
 Each rank writes <record_dir>/rank<r>.pt (world size, parameter and first-gradient checksums).
 """
+
 import hashlib
 import os
 import sys
@@ -52,20 +53,33 @@ def main():
     first = FirstGrad()
     first.model = model
     if script.trainer == "demo":
-        trainer = DeMoSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                                 callbacks=[first])
+        trainer = DeMoSFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[first]
+        )
     else:
         optimizer = hf_demo.create_optimizer(model, lr=args.learning_rate, compression_topk=8)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                             optimizers=(optimizer, None), callbacks=[first])
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            optimizers=(optimizer, None),
+            callbacks=[first],
+        )
     trainer.train()
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
-        torch.save({"world_size": dist.get_world_size(), "params": digest(trainer.model.parameters()),
-                    "first_grad": first.value, "global_step": trainer.state.global_step,
-                    "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
-                    "log_history": trainer.state.log_history},
-                   os.path.join(script.record_dir, f"rank{dist.get_rank()}.pt"))
+        torch.save(
+            {
+                "world_size": dist.get_world_size(),
+                "params": digest(trainer.model.parameters()),
+                "first_grad": first.value,
+                "global_step": trainer.state.global_step,
+                "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+                "log_history": trainer.state.log_history,
+            },
+            os.path.join(script.record_dir, f"rank{dist.get_rank()}.pt"),
+        )
     trainer.end()
 
 

@@ -3,6 +3,7 @@
 Each rank writes <record_dir>/rank<r>.pt: world size, parameter checksums, the first step's gradient
 checksum, the log history. Used by tests/test_trainer.py through `accelerate launch`.
 """
+
 import hashlib
 import os
 import signal
@@ -27,7 +28,9 @@ class ScriptArgs:
     samples: int = field(default=256)
     seq: int = field(default=64)
     gradient_checkpointing_on: bool = field(default=False)
-    arguments: str = field(default="demo", metadata={"help": "demo (DeMoTrainingArguments) or plain (TrainingArguments)"})
+    arguments: str = field(
+        default="demo", metadata={"help": "demo (DeMoTrainingArguments) or plain (TrainingArguments)"}
+    )
     kill_rank: int = field(default=-1, metadata={"help": "this rank SIGKILLs itself after the save at kill_at_step"})
     kill_at_step: int = field(default=0)
     resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
@@ -36,7 +39,7 @@ class ScriptArgs:
 def stdlib_blocks(n: int, seq: int) -> Dataset:
     text = b"".join(p.read_bytes() for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("a*.py")))
     ids = list(text[: n * seq])
-    blocks = [ids[i * seq:(i + 1) * seq] for i in range(n)]
+    blocks = [ids[i * seq : (i + 1) * seq] for i in range(n)]
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
@@ -57,8 +60,14 @@ class Recorder(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and state.global_step == self.script.kill_at_step and args.process_index == self.script.kill_rank:
-            print(f"rank {args.process_index}: killing myself after the step-{state.global_step} checkpoint", flush=True)
+        if (
+            first_attempt
+            and state.global_step == self.script.kill_at_step
+            and args.process_index == self.script.kill_rank
+        ):
+            print(
+                f"rank {args.process_index}: killing myself after the step-{state.global_step} checkpoint", flush=True
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -71,19 +80,33 @@ def main():
     parser = HfArgumentParser((ScriptArgs, hf_demo.DeMoTrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
     TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
-    if script.trainer != "demo" or script.arguments == "plain":   # a plain script: plain TrainingArguments
-        args = TrainingArguments(**{k: v for k, v in vars(args).items() if not k.startswith("demo_")
-                                    and k in TrainingArguments.__dataclass_fields__
-                                    and TrainingArguments.__dataclass_fields__[k].init})
+    if script.trainer != "demo" or script.arguments == "plain":  # a plain script: plain TrainingArguments
+        args = TrainingArguments(
+            **{
+                k: v
+                for k, v in vars(args).items()
+                if not k.startswith("demo_")
+                and k in TrainingArguments.__dataclass_fields__
+                and TrainingArguments.__dataclass_fields__[k].init
+            }
+        )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=script.seq)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=script.seq,
+    )
     model = LlamaForCausalLM(config)
     if script.gradient_checkpointing_on:
         args.gradient_checkpointing = True
     recorder = Recorder(script)
-    trainer = TrainerClass(model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq),
-                           callbacks=[recorder])
+    trainer = TrainerClass(
+        model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq), callbacks=[recorder]
+    )
     recorder.trainer = trainer
     resume = args.resume_from_checkpoint
     if script.resume_last:
@@ -93,14 +116,17 @@ def main():
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save({
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "params": digest(trainer.model.parameters()),
-            "first_grad": recorder.first_grad,
-            "log_history": trainer.state.log_history,
-            "global_step": trainer.state.global_step,
-            "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
-        }, os.path.join(script.record_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "params": digest(trainer.model.parameters()),
+                "first_grad": recorder.first_grad,
+                "log_history": trainer.state.log_history,
+                "global_step": trainer.state.global_step,
+                "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+            },
+            os.path.join(script.record_dir, f"rank{rank}.pt"),
+        )
 
 
 if __name__ == "__main__":
