@@ -166,13 +166,35 @@ class DeMoTrainerMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
-            ckpt.verify_checkpoint(str(resume_from_checkpoint), self.args.world_size if self.uses_demo else None)
+            self._verify_checkpoint(str(resume_from_checkpoint))
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint or None,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
         )
+
+    def _verify_checkpoint(self, folder: str) -> None:
+        """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
+        try:
+            ckpt.verify_checkpoint(folder, self.args.world_size if self.uses_demo else None)
+            problem = None
+        except ckpt.CheckpointError as exc:
+            problem = str(exc)
+        problems = [problem]
+        if _distributed() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        failed = [(rank, p) for rank, p in enumerate(problems) if p]
+        if not failed:
+            return
+        message = failed[0][1]
+        if len(failed) < len(problems) or any(p != message for _, p in failed):
+            message = (
+                f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
+                "problems: do all processes see the same checkpoint folder?)"
+            )
+        raise ckpt.CheckpointError(message)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.

@@ -14,44 +14,14 @@ from launch_utils import ROOT, accelerate_launch, load_records
 pytestmark = pytest.mark.launch
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
-SHORT = [
-    "--optim",
-    "demo",
-    "--max_steps",
-    "3",
-    "--per_device_train_batch_size",
-    "4",
-    "--samples",
-    "32",
-    "--report_to",
-    "none",
-    "--save_strategy",
-    "no",
-    "--disable_tqdm",
-    "true",
-    "--use_cpu",
-    "true",
-]
-COMMON = [
-    "--per_device_train_batch_size",
-    "8",
-    "--learning_rate",
-    "3e-3",
-    "--max_steps",
-    "20",
-    "--save_steps",
-    "10",
-    "--seed",
-    "1",
-    "--disable_tqdm",
-    "true",
-    "--report_to",
-    "none",
-    "--use_cpu",
-    "true",
-    "--optim",
-    "demo",
-]
+SHORT = (
+    "--optim demo --max_steps 3 --per_device_train_batch_size 4 --samples 32 --report_to none --save_strategy no "
+    "--disable_tqdm true --use_cpu true"
+).split()
+COMMON = (
+    "--per_device_train_batch_size 8 --learning_rate 3e-3 --max_steps 20 --save_steps 10 --seed 1 --disable_tqdm true "
+    "--report_to none --use_cpu true --optim demo"
+).split()
 
 
 @pytest.mark.slow
@@ -98,28 +68,11 @@ def test_trl_sft_trainer(tmp_path, tiny_llama_dir):
     """DeMoSFTTrainer trains with local gradients; plain SFTTrainer with optimizers=(DeMo, None) stops loudly."""
     pytest.importorskip("trl")
     script = ROOT / "tests" / "scripts" / "train_sft.py"
-    sft = [
-        "--model_dir",
-        tiny_llama_dir,
-        "--max_steps",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_length",
-        "32",
-        "--logging_steps",
-        "2",
-        "--report_to",
-        "none",
-        "--use_cpu",
-        "true",
-        "--save_strategy",
-        "no",
-        "--disable_tqdm",
-        "true",
-        "--learning_rate",
-        "1e-3",
-    ]
+    sft = (
+        "--max_steps 4 --per_device_train_batch_size 4 --max_length 32 --logging_steps 2 --report_to none "
+        "--use_cpu true --save_strategy no --disable_tqdm true --learning_rate 1e-3 --eos_token [SEP]"
+    ).split()
+    sft += ["--model_dir", tiny_llama_dir]
     accelerate_launch(
         script,
         "--trainer",
