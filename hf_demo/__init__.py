@@ -11,7 +11,7 @@ from .comm import CommStats
 from .errors import DeMoError, DeMoNonFiniteError, DeMoStateError, DeMoSyncError
 from .optimizer import DeMo
 from .settings import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
-from .shutdown import shutdown
+from .teardown import shutdown
 
 install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .errors import DeMoError
 from .optimizer import DeMo
-from .shutdown import install_exit_handler
+from .teardown import install_exit_handler
 
 
 def unwrap_optimizer(optimizer):

@@ -6,7 +6,7 @@ all-reducing gradients (a no-op comm hook, registered before the first backward)
 every rank's own optimizer state with each checkpoint, (4) logs the communication figures, and (5) refuses
 set-ups that cannot work. With any optimizer it also writes a manifest into each checkpoint and checks it
 on resume (:mod:`hf_demo.checkpoint`), stops when the launcher started more processes than Trainer sees,
-and tears the process group down at exit (:mod:`hf_demo.shutdown`). With another optimizer it is Trainer.
+and tears the process group down at exit (:mod:`hf_demo.teardown`). With another optimizer it is Trainer.
 
 ``DeMoTrainerMixin`` brings the same to any Trainer subclass: put it first,
 ``class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer)`` (ready-made in :mod:`hf_demo.trl`).
@@ -38,7 +38,7 @@ from .accelerate_utils import (
 from .errors import DeMoStateError
 from .optimizer import DeMo
 from .settings import optimizer_cls_and_kwargs
-from .shutdown import install_exit_handler
+from .teardown import install_exit_handler
 from .training_args import demo_settings, selects_demo
 
 

@@ -14,10 +14,11 @@ from launch_utils import ROOT, accelerate_launch, load_records
 pytestmark = pytest.mark.launch
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
-SHORT = (
+NO_SWITCH = (
     "--optim demo --max_steps 3 --per_device_train_batch_size 4 --samples 32 --report_to none --save_strategy no "
-    "--disable_tqdm true --use_cpu true"
+    "--disable_tqdm true"
 ).split()
+SHORT = [*NO_SWITCH, "--use_cpu", "true"]
 COMMON = (
     "--per_device_train_batch_size 8 --learning_rate 3e-3 --max_steps 20 --save_steps 10 --seed 1 --disable_tqdm true "
     "--report_to none --use_cpu true --optim demo"
@@ -43,7 +44,7 @@ def test_twenty_launches_under_load_exit_cleanly(tmp_path):
 
 def test_cpu_launch_without_the_switch_trains_with_world_size_2(tmp_path):
     """No ACCELERATE_USE_CPU, no --use_cpu: DeMoTrainingArguments sees the CPU-only machine (issue 9, item 2)."""
-    args = [a for a in SHORT if a not in ("--use_cpu", "true")]
+    args = NO_SWITCH
     proc = accelerate_launch(
         SCRIPT, "--output_dir", tmp_path / "out", "--record_dir", tmp_path / "rec", *args, cpu_switch=False
     )
@@ -54,7 +55,7 @@ def test_cpu_launch_without_the_switch_trains_with_world_size_2(tmp_path):
 
 def test_cpu_launch_without_the_switch_stops_with_plain_arguments(tmp_path):
     """Plain TrainingArguments cannot be fixed afterwards: DeMoTrainer stops at start-up naming the fix."""
-    args = [a for a in SHORT if a not in ("--use_cpu", "true")]
+    args = NO_SWITCH
     proc = accelerate_launch(
         SCRIPT, "--output_dir", tmp_path / "out", "--arguments", "plain", *args, cpu_switch=False, check=False
     )
