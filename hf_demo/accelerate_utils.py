@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .errors import DeMoError
 from .optimizer import DeMo
-from .teardown import install_exit_handler
+from .teardown import install_exit_handler, track
 
 
 def unwrap_optimizer(optimizer):
@@ -121,6 +121,7 @@ def _first_step(optimizer, args, kwargs) -> None:
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         install_exit_handler()
+        track(optimizer)
         check_local_gradients(optimizer)
     optimizer._hf_demo_checked = True
 

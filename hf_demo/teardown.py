@@ -7,10 +7,11 @@ without an active exception`` (SIGABRT) and the launcher reports failure althoug
 * :func:`shutdown` is for entry points: call it (or ``trainer.end()``) at the very end of a script.
 * :func:`install_exit_handler` registers an ``atexit`` handler that does the same for users who forget.
   ``DeMoTrainer`` installs it at construction, and DeMo at its first step in a multi-process run. It only
-  acts when that is safe: the group is initialised and not destroyed yet, and the interpreter is not
-  exiting on an uncaught exception (a peer may then still be inside a collective with us; the launcher
-  ends the job anyway). ``atexit`` runs before the interpreter finalises, and after everything the
-  script did, so ``evaluate()`` after ``train()`` keeps working.
+  acts when that is safe: the group is initialised and not destroyed yet, no DeMo has an exchange in
+  flight (``overlap=True`` without a final ``flush()``), and the interpreter is not exiting on an uncaught
+  exception (a peer may then still be inside a collective with us; the launcher ends the job anyway).
+  ``atexit`` runs before the interpreter finalises, and after everything the script did, so ``evaluate()``
+  after ``train()`` keeps working (``DeMoTrainer`` does not tear down at the end of ``train()`` for that).
 """
 
 from __future__ import annotations
@@ -18,12 +19,24 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import weakref
 
 import torch.distributed as dist
 
 _installed = False
 _uncaught = False
 _lock = threading.Lock()
+_optimizers: weakref.WeakSet = weakref.WeakSet()  # DeMo instances that communicated
+
+
+def track(optimizer) -> None:
+    """Remember a DeMo that communicates, so the exit handler can see an exchange still in flight."""
+    _optimizers.add(optimizer)
+
+
+def _in_flight() -> bool:
+    # DeMo keeps the exchange an overlapped step started in ``_pending`` until the next step or flush()
+    return any(getattr(opt, "_pending", None) is not None for opt in list(_optimizers))
 
 
 def shutdown() -> bool:
@@ -41,6 +54,13 @@ def shutdown() -> bool:
 
 def _at_exit() -> None:
     if _uncaught:  # exiting on an error: a peer may still wait in a collective, don't touch the group
+        return
+    if _in_flight():
+        print(
+            "hf_demo: a DeMo exchange is still in flight at exit (overlap=True: call optimizer.flush() after "
+            "the last step); the process group is left as it is",
+            file=sys.stderr,
+        )
         return
     try:
         shutdown()

@@ -167,12 +167,16 @@ class DeMoTrainerMixin:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
             self._verify_checkpoint(str(resume_from_checkpoint))
-        return super().train(
+        output = super().train(
             resume_from_checkpoint=resume_from_checkpoint or None,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
         )
+        opt = unwrap_optimizer(self.optimizer)
+        if opt is not None and hasattr(opt, "flush"):
+            opt.flush()  # overlap=True: the last step's exchange lands before evaluate/save_model
+        return output
 
     def _verify_checkpoint(self, folder: str) -> None:
         """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
