@@ -76,20 +76,15 @@ class Recorder(TrainerCallback):
             control.should_training_stop = True
 
 
+def _flag(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv[:-1] else None
+
+
 def main():
-    parser = HfArgumentParser((ScriptArgs, hf_demo.DeMoTrainingArguments))
+    plain = "plain" in (_flag("--trainer"), _flag("--arguments"))  # a plain script: plain TrainingArguments
+    parser = HfArgumentParser((ScriptArgs, TrainingArguments if plain else hf_demo.DeMoTrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
     TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
-    if script.trainer != "demo" or script.arguments == "plain":  # a plain script: plain TrainingArguments
-        args = TrainingArguments(
-            **{
-                k: v
-                for k, v in vars(args).items()
-                if not k.startswith("demo_")
-                and k in TrainingArguments.__dataclass_fields__
-                and TrainingArguments.__dataclass_fields__[k].init
-            }
-        )
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=256,
