@@ -53,12 +53,12 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
     if deepspeed:
         raise ValueError(
             "DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
-            "gradients itself. Use plain DDP (accelerate_configs/multi_gpu.yaml)."
+            "gradients itself. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
         )
     if fsdp:
         raise ValueError(
             "DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
-            "momentum, FSDP shards them. Use plain DDP (accelerate_configs/multi_gpu.yaml)."
+            "momentum, FSDP shards them. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
         )
     if fp16:
         raise ValueError(
