@@ -1,23 +1,52 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
+
+from .accelerate_utils import (
+    DeMoSetupError,
+    disable_gradient_allreduce,
+    install_step_guard,
+    prepare,
+)
+from .checkpoint import last_complete_checkpoint
 from .comm import CommStats
 from .errors import DeMoError, DeMoNonFiniteError, DeMoStateError, DeMoSyncError
 from .optimizer import DeMo
 from .settings import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
+from .teardown import shutdown
+
+install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 
 try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
-    from .accelerate_utils import disable_gradient_allreduce, prepare
-    from .trainer import DeMoTrainer
-    from .training_args import DeMoTrainingArguments
+    from .trainer import DeMoTrainer, DeMoTrainerMixin
+    from .training_args import DeMoArguments, DeMoTrainingArguments
 except ImportError as _exc:  # pragma: no cover - exercised only without transformers
     _MISSING = _exc
 
     def __getattr__(name):
-        if name in ("DeMoTrainer", "DeMoTrainingArguments", "prepare", "disable_gradient_allreduce"):
-            raise ImportError(f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'") \
-                from _MISSING
+        if name in ("DeMoTrainer", "DeMoTrainerMixin", "DeMoArguments", "DeMoTrainingArguments"):
+            raise ImportError(
+                f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'"
+            ) from _MISSING
         raise AttributeError(name)
 
+
 __version__ = "0.1.0"
-__all__ = ["DeMo", "CommStats", "DeMoError", "DeMoSyncError", "DeMoNonFiniteError", "DeMoStateError",
-           "create_optimizer", "optimizer_cls_and_kwargs", "parse_optim_args", "prepare",
-           "disable_gradient_allreduce", "DeMoTrainer", "DeMoTrainingArguments"]
+__all__ = [
+    "CommStats",
+    "DeMo",
+    "DeMoArguments",
+    "DeMoError",
+    "DeMoNonFiniteError",
+    "DeMoSetupError",
+    "DeMoStateError",
+    "DeMoSyncError",
+    "DeMoTrainer",
+    "DeMoTrainerMixin",
+    "DeMoTrainingArguments",
+    "create_optimizer",
+    "disable_gradient_allreduce",
+    "last_complete_checkpoint",
+    "optimizer_cls_and_kwargs",
+    "parse_optim_args",
+    "prepare",
+    "shutdown",
+]

@@ -2,14 +2,23 @@
 
 ``prepare(accelerator, model, optimizer)`` is the one call a custom Accelerate loop makes; DeMoTrainer
 does the same through :func:`disable_gradient_allreduce` and :func:`check_supported`.
+
+A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo(...), None)``, or
+``accelerator.prepare`` instead of ``hf_demo.prepare``) is stopped at DeMo's first step by
+:func:`check_local_gradients`, run from a step pre-hook that :func:`install_step_guard` registers.
 """
+
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from .errors import DeMoError
 from .optimizer import DeMo
+from .teardown import install_exit_handler, track
 
 
 def unwrap_optimizer(optimizer):
@@ -42,14 +51,20 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
         fsdp = fsdp or dt == DistributedType.FSDP
         fp16 = fp16 or accelerator.mixed_precision == "fp16"
     if deepspeed:
-        raise ValueError("DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
-                         "gradients itself. Use plain DDP (accelerate_configs/multi_gpu.yaml).")
+        raise ValueError(
+            "DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
+            "gradients itself. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
+        )
     if fsdp:
-        raise ValueError("DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
-                         "momentum, FSDP shards them. Use plain DDP (accelerate_configs/multi_gpu.yaml).")
+        raise ValueError(
+            "DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
+            "momentum, FSDP shards them. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
+        )
     if fp16:
-        raise ValueError("DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
-                         "to agree across ranks before DeMo's step. Use --bf16 (or fp32) instead.")
+        raise ValueError(
+            "DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
+            "to agree across ranks before DeMo's step. Use --bf16 (or fp32) instead."
+        )
 
 
 def prepare(accelerator, model, optimizer, *others):
@@ -60,4 +75,67 @@ def prepare(accelerator, model, optimizer, *others):
     check_supported(accelerator)
     prepared = accelerator.prepare(model, optimizer, *others)
     disable_gradient_allreduce(prepared[0])
+    install_exit_handler()
     return prepared
+
+
+class DeMoSetupError(DeMoError, ValueError):
+    """DeMo runs in a set-up that would silently train something else (e.g. DDP still averages gradients)."""
+
+
+def _allreducing_ddp(params) -> list[DistributedDataParallel]:
+    """DDP wrappers that hold any of ``params`` and still all-reduce gradients (no no-op comm hook)."""
+    ids = {id(p) for p in params}
+    found = []
+    for obj in gc.get_objects():
+        if (
+            isinstance(obj, DistributedDataParallel)
+            and any(id(p) in ids for p in obj.module.parameters())
+            and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))
+        ):
+            found.append(obj)
+    return found
+
+
+def check_local_gradients(optimizer: DeMo) -> None:
+    """Raise :class:`DeMoSetupError` when DDP all-reduces the gradients of DeMo's parameters.
+
+    DeMo needs each rank's own gradient; DDP's mean would make every rank's momentum the same and DeMo's
+    exchange redundant: a different, silently slower optimizer. Every rank holds the same wrapper, so every
+    rank raises the same error, before any state changed.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _allreducing_ddp(params):
+        raise DeMoSetupError(
+            "DeMo's parameters are inside a DistributedDataParallel model that still all-reduces gradients "
+            "(a plain Trainer/SFTTrainer given optimizers=(DeMo, ...), or accelerator.prepare without hf_demo): "
+            "every rank would step on the averaged gradient. Use hf_demo.DeMoTrainer (--optim demo), a trainer "
+            "class with hf_demo.DeMoTrainerMixin first (hf_demo.trl.DeMoSFTTrainer for TRL), "
+            "hf_demo.prepare(accelerator, model, optimizer) in a custom loop, or call "
+            "hf_demo.disable_gradient_allreduce(ddp_model) before the first backward."
+        )
+
+
+def _first_step(optimizer, args, kwargs) -> None:
+    if not isinstance(optimizer, DeMo) or getattr(optimizer, "_hf_demo_checked", False):
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        install_exit_handler()
+        track(optimizer)
+        check_local_gradients(optimizer)
+    optimizer._hf_demo_checked = True
+
+
+_guard = None
+
+
+def install_step_guard() -> None:
+    """Register (once) a global optimizer step pre-hook that runs the checks above at DeMo's first step.
+
+    Other optimizers pay one ``isinstance`` per step; a DeMo pays one scan of the live objects, once.
+    """
+    global _guard
+    if _guard is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _guard = register_optimizer_step_pre_hook(_first_step)

@@ -1,13 +1,13 @@
 """DeMo's user-facing settings: names, defaults, parsing of ``--optim_args`` strings, the factory."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
 
-from .optimizer import DeMo
-
 from .config import DeMoSettings
+from .optimizer import DeMo
 
 # key -> (type, default, help): derived from DeMoSettings, the one source of truth.
 SETTINGS: dict[str, tuple[type, object, str]] = {
@@ -59,8 +59,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (no_decay if any(pat in name.lower() for pat in NO_DECAY_PATTERNS) else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
@@ -71,10 +74,12 @@ def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **sett
     return DeMo, {"lr": lr, "weight_decay": weight_decay, **settings}
 
 
-def create_optimizer(model_or_params: torch.nn.Module | Iterable, lr: float = 1e-3, weight_decay: float = 0.0,
-                     **settings) -> DeMo:
+def create_optimizer(
+    model_or_params: torch.nn.Module | Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **settings
+) -> DeMo:
     """Build a DeMo optimizer for a model (decay/no-decay groups as Trainer makes them) or parameters."""
     cls, kwargs = optimizer_cls_and_kwargs(lr=lr, weight_decay=weight_decay, **settings)
-    params = param_groups(model_or_params, weight_decay) if isinstance(model_or_params, torch.nn.Module) \
-        else model_or_params
+    params = (
+        param_groups(model_or_params, weight_decay) if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    )
     return cls(params, **kwargs)

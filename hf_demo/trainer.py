@@ -1,27 +1,45 @@
-"""``DeMoTrainer``: transformers.Trainer that trains with DeMo when asked to.
+"""``DeMoTrainer``: transformers.Trainer that trains with DeMo when asked to; ``DeMoTrainerMixin`` for others.
 
-With DeMo it (1) stops DDP from all-reducing gradients (a no-op comm hook, registered before the first
-backward), (2) saves and restores every rank's own optimizer state with each checkpoint, (3) logs the
-communication figures, and (4) refuses set-ups that cannot work. With any other optimizer it is Trainer.
+With DeMo it (1) builds the optimizer through Trainer's own extension point
+(``get_optimizer_cls_and_kwargs``) from ``--optim demo`` and DeMo's settings, (2) stops DDP from
+all-reducing gradients (a no-op comm hook, registered before the first backward), (3) saves and restores
+every rank's own optimizer state with each checkpoint, (4) logs the communication figures, and (5) refuses
+set-ups that cannot work. With any optimizer it also writes a manifest into each checkpoint and checks it
+on resume (:mod:`hf_demo.checkpoint`), stops when the launcher started more processes than Trainer sees,
+and tears the process group down at exit (:mod:`hf_demo.teardown`). With another optimizer it is Trainer.
+
+``DeMoTrainerMixin`` brings the same to any Trainer subclass: put it first,
+``class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer)`` (ready-made in :mod:`hf_demo.trl`).
 
 Gradient clipping (``max_grad_norm``) acts on each rank's local gradient before it enters that rank's
 momentum. With ``average_tokens_across_devices`` Trainer scales each rank's loss by the world size over the
 global token count: each rank's gradient is then exactly the term DDP would have averaged, so DeMo's
 momentum sees the same per-rank gradient as DDP's mean would be built from.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # rank 0's state goes in Trainer's own file
+from transformers.trainer import (  # rank 0's state goes in Trainer's own file
+    OPTIMIZER_NAME,
+    SCHEDULER_NAME,
+)
 
-from .accelerate_utils import check_supported, disable_gradient_allreduce, unwrap_optimizer
+from . import checkpoint as ckpt
+from .accelerate_utils import (
+    check_supported,
+    disable_gradient_allreduce,
+    unwrap_optimizer,
+)
 from .errors import DeMoStateError
 from .optimizer import DeMo
 from .settings import optimizer_cls_and_kwargs
-
+from .teardown import install_exit_handler
+from .training_args import demo_settings, selects_demo
 
 
 def rank_state_file(rank: int) -> str:
@@ -29,36 +47,68 @@ def rank_state_file(rank: int) -> str:
     return OPTIMIZER_NAME if rank == 0 else f"optimizer.rank{rank}.pt"
 
 
-class DeMoTrainer(Trainer):
-    """Drop-in for ``transformers.Trainer`` (same constructor) that knows DeMo."""
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class DeMoTrainerMixin:
+    """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._demo_last_log = None
+        if _distributed() and dist.get_world_size() != self.args.world_size:
+            raise ValueError(
+                f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
+                f"{self.args.world_size}: each process would train alone on the same batches. On a machine without "
+                "GPU, launch with ACCELERATE_USE_CPU=1 or pass --use_cpu true (use_cpu=True in the arguments); "
+                "`use_cpu: true` in an accelerate config file is not passed on."
+            )
+        if _distributed():
+            install_exit_handler()
         if self.uses_demo:
-            check_supported(self.accelerator, fp16=bool(self.args.fp16), deepspeed=self.is_deepspeed_enabled,
-                            fsdp=self.is_fsdp_enabled)
+            if selects_demo(self.args.optim):
+                demo_settings(self.args)  # invalid settings fail now, not at the first step
+            check_supported(
+                self.accelerator,
+                fp16=bool(self.args.fp16),
+                deepspeed=self.is_deepspeed_enabled,
+                fsdp=self.is_fsdp_enabled,
+            )
 
     @property
     def uses_demo(self) -> bool:
-        if unwrap_optimizer(self.optimizer) is not None:
-            return True
+        """Whether this trainer's optimizer is (or will be) DeMo: built, given as a class, or ``--optim demo``."""
+        if self.optimizer is not None:
+            return unwrap_optimizer(self.optimizer) is not None
         if self.optimizer_cls_and_kwargs is not None:
             cls = self.optimizer_cls_and_kwargs[0]
             return isinstance(cls, type) and issubclass(cls, DeMo)
-        return str(self.args.optim) == "demo"
+        return selects_demo(self.args.optim)
+
+    @classmethod
+    def get_optimizer_cls_and_kwargs(cls, args, model=None):
+        """``(DeMo, kwargs)`` for ``--optim demo``; Trainer's own answer for every other optimizer."""
+        if selects_demo(args.optim):
+            return optimizer_cls_and_kwargs(lr=args.learning_rate, **demo_settings(args))
+        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """Trainer's accelerator arguments, plus the DDP comm hook of ``--ddp_comm_hook`` (baselines)."""
         args = super()._build_accelerator_args(**kwargs)
         hook = getattr(self.args, "ddp_comm_hook", "no")
         if hook != "no":
-            from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+            from accelerate.utils import (
+                DDPCommunicationHookType,
+                DistributedDataParallelKwargs,
+            )
 
             state = {}
             if "power_sgd" in hook:
-                state = {"matrix_approximation_rank": self.args.powersgd_rank,
-                         "start_powerSGD_iter": self.args.powersgd_start_iter}
+                state = {
+                    "matrix_approximation_rank": self.args.powersgd_rank,
+                    "start_powerSGD_iter": self.args.powersgd_start_iter,
+                }
             handlers = []
             for h in args.get("kwargs_handlers", []):
                 if isinstance(h, DistributedDataParallelKwargs):
@@ -68,28 +118,17 @@ class DeMoTrainer(Trainer):
             args["kwargs_handlers"] = handlers
         return args
 
-    # ------------------------------------------------------------------ optimizer
-    def create_optimizer(self, model=None):
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and str(self.args.optim) == "demo":
-            settings = self.args.demo_settings() if hasattr(self.args, "demo_settings") else {}
-            self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs(lr=self.args.learning_rate, **settings)
-            try:
-                return super().create_optimizer(model)
-            finally:
-                self.optimizer_cls_and_kwargs = None
-        return super().create_optimizer(model)
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
-            disable_gradient_allreduce(model)   # before the first backward; once
+            disable_gradient_allreduce(model)  # before the first backward; once
         return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict, start_time: float | None = None) -> None:
         opt = unwrap_optimizer(self.optimizer)
-        if opt is not None and "loss" in logs:                   # a training log row
+        if opt is not None and "loss" in logs:  # a training log row
             logs.update(self._demo_metrics(opt))
-        elif opt is not None and "train_loss" in logs:           # the end-of-training summary: totals only
+        elif opt is not None and "train_loss" in logs:  # the end-of-training summary: totals only
             logs.update({k: v for k, v in self._demo_metrics(opt).items() if "total" in k or "skipped" in k})
         super().log(logs, start_time)
 
@@ -108,14 +147,91 @@ class DeMoTrainer(Trainer):
             "demo/dense_allreduce_bytes_per_step": float(s.dense_bytes),
             "demo/ratio_to_dense": sent / s.dense_bytes if s.dense_bytes else 0.0,
             "demo/skipped_steps": float(opt.skipped_steps),
+            "demo/resyncs": float(opt.resyncs),
         }
-        self._demo_last_log = {"steps": s.steps, "sent": s.total_bytes_sent, "received": s.total_bytes_received,
-                               "seconds": s.total_seconds}
+        self._demo_last_log = {
+            "steps": s.steps,
+            "sent": s.total_bytes_sent,
+            "received": s.total_bytes_received,
+            "seconds": s.total_seconds,
+        }
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Trainer's ``train``; ``resume_from_checkpoint=True`` takes the last *complete* checkpoint, and the
+        checkpoint is checked against its manifest on every rank before anything is loaded."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = ckpt.last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            self._verify_checkpoint(str(resume_from_checkpoint))
+        output = super().train(
+            resume_from_checkpoint=resume_from_checkpoint or None,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
+        opt = unwrap_optimizer(self.optimizer)
+        if opt is not None and hasattr(opt, "flush"):
+            opt.flush()  # overlap=True: the last step's exchange lands before evaluate/save_model
+        return output
+
+    def _verify_checkpoint(self, folder: str) -> None:
+        """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
+        try:
+            ckpt.verify_checkpoint(folder, self.args.world_size if self.uses_demo else None)
+            problem = None
+        except ckpt.CheckpointError as exc:
+            problem = str(exc)
+        problems = [problem]
+        if _distributed() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        failed = [(rank, p) for rank, p in enumerate(problems) if p]
+        if not failed:
+            return
+        message = failed[0][1]
+        if len(failed) < len(problems) or any(p != message for _, p in failed):
+            message = (
+                f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
+                "problems: do all processes see the same checkpoint folder?)"
+            )
+        raise ckpt.CheckpointError(message)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.
+
+        Old checkpoints are deleted only once the new one is complete (Trainer rotates before that).
+        """
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # Trainer's rotation waits until the manifest is written
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        self._barrier()
+        if self.args.should_save:
+            ckpt.write_manifest(folder, self.args.world_size, self.state.global_step)
+            if limit:
+                from transformers.trainer_utils import rotate_checkpoints
+
+                rotate_checkpoints(
+                    output_dir=self._get_output_dir(trial=trial),
+                    save_total_limit=limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    use_mtime=True,
+                )
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)   # rank 0: optimizer.pt (its own state), scheduler
+        super()._save_optimizer_and_scheduler(output_dir)  # rank 0: optimizer.pt (its own state), scheduler
         opt = unwrap_optimizer(self.optimizer)
         rank = self.args.process_index
         if opt is not None and rank > 0:
@@ -126,14 +242,18 @@ class DeMoTrainer(Trainer):
         opt = unwrap_optimizer(self.optimizer)
         if opt is None or checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        rank, world = self.args.process_index, self.args.world_size
-        path = os.path.join(checkpoint, rank_state_file(rank))
-        if not os.path.isfile(path):
-            saved = 1 + sum(1 for f in os.listdir(checkpoint) if f.startswith("optimizer.rank"))
-            raise DeMoStateError(f"{checkpoint} holds DeMo optimizer state for {saved} process(es) but this run "
-                                 f"has {world}: rank {rank} has no state to resume. Each rank's momentum is its "
-                                 f"own; resume with {saved} processes.")
+        path = os.path.join(checkpoint, rank_state_file(self.args.process_index))
+        if not os.path.isfile(path):  # only without a manifest (verify_checkpoint catches it otherwise)
+            raise DeMoStateError(
+                f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
+                f"({rank_state_file(self.args.process_index)})"
+            )
+        # DeMo.load_state_dict checks rank and world size, and keeps the requested settings (with a warning)
         opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+class DeMoTrainer(DeMoTrainerMixin, Trainer):
+    """Drop-in for ``transformers.Trainer`` (same constructor) that knows DeMo."""

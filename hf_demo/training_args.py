@@ -1,69 +1,211 @@
-"""``DeMoTrainingArguments``: TrainingArguments that also accept ``--optim demo`` and DeMo's settings."""
+"""``--optim demo`` and DeMo's settings as training arguments, generated from :class:`hf_demo.config.DeMoSettings`.
+
+* ``"demo"`` is registered as a value of transformers' ``OptimizerNames`` (:func:`register_optimizer_name`,
+  done on import), so ``TrainingArguments(optim="demo")``, ``SFTConfig(optim="demo")`` and ``--optim demo``
+  all parse and validate like any other optimizer, and ``args.optim`` is ``"demo"`` from start to end.
+  Only a DeMo-aware trainer (:class:`hf_demo.DeMoTrainer`, or any trainer class with
+  :class:`hf_demo.DeMoTrainerMixin`) builds DeMo from it, through Trainer's own extension point
+  ``get_optimizer_cls_and_kwargs``; a plain Trainer refuses it at start-up (it would all-reduce gradients).
+* :class:`DeMoArguments` holds one optional ``demo_<name>`` field per DeMo setting, generated from
+  ``DeMoSettings.describe()`` (type, help, choices), so ``--help`` shows every setting and a setting added
+  to ``DeMoSettings`` appears here without an edit. Combine it with any TrainingArguments subclass, the
+  subclass first (its defaults must win): ``class MyConfig(SFTConfig, DeMoArguments)``.
+* :class:`DeMoTrainingArguments` is ``TrainingArguments`` + :class:`DeMoArguments`.
+
+Where a setting's value comes from, lowest to highest: ``DeMoSettings``'s default, (a preset, later), a
+``--demo_<name>`` given on the command line, ``--optim_args "name=value,..."``.
+"""
+
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .settings import SETTINGS, parse_optim_args  # noqa: F401
+from .config import DeMoSettings
+from .launch import prepare_launch
+from .settings import parse_optim_args
 
-DEMO = "demo"
+DEMO = "demo"  # the one spelling of DeMo's optimizer name
+
+
+# ---------------------------------------------------------------------- the optimizer name
+def register_optimizer_name() -> None:
+    """Make ``"demo"`` a member of transformers' ``OptimizerNames`` (idempotent).
+
+    ``TrainingArguments.__post_init__`` converts ``optim`` with ``OptimizerNames(optim)`` and
+    ``HfArgumentParser`` takes ``--optim``'s choices from the enum: with the member added, every
+    TrainingArguments class (TRL's configs included) accepts ``optim="demo"`` and keeps it as given. A
+    handler in Trainer's optimizer registry makes a DeMo-unaware Trainer stop with a message naming the fix.
+    """
+    if DEMO not in OptimizerNames._value2member_map_:
+        member = str.__new__(OptimizerNames, DEMO)
+        member._name_, member._value_ = "DEMO", DEMO
+        member.__objclass__ = OptimizerNames
+        member._sort_order_ = len(OptimizerNames._member_names_)
+        OptimizerNames._member_map_["DEMO"] = member
+        OptimizerNames._value2member_map_[DEMO] = member
+        OptimizerNames._member_names_.append("DEMO")
+    try:  # transformers >= 5: a registry of optimizer handlers (private; absent elsewhere: its own error then)
+        from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+    except ImportError:  # pragma: no cover - older transformers
+        return
+    _OPTIMIZER_HANDLERS.setdefault(OptimizerNames(DEMO), _refuse_plain_trainer)
+
+
+def _refuse_plain_trainer(ctx):
+    raise ValueError(
+        "optim='demo' needs a DeMo-aware trainer: use hf_demo.DeMoTrainer instead of Trainer, or for another "
+        "trainer class (TRL's SFTTrainer, ...) a subclass with hf_demo.DeMoTrainerMixin first, e.g. "
+        "hf_demo.trl.DeMoSFTTrainer. A plain Trainer would keep DDP's gradient all-reduce under DeMo."
+    )
+
+
+register_optimizer_name()
+
+
+def selects_demo(optim) -> bool:
+    """Whether an ``optim`` value (a string or an ``OptimizerNames`` member) names DeMo."""
+    return getattr(optim, "value", optim) == DEMO
+
+
+# ---------------------------------------------------------------------- the settings as fields
+def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
+    fields = []
+    for name, kind, default, help, choices in DeMoSettings.describe():
+        meta = {"help": f"DeMo: {help} (default: {default})"}
+        if choices is not None:
+            meta["choices"] = list(choices)
+        fields.append((f"demo_{name}", kind | None, field(default=None, metadata=meta)))
+    return fields
+
+
+def demo_settings(args) -> dict:
+    """Every DeMo setting (besides lr and weight decay) for these arguments, validated.
+
+    Works with any TrainingArguments: ``demo_<name>`` attributes that are set, then ``--optim_args``.
+    Unknown keys, malformed entries and invalid values raise ``ValueError`` naming them.
+    """
+    chosen = {}
+    for name in DeMoSettings.names():
+        value = getattr(args, f"demo_{name}", None)
+        if value is not None:
+            chosen[name] = value
+    chosen.update(parse_optim_args(getattr(args, "optim_args", None)))
+    return DeMoSettings(**chosen).as_dict()  # defaults filled in; invalid values fail here
+
+
+class _DeMoArgumentsMethods:
+    @property
+    def uses_demo(self) -> bool:
+        """``--optim demo`` was chosen."""
+        return selects_demo(self.optim)
+
+    def demo_settings(self) -> dict:
+        """DeMo keyword arguments (besides lr and weight decay): see :func:`demo_settings`."""
+        return demo_settings(self)
+
+    def _check_demo_arguments(self) -> None:
+        """Start-up checks; called by ``__post_init__`` of the classes defined here."""
+        if not self.uses_demo:
+            return
+        self.demo_settings()  # unknown, malformed or invalid settings fail at start-up
+        if self.ddp_comm_hook != "no":
+            raise ValueError(
+                f"--ddp_comm_hook {self.ddp_comm_hook} compresses DDP's gradient all-reduce; with --optim demo "
+                "there is none (DeMo moves the momentum): drop it"
+            )
+
+
+_BASELINE_FIELDS = [
+    (
+        "ddp_comm_hook",
+        str,
+        field(
+            default="no",
+            metadata={
+                "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
+                "batched_power_sgd (Accelerate's DDPCommunicationHookType).",
+                "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"],
+            },
+        ),
+    ),
+    ("powersgd_rank", int, field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})),
+    (
+        "powersgd_start_iter",
+        int,
+        field(
+            default=2,
+            metadata={
+                "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."
+            },
+        ),
+    ),
+]
+
+DeMoArguments = dataclasses.make_dataclass(
+    "DeMoArguments", _demo_fields() + _BASELINE_FIELDS, bases=(_DeMoArgumentsMethods,)
+)
+DeMoArguments.__module__ = __name__
+DeMoArguments.__doc__ = (
+    "DeMo's settings as optional ``demo_<name>`` fields (None: the default), generated from DeMoSettings, "
+    "plus the baselines' DDP comm-hook fields. Put it after a TrainingArguments class in the bases: "
+    "``@dataclass class MyConfig(SFTConfig, DeMoArguments)``."
+)
 
 
 @dataclass
-class DeMoTrainingArguments(TrainingArguments):
-    """TrainingArguments plus DeMo. ``--optim demo`` selects DeMo; every built-in ``--optim`` still works.
+class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
+    """TrainingArguments plus DeMo: ``--optim demo`` and one ``--demo_<name>`` per setting.
 
-    DeMo's settings come from the ``demo_*`` fields below or from HF's own ``--optim_args
-    "compression_topk=16,value_format=sign"`` (keys without the ``demo_`` prefix); ``--optim_args`` wins.
+    Every built-in ``--optim`` still works. Before Trainer sets up the devices, :func:`hf_demo.launch.prepare_launch`
+    fixes two launch pitfalls: processes launched without the CPU switch on a machine without GPU get
+    ``use_cpu=True`` (they train together, world size N, instead of each alone), and workers restarted by
+    ``torchrun --max-restarts`` rendezvous on a fresh store prefix.
     """
 
-    optim: str = field(
+    optim: OptimizerNames | str = field(
         default=TrainingArguments.__dataclass_fields__["optim"].default,  # Trainer's own default
-        metadata={"help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
-                          f"({', '.join(o.value for o in OptimizerNames)})."},
+        metadata={
+            "help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
+            f"({', '.join(o.value for o in OptimizerNames if o.value != DEMO)})."
+        },
     )
-    demo_compression_decay: float = field(default=SETTINGS["compression_decay"][1],
-                                          metadata={"help": "DeMo: " + SETTINGS["compression_decay"][2]})
-    demo_compression_topk: int = field(default=SETTINGS["compression_topk"][1],
-                                       metadata={"help": "DeMo: " + SETTINGS["compression_topk"][2]})
-    demo_compression_chunk: int = field(default=SETTINGS["compression_chunk"][1],
-                                        metadata={"help": "DeMo: " + SETTINGS["compression_chunk"][2]})
-    demo_value_format: str = field(default=SETTINGS["value_format"][1],
-                                   metadata={"help": "DeMo: " + SETTINGS["value_format"][2],
-                                             "choices": ["bf16", "fp32", "sign"]})
-    demo_update_rule: str = field(default=SETTINGS["update_rule"][1],
-                                  metadata={"help": "DeMo: " + SETTINGS["update_rule"][2]})
-    demo_nonfinite: str = field(default=SETTINGS["nonfinite"][1],
-                                metadata={"help": "DeMo: " + SETTINGS["nonfinite"][2], "choices": ["skip", "raise"]})
-
-    ddp_comm_hook: str = field(default="no", metadata={
-        "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
-                "batched_power_sgd (Accelerate's DDPCommunicationHookType).",
-        "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"]})
-    powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})
-    powersgd_start_iter: int = field(default=2, metadata={
-        "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."})
 
     def __post_init__(self):
-        wants_demo = str(getattr(self.optim, "value", self.optim)) == DEMO
-        if wants_demo:
-            self.optim = OptimizerNames.ADAMW_TORCH  # let TrainingArguments validate everything else
+        prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.launch)
         super().__post_init__()
-        if wants_demo:
-            self.optim = DEMO
-            self.demo_settings()  # unknown or malformed --optim_args fail here, at start-up
-            if self.ddp_comm_hook != "no":
-                raise ValueError(f"--ddp_comm_hook {self.ddp_comm_hook} compresses DDP's gradient all-reduce; "
-                                 "with --optim demo there is none (DeMo moves the momentum): drop it")
+        self._check_demo_arguments()
 
-    @property
-    def uses_demo(self) -> bool:
-        return self.optim == DEMO
 
-    def demo_settings(self) -> dict:
-        """DeMo keyword arguments (besides lr and weight decay) from the fields and ``--optim_args``."""
-        settings = {key: getattr(self, f"demo_{key}") for key in SETTINGS if hasattr(self, f"demo_{key}")}
-        settings.update(parse_optim_args(self.optim_args))
-        return settings
+def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
+    """``config_cls`` (a TrainingArguments subclass, e.g. TRL's SFTConfig) plus :class:`DeMoArguments`.
+
+    ``config_cls`` stays first in the bases, so its defaults (SFTConfig's bf16, learning rate, ...) hold.
+    """
+
+    def __post_init__(self):
+        prepare_launch(self)
+        super(cls, self).__post_init__()
+        self._check_demo_arguments()
+
+    cls = dataclasses.make_dataclass(
+        name or f"DeMo{config_cls.__name__}",
+        [],
+        bases=(config_cls, DeMoArguments),
+        namespace={"__post_init__": __post_init__},
+    )
+    return cls
+
+
+__all__ = [
+    "DEMO",
+    "DeMoArguments",
+    "DeMoTrainingArguments",
+    "demo_settings",
+    "register_optimizer_name",
+    "selects_demo",
+    "with_demo_arguments",
+]

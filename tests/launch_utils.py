@@ -14,8 +14,11 @@ CPU_CONFIG = ROOT / "accelerate_configs" / "cpu_multiprocess.yaml"
 LAUNCH_ALLOWED = "HF_DEMO_TEST_MAY_LAUNCH"  # "0" inside a test not marked launch (set by conftest.py)
 
 
-def accelerate_launch(script, *args, num_processes=2, timeout=300, check=True):
-    """Run ``script`` on ``num_processes`` CPU processes; returns the CompletedProcess (output in .stdout)."""
+def accelerate_launch(script, *args, num_processes=2, timeout=300, check=True, cpu_switch=True):
+    """Run ``script`` on ``num_processes`` CPU processes; returns the CompletedProcess (output in .stdout).
+
+    ``cpu_switch=False`` launches as a user who forgot ``ACCELERATE_USE_CPU=1`` would.
+    """
     if os.environ.get(LAUNCH_ALLOWED) == "0":
         raise AssertionError("this test starts processes: mark it @pytest.mark.launch (see tests/conftest.py)")
     accelerate = Path(sys.executable).parent / "accelerate"
@@ -39,6 +42,8 @@ def accelerate_launch(script, *args, num_processes=2, timeout=300, check=True):
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
+    if not cpu_switch:
+        env.pop("ACCELERATE_USE_CPU")
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
     )

@@ -1,25 +1,82 @@
 """DeMoTrainingArguments through HfArgumentParser, the factory, and refusals at start-up (in-process)."""
+
 import pytest
 import torch
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import (
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainingArguments,
+)
 from transformers.training_args import OptimizerNames
 
 import hf_demo
 from hf_demo.accelerate_utils import check_supported
+from hf_demo.config import DeMoSettings
 
 
 def parse(*argv):
     (args,) = HfArgumentParser(hf_demo.DeMoTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "/tmp/hf_demo_args", "--use_cpu", "true", *argv])
+        ["--output_dir", "/tmp/hf_demo_args", "--use_cpu", "true", *argv]
+    )
     return args
 
 
 def test_optim_demo_and_its_settings():
-    args = parse("--optim", "demo", "--demo_compression_topk", "8", "--optim_args",
-                 "compression_chunk=32, value_format=sign,sign_update=false")
+    args = parse(
+        "--optim",
+        "demo",
+        "--demo_compression_topk",
+        "8",
+        "--demo_value_format",
+        "fp32",
+        "--optim_args",
+        "compression_chunk=32, value_format=sign,update_rule=raw",
+    )
     assert args.optim == "demo" and args.uses_demo
-    assert args.demo_settings() == {"compression_decay": 0.999, "compression_topk": 8, "compression_chunk": 32,
-                                    "value_format": "sign", "sign_update": False, "nonfinite": "skip"}
+    expected = {
+        **DeMoSettings().as_dict(),
+        "compression_topk": 8,
+        "compression_chunk": 32,
+        "value_format": "sign",
+        "update_rule": "raw",
+    }  # --optim_args wins over --demo_*
+    assert args.demo_settings() == expected
+
+
+def test_optim_stays_demo_everywhere():
+    """'demo' is a registered optimizer name: plain TrainingArguments keep it, no swap, no half-truth."""
+    args = TrainingArguments(output_dir="/tmp/hf_demo_args", use_cpu=True, optim="demo")
+    assert args.optim == "demo" and args.optim == OptimizerNames("demo") and args.to_dict()["optim"] == "demo"
+    assert hf_demo.training_args.demo_settings(args) == DeMoSettings().as_dict()
+    cls, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "demo", "--demo_drift", "raise"))
+    assert cls is hf_demo.DeMo and kwargs["drift"] == "raise" and kwargs["lr"] == 5e-5
+    cls, _ = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "sgd"))
+    assert cls is torch.optim.SGD
+
+
+def test_plain_trainer_refuses_optim_demo():
+    from transformers import Trainer
+
+    with pytest.raises(ValueError, match="needs a DeMo-aware trainer: use hf_demo.DeMoTrainer"):
+        Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir="/tmp/x", use_cpu=True, optim="demo"))
+
+
+def test_demo_fields_follow_the_settings_table(monkeypatch):
+    """A setting added to DeMoSettings becomes a --demo_ field with its help and choices, without an edit."""
+    fields = {name: f for name, _, f in hf_demo.training_args._demo_fields()}
+    assert set(fields) == {f"demo_{n}" for n in DeMoSettings.names()}
+    described = DeMoSettings.describe()
+    monkeypatch.setattr(
+        DeMoSettings,
+        "describe",
+        classmethod(lambda cls: described + [("future_knob", str, "a", "a knob from later", ("a", "b"))]),
+    )
+    fields = {name: f for name, _, f in hf_demo.training_args._demo_fields()}
+    assert fields["demo_future_knob"].metadata == {
+        "help": "DeMo: a knob from later (default: a)",
+        "choices": ["a", "b"],
+    }
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "rmsprop"])
@@ -32,37 +89,88 @@ def test_default_is_trainers_default():
     assert parse().optim == TrainingArguments(output_dir="/tmp/x", use_cpu=True).optim
 
 
-@pytest.mark.parametrize("optim_args,match", [
-    ("compression_topk=16,bogus=1", "unknown DeMo setting 'bogus'"),
-    ("compression_topk", "malformed --optim_args entry 'compression_topk'"),
-    ("compression_topk=sixteen", "compression_topk='sixteen' is not a valid int"),
-    ("sign_update=maybe", "sign_update='maybe' is not a valid bool"),
-])
+@pytest.mark.parametrize(
+    "optim_args,match",
+    [
+        ("compression_topk=16,bogus=1", "unknown DeMo setting 'bogus'"),
+        ("compression_topk", "malformed --optim_args entry 'compression_topk'"),
+        ("compression_topk=sixteen", "compression_topk='sixteen' is not a valid int"),
+        ("comm_timeout=soon", "comm_timeout='soon' is not a valid float"),
+        ("update_rule=maybe", "invalid update_rule='maybe'; expected one of"),
+        ("sign_update=false", "unknown DeMo setting 'sign_update'"),
+    ],
+)
 def test_bad_optim_args_name_the_key(optim_args, match):
     with pytest.raises(ValueError, match=match):
         parse("--optim", "demo", "--optim_args", optim_args)
 
 
 def test_unknown_optim_is_still_rejected():
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit):  # argparse: not among the choices
         parse("--optim", "not_an_optimizer")
+    with pytest.raises(ValueError, match="not_an_optimizer is not a valid OptimizerNames"):
+        hf_demo.DeMoTrainingArguments(output_dir="/tmp/x", use_cpu=True, optim="not_an_optimizer")
+
+
+def test_invalid_choice_of_a_demo_field_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse("--optim", "demo", "--demo_value_format", "fp8")
 
 
 def test_help_lists_demo_settings(capsys):
     with pytest.raises(SystemExit):
         HfArgumentParser(hf_demo.DeMoTrainingArguments).parse_args_into_dataclasses(["--help"])
-    out = capsys.readouterr().out
-    for name in ["--demo_compression_topk", "--demo_compression_chunk", "--demo_value_format", "'demo' for DeMo"]:
-        assert name in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "'demo' for DeMo" in out
+    for name, _, default, _help, choices in DeMoSettings.describe():
+        assert f"--demo_{name}" in out and f"(default: {default})" in out
+        if choices:
+            assert "{" + ",".join(choices) + "}" in out
+
+
+def test_cpu_launch_without_the_switch_is_detected(monkeypatch):
+    from hf_demo.launch import launched_on_cpu_without_switch
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_on_cpu_without_switch(False) == (not torch.cuda.is_available())
+    assert not launched_on_cpu_without_switch(True)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    assert not launched_on_cpu_without_switch(False)
+
+
+def test_trl_config_keeps_sftconfig_defaults():
+    trl = pytest.importorskip("trl")
+    from hf_demo.trl import DeMoSFTConfig
+
+    plain = trl.SFTConfig(output_dir="/tmp/x", use_cpu=True, optim="demo")  # accepted once hf_demo is imported
+    ours = DeMoSFTConfig(output_dir="/tmp/x", use_cpu=True, optim="demo", demo_compression_topk=4)
+    assert plain.optim == ours.optim == "demo"
+    for name in ("bf16", "learning_rate", "logging_steps", "gradient_checkpointing", "max_length"):
+        assert getattr(ours, name) == getattr(plain, name), name
+    assert ours.demo_settings()["compression_topk"] == 4
+    (parsed,) = HfArgumentParser(DeMoSFTConfig).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--use_cpu", "true", "--optim", "demo", "--demo_value_format", "sign"]
+    )
+    assert parsed.demo_settings()["value_format"] == "sign" and parsed.learning_rate == plain.learning_rate
 
 
 def test_factory_groups_and_cls_and_kwargs():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     opt = hf_demo.create_optimizer(model, lr=1e-3, weight_decay=0.1, compression_topk=8)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() == 1 for p in no_decay["params"])          # norms
+    assert all(p.dim() == 1 for p in no_decay["params"])  # norms
     cls, kwargs = hf_demo.optimizer_cls_and_kwargs(lr=2e-3, value_format="sign")
     assert cls is hf_demo.DeMo and kwargs["value_format"] == "sign"
     with pytest.raises(ValueError, match="unknown DeMo setting"):
@@ -71,11 +179,26 @@ def test_factory_groups_and_cls_and_kwargs():
 
 def _tiny_trainer(**arg_overrides):
     from datasets import Dataset
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8})
-    args = hf_demo.DeMoTrainingArguments(output_dir="/tmp/hf_demo_tiny", use_cpu=True, report_to="none",
-                                         max_steps=3, per_device_train_batch_size=4, **arg_overrides)
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir="/tmp/hf_demo_tiny",
+        use_cpu=True,
+        report_to="none",
+        max_steps=3,
+        per_device_train_batch_size=4,
+        **arg_overrides,
+    )
     return hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data)
 
 
@@ -98,7 +221,7 @@ def test_unsupported_setups_stop_at_start_up():
 
 def test_trainer_refuses_fp16_with_demo():
     try:
-        trainer_args = dict(optim="demo", fp16=True)
+        trainer_args = {"optim": "demo", "fp16": True}
         with pytest.raises(ValueError, match="DeMo does not support fp16"):
             _tiny_trainer(**trainer_args)
     finally:

@@ -1,18 +1,50 @@
 """DeMoTrainer for real: 2 processes through `accelerate launch --config_file accelerate_configs/...`."""
+
+import json
+import math
+import shutil
+
 import pytest
 import torch
 
+from hf_demo.checkpoint import MANIFEST
 from launch_utils import ROOT, accelerate_launch, load_records
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
-COMMON = ["--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--max_steps", "20",
-          "--logging_steps", "5", "--save_steps", "10", "--seed", "1", "--disable_tqdm", "true",
-          "--report_to", "none", "--use_cpu", "true"]
+COMMON = [
+    "--per_device_train_batch_size",
+    "8",
+    "--learning_rate",
+    "3e-3",
+    "--max_steps",
+    "20",
+    "--logging_steps",
+    "5",
+    "--save_steps",
+    "10",
+    "--seed",
+    "1",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "none",
+    "--use_cpu",
+    "true",
+]
 
 
 def _train(tmp, name, *extra, num_processes=2, check=True):
-    return accelerate_launch(SCRIPT, "--output_dir", tmp / name / "out", "--record_dir", tmp / name / "rec",
-                             *COMMON, *extra, num_processes=num_processes, check=check)
+    return accelerate_launch(
+        SCRIPT,
+        "--output_dir",
+        tmp / name / "out",
+        "--record_dir",
+        tmp / name / "rec",
+        *COMMON,
+        *extra,
+        num_processes=num_processes,
+        check=check,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -25,22 +57,30 @@ def straight(tmp_path_factory):
 def test_demo_trains_keeps_ranks_identical_and_local_gradients(straight):
     _, (r0, r1) = straight
     assert r0["optimizer"] == "DeMo" and r0["global_step"] == 20
-    assert r0["params"] == r1["params"]                 # bitwise identical parameters on every rank
-    assert r0["first_grad"] != r1["first_grad"]         # DDP did not average the gradients
+    assert r0["params"] == r1["params"]  # bitwise identical parameters on every rank
+    assert r0["first_grad"] != r1["first_grad"]  # DDP did not average the gradients
     losses = [row["loss"] for row in r0["log_history"] if "loss" in row]
     assert losses[-1] < losses[0] - 0.5
 
 
 def test_communication_metrics_reach_tensorboard(straight):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tmp, (r0, _) = straight
+
+    tmp, _ = straight
     events = list((tmp / "straight" / "out" / "runs").rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for name in ["bytes_sent_per_step", "bytes_received_per_step", "total_bytes_sent", "total_bytes_received",
-                 "ratio_to_dense", "comm_seconds_per_step", "total_comm_seconds"]:
+    for name in [
+        "bytes_sent_per_step",
+        "bytes_received_per_step",
+        "total_bytes_sent",
+        "total_bytes_received",
+        "ratio_to_dense",
+        "comm_seconds_per_step",
+        "total_comm_seconds",
+    ]:
         assert f"train/demo/{name}" in tags, sorted(tags)
     ratio = acc.Scalars("train/demo/ratio_to_dense")[-1].value
     sent = acc.Scalars("train/demo/bytes_sent_per_step")[-1].value
@@ -62,7 +102,64 @@ def test_resume_with_another_number_of_processes_fails_clearly(straight):
     ckpt = tmp / "straight" / "out" / "checkpoint-10"
     proc = _train(tmp, "one", "--optim", "demo", "--resume_from_checkpoint", ckpt, num_processes=1, check=False)
     assert proc.returncode != 0
-    assert "DeMoStateError" in proc.stdout and "saved with 2 process(es) but this run has 1" in proc.stdout
+    assert "CheckpointError" in proc.stdout and "saved with 2 process(es) but this run has 1" in proc.stdout
+
+
+def test_checkpoints_carry_a_manifest_of_every_rank_file(straight):
+    tmp, _ = straight
+    manifest = json.loads((tmp / "straight" / "out" / "checkpoint-10" / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["global_step"] == 10
+    assert {
+        "optimizer.pt",
+        "optimizer.rank1.pt",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "model.safetensors",
+        "scheduler.pt",
+        "trainer_state.json",
+    } <= set(manifest["files"])
+
+
+@pytest.mark.parametrize("damage", ["missing_rank1", "flipped_bytes"])
+def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
+    tmp, _ = straight
+    ckpt = tmp / f"damaged_{damage}"
+    shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
+    if damage == "missing_rank1":
+        (ckpt / "optimizer.rank1.pt").unlink()
+        expected = "optimizer.rank1.pt is missing"
+    else:
+        data = bytearray((ckpt / "optimizer.pt").read_bytes())
+        for i in range(50):  # 50 bytes inside the momentum tensors
+            data[len(data) // 2 + 13 * i] ^= 0x5A
+        (ckpt / "optimizer.pt").write_bytes(bytes(data))
+        expected = "optimizer.pt is corrupted"
+    proc = _train(tmp, f"from_{damage}", "--optim", "demo", "--resume_from_checkpoint", ckpt, check=False)
+    assert proc.returncode != 0
+    messages = [line for line in proc.stdout.splitlines() if "CheckpointError:" in line]
+    assert len(messages) == 2 and len({m.split("CheckpointError:", 1)[1] for m in messages}) == 1, messages
+    assert expected in messages[0]
+    assert "resume with 1 process" not in proc.stdout  # no contradicting advice
+
+
+def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
+    tmp, (r0, _) = straight
+    proc = _train(
+        tmp,
+        "resettled",
+        "--optim",
+        "demo",
+        "--demo_compression_topk",
+        "16",
+        "--demo_compression_chunk",
+        "32",
+        "--resume_from_checkpoint",
+        tmp / "straight" / "out" / "checkpoint-10",
+    )
+    assert proc.stdout.count("resuming with settings that differ from the checkpoint's") == 2
+    assert "compression_topk: saved 32, requested 16" in proc.stdout
+    a, b = load_records(tmp / "resettled" / "rec", 2)
+    assert a["params"] == b["params"] != r0["params"] and a["global_step"] == 20
 
 
 def test_adamw_under_demo_trainer_is_plain_trainer(tmp_path):
@@ -71,17 +168,31 @@ def test_adamw_under_demo_trainer_is_plain_trainer(tmp_path):
     a = load_records(tmp_path / "adamw_demo" / "rec", 2)
     b = load_records(tmp_path / "adamw_plain" / "rec", 2)
     assert a[0]["optimizer"] == b[0]["optimizer"] == "AdamW"
-    assert a[0]["first_grad"] == a[1]["first_grad"]          # DDP averaged the gradients as usual
+    assert a[0]["first_grad"] == a[1]["first_grad"]  # DDP averaged the gradients as usual
     assert a[0]["params"] == b[0]["params"] == a[1]["params"]
 
 
 def test_gradient_accumulation_bf16_checkpointing_and_clipping(tmp_path):
-    _train(tmp_path, "mix", "--optim", "demo", "--gradient_accumulation_steps", "2", "--bf16", "true",
-           "--gradient_checkpointing_on", "true", "--max_grad_norm", "0.5", "--max_steps", "12")
+    _train(
+        tmp_path,
+        "mix",
+        "--optim",
+        "demo",
+        "--gradient_accumulation_steps",
+        "2",
+        "--bf16",
+        "true",
+        "--gradient_checkpointing_on",
+        "true",
+        "--max_grad_norm",
+        "0.5",
+        "--max_steps",
+        "12",
+    )
     r0, r1 = load_records(tmp_path / "mix" / "rec", 2)
     assert r0["params"] == r1["params"] and r0["first_grad"] != r1["first_grad"]
     losses = [row["loss"] for row in r0["log_history"] if "loss" in row]
-    assert all(l == l for l in losses) and losses[-1] < losses[0]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_custom_accelerate_loop_with_prepare(tmp_path):

@@ -3,8 +3,10 @@
 Each rank writes <record_dir>/rank<r>.pt: world size, parameter checksums, the first step's gradient
 checksum, the log history. Used by tests/test_trainer.py through `accelerate launch`.
 """
+
 import hashlib
 import os
+import signal
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -26,12 +28,18 @@ class ScriptArgs:
     samples: int = field(default=256)
     seq: int = field(default=64)
     gradient_checkpointing_on: bool = field(default=False)
+    arguments: str = field(
+        default="demo", metadata={"help": "demo (DeMoTrainingArguments) or plain (TrainingArguments)"}
+    )
+    kill_rank: int = field(default=-1, metadata={"help": "this rank SIGKILLs itself after the save at kill_at_step"})
+    kill_at_step: int = field(default=0)
+    resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
 
 
 def stdlib_blocks(n: int, seq: int) -> Dataset:
     text = b"".join(p.read_bytes() for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("a*.py")))
     ids = list(text[: n * seq])
-    blocks = [ids[i * seq:(i + 1) * seq] for i in range(n)]
+    blocks = [ids[i * seq : (i + 1) * seq] for i in range(n)]
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
@@ -50,42 +58,70 @@ class Recorder(TrainerCallback):
         if self.first_grad is None:
             self.first_grad = digest(p.grad for p in self.trainer.model.parameters() if p.grad is not None)
 
+    def on_save(self, args, state, control, **kwargs):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (
+            first_attempt
+            and state.global_step == self.script.kill_at_step
+            and args.process_index == self.script.kill_rank
+        ):
+            print(
+                f"rank {args.process_index}: killing myself after the step-{state.global_step} checkpoint", flush=True
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.script.stop_at_step and state.global_step >= self.script.stop_at_step:
             control.should_save = True
             control.should_training_stop = True
 
 
+def _flag(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv[:-1] else None
+
+
 def main():
-    parser = HfArgumentParser((ScriptArgs, hf_demo.DeMoTrainingArguments))
+    plain = "plain" in (_flag("--trainer"), _flag("--arguments"))  # a plain script: plain TrainingArguments
+    parser = HfArgumentParser((ScriptArgs, TrainingArguments if plain else hf_demo.DeMoTrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
     TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
-    if script.trainer != "demo":   # a plain script: plain TrainingArguments
-        args = TrainingArguments(**{k: v for k, v in vars(args).items() if not k.startswith("demo_")
-                                    and k in TrainingArguments.__dataclass_fields__
-                                    and TrainingArguments.__dataclass_fields__[k].init})
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=script.seq)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=script.seq,
+    )
     model = LlamaForCausalLM(config)
     if script.gradient_checkpointing_on:
         args.gradient_checkpointing = True
     recorder = Recorder(script)
-    trainer = TrainerClass(model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq),
-                           callbacks=[recorder])
+    trainer = TrainerClass(
+        model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq), callbacks=[recorder]
+    )
     recorder.trainer = trainer
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    resume = args.resume_from_checkpoint
+    if script.resume_last:
+        resume = hf_demo.last_complete_checkpoint(args.output_dir)
+        print(f"rank {args.process_index}: resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save({
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "params": digest(trainer.model.parameters()),
-            "first_grad": recorder.first_grad,
-            "log_history": trainer.state.log_history,
-            "global_step": trainer.state.global_step,
-            "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
-        }, os.path.join(script.record_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "params": digest(trainer.model.parameters()),
+                "first_grad": recorder.first_grad,
+                "log_history": trainer.state.log_history,
+                "global_step": trainer.state.global_step,
+                "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+            },
+            os.path.join(script.record_dir, f"rank{rank}.pt"),
+        )
 
 
 if __name__ == "__main__":
