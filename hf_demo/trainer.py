@@ -148,6 +148,7 @@ class DeMoTrainerMixin:
             "demo/ratio_to_dense": sent / s.dense_bytes if s.dense_bytes else 0.0,
             "demo/skipped_steps": float(opt.skipped_steps),
             "demo/resyncs": float(opt.resyncs),
+            "demo/tier": float(opt.tier),
         }
         self._demo_last_log = {
             "steps": s.steps,

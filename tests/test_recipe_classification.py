@@ -1,4 +1,5 @@
 """recipes/run_classification.py: a 2-process smoke run (tiny random BERT, VADER data, DeMo) and its clear errors."""
+
 import importlib
 import json
 
@@ -28,8 +29,15 @@ def tiny_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_bert")
     tokenizer = AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -38,10 +46,30 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smoke(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("recipe") / "out"
-    proc = accelerate_launch(SCRIPT, "--model_name_or_path", tiny_model, "--output_dir", out, *QUICK,
-                             "--max_steps", "6", "--logging_steps", "2", "--learning_rate", "3e-3",
-                             "--per_device_train_batch_size", "16", "--max_train_samples", "256",
-                             "--max_eval_samples", "64", "--max_seq_length", "16", "--save_strategy", "no")
+    proc = accelerate_launch(
+        SCRIPT,
+        "--model_name_or_path",
+        tiny_model,
+        "--output_dir",
+        out,
+        *QUICK,
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "16",
+        "--max_train_samples",
+        "256",
+        "--max_eval_samples",
+        "64",
+        "--max_seq_length",
+        "16",
+        "--save_strategy",
+        "no",
+    )
     return proc.stdout, json.loads((out / "results.json").read_text())
 
 
@@ -71,13 +99,31 @@ def test_two_process_run_logged_demo_communication(smoke):
 
 
 def test_csv_with_string_labels_and_adamw_in_process(recipe, tiny_model, tmp_path):
-    rows = ["text,sentiment"] + [f"{w} day,{'good' if i % 2 else 'bad'}" for i, w in enumerate(
-        "happy sad great awful fine poor nice grim bright dull lovely bleak".split())] * 4
+    rows = ["text,sentiment"] + [
+        f"{w} day,{'good' if i % 2 else 'bad'}"
+        for i, w in enumerate("happy sad great awful fine poor nice grim bright dull lovely bleak".split())
+    ] * 4
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
-    results = recipe.main(["--model_name_or_path", tiny_model, "--train_file", tmp_path / "train.csv",
-                           "--label_column", "sentiment", "--optim", "adamw_torch", "--output_dir", out,
-                           "--max_steps", "2", "--save_strategy", "no", *QUICK])
+    results = recipe.main(
+        [
+            "--model_name_or_path",
+            tiny_model,
+            "--train_file",
+            tmp_path / "train.csv",
+            "--label_column",
+            "sentiment",
+            "--optim",
+            "adamw_torch",
+            "--output_dir",
+            out,
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            *QUICK,
+        ]
+    )
     assert results["optim"] == "adamw_torch" and results["world_size"] == 1
     assert results["labels"] == ["bad", "good"]
     assert results["train_samples"] + results["eval_samples"] == 48
@@ -88,8 +134,18 @@ def test_csv_with_string_labels_and_adamw_in_process(recipe, tiny_model, tmp_pat
 
 # ------------------------------------------------------------------------------------------- clear errors
 def _fails(recipe, tiny_model, tmp_path, *args):
-    return recipe.main(["--model_name_or_path", tiny_model, "--output_dir", tmp_path / "out", "--max_steps", "1",
-                        *QUICK, *map(str, args)])
+    return recipe.main(
+        [
+            "--model_name_or_path",
+            tiny_model,
+            "--output_dir",
+            tmp_path / "out",
+            "--max_steps",
+            "1",
+            *QUICK,
+            *map(str, args),
+        ]
+    )
 
 
 def test_missing_train_file(recipe, tiny_model, tmp_path):
@@ -103,17 +159,20 @@ def test_train_file_with_wrong_extension(recipe, tiny_model, tmp_path):
     bad.write_text("text,label\na,0\n")
     with pytest.raises(ValueError, match=r"--train_file .*train.xlsx: unsupported extension '.xlsx'"):
         _fails(recipe, tiny_model, tmp_path, "--train_file", bad)
-    text = tmp_path / "train.txt"      # plain text loads, but has no labels
+    text = tmp_path / "train.txt"  # plain text loads, but has no labels
     text.write_text("a\nb\n")
     with pytest.raises(ValueError, match=r"--label_column 'label' is not a column .*\['text'\]"):
         _fails(recipe, tiny_model, tmp_path, "--train_file", text)
 
 
-@pytest.mark.parametrize("name, content", [
-    ("broken.csv", 'text,label\n"an unterminated quote,1\nb,0\n'),
-    ("broken.json", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n'),
-    ("binary.csv", b"\xff\xfe\x00\x81\x00garbage\x00\n"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("broken.csv", 'text,label\n"an unterminated quote,1\nb,0\n'),
+        ("broken.json", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n'),
+        ("binary.csv", b"\xff\xfe\x00\x81\x00garbage\x00\n"),
+    ],
+)
 def test_malformed_train_file(recipe, tiny_model, tmp_path, name, content):
     bad = tmp_path / name
     bad.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -127,8 +186,7 @@ def test_missing_label_and_text_columns_name_the_columns(recipe, tiny_model, tmp
     with pytest.raises(ValueError, match=r"--label_column 'label' is not a column .*\['sentence', 'stars'\]"):
         _fails(recipe, tiny_model, tmp_path, "--train_file", data)
     with pytest.raises(ValueError, match=r"--text_column 'review' is not a column .*\['sentence', 'stars'\]"):
-        _fails(recipe, tiny_model, tmp_path, "--train_file", data, "--text_column", "review", "--label_column",
-               "stars")
+        _fails(recipe, tiny_model, tmp_path, "--train_file", data, "--text_column", "review", "--label_column", "stars")
 
 
 def test_missing_model(recipe, tmp_path):
@@ -154,8 +212,13 @@ def test_vader_dataset_is_real_and_balanced_enough(recipe):
 
 def test_label_encoding_and_local_metric_scripts(recipe):
     from datasets import Dataset, DatasetDict
-    raw = DatasetDict({"train": Dataset.from_dict({"label": ["pos", "neg", "neu", "pos"]}),
-                       "validation": Dataset.from_dict({"label": ["neg", "pos"]})})
+
+    raw = DatasetDict(
+        {
+            "train": Dataset.from_dict({"label": ["pos", "neg", "neu", "pos"]}),
+            "validation": Dataset.from_dict({"label": ["neg", "pos"]}),
+        }
+    )
     out, names = recipe.encode_labels(raw, "label")
     assert names == ["neg", "neu", "pos"] and out["train"]["labels"] == [2, 0, 1, 2]
     assert out["validation"]["labels"] == [0, 2]

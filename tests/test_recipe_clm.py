@@ -1,5 +1,6 @@
 """recipes/run_clm.py, recipes/compare.py and recipes/common.py: launches on a tiny model and the real SmolLM2,
 clear errors, the shared arguments, results layout and exit."""
+
 import importlib
 import json
 import sysconfig
@@ -10,9 +11,24 @@ import pytest
 from dist_utils import free_port
 from launch_utils import ROOT, accelerate_launch
 
-QUICK = ["--per_device_train_batch_size", "2", "--block_size", "64", "--max_train_samples", "64",
-         "--max_eval_samples", "8", "--logging_steps", "1", "--save_strategy", "no", "--use_cpu", "true",
-         "--disable_tqdm", "true"]
+QUICK = [
+    "--per_device_train_batch_size",
+    "2",
+    "--block_size",
+    "64",
+    "--max_train_samples",
+    "64",
+    "--max_eval_samples",
+    "8",
+    "--logging_steps",
+    "1",
+    "--save_strategy",
+    "no",
+    "--use_cpu",
+    "true",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def import_recipe(name):
@@ -36,9 +52,20 @@ def common():
 @pytest.mark.launch
 def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
     out = tmp_path / "clm"
-    proc = accelerate_launch(ROOT / "recipes" / "run_clm.py", "--model_name_or_path", tiny_llama_dir,
-                             "--output_dir", out, "--max_steps", "4", "--learning_rate", "3e-3",
-                             "--report_to", "tensorboard", *QUICK)
+    proc = accelerate_launch(
+        ROOT / "recipes" / "run_clm.py",
+        "--model_name_or_path",
+        tiny_llama_dir,
+        "--output_dir",
+        out,
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--report_to",
+        "tensorboard",
+        *QUICK,
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["recipe"] == "run_clm" and results["world_size"] == 2 and results["optim"] == "demo"
     assert results["global_step"] == 4 and results["ddp"]
@@ -57,10 +84,33 @@ def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
 @pytest.mark.launch
 def test_compare_three_methods(tiny_llama_dir, tmp_path):
     compare = import_recipe("compare")
-    rows = compare.main(["--output_dir", str(tmp_path), "--steps", "3", "--eval_steps", "3", "--demo_lr", "3e-3",
-                         "--adamw_lr", "3e-3", "--", "--model_name_or_path", str(tiny_llama_dir),
-                         "--per_device_train_batch_size", "2", "--block_size", "64", "--max_train_samples", "32",
-                         "--max_eval_samples", "4", "--disable_tqdm", "true"])
+    rows = compare.main(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--steps",
+            "3",
+            "--eval_steps",
+            "3",
+            "--demo_lr",
+            "3e-3",
+            "--adamw_lr",
+            "3e-3",
+            "--",
+            "--model_name_or_path",
+            str(tiny_llama_dir),
+            "--per_device_train_batch_size",
+            "2",
+            "--block_size",
+            "64",
+            "--max_train_samples",
+            "32",
+            "--max_eval_samples",
+            "4",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     by = {r["method"]: r for r in rows}
     assert set(by) == {"DeMo", "DDP-AdamW", "DDP-AdamW+PowerSGD"}
     assert by["DeMo"]["bytes_per_step"] < by["DDP-AdamW+PowerSGD"]["bytes_per_step"] < by["DDP-AdamW"]["bytes_per_step"]
@@ -75,32 +125,70 @@ def test_compare_three_methods(tiny_llama_dir, tmp_path):
 def test_real_smollm2_two_steps_two_processes(tmp_path):
     out = tmp_path / "smol"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    train = tmp_path / "train.txt"     # a few real stdlib modules: the full corpus is the main job's
+    train = tmp_path / "train.txt"  # a few real stdlib modules: the full corpus is the main job's
     train.write_text("".join((stdlib / name).read_text() for name in ("abc.py", "bisect.py", "colorsys.py")))
-    accelerate_launch(ROOT / "recipes" / "run_clm.py", "--output_dir", out, "--max_steps", "2",
-                      "--train_file", train, "--validation_split_percentage", "20",
-                      "--learning_rate", "1e-4", "--report_to", "none", "--per_device_train_batch_size", "1",
-                      "--block_size", "64", "--max_train_samples", "8", "--max_eval_samples", "4",
-                      "--save_strategy", "no", "--use_cpu", "true", "--disable_tqdm", "true", timeout=600)
+    accelerate_launch(
+        ROOT / "recipes" / "run_clm.py",
+        "--output_dir",
+        out,
+        "--max_steps",
+        "2",
+        "--train_file",
+        train,
+        "--validation_split_percentage",
+        "20",
+        "--learning_rate",
+        "1e-4",
+        "--report_to",
+        "none",
+        "--per_device_train_batch_size",
+        "1",
+        "--block_size",
+        "64",
+        "--max_train_samples",
+        "8",
+        "--max_eval_samples",
+        "4",
+        "--save_strategy",
+        "no",
+        "--use_cpu",
+        "true",
+        "--disable_tqdm",
+        "true",
+        timeout=600,
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["global_step"] == 2
-    assert 130e6 < results["parameters"] < 140e6                       # SmolLM2-135M
-    assert results["before"]["perplexity"] < 1000                       # a real, trained model
+    assert 130e6 < results["parameters"] < 140e6  # SmolLM2-135M
+    assert results["before"]["perplexity"] < 1000  # a real, trained model
     assert results["communication"]["bytes_per_param_per_step"] < 0.035
 
 
 # ------------------------------------------------------------------------------------------- clear errors
-@pytest.mark.parametrize("content,suffix,match", [
-    ("{not json", ".json", "could not be parsed as json"),
-    ("a,b\n1,2\n", ".csv", r"no --text_column given .*\['a', 'b'\]"),
-    ("whatever", ".parquet", "unsupported extension '.parquet'"),
-])
+@pytest.mark.parametrize(
+    "content,suffix,match",
+    [
+        ("{not json", ".json", "could not be parsed as json"),
+        ("a,b\n1,2\n", ".csv", r"no --text_column given .*\['a', 'b'\]"),
+        ("whatever", ".parquet", "unsupported extension '.parquet'"),
+    ],
+)
 def test_bad_train_file_names_the_problem(run_clm, tmp_path, tiny_llama_dir, content, suffix, match):
     bad = tmp_path / f"train{suffix}"
     bad.write_text(content)
     with pytest.raises(ValueError, match=match):
-        run_clm.main(["--model_name_or_path", tiny_llama_dir, "--output_dir", tmp_path / "o",
-                      "--train_file", bad, "--use_cpu", "true"])
+        run_clm.main(
+            [
+                "--model_name_or_path",
+                tiny_llama_dir,
+                "--output_dir",
+                tmp_path / "o",
+                "--train_file",
+                bad,
+                "--use_cpu",
+                "true",
+            ]
+        )
 
 
 def test_missing_train_file_and_missing_model(run_clm, tmp_path, tiny_llama_dir):
@@ -109,8 +197,18 @@ def test_missing_train_file_and_missing_model(run_clm, tmp_path, tiny_llama_dir)
     good = tmp_path / "t.txt"
     good.write_text("hello world\n" * 100)
     with pytest.raises(FileNotFoundError, match="model path /no/such/model does not exist"):
-        run_clm.main(["--model_name_or_path", "/no/such/model", "--output_dir", tmp_path / "o",
-                      "--train_file", good, "--use_cpu", "true"])
+        run_clm.main(
+            [
+                "--model_name_or_path",
+                "/no/such/model",
+                "--output_dir",
+                tmp_path / "o",
+                "--train_file",
+                good,
+                "--use_cpu",
+                "true",
+            ]
+        )
 
 
 # ------------------------------------------------------------------------------------------- common
@@ -118,10 +216,11 @@ def test_one_way_to_default_to_demo(run_clm, common, tmp_path):
     types = (run_clm.ModelArguments, run_clm.DataTrainingArguments, common.hf_demo.DeMoTrainingArguments)
     _, data, args = common.parse_args(types, ["--output_dir", tmp_path, "--use_cpu", "true"], max_eval_samples=64)
     assert args.optim == "demo" and args.eval_on_start and data.max_eval_samples == 64
-    _, _, args = common.parse_args(types, ["--output_dir", tmp_path, "--optim", "adamw_torch", "--use_cpu", "true",
-                                           "--eval_on_start", "false"])
+    _, _, args = common.parse_args(
+        types, ["--output_dir", tmp_path, "--optim", "adamw_torch", "--use_cpu", "true", "--eval_on_start", "false"]
+    )
     assert common.optim_name(args) == "adamw_torch" and not args.eval_on_start
-    config = tmp_path / "args.json"     # a config file gets the same defaults
+    config = tmp_path / "args.json"  # a config file gets the same defaults
     config.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "block_size": 32}))
     _, data, args = common.parse_args(types, [config])
     assert args.optim == "demo" and args.eval_on_start and data.block_size == 32
@@ -145,19 +244,41 @@ def test_split_take_and_text_column(common):
 
 def test_summary_and_compare_read_one_layout(common):
     compare = import_recipe("compare")
-    log = [{"step": 0, "eval_loss": 3.0}, {"step": 2, "loss": 2.5, "demo/total_bytes_sent": 100.0},
-           {"step": 2, "eval_loss": 2.0}]
-    base = {"model": "m", "data": "d", "world_size": 2, "global_step": 2, "parameters": 1000,
-            "param_shapes": [[10, 100]], "train_runtime_s": 1.0, "ddp": True, "log_history": log, "plot": None}
-    clm = {**base, "optim": "demo", "before": {"loss": 3.0, "perplexity": 20.0, "next_token_accuracy": 0.1},
-           "after": {"loss": 2.0, "perplexity": 7.389, "next_token_accuracy": 0.5},
-           "communication": common.communication(log, 1000, 2)}
+    log = [
+        {"step": 0, "eval_loss": 3.0},
+        {"step": 2, "loss": 2.5, "demo/total_bytes_sent": 100.0},
+        {"step": 2, "eval_loss": 2.0},
+    ]
+    base = {
+        "model": "m",
+        "data": "d",
+        "world_size": 2,
+        "global_step": 2,
+        "parameters": 1000,
+        "param_shapes": [[10, 100]],
+        "train_runtime_s": 1.0,
+        "ddp": True,
+        "log_history": log,
+        "plot": None,
+    }
+    clm = {
+        **base,
+        "optim": "demo",
+        "before": {"loss": 3.0, "perplexity": 20.0, "next_token_accuracy": 0.1},
+        "after": {"loss": 2.0, "perplexity": 7.389, "next_token_accuracy": 0.5},
+        "communication": common.communication(log, 1000, 2),
+    }
     text = common.summary(clm, "out", "out/results.json")
     assert "demo fine-tune of m on d (2 processes, 2 steps)" in text
     assert "  perplexity              20.000 -> 7.389" in text
     assert "  next-token accuracy     0.1000 -> 0.5000" in text and "80x less" in text
-    cls = {**base, "optim": "adamw_torch", "before": None, "after": {"loss": 0.5, "accuracy": 0.9, "f1": 0.8},
-           "communication": common.communication([], 1000, 2)}
+    cls = {
+        **base,
+        "optim": "adamw_torch",
+        "before": None,
+        "after": {"loss": 0.5, "accuracy": 0.9, "f1": 0.8},
+        "communication": common.communication([], 1000, 2),
+    }
     assert "  accuracy            0.9000" in common.summary(cls, "out", "out/results.json")
     for name, results in (("DeMo", clm), ("DDP-AdamW", cls)):
         points, total = compare.curves(name, results, _Args())

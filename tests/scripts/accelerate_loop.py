@@ -22,7 +22,7 @@ def main(out_path):
     model, optimizer = hf_demo.prepare(accelerator, model, optimizer)
     gen = torch.Generator().manual_seed(100 + accelerator.process_index)
     grads, losses = [], []
-    for step in range(30):
+    for _ in range(30):
         x = torch.randn(32, 16, generator=gen)
         y = x[:, :4].argmax(1)
         loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -1,4 +1,5 @@
 """Accuracy, as a local `evaluate` metric script (no hub needed): ``evaluate.load("recipes/metrics/accuracy")``."""
+
 import datasets
 import evaluate
 from sklearn.metrics import accuracy_score
@@ -39,10 +40,12 @@ class Accuracy(evaluate.Metric):
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({
-                "predictions": datasets.Value("int32"),
-                "references": datasets.Value("int32"),
-            }),
+            features=datasets.Features(
+                {
+                    "predictions": datasets.Value("int32"),
+                    "references": datasets.Value("int32"),
+                }
+            ),
             reference_urls=["https://scikit-learn.org/stable/modules/generated/sklearn.metrics.accuracy_score.html"],
         )
 

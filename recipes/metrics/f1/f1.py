@@ -1,4 +1,5 @@
 """F1 score, as a local `evaluate` metric script (no hub needed): ``evaluate.load("recipes/metrics/f1")``."""
+
 import datasets
 import evaluate
 from sklearn.metrics import f1_score
@@ -42,14 +43,23 @@ class F1(evaluate.Metric):
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({
-                "predictions": datasets.Value("int32"),
-                "references": datasets.Value("int32"),
-            }),
+            features=datasets.Features(
+                {
+                    "predictions": datasets.Value("int32"),
+                    "references": datasets.Value("int32"),
+                }
+            ),
             reference_urls=["https://scikit-learn.org/stable/modules/generated/sklearn.metrics.f1_score.html"],
         )
 
     def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
-        score = f1_score(references, predictions, labels=labels, pos_label=pos_label, average=average,
-                         sample_weight=sample_weight, zero_division=0)
+        score = f1_score(
+            references,
+            predictions,
+            labels=labels,
+            pos_label=pos_label,
+            average=average,
+            sample_weight=sample_weight,
+            zero_division=0,
+        )
         return {"f1": score.tolist() if getattr(score, "size", 1) > 1 else float(score)}

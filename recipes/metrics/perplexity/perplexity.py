@@ -3,6 +3,7 @@
 Unlike the hub's `perplexity` metric it does not run a model: the recipe's evaluation loop already
 computed the NLL of every predicted token, so this works offline and on any model.
 """
+
 import math
 
 import datasets
