@@ -49,6 +49,7 @@ bytes/param/step; per method its best lr; ratio to AdamW. Written under ``benchm
 vs step and vs bytes/param sent; best lr per method, mean over seeds, sd band), with ``--sweep`` also
 ``convergence_<tag>_pareto.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,17 +72,21 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
 
-ALIASES = {"topk": "compression_topk", "chunk": "compression_chunk", "decay": "compression_decay",
-           "format": "value_format"}
+ALIASES = {
+    "topk": "compression_topk",
+    "chunk": "compression_chunk",
+    "decay": "compression_decay",
+    "format": "value_format",
+}
 BASE_METHODS = ("adamw", "powersgd", "peer", "demo")
 
 
 # ------------------------------------------------------------------ methods
 @dataclass
 class Method:
-    kind: str                      # adamw | powersgd | peer | demo
+    kind: str  # adamw | powersgd | peer | demo
     label: str
-    overrides: dict = field(default_factory=dict)   # DeMo keywords (kind demo)
+    overrides: dict = field(default_factory=dict)  # DeMo keywords (kind demo)
 
 
 def _value(text: str):
@@ -150,9 +155,27 @@ class RunConfig:
 
     def key(self) -> str:
         m = self.method
-        return json.dumps([m.kind, m.label, sorted(m.overrides.items()), self.lr, self.seed, self.steps,
-                           self.warmup, self.schedule, self.min_lr_ratio, self.world, self.hidden,
-                           self.intermediate, self.layers, self.batch_size, self.topk, self.chunk], default=str)
+        return json.dumps(
+            [
+                m.kind,
+                m.label,
+                sorted(m.overrides.items()),
+                self.lr,
+                self.seed,
+                self.steps,
+                self.warmup,
+                self.schedule,
+                self.min_lr_ratio,
+                self.world,
+                self.hidden,
+                self.intermediate,
+                self.layers,
+                self.batch_size,
+                self.topk,
+                self.chunk,
+            ],
+            default=str,
+        )
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -197,17 +220,20 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
             raise ValueError(f"blocking must be pad or divisor, got {blocking!r}")
         mlp_topk = kw.pop("mlp_topk", None)
         params = model.parameters()
-        if mlp_topk is not None:   # benchmark-only: another top-k for the MLP matrices (a parameter group)
+        if mlp_topk is not None:  # benchmark-only: another top-k for the MLP matrices (a parameter group)
             named = list(model.named_parameters())
-            params = [{"params": [p for n, p in named if "mlp" not in n]},
-                      {"params": [p for n, p in named if "mlp" in n], "compression_topk": int(mlp_topk)}]
+            params = [
+                {"params": [p for n, p in named if "mlp" not in n]},
+                {"params": [p for n, p in named if "mlp" in n], "compression_topk": int(mlp_topk)},
+            ]
         opt = hf_demo.DeMo(params, lr=cfg.lr, **kw)
         return model, opt, lambda: opt.comm_stats.bytes_sent
     if m.kind == "peer":
         import pytorch_optimizer
 
-        opt = pytorch_optimizer.DeMo(model.parameters(), lr=cfg.lr, compression_top_k=cfg.topk,
-                                     compression_chunk=cfg.chunk, **m.overrides)
+        opt = pytorch_optimizer.DeMo(
+            model.parameters(), lr=cfg.lr, compression_top_k=cfg.topk, compression_chunk=cfg.chunk, **m.overrides
+        )
         return model, opt, lambda: opt.data_transmit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -217,12 +243,12 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         sent = lambda: dense  # noqa: E731
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
         from recipes.compare import powersgd_bytes_per_step
 
         # one bucket: with several, gloo ranks can order PowerSGD's chained all-reduces differently
         net = DDP(model, bucket_cap_mb=1024)
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                                 start_powerSGD_iter=2)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2)
         net.register_comm_hook(state, ps.powerSGD_hook)
         compressed = powersgd_bytes_per_step([tuple(p.shape) for p in model.parameters()], cfg.powersgd_rank)
         counter = {"n": 0}
@@ -230,6 +256,7 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         def sent():
             counter["n"] += 1
             return dense if counter["n"] <= 2 else compressed
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return net, opt, sent
 
@@ -244,13 +271,22 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     try:
         import wan_worker
 
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.world,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        data = wan_worker.Data(_corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02,
-                               cfg.eval_batches)
-        model = wan_worker.build_model(SimpleNamespace(hidden=cfg.hidden, intermediate=cfg.intermediate,
-                                                       layers=cfg.layers, heads=cfg.heads, seq_len=cfg.seq_len,
-                                                       seed=cfg.seed))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        )
+        data = wan_worker.Data(
+            _corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches
+        )
+        model = wan_worker.build_model(
+            SimpleNamespace(
+                hidden=cfg.hidden,
+                intermediate=cfg.intermediate,
+                layers=cfg.layers,
+                heads=cfg.heads,
+                seq_len=cfg.seq_len,
+                seed=cfg.seed,
+            )
+        )
         for p in model.parameters():
             dist.broadcast(p.data, 0)
         n_params = sum(p.numel() for p in model.parameters())
@@ -282,8 +318,9 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
                 do_eval(step + 1)
         wall = time.perf_counter() - t0
         if rank == 0:
-            out = dict(ok=True, n_params=n_params, evals=evals, train_loss=train_loss, sent=sent_bytes, lr=lrs,
-                       wall_s=wall)
+            out = dict(
+                ok=True, n_params=n_params, evals=evals, train_loss=train_loss, sent=sent_bytes, lr=lrs, wall_s=wall
+            )
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out = dict(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -339,10 +376,17 @@ def run(cfg: RunConfig) -> dict:
     if result is None:
         return dict(ok=False, error="; ".join(errors) or "no result (a rank died?)", config=_cfg_dict(cfg))
     sent = result["sent"]
-    result.update(config=_cfg_dict(cfg), key=cfg.key(), method=cfg.method.label, kind=cfg.method.kind,
-                  lr=cfg.lr, seed=cfg.seed, final_loss=result["evals"][-1][1],
-                  bytes_per_param_step=statistics.mean(sent) / result["n_params"],
-                  total_s=time.perf_counter() - started)
+    result.update(
+        config=_cfg_dict(cfg),
+        key=cfg.key(),
+        method=cfg.method.label,
+        kind=cfg.method.kind,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        final_loss=result["evals"][-1][1],
+        bytes_per_param_step=statistics.mean(sent) / result["n_params"],
+        total_s=time.perf_counter() - started,
+    )
     return result
 
 
@@ -380,10 +424,20 @@ def summarise(runs: list[dict], target: float | None):
     rows = []
     for (method, lr), rs in groups.items():
         mean, sd = _ms([r["final_loss"] for r in rs])
-        rows.append(dict(method=method, kind=rs[0]["kind"], lr=lr, n=len(rs), mean=mean, sd=sd,
-                         bpps=statistics.mean(r["bytes_per_param_step"] for r in rs),
-                         steps=rs[0]["config"]["steps"], runs=rs,
-                         step_s=statistics.mean(r["wall_s"] / r["config"]["steps"] for r in rs)))
+        rows.append(
+            dict(
+                method=method,
+                kind=rs[0]["kind"],
+                lr=lr,
+                n=len(rs),
+                mean=mean,
+                sd=sd,
+                bpps=statistics.mean(r["bytes_per_param_step"] for r in rs),
+                steps=rs[0]["config"]["steps"],
+                runs=rs,
+                step_s=statistics.mean(r["wall_s"] / r["config"]["steps"] for r in rs),
+            )
+        )
     best = {}
     for row in rows:
         if row["method"] not in best or row["mean"] < best[row["method"]]["mean"]:
@@ -404,38 +458,55 @@ def write_report(tag: str, runs: list[dict], args) -> str:
     lines = [f"# Convergence: `{tag}`", ""]
     if rows:
         c = rows[0]["runs"][0]["config"]
-        lines += [f"Byte-level Llama ({rows[0]['runs'][0]['n_params'] / 1e6:.2f}M params: hidden {c['hidden']}, "
-                  f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks x batch "
-                  f"{c['batch_size']}x{c['seq_len']}, stdlib corpus, {c['steps']} steps, warmup {c['warmup']} + "
-                  f"{c['schedule']}" + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "") +
-                  f"; held-out loss every {c['eval_every']} steps ({c['eval_batches']}x{c['batch_size']} windows). "
-                  f"Target loss for 'steps to target': {target:.4f}" +
-                  (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target)."), ""]
-    lines += ["## Every (method, lr)", "",
-              "| method | lr | seeds | final held-out (mean ± sd) | steps to target (mean ± sd, reached) | "
-              "bytes/param/step | s/step |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Byte-level Llama ({rows[0]['runs'][0]['n_params'] / 1e6:.2f}M params: hidden {c['hidden']}, "
+            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks x batch "
+            f"{c['batch_size']}x{c['seq_len']}, stdlib corpus, {c['steps']} steps, warmup {c['warmup']} + "
+            f"{c['schedule']}"
+            + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "")
+            + f"; held-out loss every {c['eval_every']} steps ({c['eval_batches']}x{c['batch_size']} windows). "
+            f"Target loss for 'steps to target': {target:.4f}"
+            + (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target)."),
+            "",
+        ]
+    lines += [
+        "## Every (method, lr)",
+        "",
+        "| method | lr | seeds | final held-out (mean ± sd) | steps to target (mean ± sd, reached) | "
+        "bytes/param/step | s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(rows, key=lambda r: (r["method"], r["lr"])):
         st, sd = row["steps_to_target"]
         sts = f"{st:.0f} ± {sd:.0f} ({row['reached']}/{row['n']})" if row["reached"] else f"– (0/{row['n']})"
-        lines.append(f"| {row['method']} | {row['lr']:g} | {row['n']} | {row['mean']:.4f} ± {row['sd']:.4f} | {sts} | "
-                     f"{row['bpps']:.4f} | {row['step_s']:.2f} |")
-    lines += ["", "## Each method at its best lr", "",
-              "| method | best lr | final held-out | / AdamW | steps to target | / AdamW | bytes/param/step |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['method']} | {row['lr']:g} | {row['n']} | {row['mean']:.4f} ± {row['sd']:.4f} | {sts} | "
+            f"{row['bpps']:.4f} | {row['step_s']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Each method at its best lr",
+        "",
+        "| method | best lr | final held-out | / AdamW | steps to target | / AdamW | bytes/param/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for b in sorted(best.values(), key=lambda r: r["mean"]):
         ratio = f"{b['mean'] / adamw['mean']:.3f}" if adamw else "–"
         st = b["steps_to_target"][0]
         ast = adamw["steps_to_target"][0] if adamw else float("nan")
         sratio = f"{st / ast:.2f}" if b["reached"] and adamw and adamw["reached"] else "–"
         sts = f"{st:.0f} ({b['reached']}/{b['n']})" if b["reached"] else f"– (0/{b['n']})"
-        lines.append(f"| {b['method']} | {b['lr']:g} | {b['mean']:.4f} ± {b['sd']:.4f} | {ratio} | {sts} | {sratio} | "
-                     f"{b['bpps']:.4f} |")
+        lines.append(
+            f"| {b['method']} | {b['lr']:g} | {b['mean']:.4f} ± {b['sd']:.4f} | {ratio} | {sts} | {sratio} | "
+            f"{b['bpps']:.4f} |"
+        )
     if failed:
         lines += ["", "## Failed runs", ""]
         for r in failed:
             cfg = r.get("config", {})
-            lines.append(f"- {cfg.get('method', {}).get('label')} lr {cfg.get('lr')} seed {cfg.get('seed')}: "
-                         f"{r['error']}")
+            lines.append(
+                f"- {cfg.get('method', {}).get('label')} lr {cfg.get('lr')} seed {cfg.get('seed')}: {r['error']}"
+            )
     text = "\n".join(lines) + "\n"
     (RESULTS / f"convergence_{tag}.md").write_text(text)
     plot(tag, rows, best)
@@ -446,7 +517,7 @@ def write_report(tag: str, runs: list[dict], args) -> str:
 
 def _mean_curve(rs: list[dict]):
     steps = [s for s, _ in rs[0]["evals"]]
-    losses = [[l for _, l in r["evals"]] for r in rs if len(r["evals"]) == len(steps)]
+    losses = [[loss for _, loss in r["evals"]] for r in rs if len(r["evals"]) == len(steps)]
     mean = [statistics.mean(c) for c in zip(*losses)]
     sd = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in zip(*losses)]
     return steps, mean, sd
@@ -455,6 +526,7 @@ def _mean_curve(rs: list[dict]):
 def plot(tag, rows, best):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -464,9 +536,14 @@ def plot(tag, rows, best):
     for b in sorted(best.values(), key=lambda r: r["mean"]):
         steps, mean, sd = _mean_curve(b["runs"])
         label = f"{b['method']} lr {b['lr']:g} ({b['bpps']:.3g} B/param/step)"
-        line, = a1.plot(steps, mean, label=label)
-        a1.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
-                        color=line.get_color(), alpha=0.2)
+        (line,) = a1.plot(steps, mean, label=label)
+        a1.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, sd)],
+            [m + s for m, s in zip(mean, sd)],
+            color=line.get_color(),
+            alpha=0.2,
+        )
         # cumulative bytes per parameter sent by one rank up to each evaluation
         cum = [0.0]
         for x in b["runs"][0]["sent"]:
@@ -474,8 +551,12 @@ def plot(tag, rows, best):
         xb = [cum[s] for s in steps]
         a2.plot(xb[1:], mean[1:], label=label, color=line.get_color())
     a1.set(xlabel="step", ylabel="held-out loss", title="held-out loss vs step (best lr, mean ± sd over seeds)")
-    a2.set(xlabel="bytes sent per parameter (one rank, cumulative)", ylabel="held-out loss", xscale="log",
-           title="held-out loss vs bytes sent")
+    a2.set(
+        xlabel="bytes sent per parameter (one rank, cumulative)",
+        ylabel="held-out loss",
+        xscale="log",
+        title="held-out loss vs bytes sent",
+    )
     lo = min(min(_mean_curve(b["runs"])[1]) for b in best.values())
     for ax in (a1, a2):
         ax.set_ylim(lo - 0.05, lo + 1.2)
@@ -489,6 +570,7 @@ def plot(tag, rows, best):
 def pareto(tag, rows, best):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -503,11 +585,20 @@ def pareto(tag, rows, best):
     for r in pts:
         marker = {"demo": "o", "peer": "s", "adamw": "*", "powersgd": "^"}[r["kind"]]
         ax.errorbar(r["bpps"], r["mean"], yerr=r["sd"], fmt=marker, capsize=2)
-        ax.annotate(r["method"].replace("DeMo ", ""), (r["bpps"], r["mean"]), fontsize=6,
-                    xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            r["method"].replace("DeMo ", ""),
+            (r["bpps"], r["mean"]),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     ax.plot([r["bpps"] for r in front], [r["mean"] for r in front], "k--", lw=0.8, label="Pareto front")
-    ax.set(xscale="log", xlabel="bytes/param/step (one rank)", ylabel="final held-out loss (mean ± sd)",
-           title="final loss vs communication")
+    ax.set(
+        xscale="log",
+        xlabel="bytes/param/step (one rank)",
+        ylabel="final held-out loss (mean ± sd)",
+        title="final loss vs communication",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -561,10 +652,17 @@ def build_methods(args) -> list[Method]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default="short", help="results go to benchmarks/results/convergence_<tag>.*")
-    p.add_argument("--methods", nargs="+", default=["adamw", "powersgd", "demo"],
-                   help=f"from {BASE_METHODS} (or demo:key=value,...)")
-    p.add_argument("--demo-configs", default=None,
-                   help='DeMo configurations for method demo: "topk=32,format=bf16;update_rule=adam"')
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["adamw", "powersgd", "demo"],
+        help=f"from {BASE_METHODS} (or demo:key=value,...)",
+    )
+    p.add_argument(
+        "--demo-configs",
+        default=None,
+        help='DeMo configurations for method demo: "topk=32,format=bf16;update_rule=adam"',
+    )
     p.add_argument("--demo-common", default=None, help="overrides added to every DeMo configuration")
     p.add_argument("--lrs", nargs="+", default=[], help="per method: adamw=1e-3,2e-3 demo=1e-3 (bare: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -608,12 +706,30 @@ def main(argv=None):
         for m in build_methods(args):
             for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
                 for seed in args.seeds:
-                    plan.append(RunConfig(
-                        method=m, lr=lr, seed=seed, steps=args.steps, warmup=args.warmup, schedule=args.schedule,
-                        min_lr_ratio=args.min_lr_ratio, world=args.world, eval_every=args.eval_every,
-                        hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, heads=args.heads,
-                        seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=args.eval_batches,
-                        topk=args.topk, chunk=args.chunk, powersgd_rank=args.powersgd_rank, threads=args.threads))
+                    plan.append(
+                        RunConfig(
+                            method=m,
+                            lr=lr,
+                            seed=seed,
+                            steps=args.steps,
+                            warmup=args.warmup,
+                            schedule=args.schedule,
+                            min_lr_ratio=args.min_lr_ratio,
+                            world=args.world,
+                            eval_every=args.eval_every,
+                            hidden=args.hidden,
+                            intermediate=args.intermediate,
+                            layers=args.layers,
+                            heads=args.heads,
+                            seq_len=args.seq_len,
+                            batch_size=args.batch_size,
+                            eval_batches=args.eval_batches,
+                            topk=args.topk,
+                            chunk=args.chunk,
+                            powersgd_rank=args.powersgd_rank,
+                            threads=args.threads,
+                        )
+                    )
         t_start = time.monotonic()
         for i, cfg in enumerate(plan):
             if cfg.key() in done:
@@ -625,12 +741,18 @@ def main(argv=None):
             runs = [x for x in runs if x.get("key") != cfg.key()] + [r]
             path.write_text(json.dumps(runs))
             if r.get("ok"):
-                print(f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
-                      f"final {r['final_loss']:.4f}, {r['bytes_per_param_step']:.4f} B/param/step, "
-                      f"{r['wall_s']:.0f} s", flush=True)
+                print(
+                    f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
+                    f"final {r['final_loss']:.4f}, {r['bytes_per_param_step']:.4f} B/param/step, "
+                    f"{r['wall_s']:.0f} s",
+                    flush=True,
+                )
             else:
-                print(f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
-                      f"FAILED {r['error']}", flush=True)
+                print(
+                    f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
+                    f"FAILED {r['error']}",
+                    flush=True,
+                )
     print(write_report(args.tag, runs, args))
 
 
