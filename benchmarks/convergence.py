@@ -1,0 +1,760 @@
+"""Convergence per step: DeMo configurations against DDP-AdamW and DDP-AdamW + PowerSGD (issue 10, items 1-2).
+
+    # compare methods, each with its own learning-rate sweep, several seeds
+    python benchmarks/convergence.py --steps 300 --seeds 0 1 2 \\
+        --methods adamw powersgd peer demo \\
+        --lrs adamw=1e-3,2e-3 powersgd=1e-3,2e-3 peer=1e-3 demo=3e-4,1e-3 \\
+        --demo-configs "value_format=bf16;value_format=sign;update_rule=adam"
+    # compression sweep (item 2): top-k x chunk x value format, Pareto plot of final loss vs bytes/param/step
+    python benchmarks/convergence.py --sweep --steps 200 --seeds 0 --lrs demo=1e-3 \\
+        --sweep-topk 4 8 16 32 64 --sweep-chunk 32 64 128 --sweep-format bf16 sign
+    # redraw tables and plots from the JSON without training
+    python benchmarks/convergence.py --tag short --report-only
+
+The job is ``wan_worker.py``'s (reused, not copied): a byte-level ``LlamaForCausalLM`` (vocab 256, hidden 256,
+4 layers, intermediate 688: 3.3M parameters, random init from the seed) on the Python standard library's
+sources; the last 2% of the bytes are held out; rank r draws its windows from its own shard with a generator
+seeded by (seed, rank), so every method sees the same batches. ``--world`` gloo ranks (default 2) are forked
+per run (``torch.multiprocessing``), one torch thread each, on 127.0.0.1.
+
+Methods (``--methods``; each may be given several times through ``--demo-configs``):
+
+- ``adamw``     ``torch.optim.AdamW`` (betas 0.9/0.95, no weight decay) on ``DistributedDataParallel``: a dense
+                fp32 gradient all-reduce, counted as 4 bytes/param/step (what the rank hands in).
+- ``powersgd``  the same with DDP's ``powerSGD_hook`` (rank ``--powersgd-rank``, plain all-reduce for the
+                first 2 steps, one DDP bucket); bytes from the shapes with torch's rule
+                (``recipes/compare.py:powersgd_bytes_per_step``).
+- ``peer``      ``pytorch_optimizer.DeMo`` (``--topk``, ``--chunk``); bytes = its ``data_transmit``.
+- ``demo``      ``hf_demo.DeMo``, once per configuration in ``--demo-configs``: ``;`` separates
+                configurations, ``,`` separates ``key=value`` overrides of DeMo's keyword arguments. Short keys:
+                ``topk``, ``chunk``, ``decay``, ``format`` (= compression_topk, compression_chunk,
+                compression_decay, value_format). Any other key goes to ``DeMo(...)`` as is (e.g.
+                ``update_rule=adam``, ``sign_update=false``); a keyword this hf_demo does not know fails that
+                configuration with the error, the rest still run. Values: int, float, true/false or text.
+                ``blocking=divisor`` is not a DeMo keyword: it replaces ``hf_demo.blocks.plan`` in the worker by
+                the peer's blocking rule (see ``reference_gap.py``), to measure that fix before it lands;
+                ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K.
+                Bytes = ``comm_stats.bytes_sent`` (headers included).
+
+Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
+(``--schedule cosine``, default) or constant (``--schedule constant``).
+
+Measured per run: training loss every step (rank 0's own batch), held-out loss every ``--eval-every`` steps
+(rank 0; the replicas are identical for every method), bytes/param/step, wall time. Reported per
+(method, lr): mean +- sd over seeds of the final held-out loss, steps to the target loss (first evaluation at
+or below it, linearly interpolated between evaluations; ``--target``, default 1.03 x the best AdamW mean),
+bytes/param/step; per method its best lr; ratio to AdamW. Written under ``benchmarks/results/``:
+``convergence_<tag>.json`` (every run, appended after each run so an interrupted sweep keeps what finished;
+``--resume`` skips runs already there), ``convergence_<tag>.md`` and ``convergence_<tag>.png`` (held-out loss
+vs step and vs bytes/param sent; best lr per method, mean over seeds, sd band), with ``--sweep`` also
+``convergence_<tag>_pareto.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+RESULTS = HERE / "results"
+
+ALIASES = {
+    "topk": "compression_topk",
+    "chunk": "compression_chunk",
+    "decay": "compression_decay",
+    "format": "value_format",
+}
+BASE_METHODS = ("adamw", "powersgd", "peer", "demo")
+
+
+# ------------------------------------------------------------------ methods
+@dataclass
+class Method:
+    kind: str  # adamw | powersgd | peer | demo
+    label: str
+    overrides: dict = field(default_factory=dict)  # DeMo keywords (kind demo)
+
+
+def _value(text: str):
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_overrides(spec: str) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if "=" not in item:
+            raise SystemExit(f"DeMo override {item!r} is not key=value")
+        k, v = item.split("=", 1)
+        out[ALIASES.get(k.strip(), k.strip())] = _value(v)
+    return out
+
+
+def demo_label(overrides: dict) -> str:
+    short = {v: k for k, v in ALIASES.items()}
+    if not overrides:
+        return "DeMo"
+    return "DeMo " + ",".join(f"{short.get(k, k)}={v}" for k, v in overrides.items())
+
+
+def parse_method(spec: str, label: str | None = None) -> Method:
+    """``adamw`` | ``powersgd`` | ``peer`` | ``demo`` | ``demo:key=value,...``."""
+    kind, _, rest = spec.partition(":")
+    if kind not in BASE_METHODS:
+        raise SystemExit(f"unknown method {kind!r}; expected one of {BASE_METHODS}")
+    overrides = parse_overrides(rest) if kind == "demo" else {}
+    default = {"adamw": "DDP-AdamW", "powersgd": "DDP-AdamW+PowerSGD", "peer": "pytorch-optimizer DeMo"}
+    return Method(kind, label or default.get(kind) or demo_label(overrides), overrides)
+
+
+# ------------------------------------------------------------------ one run
+@dataclass
+class RunConfig:
+    method: Method
+    lr: float
+    seed: int
+    steps: int
+    warmup: int = 20
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    world: int = 2
+    eval_every: int = 25
+    hidden: int = 256
+    intermediate: int = 688
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 128
+    batch_size: int = 8
+    eval_batches: int = 4
+    topk: int = 32
+    chunk: int = 64
+    powersgd_rank: int = 4
+    threads: int = 1
+    timeout_s: float = 3600.0
+
+    def key(self) -> str:
+        m = self.method
+        return json.dumps(
+            [
+                m.kind,
+                m.label,
+                sorted(m.overrides.items()),
+                self.lr,
+                self.seed,
+                self.steps,
+                self.warmup,
+                self.schedule,
+                self.min_lr_ratio,
+                self.world,
+                self.hidden,
+                self.intermediate,
+                self.layers,
+                self.batch_size,
+                self.topk,
+                self.chunk,
+            ],
+            default=str,
+        )
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup, then cosine (or constant)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup - 1)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+_CORPUS = None
+
+
+def _corpus():
+    global _CORPUS
+    if _CORPUS is None:
+        import wan_worker
+
+        _CORPUS = wan_worker.load_corpus()
+    return _CORPUS
+
+
+def _build_optimizer(cfg: RunConfig, model, n_params: int):
+    """(module to call, optimizer, bytes sent this step -> int)."""
+    import torch
+
+    m = cfg.method
+    if m.kind == "demo":
+        import hf_demo
+
+        kw = dict(compression_topk=cfg.topk, compression_chunk=cfg.chunk)
+        kw.update(m.overrides)
+        blocking = kw.pop("blocking", "pad")
+        if blocking == "divisor":
+            from reference_gap import use_divisor_blocking
+
+            use_divisor_blocking()
+        elif blocking != "pad":
+            raise ValueError(f"blocking must be pad or divisor, got {blocking!r}")
+        mlp_topk = kw.pop("mlp_topk", None)
+        params = model.parameters()
+        if mlp_topk is not None:  # benchmark-only: another top-k for the MLP matrices (a parameter group)
+            named = list(model.named_parameters())
+            params = [
+                {"params": [p for n, p in named if "mlp" not in n]},
+                {"params": [p for n, p in named if "mlp" in n], "compression_topk": int(mlp_topk)},
+            ]
+        opt = hf_demo.DeMo(params, lr=cfg.lr, **kw)
+        return model, opt, lambda: opt.comm_stats.bytes_sent
+    if m.kind == "peer":
+        import pytorch_optimizer
+
+        opt = pytorch_optimizer.DeMo(
+            model.parameters(), lr=cfg.lr, compression_top_k=cfg.topk, compression_chunk=cfg.chunk, **m.overrides
+        )
+        return model, opt, lambda: opt.data_transmit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dense = 4 * n_params
+    if m.kind == "adamw":
+        net = DDP(model)
+        sent = lambda: dense  # noqa: E731
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        from recipes.compare import powersgd_bytes_per_step
+
+        # one bucket: with several, gloo ranks can order PowerSGD's chained all-reduces differently
+        net = DDP(model, bucket_cap_mb=1024)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2)
+        net.register_comm_hook(state, ps.powerSGD_hook)
+        compressed = powersgd_bytes_per_step([tuple(p.shape) for p in model.parameters()], cfg.powersgd_rank)
+        counter = {"n": 0}
+
+        def sent():
+            counter["n"] += 1
+            return dense if counter["n"] <= 2 else compressed
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return net, opt, sent
+
+
+def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = None
+    try:
+        import wan_worker
+
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        )
+        data = wan_worker.Data(
+            _corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches
+        )
+        model = wan_worker.build_model(
+            SimpleNamespace(
+                hidden=cfg.hidden,
+                intermediate=cfg.intermediate,
+                layers=cfg.layers,
+                heads=cfg.heads,
+                seq_len=cfg.seq_len,
+                seed=cfg.seed,
+            )
+        )
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+        n_params = sum(p.numel() for p in model.parameters())
+        net, opt, sent = _build_optimizer(cfg, model, n_params)
+        evals, train_loss, sent_bytes, lrs = [], [], [], []
+
+        def do_eval(step):
+            if rank == 0:
+                evals.append((step, wan_worker.evaluate(model, data.eval)))
+            dist.barrier()
+
+        t0 = time.perf_counter()
+        do_eval(0)
+        for step in range(cfg.steps):
+            lr = lr_at(cfg, step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = data.next_batch()
+            loss = net(input_ids=batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            train_loss.append(float(loss.detach()))
+            sent_bytes.append(int(sent()))
+            lrs.append(lr)
+            if not math.isfinite(train_loss[-1]):
+                raise FloatingPointError(f"training loss is {train_loss[-1]} at step {step + 1}")
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                do_eval(step + 1)
+        wall = time.perf_counter() - t0
+        if rank == 0:
+            out = dict(
+                ok=True, n_params=n_params, evals=evals, train_loss=train_loss, sent=sent_bytes, lr=lrs, wall_s=wall
+            )
+        dist.barrier()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out = dict(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    if out is not None:
+        queue.put((rank, out))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train one configuration on ``cfg.world`` forked gloo ranks; rank 0's measurements as a dict."""
+    import torch.multiprocessing as mp
+
+    _corpus()  # read once in the parent, shared by the forked ranks
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue), daemon=True) for r in range(cfg.world)]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    result = None
+    errors = []
+    deadline = time.monotonic() + cfg.timeout_s + 120
+    expected = 1
+    got = 0
+    while got < expected and time.monotonic() < deadline:
+        try:
+            rank, out = queue.get(timeout=5)
+        except Exception:
+            if all(not p.is_alive() for p in procs):
+                break
+            continue
+        if out.get("ok"):
+            result = out
+            got += 1
+        else:
+            errors.append(f"rank {rank}: {out['error']}")
+            break
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if result is None:
+        return dict(ok=False, error="; ".join(errors) or "no result (a rank died?)", config=_cfg_dict(cfg))
+    sent = result["sent"]
+    result.update(
+        config=_cfg_dict(cfg),
+        key=cfg.key(),
+        method=cfg.method.label,
+        kind=cfg.method.kind,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        final_loss=result["evals"][-1][1],
+        bytes_per_param_step=statistics.mean(sent) / result["n_params"],
+        total_s=time.perf_counter() - started,
+    )
+    return result
+
+
+def _cfg_dict(cfg: RunConfig) -> dict:
+    d = asdict(cfg)
+    d["method"] = asdict(cfg.method)
+    return d
+
+
+# ------------------------------------------------------------------ reporting
+def interp_steps_to(evals, target: float):
+    """First step at which the held-out loss reaches ``target`` (linear between evaluations), else None."""
+    prev = None
+    for step, loss in evals:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            s0, l0 = prev
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        prev = (step, loss)
+    return None
+
+
+def _ms(xs):
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(runs: list[dict], target: float | None):
+    ok = [r for r in runs if r.get("ok")]
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in ok:
+        groups.setdefault((r["method"], r["lr"]), []).append(r)
+    rows = []
+    for (method, lr), rs in groups.items():
+        mean, sd = _ms([r["final_loss"] for r in rs])
+        rows.append(
+            dict(
+                method=method,
+                kind=rs[0]["kind"],
+                lr=lr,
+                n=len(rs),
+                mean=mean,
+                sd=sd,
+                bpps=statistics.mean(r["bytes_per_param_step"] for r in rs),
+                steps=rs[0]["config"]["steps"],
+                runs=rs,
+                step_s=statistics.mean(r["wall_s"] / r["config"]["steps"] for r in rs),
+            )
+        )
+    best = {}
+    for row in rows:
+        if row["method"] not in best or row["mean"] < best[row["method"]]["mean"]:
+            best[row["method"]] = row
+    adamw = [b for b in best.values() if b["kind"] == "adamw"]
+    if target is None and adamw:
+        target = 1.03 * adamw[0]["mean"]
+    for row in rows:
+        reached = [interp_steps_to(r["evals"], target) for r in row["runs"]] if target else []
+        row["reached"] = sum(s is not None for s in reached)
+        row["steps_to_target"] = _ms([s for s in reached if s is not None])
+    return rows, best, target, (adamw[0] if adamw else None)
+
+
+def write_report(tag: str, runs: list[dict], args) -> str:
+    rows, best, target, adamw = summarise(runs, args.target)
+    failed = [r for r in runs if not r.get("ok")]
+    lines = [f"# Convergence: `{tag}`", ""]
+    if rows:
+        c = rows[0]["runs"][0]["config"]
+        lines += [
+            f"Byte-level Llama ({rows[0]['runs'][0]['n_params'] / 1e6:.2f}M params: hidden {c['hidden']}, "
+            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks x batch "
+            f"{c['batch_size']}x{c['seq_len']}, stdlib corpus, {c['steps']} steps, warmup {c['warmup']} + "
+            f"{c['schedule']}"
+            + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "")
+            + f"; held-out loss every {c['eval_every']} steps ({c['eval_batches']}x{c['batch_size']} windows). "
+            f"Target loss for 'steps to target': {target:.4f}"
+            + (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target)."),
+            "",
+        ]
+    lines += [
+        "## Every (method, lr)",
+        "",
+        "| method | lr | seeds | final held-out (mean ± sd) | steps to target (mean ± sd, reached) | "
+        "bytes/param/step | s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r["method"], r["lr"])):
+        st, sd = row["steps_to_target"]
+        sts = f"{st:.0f} ± {sd:.0f} ({row['reached']}/{row['n']})" if row["reached"] else f"– (0/{row['n']})"
+        lines.append(
+            f"| {row['method']} | {row['lr']:g} | {row['n']} | {row['mean']:.4f} ± {row['sd']:.4f} | {sts} | "
+            f"{row['bpps']:.4f} | {row['step_s']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Each method at its best lr",
+        "",
+        "| method | best lr | final held-out | / AdamW | steps to target | / AdamW | bytes/param/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in sorted(best.values(), key=lambda r: r["mean"]):
+        ratio = f"{b['mean'] / adamw['mean']:.3f}" if adamw else "–"
+        st = b["steps_to_target"][0]
+        ast = adamw["steps_to_target"][0] if adamw else float("nan")
+        sratio = f"{st / ast:.2f}" if b["reached"] and adamw and adamw["reached"] else "–"
+        sts = f"{st:.0f} ({b['reached']}/{b['n']})" if b["reached"] else f"– (0/{b['n']})"
+        lines.append(
+            f"| {b['method']} | {b['lr']:g} | {b['mean']:.4f} ± {b['sd']:.4f} | {ratio} | {sts} | {sratio} | "
+            f"{b['bpps']:.4f} |"
+        )
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        for r in failed:
+            cfg = r.get("config", {})
+            lines.append(
+                f"- {cfg.get('method', {}).get('label')} lr {cfg.get('lr')} seed {cfg.get('seed')}: {r['error']}"
+            )
+    text = "\n".join(lines) + "\n"
+    (RESULTS / f"convergence_{tag}.md").write_text(text)
+    plot(tag, rows, best)
+    if args.sweep or any(r["kind"] == "demo" for r in rows):
+        pareto(tag, rows, best)
+    return text
+
+
+def _mean_curve(rs: list[dict]):
+    steps = [s for s, _ in rs[0]["evals"]]
+    losses = [[loss for _, loss in r["evals"]] for r in rs if len(r["evals"]) == len(steps)]
+    mean = [statistics.mean(c) for c in zip(*losses)]
+    sd = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in zip(*losses)]
+    return steps, mean, sd
+
+
+def plot(tag, rows, best):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    for b in sorted(best.values(), key=lambda r: r["mean"]):
+        steps, mean, sd = _mean_curve(b["runs"])
+        label = f"{b['method']} lr {b['lr']:g} ({b['bpps']:.3g} B/param/step)"
+        (line,) = a1.plot(steps, mean, label=label)
+        a1.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, sd)],
+            [m + s for m, s in zip(mean, sd)],
+            color=line.get_color(),
+            alpha=0.2,
+        )
+        # cumulative bytes per parameter sent by one rank up to each evaluation
+        cum = [0.0]
+        for x in b["runs"][0]["sent"]:
+            cum.append(cum[-1] + x / b["runs"][0]["n_params"])
+        xb = [cum[s] for s in steps]
+        a2.plot(xb[1:], mean[1:], label=label, color=line.get_color())
+    a1.set(xlabel="step", ylabel="held-out loss", title="held-out loss vs step (best lr, mean ± sd over seeds)")
+    a2.set(
+        xlabel="bytes sent per parameter (one rank, cumulative)",
+        ylabel="held-out loss",
+        xscale="log",
+        title="held-out loss vs bytes sent",
+    )
+    lo = min(min(_mean_curve(b["runs"])[1]) for b in best.values())
+    for ax in (a1, a2):
+        ax.set_ylim(lo - 0.05, lo + 1.2)
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"convergence_{tag}.png", dpi=110)
+    plt.close(fig)
+
+
+def pareto(tag, rows, best):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pts = sorted(best.values(), key=lambda r: r["bpps"])
+    front, lowest = [], float("inf")
+    for r in pts:
+        if r["mean"] < lowest:
+            front.append(r)
+            lowest = r["mean"]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for r in pts:
+        marker = {"demo": "o", "peer": "s", "adamw": "*", "powersgd": "^"}[r["kind"]]
+        ax.errorbar(r["bpps"], r["mean"], yerr=r["sd"], fmt=marker, capsize=2)
+        ax.annotate(
+            r["method"].replace("DeMo ", ""),
+            (r["bpps"], r["mean"]),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.plot([r["bpps"] for r in front], [r["mean"] for r in front], "k--", lw=0.8, label="Pareto front")
+    ax.set(
+        xscale="log",
+        xlabel="bytes/param/step (one rank)",
+        ylabel="final held-out loss (mean ± sd)",
+        title="final loss vs communication",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"convergence_{tag}_pareto.png", dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ main
+def parse_lrs(items: list[str]) -> dict[str, list[float]]:
+    """``adamw=1e-3,2e-3 demo=1e-3`` (a bare list applies to every method)."""
+    out = {}
+    for item in items:
+        if "=" in item:
+            k, v = item.split("=", 1)
+            out[k] = [float(x) for x in v.split(",")]
+        else:
+            out["*"] = [float(x) for x in item.split(",")]
+    return out
+
+
+DEFAULT_LRS = {"adamw": [1e-3], "powersgd": [1e-3], "peer": [1e-3], "demo": [1e-3]}
+
+
+def build_methods(args) -> list[Method]:
+    methods = []
+    for name in args.methods:
+        if name == "demo":
+            configs = [c for c in (args.demo_configs or "").split(";")] or [""]
+            for c in configs:
+                methods.append(parse_method("demo:" + c.strip()))
+        else:
+            methods.append(parse_method(name))
+    if args.sweep:
+        common = parse_overrides(args.demo_common or "")
+        for fmt in args.sweep_format:
+            for chunk in args.sweep_chunk:
+                for topk in args.sweep_topk:
+                    if topk > chunk * chunk:
+                        continue
+                    ov = dict(compression_topk=topk, compression_chunk=chunk, value_format=fmt, **common)
+                    methods.append(Method("demo", demo_label(ov), ov))
+    elif args.demo_common:
+        common = parse_overrides(args.demo_common)
+        for m in methods:
+            if m.kind == "demo":
+                m.overrides = {**common, **m.overrides}
+                m.label = demo_label(m.overrides)
+    return methods
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tag", default="short", help="results go to benchmarks/results/convergence_<tag>.*")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["adamw", "powersgd", "demo"],
+        help=f"from {BASE_METHODS} (or demo:key=value,...)",
+    )
+    p.add_argument(
+        "--demo-configs",
+        default=None,
+        help='DeMo configurations for method demo: "topk=32,format=bf16;update_rule=adam"',
+    )
+    p.add_argument("--demo-common", default=None, help="overrides added to every DeMo configuration")
+    p.add_argument("--lrs", nargs="+", default=[], help="per method: adamw=1e-3,2e-3 demo=1e-3 (bare: all)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--topk", type=int, default=32, help="peer's top-k and DeMo's unless overridden")
+    p.add_argument("--chunk", type=int, default=64, help="peer's chunk and DeMo's unless overridden")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--target", type=float, default=None, help="target held-out loss (default 1.03 x AdamW)")
+    p.add_argument("--sweep", action="store_true", help="item 2: top-k x chunk x format grid of DeMo")
+    p.add_argument("--sweep-topk", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--sweep-chunk", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--sweep-format", nargs="+", default=["bf16", "sign"])
+    p.add_argument("--resume", action="store_true", help="skip runs already in the tag's JSON")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from the JSON")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this long")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"convergence_{args.tag}.json"
+    runs = json.loads(path.read_text()) if path.exists() and (args.resume or args.report_only) else []
+    if not args.report_only:
+        lrs = parse_lrs(args.lrs)
+        done = {r.get("key") for r in runs if r.get("ok")}
+        plan = []
+        for m in build_methods(args):
+            for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
+                for seed in args.seeds:
+                    plan.append(
+                        RunConfig(
+                            method=m,
+                            lr=lr,
+                            seed=seed,
+                            steps=args.steps,
+                            warmup=args.warmup,
+                            schedule=args.schedule,
+                            min_lr_ratio=args.min_lr_ratio,
+                            world=args.world,
+                            eval_every=args.eval_every,
+                            hidden=args.hidden,
+                            intermediate=args.intermediate,
+                            layers=args.layers,
+                            heads=args.heads,
+                            seq_len=args.seq_len,
+                            batch_size=args.batch_size,
+                            eval_batches=args.eval_batches,
+                            topk=args.topk,
+                            chunk=args.chunk,
+                            powersgd_rank=args.powersgd_rank,
+                            threads=args.threads,
+                        )
+                    )
+        t_start = time.monotonic()
+        for i, cfg in enumerate(plan):
+            if cfg.key() in done:
+                continue
+            if args.max_minutes and time.monotonic() - t_start > 60 * args.max_minutes:
+                print(f"[convergence] --max-minutes reached: {len(plan) - i} runs not started", flush=True)
+                break
+            r = run(cfg)
+            runs = [x for x in runs if x.get("key") != cfg.key()] + [r]
+            path.write_text(json.dumps(runs))
+            if r.get("ok"):
+                print(
+                    f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
+                    f"final {r['final_loss']:.4f}, {r['bytes_per_param_step']:.4f} B/param/step, "
+                    f"{r['wall_s']:.0f} s",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"[convergence] {i + 1}/{len(plan)} {cfg.method.label} lr {cfg.lr:g} seed {cfg.seed}: "
+                    f"FAILED {r['error']}",
+                    flush=True,
+                )
+    print(write_report(args.tag, runs, args))
+
+
+if __name__ == "__main__":
+    main()
