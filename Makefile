@@ -2,12 +2,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-fast lint demo quickstart bench compare
+.PHONY: setup test test-slow test-fast lint demo quickstart bench compare
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The slow tier: 20 two-process launches under load, torchrun kill-and-recover (about 10 minutes).
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 # The fast tier: everything but accelerate launches and the long fault/mode suites on gloo ranks.
 test-fast: setup
