@@ -88,7 +88,13 @@ SCENARIOS = {
     "harsh": dict(
         rate="1gbit",
         events=[(10.0, "rate", "500kbit"), (45.0, "rate", "2mbit")],
-        about="1 Gbit/s, at 10 s 500 kbit/s, at 45 s 2 Mbit/s (slow enough that DeMo's own exchange dominates)",
+        about="1 Gbit/s, at 10 s 500 kbit/s, at 45 s 2 Mbit/s (meant to bind DeMo; at ~2 s steps the 256 KiB "
+        "token bucket refills 125 kB per step, more than DeMo bf16's 111 kB, so it did not)",
+    ),
+    "choke": dict(
+        rate="1gbit",
+        events=[(8.0, "rate", "200kbit"), (50.0, "rate", "2mbit")],
+        about="1 Gbit/s, at 8 s 200 kbit/s, at 50 s 2 Mbit/s (below DeMo bf16's payload per step time)",
     ),
     "drop": dict(
         rate="100mbit",
