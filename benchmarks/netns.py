@@ -158,6 +158,24 @@ class Cluster:
                             _ns(where, "tc", "class", "add", "dev", dev, *args)
         self._wait_reachable()
 
+    def set_rate(self, rate: str) -> None:
+        """Change every link's rate in place (``tc qdisc/class change``), e.g. mid-run. Needs a shaped cluster."""
+        if not self._qdiscs:
+            raise RuntimeError("set_rate needs a cluster created with a rate (an unlimited one has no qdisc)")
+        for ns, dev in self._qdiscs:
+            for args in shaping_args(rate, self.shaper):
+                if self.shaper == "tbf":
+                    _ns(ns, "tc", "qdisc", "change", "dev", dev, *args)
+                elif args[0] != "root":  # htb: the class holds the rate
+                    _ns(ns, "tc", "class", "change", "dev", dev, *args)
+        self.rate = rate
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Take node ``i``'s switch port down (the cable pulled: nothing passes either way) or back up."""
+        _ns(self.switch, "ip", "link", "set", f"p{i}", "up" if up else "down")
+        if up:
+            self._wait_reachable()
+
     def _wait_reachable(self, timeout: float = 15.0) -> None:
         """Wait until every node's eth0 is up and every bridge port is forwarding (brport state 3)."""
         deadline = time.time() + timeout

@@ -29,13 +29,17 @@ import argparse
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import expect_ok, run_ranks
 
 HERE = Path(__file__).resolve().parent
 
-DEFAULT_SETTINGS = "bf16:32:64,sign:32:64,fp32:32:64,bf16:16:64,bf16:8:64,sign:8:64,sign:4:64"
+DEFAULT_SETTINGS = (
+    "bf16:32:64,sign:32:64,bf16:32:64:all_reduce,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
+    "bf16:32:64:sync8,sign:32:64:sync8,bf16:8:64,sign:8:64,sign:4:64"
+)
 
 # Llama-3.2-1B shapes (hidden 2048, 16 layers, MLP 8192, 32 heads / 8 KV heads of 64, vocab 128256, tied)
 LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8, tied=True)
@@ -44,8 +48,15 @@ LLAMA_1B = dict(vocab=128256, hidden=2048, layers=16, intermediate=8192, heads=3
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4,8")
-    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated value_format:topk:chunk")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--settings",
+        default=DEFAULT_SETTINGS,
+        help="comma-separated value_format:topk:chunk[:all_reduce][:node][:syncH] (node = hierarchy='node' with "
+        "--local-size processes per node; syncH = sync_every=H)",
+    )
+    p.add_argument("--local-size", type=int, default=2, help="LOCAL_WORLD_SIZE for the :node settings")
+    p.add_argument("--steps", type=int, default=2, help="steps per setting (at least 2 x H for syncH settings)")
+    p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -54,16 +65,61 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def parse_settings(s: str):
+@dataclass(frozen=True)
+class Setting:
+    fmt: str
+    k: int
+    c: int
+    exchange: str = "all_gather"
+    hierarchy: str = "flat"
+    sync_every: int = 1
+
+    @property
+    def plain(self) -> bool:
+        """The all-gather every-step layout that Part 2 computes exactly."""
+        return self.exchange == "all_gather" and self.hierarchy == "flat" and self.sync_every == 1
+
+    def kwargs(self) -> dict:
+        return dict(
+            compression_topk=self.k,
+            compression_chunk=self.c,
+            value_format=self.fmt,
+            exchange=self.exchange,
+            hierarchy=self.hierarchy,
+            sync_every=self.sync_every,
+        )
+
+
+def parse_settings(s: str) -> list[Setting]:
     out = []
     for item in s.split(","):
-        fmt, k, c = item.strip().split(":")
-        out.append((fmt, int(k), int(c)))
+        fmt, k, c, *extra = item.strip().split(":")
+        kw = {}
+        for e in extra:
+            if e in ("all_reduce", "all_gather"):
+                kw["exchange"] = e
+            elif e in ("node", "flat"):
+                kw["hierarchy"] = e
+            elif e.startswith("sync"):
+                kw["sync_every"] = int(e[4:])
+            else:
+                raise SystemExit(f"scaling.py: unknown setting part {e!r} in {item!r}")
+        out.append(Setting(fmt, int(k), int(c), **kw))
     return out
 
 
-def label(fmt, k, c):
-    return f"{fmt}, top-{k}/{c}×{c}"
+def label(s: Setting) -> str:
+    out = f"{s.fmt}, top-{s.k}/{s.c}×{s.c}"
+    if s.exchange != "all_gather":
+        out += ", all_reduce"
+    if s.hierarchy != "flat":
+        out += ", node (2 proc/node)"
+    if s.sync_every > 1:
+        out += f", sync every {s.sync_every}"
+    return out
+
+
+INTRA_NODE = ("node_gradients", "node_parameters")  # the collectives of hierarchy='node' inside a node
 
 
 # ------------------------------------------------------------------ measured part
@@ -77,34 +133,63 @@ def small_model(args):
 
 
 def _rank(rank, world, args, settings):
-    """One rank (run by ``run_ranks``): the traffic every setting counted, in ``settings`` order."""
+    """One rank (run by ``run_ranks``): the traffic every setting counted, in ``settings`` order.
+
+    Bytes are split by collective name: ``opt.comm_stats.record`` is wrapped on this optimizer instance and the
+    public collective hook (``hf_demo.comm.register_collective_hook``, called just before each collective)
+    says which collective the next record belongs to. Intra-node collectives (hierarchy='node') are counted
+    apart from the traffic between nodes.
+    """
     import torch
 
     from hf_demo import DeMo
+    from hf_demo.comm import register_collective_hook
 
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)
     model = small_model(args)
     params = list(model.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
     grads = [torch.randn(p.shape, generator=gen) for p in params]
+    current = {"name": "?"}
+    hook = register_collective_hook(lambda name, nbytes: current.__setitem__("name", name))
     res = []
-    for fmt, k, c in settings:
-        opt = DeMo(params, lr=1e-3, compression_topk=k, compression_chunk=c, value_format=fmt)
-        for _ in range(args.steps):
+    for st in settings:
+        if st.hierarchy == "node" and (world % args.local_size or world == args.local_size):
+            res.append(None)  # one node only (or not divisible): nothing between nodes to measure
+            continue
+        opt = DeMo(params, lr=1e-3, **st.kwargs())
+        by_name: dict[str, list[int]] = {}
+        record = opt.comm_stats.record
+
+        def counted(sent, received, seconds, record=record, by_name=by_name):
+            b = by_name.setdefault(current["name"], [0, 0, 0])
+            b[0] += sent
+            b[1] += received
+            b[2] += 1
+            record(sent, received, seconds)
+
+        opt.comm_stats.record = counted
+        steps = max(args.steps, 2 * st.sync_every)
+        for _ in range(steps):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             opt.step()
         cs = opt.comm_stats
+        inter = {n: v for n, v in by_name.items() if n not in INTRA_NODE}
         res.append(
             dict(
-                fmt=fmt,
-                topk=k,
-                chunk=c,
-                sent=cs.bytes_sent,
-                received=cs.bytes_received,
-                collectives=cs.collectives,
+                setting=label(st),
+                steps=steps,
+                sent=cs.total_bytes_sent / steps,
+                received=cs.total_bytes_received / steps,
+                inter_sent=sum(v[0] for v in inter.values()) / steps,
+                inter_received=sum(v[1] for v in inter.values()) / steps,
+                collectives=cs.total_collectives / steps,
+                by_name={n: [v[0] / steps, v[1] / steps, v[2] / steps] for n, v in by_name.items()},
                 dense=cs.dense_bytes,
             )
         )
+    hook.remove()
     return dict(n_params=sum(p.numel() for p in params), res=res)
 
 
@@ -112,12 +197,42 @@ def measure(world, args, settings):
     ranks = expect_ok(
         run_ranks(_rank, world, args, settings, timeout=1800, collective_timeout=600, start_method="spawn")
     )
-    out = dict(world=world, n_params=ranks[0]["n_params"], ranks=[r["res"] for r in ranks])
-    for r, rr in enumerate(out["ranks"]):
-        for a, b in zip(rr, out["ranks"][0]):
-            if (a["sent"], a["received"]) != (b["sent"], b["received"]):
-                raise RuntimeError(f"world {world}: rank {r} counted {a} but rank 0 {b}")
+    out = dict(world=world, n_params=ranks[0]["n_params"], ranks=[r["res"] for r in ranks], mean=[])
+    for i, st in enumerate(settings):
+        rows = [r["res"][i] for r in ranks]
+        if rows[0] is None:
+            out["mean"].append(None)
+            continue
+        if st.exchange == "all_gather" and st.hierarchy == "flat":
+            for r, row in enumerate(rows):  # symmetric collectives: every rank must count the same
+                if (row["sent"], row["received"]) != (rows[0]["sent"], rows[0]["received"]):
+                    raise RuntimeError(f"world {world}: rank {r} counted {row} but rank 0 {rows[0]}")
+        # all_reduce: the rotating leader sends the positions, the others receive them, so ranks differ in a
+        # step; the mean over ranks is the per-step average over a full rotation.
+        mean = {
+            k: sum(row[k] for row in rows) / len(rows)
+            for k in ("sent", "received", "inter_sent", "inter_received", "collectives")
+        }
+        mean.update(setting=rows[0]["setting"], by_name=rows[0]["by_name"], dense=rows[0]["dense"])
+        mean["max_received"] = max(row["received"] for row in rows)
+        out["mean"].append(mean)
     return out
+
+
+def powersgd_bytes(shapes, rank: int) -> int:
+    """Bytes one rank hands to PowerSGD's all-reduces per step (torch's ``powerSGD_hook``, fp32): 1-D tensors
+    and matrices not worth compressing (``_should_compress`` with min_compression_rate 2) go uncompressed,
+    every other tensor viewed as (shape[0], -1) sends P (n x r) and Q (m x r)."""
+    total = 0
+    for s in shapes:
+        n = s[0]
+        m = math.prod(s[1:]) if len(s) > 1 else 1
+        r = min(n, m, rank)
+        if (n + m) * r * 2 < n * m:
+            total += 4 * (n + m) * r
+        else:
+            total += 4 * n * m
+    return total
 
 
 # ------------------------------------------------------------------ exact part
@@ -154,77 +269,164 @@ def ring_allreduce_per_rank(n_params, world) -> float:
 
 
 # ------------------------------------------------------------------ main
+def uptime() -> str:
+    try:
+        return open("/proc/loadavg").read().split(" ")[:3].__str__()
+    except OSError:
+        return "n/a"
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     settings = parse_settings(args.settings)
     worlds = [int(w) for w in args.worlds.split(",")]
+    load_before = uptime()
     measured = {w: measure(w, args, settings) for w in worlds}
+    load_after = uptime()
     n = measured[worlds[0]]["n_params"]
     from hf_demo.codec import HEADER_BYTES
 
+    small_shapes = [tuple(p.shape) for p in small_model(args).parameters()]
+    ps_bytes = powersgd_bytes(small_shapes, args.powersgd_rank)
+    L = args.local_size
     lines = [
         "# DeMo traffic vs number of workers (generated by benchmarks/scaling.py)",
         "",
         f"Measured with `hf_demo.DeMo.comm_stats` on {len(worlds)} local gloo worlds "
         f"({', '.join(map(str, worlds))} processes), model of `wan_worker.py` ({n / 1e6:.2f}M parameters), "
-        f"random gradients, per rank per step. **ring AR** = fp32 ring all-reduce, 2(W-1)/W·4 B/param per "
-        f"rank each way (formula; "
-        f"the WAN runs' wire counters confirm it for W=2 and 4). All ranks counted the same bytes.",
+        f"random gradients, per rank per step (totals / steps, mean over ranks). Load average (1, 5, 15 min) "
+        f"before / after: {load_before} / {load_after} (bytes are counts, not timings: load does not change "
+        f"them).",
         "",
-        "| setting | W | sent / rank | received / rank | ring AR / rank | received ÷ ring AR |",
-        "|---|---:|---:|---:|---:|---:|",
+        "Conventions (hf_demo's `CommStats`, from the buffers handed to torch.distributed): an **all-gather** "
+        "sends the rank's buffer and receives the W-1 others; an **all-reduce** is counted as a ring all-reduce "
+        "moves it, **2(W-1)/W of the buffer each way** (reduce-scatter + all-gather: the least any all-reduce "
+        "algorithm can move per rank for a buffer the rank must both contribute and receive in full); a "
+        "**broadcast** counts the buffer once as received by every non-root and (W-1) times as sent by the "
+        "root. `all_reduce` exchange = one positions broadcast (16-bit indices, from a leader rotating every "
+        "step, so the mean over ranks is the average over a rotation) + one all-reduce of bf16 values + the "
+        "64-byte header all-gather. **node** = `hierarchy='node'` with LOCAL_WORLD_SIZE="
+        f"{L}: W processes = W/{L} nodes; *between nodes / node* counts only DeMo's collectives between nodes "
+        "(the dense `node_gradients` all-reduce and `node_parameters` broadcasts stay on the node's local link), "
+        f"summed over the node's {L} processes. **PowerSGD r{args.powersgd_rank}** and **ring AR** (fp32 dense "
+        "all-reduce) are computed: PowerSGD from torch's `powerSGD_hook` rules on the same shapes "
+        f"({ps_bytes / 1e3:.1f} kB handed to its all-reduces per rank per step, {ps_bytes / n:.4f} B/param), "
+        "both at 2(W-1)/W of that per rank per direction.",
+        "",
+        "| setting | W | nodes | sent / rank | received / rank | received between nodes / node | "
+        "÷ same at smallest W | sent B/param/step (amortised, between nodes, per node) | collectives / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = []
-    for i, (fmt, k, c) in enumerate(settings):
+    for i, st in enumerate(settings):
+        base = None
         for w in worlds:
-            r = measured[w]["ranks"][0][i]
-            ar = ring_allreduce_per_rank(n, w)
-            rows.append(
-                dict(
-                    setting=label(fmt, k, c),
-                    world=w,
-                    sent=r["sent"],
-                    received=r["received"],
-                    ring=ar,
-                    ratio=r["received"] / ar,
-                    collectives=r["collectives"],
-                )
+            r = measured[w]["mean"][i]
+            if r is None:
+                continue
+            nodes = w // L if st.hierarchy == "node" else w
+            per_node_rx = r["inter_received"] * (L if st.hierarchy == "node" else 1)
+            per_node_tx = r["inter_sent"] * (L if st.hierarchy == "node" else 1)
+            if base is None:
+                base = (w, r["received"], per_node_rx)
+            row = dict(
+                setting=label(st),
+                exchange=st.exchange,
+                hierarchy=st.hierarchy,
+                sync_every=st.sync_every,
+                world=w,
+                nodes=nodes,
+                sent=r["sent"],
+                received=r["received"],
+                max_received=r["max_received"],
+                inter_node_received_per_node=per_node_rx,
+                inter_node_sent_per_node=per_node_tx,
+                bytes_per_param_step=per_node_tx / n,
+                collectives=r["collectives"],
+                by_name=r["by_name"],
+                ring=ring_allreduce_per_rank(n, w),
+                powersgd=2 * (w - 1) / w * ps_bytes,
+                vs_smallest_world=per_node_rx / base[2] if base[2] else float("nan"),
+                smallest_world=base[0],
             )
+            rows.append(row)
             lines.append(
-                f"| {label(fmt, k, c)} | {w} | {r['sent'] / 1e3:.1f} kB | {r['received'] / 1e3:.1f} kB | "
-                f"{ar / 1e6:.2f} MB | {r['received'] / ar:.4f} |"
+                f"| {label(st)} | {w} | {nodes} | {r['sent'] / 1e3:.1f} kB | {r['received'] / 1e3:.1f} kB | "
+                f"{per_node_rx / 1e3:.1f} kB | {row['vs_smallest_world']:.3f}× (W={base[0]}) | "
+                f"{per_node_tx / n:.5f} | {r['collectives']:.2f} |"
             )
-    small_shapes = [tuple(p.shape) for p in small_model(args).parameters()]
-    big_shapes = llama_shapes(**LLAMA_1B)
-    n_big = sum(math.prod(s) for s in big_shapes)
+    for w in worlds:
+        lines.append(
+            f"| PowerSGD r{args.powersgd_rank} (computed) | {w} | {w} | {2 * (w - 1) / w * ps_bytes / 1e3:.1f} kB | "
+            f"{2 * (w - 1) / w * ps_bytes / 1e3:.1f} kB | {2 * (w - 1) / w * ps_bytes / 1e3:.1f} kB | "
+            f"{2 * (w - 1) / w / (2 * (worlds[0] - 1) / worlds[0]):.3f}× (W={worlds[0]}) | "
+            f"{2 * (w - 1) / w * ps_bytes / n:.5f} | 3 |"
+        )
+    for w in worlds:
+        ar = ring_allreduce_per_rank(n, w)
+        lines.append(
+            f"| fp32 ring all-reduce (computed) | {w} | {w} | {ar / 1e6:.2f} MB | {ar / 1e6:.2f} MB | "
+            f"{ar / 1e6:.2f} MB | {ar / ring_allreduce_per_rank(n, worlds[0]):.3f}× (W={worlds[0]}) | "
+            f"{ar / n:.3f} | 1 |"
+        )
+    # the issue-11 target: all_reduce exchange, received per rank at the largest W over the smallest
+    lo, hi = worlds[0], worlds[-1]
+    lines += ["", f"## Bytes received per rank: W={hi} over W={lo}", ""]
     lines += [
-        "",
+        f"| setting | received W={lo} | received W={hi} | ratio | by collective at W={hi} (sent / received per step) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    summary = []
+    for st in settings:
+        a = next((r for r in rows if r["setting"] == label(st) and r["world"] == lo), None)
+        b = next((r for r in rows if r["setting"] == label(st) and r["world"] == hi), None)
+        if not a or not b:
+            continue
+        key = "inter_node_received_per_node" if st.hierarchy == "node" else "received"
+        ratio = b[key] / a[key] if a[key] else float("nan")
+        parts = "; ".join(f"{k}: {v[0] / 1e3:.1f} / {v[1] / 1e3:.1f} kB" for k, v in b["by_name"].items())
+        lines.append(f"| {label(st)} | {a[key] / 1e3:.1f} kB | {b[key] / 1e3:.1f} kB | {ratio:.3f}× | {parts} |")
+        summary.append(dict(setting=label(st), lo=lo, hi=hi, received_lo=a[key], received_hi=b[key], ratio=ratio))
+    lines.append(
+        f"| PowerSGD r{args.powersgd_rank} (computed) | {2 * (lo - 1) / lo * ps_bytes / 1e3:.1f} kB | "
+        f"{2 * (hi - 1) / hi * ps_bytes / 1e3:.1f} kB | {(2 * (hi - 1) / hi) / (2 * (lo - 1) / lo):.3f}× | ring |"
+    )
+    lines.append("")
+    lines += [
         "## Where DeMo stops paying",
         "",
         "s = payload bytes per parameter per step that one rank contributes (header included for the small "
-        "model). DeMo's received bytes per rank = (W-1)·s·N, a ring all-reduce's 2(W-1)/W·4·N, so they are "
+        "model), for the every-step all-gather settings. DeMo's received bytes per rank = (W-1)·s·N, a ring "
+        "all-reduce's 2(W-1)/W·4·N, so they are "
         "equal at **W\\* = 8/s** workers; beyond it DeMo receives more than the dense all-reduce. "
         "(With gloo's ring all-gather every rank also *forwards* (W-1) payloads, so the bytes a rank puts "
-        "on its link grow the same way.) Exact sizes from DeMo's own layout code; the small-model column "
+        "on its link grow the same way.) The all_reduce exchange has no such point: its bytes per rank stay "
+        "below 2x those at W=2 for any W. Exact sizes from DeMo's own layout code; the small-model column "
         "equals the measured `bytes_sent` above.",
         "",
-        f"| setting | s, {n / 1e6:.2f}M model (B/param) | W\\* | s, Llama 1B ({n_big / 1e9:.2f}B) "
+        f"| setting | s, {n / 1e6:.2f}M model (B/param) | W\\* | s, Llama 1B ({{n_big}}) "
         f"(B/param) | W\\* | DeMo ÷ ring AR at W=64, 1B |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    big_shapes = llama_shapes(**LLAMA_1B)
+    n_big = sum(math.prod(s) for s in big_shapes)
+    lines[-2] = lines[-2].replace("{n_big}", f"{n_big / 1e9:.2f}B")
     exact = []
-    for i, (fmt, k, c) in enumerate(settings):
+    for i, st in enumerate(settings):
+        if not st.plain:
+            continue
+        fmt, k, c = st.fmt, st.k, st.c
         ps = payload_bytes(small_shapes, fmt, k, c) + HEADER_BYTES
-        meas = measured[worlds[0]]["ranks"][0][i]["sent"]
+        meas = measured[worlds[0]]["mean"][i]["sent"]
         assert ps == meas, (ps, meas)
         pb = payload_bytes(big_shapes, fmt, k, c) + HEADER_BYTES
         s_small, s_big = ps / n, pb / n_big
         exact.append(
-            dict(setting=label(fmt, k, c), s_small=s_small, w_star_small=8 / s_small, s_1b=s_big, w_star_1b=8 / s_big)
+            dict(setting=label(st), s_small=s_small, w_star_small=8 / s_small, s_1b=s_big, w_star_1b=8 / s_big)
         )
         lines.append(
-            f"| {label(fmt, k, c)} | {s_small:.4f} | {8 / s_small:.0f} | {s_big:.4f} | {8 / s_big:.0f} | "
+            f"| {label(st)} | {s_small:.4f} | {8 / s_small:.0f} | {s_big:.4f} | {8 / s_big:.0f} | "
             f"{63 * s_big / ring_allreduce_per_rank(1, 64):.3f} |"
         )
     lines.append("")
@@ -232,30 +434,49 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.md").write_text("\n".join(lines))
     (out / "scaling.json").write_text(
-        json.dumps(dict(n_params=n, n_params_1b=n_big, rows=rows, exact=exact, llama_1b=LLAMA_1B), indent=1)
+        json.dumps(
+            dict(
+                n_params=n,
+                n_params_1b=n_big,
+                powersgd_bytes_per_rank=ps_bytes,
+                load=[load_before, load_after],
+                rows=rows,
+                ratios=summary,
+                exact=exact,
+                llama_1b=LLAMA_1B,
+            ),
+            indent=1,
+        )
     )
     print("\n".join(lines))
-    plot(rows, worlds, out / "scaling.png")
+    plot(rows, worlds, ps_bytes, out / "scaling.png")
 
 
-def plot(rows, worlds, path):
+def plot(rows, worlds, ps_bytes, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for setting in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == setting]
-        ax.plot([r["world"] for r in rs], [r["received"] / 1e6 for r in rs], "o-", label=f"DeMo {setting}")
+        style = "s-" if "all_reduce" in setting else ("^-" if "node" in setting else "o-")
+        ax.plot(
+            [r["world"] for r in rs],
+            [r["inter_node_received_per_node"] / 1e6 for r in rs],
+            style,
+            label=f"DeMo {setting}",
+        )
+    ax.plot(worlds, [2 * (w - 1) / w * ps_bytes / 1e6 for w in worlds], "kx:", label="PowerSGD r4 (computed)")
     ring = {r["world"]: r["ring"] for r in rows}
     ax.plot(worlds, [ring[w] / 1e6 for w in worlds], "k--", label="fp32 ring all-reduce")
     ax.set_yscale("log")
-    ax.set_xlabel("workers W")
-    ax.set_ylabel("MB received per rank per step")
+    ax.set_xlabel("processes W (node settings: W/2 nodes)")
+    ax.set_ylabel("MB received between nodes per node per step")
     ax.set_xticks(worlds)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -68,8 +68,16 @@ def main(argv=None):
     res = Path(args.results)
     scaling = json.loads((res / "scaling.json").read_text())
     summary = json.loads((res / "wan_summary.json").read_text())
-    key = args.config or next(k for k in summary if k.startswith("2 nodes, 1gbit"))
-    runs = summary[key]
+    key = args.config or next((k for k in summary if k.startswith("2 nodes, 1gbit")), None)
+    runs = summary.get(key, {}) if key else {}
+    missing = [m for m in ("demo-bf16", "demo-sign", "adamw") if m not in runs or runs[m].get("failed")]
+    if missing:
+        raise SystemExit(
+            f"wan_breakeven.py: needs a wan_summary.json configuration with demo-bf16, demo-sign and adamw "
+            f"(default: the 2-node 1gbit run); {key or 'no 2-node 1gbit run'} lacks {', '.join(missing)}. Run "
+            f"e.g. `wan.py --configs 2:1gbit --methods demo-bf16,demo-sign,adamw --append`, or pass --config "
+            f"(available: {', '.join(summary)})."
+        )
     from scaling import LLAMA_1B, llama_shapes
 
     shapes = llama_shapes(**LLAMA_1B)

@@ -11,6 +11,15 @@ Methods (``--method``):
 - ``demo-bf16``  ``hf_demo.DeMo`` (defaults: chunk 64, top-k 32, bf16 values); no DDP wrapper: initial
   weights are broadcast from rank 0 once, each rank back-propagates its own loss, DeMo exchanges.
 - ``demo-sign``  the same with ``value_format="sign"``.
+- ``demo-allreduce``  ``exchange="all_reduce"`` (positions from a rotating leader, bf16 values all-reduced).
+- ``demo-overlap``  ``overlap=True`` (step t's exchange runs during step t+1's forward/backward, applied one
+  step late; ``opt.flush()`` after the last step).
+- ``demo-sync8``  ``sync_every=8`` (local steps, DeMo on the pseudo-gradient every 8 steps); ``demo-sync8-sign``
+  the same with sign values.
+- ``demo-policy``  ``comm_budget=--comm-budget`` (default 0.15): the policy moves between the tiers bf16 ->
+  sign -> sign top-k/4 -> sync every 8; ``opt.tier`` is recorded per step.
+- ``demo-hier``  ``hierarchy="node"``: dense mean inside a node of LOCAL_WORLD_SIZE processes (torchrun's
+  ``--nproc_per_node``), DeMo between nodes.
 - ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
 - ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps), in
   one DDP bucket (the hook's chained all-reduces can get out of order between ranks with several buckets).
@@ -44,7 +53,30 @@ import torch.distributed as dist
 
 from common import stdlib_bytes
 
-METHODS = ("demo-bf16", "demo-sign", "adamw", "powersgd")
+METHODS = (
+    "demo-bf16",
+    "demo-sign",
+    "demo-allreduce",
+    "demo-overlap",
+    "demo-sync8",
+    "demo-sync8-sign",
+    "demo-policy",
+    "demo-hier",
+    "adamw",
+    "powersgd",
+)
+
+# DeMo keywords of each demo-* method (besides lr, topk, chunk)
+DEMO_KW = {
+    "demo-bf16": {},
+    "demo-sign": dict(value_format="sign"),
+    "demo-allreduce": dict(exchange="all_reduce"),
+    "demo-overlap": dict(overlap=True),
+    "demo-sync8": dict(sync_every=8),
+    "demo-sync8-sign": dict(sync_every=8, value_format="sign"),
+    "demo-policy": {},  # comm_budget from --comm-budget
+    "demo-hier": dict(hierarchy="node"),
+}
 
 
 def parse_args(argv=None):
@@ -80,6 +112,15 @@ def parse_args(argv=None):
     p.add_argument("--heldout", type=float, default=0.02)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--delay-ms", type=float, default=0.0, help="emulated one-way latency per ring hop")
+    p.add_argument(
+        "--delay-dist",
+        default="",
+        help="random latency per ring hop instead of --delay-ms, drawn per collective and rank (ms): const:D, "
+        "uniform:A:B, exp:MEAN, lognormal:MEDIAN:SIGMA, pareto:SCALE:ALPHA (heavy tail)",
+    )
+    p.add_argument("--comm-budget", type=float, default=0.15, help="comm_budget of demo-policy")
+    p.add_argument("--comm-timeout", type=float, default=300.0, help="DeMo's comm_timeout, seconds")
+    p.add_argument("--progress-file", default="", help="rank 0 writes the wall clock of the first step here")
     p.add_argument("--timeout-min", type=float, default=60.0)
     return p.parse_args(argv)
 
@@ -129,19 +170,54 @@ def wire_counters() -> tuple[int, int]:
         return 0, 0
 
 
-def install_delay(ms: float, world: int, demo: bool) -> None:
-    """Sleep before each collective (see the module docstring)."""
-    if ms <= 0 or world == 1:
+def delay_sampler(args, rank: int):
+    """A function returning one latency draw in seconds (per hop), or None when no latency is emulated."""
+    import random
+
+    if not args.delay_dist:
+        return (lambda: args.delay_ms / 1000) if args.delay_ms > 0 else None
+    kind, *raw = args.delay_dist.split(":")
+    # milliseconds, except lognormal's sigma and pareto's alpha (dimensionless, the last field)
+    ps = [float(x) if (kind in ("lognormal", "pareto") and i == 1) else float(x) / 1000 for i, x in enumerate(raw)]
+    rng = random.Random(args.seed * 7919 + rank)
+    if kind == "const":
+        return lambda: ps[0]
+    if kind == "uniform":
+        return lambda: rng.uniform(ps[0], ps[1])
+    if kind == "exp":
+        return lambda: rng.expovariate(1 / ps[0])
+    if kind == "lognormal":  # median ps[0] s, sigma of the log
+        import math
+
+        return lambda: rng.lognormvariate(math.log(ps[0]), ps[1])
+    if kind == "pareto":  # scale ps[0] s, shape alpha
+        return lambda: ps[0] * rng.paretovariate(ps[1])
+    raise SystemExit(f"wan_worker: unknown --delay-dist {args.delay_dist!r}")
+
+
+def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
+    """Sleep before each collective (see the module docstring); ``log`` collects the seconds slept."""
+    draw = delay_sampler(args, rank)
+    if draw is None or world == 1:
         return
     if demo:
         from hf_demo.comm import register_collective_hook
 
-        register_collective_hook(lambda name, nbytes: time.sleep(ms / 1000 * (world - 1)))
+        def hook(name, nbytes):
+            if name in ("node_gradients", "node_parameters"):  # inside a node: the fast local link
+                return
+            d = draw() * (world - 1)
+            log.append(d)
+            time.sleep(d)
+
+        register_collective_hook(hook)
         return
     all_reduce = dist.all_reduce
 
     def delayed_all_reduce(*a, **k):
-        time.sleep(ms / 1000 * 2 * (world - 1))
+        d = draw() * 2 * (world - 1)
+        log.append(d)
+        time.sleep(d)
         return all_reduce(*a, **k)
 
     dist.all_reduce = delayed_all_reduce
@@ -186,7 +262,11 @@ def main(argv=None):
     dist.init_process_group("gloo", timeout=timedelta(minutes=args.timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
     is_demo = args.method.startswith("demo")
-    install_delay(args.delay_ms, world, is_demo)
+    delays: list[float] = []
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # ring hops between nodes: a hierarchical DeMo talks only to the other nodes
+    install_delay(args, world // local_size if args.method == "demo-hier" else world, rank, is_demo, delays)
+    load_start = open("/proc/loadavg").read().split()[:3]
 
     data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout, args.eval_batches)
     model = build_model(args)
@@ -199,12 +279,16 @@ def main(argv=None):
         from hf_demo import DeMo
 
         net = model
+        kw = dict(DEMO_KW[args.method])
+        if args.method == "demo-policy":
+            kw["comm_budget"] = args.comm_budget
         opt = DeMo(
             model.parameters(),
             lr=lr,
             compression_topk=args.topk,
             compression_chunk=args.chunk,
-            value_format="sign" if args.method == "demo-sign" else "bf16",
+            comm_timeout=args.comm_timeout,
+            **kw,
         )
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -221,7 +305,7 @@ def main(argv=None):
                 process_group=None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2
             )
             net.register_comm_hook(state, ps.powerSGD_hook)
-        elif args.delay_ms > 0:  # the Python all-reduce hook, so the delay wrapper sees the all-reduces
+        elif args.delay_ms > 0 or args.delay_dist:  # the Python all-reduce hook: the delay wrapper sees them
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -236,11 +320,15 @@ def main(argv=None):
 
     def do_eval(step):
         if rank == 0:
-            evals.append(dict(step=step, train_time=train_time, loss=evaluate(model, data.eval)))
+            wall = time.perf_counter() - wall0 if step else 0.0
+            evals.append(dict(step=step, train_time=train_time, wall=wall, loss=evaluate(model, data.eval)))
             print(f"[{args.method}] step {step:4d}  t={train_time:8.2f}s  eval {evals[-1]['loss']:.4f}", flush=True)
         dist.barrier()
 
     do_eval(0)
+    wall0 = time.perf_counter()
+    if rank == 0 and args.progress_file:  # the parent times its link changes from here
+        Path(args.progress_file).write_text(f"{time.time()}\n")
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -251,6 +339,8 @@ def main(argv=None):
         loss.backward()
         t1 = time.perf_counter()
         opt.step()
+        if args.method == "demo-overlap" and step + 1 == args.steps:
+            opt.flush()  # the last exchange still in flight: apply it (counted in this step)
         opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
         tx1, rx1 = wire_counters()
@@ -268,7 +358,10 @@ def main(argv=None):
         )
         if is_demo:
             cs = opt.comm_stats
-            rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds)
+            rec.update(app_sent=cs.bytes_sent, app_received=cs.bytes_received, comm_s=cs.seconds, tier=opt.tier)
+        rec["wall"] = t2 - wall0  # since the first step, evaluations included
+        rec["delay_s"] = sum(delays)
+        delays.clear()
         steps.append(rec)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             do_eval(step + 1)
@@ -295,6 +388,9 @@ def main(argv=None):
             evals=evals,
             ranks=per_rank,
             torch=torch.__version__,
+            local_world_size=local_size,
+            load_start=load_start,
+            load_end=open("/proc/loadavg").read().split()[:3],
             **extra,
         )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
