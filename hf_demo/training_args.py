@@ -8,8 +8,9 @@
   ``get_optimizer_cls_and_kwargs``; a plain Trainer refuses it at start-up (it would all-reduce gradients).
 * :class:`DeMoArguments` holds one optional ``demo_<name>`` field per DeMo setting, generated from
   ``DeMoSettings.describe()`` (type, help, choices), so ``--help`` shows every setting and a setting added
-  to ``DeMoSettings`` appears here without an edit. Combine it with any TrainingArguments subclass, the
-  subclass first (its defaults must win): ``class MyConfig(SFTConfig, DeMoArguments)``.
+  to ``DeMoSettings`` appears here without an edit. :func:`with_demo_arguments` combines it with any
+  TrainingArguments subclass, that class first (its defaults must win), and adds the start-up checks
+  (``hf_demo.trl.DeMoSFTConfig = with_demo_arguments(SFTConfig)``).
 * :class:`DeMoTrainingArguments` is ``TrainingArguments`` + :class:`DeMoArguments`.
 
 Where a setting's value comes from, lowest to highest: ``DeMoSettings``'s default, (a preset, later), a
