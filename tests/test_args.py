@@ -17,7 +17,7 @@ from hf_demo.config import DeMoSettings
 
 def parse(*argv):
     (args,) = HfArgumentParser(hf_demo.DeMoTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "/tmp/hf_demo_args", "--use_cpu", "true", *argv]
+        ["--output_dir", "out-never-written", "--use_cpu", "true", *argv]
     )
     return args
 
@@ -46,7 +46,7 @@ def test_optim_demo_and_its_settings():
 
 def test_optim_stays_demo_everywhere():
     """'demo' is a registered optimizer name: plain TrainingArguments keep it, no swap, no half-truth."""
-    args = TrainingArguments(output_dir="/tmp/hf_demo_args", use_cpu=True, optim="demo")
+    args = TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
     assert args.optim == "demo" and args.optim == OptimizerNames("demo") and args.to_dict()["optim"] == "demo"
     assert hf_demo.training_args.demo_settings(args) == DeMoSettings().as_dict()
     cls, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "demo", "--demo_drift", "raise"))
@@ -59,7 +59,9 @@ def test_plain_trainer_refuses_optim_demo():
     from transformers import Trainer
 
     with pytest.raises(ValueError, match="needs a DeMo-aware trainer: use hf_demo.DeMoTrainer"):
-        Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir="/tmp/x", use_cpu=True, optim="demo"))
+        Trainer.get_optimizer_cls_and_kwargs(
+            TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
+        )
 
 
 def test_demo_fields_follow_the_settings_table(monkeypatch):
@@ -86,7 +88,7 @@ def test_builtin_optimizers_still_parse(optim):
 
 
 def test_default_is_trainers_default():
-    assert parse().optim == TrainingArguments(output_dir="/tmp/x", use_cpu=True).optim
+    assert parse().optim == TrainingArguments(output_dir="out-never-written", use_cpu=True).optim
 
 
 @pytest.mark.parametrize(
@@ -109,7 +111,7 @@ def test_unknown_optim_is_still_rejected():
     with pytest.raises(SystemExit):  # argparse: not among the choices
         parse("--optim", "not_an_optimizer")
     with pytest.raises(ValueError, match="not_an_optimizer is not a valid OptimizerNames"):
-        hf_demo.DeMoTrainingArguments(output_dir="/tmp/x", use_cpu=True, optim="not_an_optimizer")
+        hf_demo.DeMoTrainingArguments(output_dir="out-never-written", use_cpu=True, optim="not_an_optimizer")
 
 
 def test_invalid_choice_of_a_demo_field_is_rejected_by_the_parser():
@@ -144,14 +146,16 @@ def test_trl_config_keeps_sftconfig_defaults():
     trl = pytest.importorskip("trl")
     from hf_demo.trl import DeMoSFTConfig
 
-    plain = trl.SFTConfig(output_dir="/tmp/x", use_cpu=True, optim="demo")  # accepted once hf_demo is imported
-    ours = DeMoSFTConfig(output_dir="/tmp/x", use_cpu=True, optim="demo", demo_compression_topk=4)
+    plain = trl.SFTConfig(
+        output_dir="out-never-written", use_cpu=True, optim="demo"
+    )  # accepted once hf_demo is imported
+    ours = DeMoSFTConfig(output_dir="out-never-written", use_cpu=True, optim="demo", demo_compression_topk=4)
     assert plain.optim == ours.optim == "demo"
     for name in ("bf16", "learning_rate", "logging_steps", "gradient_checkpointing", "max_length"):
         assert getattr(ours, name) == getattr(plain, name), name
     assert ours.demo_settings()["compression_topk"] == 4
     (parsed,) = HfArgumentParser(DeMoSFTConfig).parse_args_into_dataclasses(
-        ["--output_dir", "/tmp/x", "--use_cpu", "true", "--optim", "demo", "--demo_value_format", "sign"]
+        ["--output_dir", "out-never-written", "--use_cpu", "true", "--optim", "demo", "--demo_value_format", "sign"]
     )
     assert parsed.demo_settings()["value_format"] == "sign" and parsed.learning_rate == plain.learning_rate
 
@@ -177,7 +181,7 @@ def test_factory_groups_and_cls_and_kwargs():
         hf_demo.create_optimizer(model, topk=3)
 
 
-def _tiny_trainer(**arg_overrides):
+def _tiny_trainer(output_dir, **arg_overrides):
     from datasets import Dataset
 
     model = LlamaForCausalLM(
@@ -192,7 +196,7 @@ def _tiny_trainer(**arg_overrides):
     )
     data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8})
     args = hf_demo.DeMoTrainingArguments(
-        output_dir="/tmp/hf_demo_tiny",
+        output_dir=str(output_dir),
         use_cpu=True,
         report_to="none",
         max_steps=3,
@@ -202,8 +206,8 @@ def _tiny_trainer(**arg_overrides):
     return hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data)
 
 
-def test_trainer_with_optimizer_cls_and_kwargs_uses_demo_in_one_process():
-    trainer = _tiny_trainer(optim="adamw_torch")
+def test_trainer_with_optimizer_cls_and_kwargs_uses_demo_in_one_process(tmp_path):
+    trainer = _tiny_trainer(tmp_path, optim="adamw_torch")
     trainer.optimizer_cls_and_kwargs = hf_demo.optimizer_cls_and_kwargs(lr=1e-3)
     trainer.train()
     assert isinstance(hf_demo.accelerate_utils.unwrap_optimizer(trainer.optimizer), hf_demo.DeMo)
@@ -219,10 +223,10 @@ def test_unsupported_setups_stop_at_start_up():
         check_supported(fsdp=True)
 
 
-def test_trainer_refuses_fp16_with_demo():
+def test_trainer_refuses_fp16_with_demo(tmp_path):
     try:
         trainer_args = {"optim": "demo", "fp16": True}
         with pytest.raises(ValueError, match="DeMo does not support fp16"):
-            _tiny_trainer(**trainer_args)
+            _tiny_trainer(tmp_path, **trainer_args)
     finally:
         torch.set_default_dtype(torch.float32)
