@@ -143,7 +143,8 @@ def test_cpu_launch_without_the_switch_is_detected(monkeypatch):
 
 
 def test_trl_config_keeps_sftconfig_defaults():
-    trl = pytest.importorskip("trl")
+    import trl
+
     from hf_demo.trl import DeMoSFTConfig
 
     plain = trl.SFTConfig(

@@ -87,7 +87,6 @@ def test_cpu_launch_without_the_switch_stops_with_plain_arguments(tmp_path):
 @pytest.mark.timeout(900)
 def test_trl_sft_trainer(tmp_path, tiny_llama_dir):
     """DeMoSFTTrainer trains with local gradients; plain SFTTrainer with optimizers=(DeMo, None) stops loudly."""
-    pytest.importorskip("trl")
     script = ROOT / "tests" / "scripts" / "train_sft.py"
     sft = (
         "--max_steps 4 --per_device_train_batch_size 4 --max_length 32 --logging_steps 2 --report_to none "
