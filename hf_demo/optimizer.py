@@ -122,6 +122,11 @@ class DeMo(torch.optim.Optimizer):
         return self.policy.tier
 
     @property
+    def in_flight(self) -> bool:
+        """Whether an overlapped exchange is still running (finished by the next step() or flush())."""
+        return self._pending is not None
+
+    @property
     def nonfinite(self) -> str:
         return self.settings.nonfinite
 

@@ -35,8 +35,8 @@ def track(optimizer) -> None:
 
 
 def _in_flight() -> bool:
-    # DeMo keeps the exchange an overlapped step started in ``_pending`` until the next step or flush()
-    return any(getattr(opt, "_pending", None) is not None for opt in list(_optimizers))
+    # an overlapped step's exchange stays in flight until the next step or flush()
+    return any(getattr(opt, "in_flight", False) for opt in list(_optimizers))
 
 
 def shutdown() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 
 from hf_demo.corpus import stdlib_bytes, stdlib_files  # noqa: F401 - the benchmarks import them from here
@@ -30,3 +32,15 @@ def loss_and_backward(model, rank, step):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     return loss.item()
+
+
+def restart(model, opt, make_opt):
+    """What a fresh process does on resume: a new model (another init) and optimizer load the saved states."""
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    new_model = tiny_mlp(seed=7)
+    new_opt = make_opt(new_model)
+    new_model.load_state_dict(state["model"])
+    new_opt.load_state_dict(state["opt"])
+    return new_model, new_opt

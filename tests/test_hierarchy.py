@@ -1,6 +1,5 @@
 """hierarchy="node" on a 2 x 2 gloo world: dense mean inside a node, DeMo between nodes, sharded parameters."""
 
-import io
 import os
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 import hf_demo
 from dist_utils import RankError, expect_ok, run_ranks
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -22,13 +21,7 @@ def _hierarchical(rank, world, resume_at=None):
     opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
     for step in range(STEPS):
         if step == resume_at:
-            m, o = io.BytesIO(), io.BytesIO()
-            torch.save(model.state_dict(), m)
-            torch.save(opt.state_dict(), o)
-            model = tiny_mlp(seed=9)
-            opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
-            model.load_state_dict(torch.load(io.BytesIO(m.getvalue()), weights_only=True))
-            opt.load_state_dict(torch.load(io.BytesIO(o.getvalue()), weights_only=True))
+            model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), hierarchy="node", **KW))
         loss_and_backward(model, rank, step)
         opt.step()
     owned = sum(1 for s in opt.state.values() if "momentum" in s)

@@ -1,14 +1,12 @@
 """Every exchange and update rule on real gloo ranks: replicas bitwise identical, exact resume, traffic."""
 
-import io
-
 import pytest
 import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
 from hf_demo import codec
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -29,13 +27,7 @@ def _train(rank, world, kw, steps, resume_at=None):
     opt = _make(model, **kw)
     for step in range(steps):
         if step == resume_at:  # a fresh process would do exactly this: new model and optimizer, load both
-            params, state = io.BytesIO(), io.BytesIO()
-            torch.save(model.state_dict(), params)
-            torch.save(opt.state_dict(), state)
-            model = tiny_mlp(seed=1)
-            opt = _make(model, **kw)
-            model.load_state_dict(torch.load(io.BytesIO(params.getvalue()), weights_only=True))
-            opt.load_state_dict(torch.load(io.BytesIO(state.getvalue()), weights_only=True))
+            model, opt = restart(model, opt, lambda m: _make(m, **kw))
         loss_and_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.comm_stats.as_dict()
@@ -119,13 +111,8 @@ def _overlap(rank, world, steps, resume_at=None, flush=True):
     losses = []
     for step in range(steps):
         if step == resume_at:
-            params, state = io.BytesIO(), io.BytesIO()
-            torch.save(model.state_dict(), params)
-            torch.save(opt.state_dict(), state)  # finishes the exchange in flight: it travels in the state
-            model = tiny_mlp(seed=1)
-            opt = _make(model, **kw)
-            model.load_state_dict(torch.load(io.BytesIO(params.getvalue()), weights_only=True))
-            opt.load_state_dict(torch.load(io.BytesIO(state.getvalue()), weights_only=True))
+            # state_dict() finishes the exchange in flight: it travels in the state
+            model, opt = restart(model, opt, lambda m: _make(m, **kw))
         losses.append(loss_and_backward(model, rank, step % 5))
         opt.step()
     if flush:

@@ -1,14 +1,12 @@
 """The communication-budget policy: its rule, identical decisions on every rank, exact resume in a lower tier."""
 
-import io
-
 import pytest
 import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
 from hf_demo.policy import BudgetPolicy, tiers
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, restart, tiny_mlp
 
 BYTES = [100.0, 50.0, 20.0, 2.5]
 
@@ -65,13 +63,7 @@ def _policy_run(rank, world, steps, resume_at=None):
     seen = []
     for step in range(steps):
         if step == resume_at:
-            m, o = io.BytesIO(), io.BytesIO()
-            torch.save(model.state_dict(), m)
-            torch.save(opt.state_dict(), o)
-            model = tiny_mlp(seed=3)
-            opt = hf_demo.DeMo(model.parameters(), **kw)
-            model.load_state_dict(torch.load(io.BytesIO(m.getvalue()), weights_only=True))
-            opt.load_state_dict(torch.load(io.BytesIO(o.getvalue()), weights_only=True))
+            model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), **kw))
         loss_and_backward(model, rank, step)
         opt.step()
         seen.append(opt.tier)

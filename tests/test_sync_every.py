@@ -5,7 +5,7 @@ import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from models import batch, loss_and_backward, tiny_mlp
+from models import batch, loss_and_backward, restart, tiny_mlp
 from reference_demo import dct_basis
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -107,19 +107,12 @@ def test_sync_every_matches_the_slow_reference(world):
 
 
 def _sync_resume(rank, world, resume_at):
-    import io
 
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), sync_every=3, **SETTINGS)
     for step in range(10):
         if step == resume_at:
-            m, o = io.BytesIO(), io.BytesIO()
-            torch.save(model.state_dict(), m)
-            torch.save(opt.state_dict(), o)
-            model = tiny_mlp(seed=5)
-            opt = hf_demo.DeMo(model.parameters(), sync_every=3, **SETTINGS)
-            model.load_state_dict(torch.load(io.BytesIO(m.getvalue()), weights_only=True))
-            opt.load_state_dict(torch.load(io.BytesIO(o.getvalue()), weights_only=True))
+            model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), sync_every=3, **SETTINGS))
         loss_and_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
