@@ -37,19 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
+from wan_worker import METHODS  # noqa: E402 - the worker's list of methods is the one list
 
-METHODS = (
-    "demo-bf16",
-    "demo-sign",
-    "demo-allreduce",
-    "demo-overlap",
-    "demo-sync8",
-    "demo-sync8-sign",
-    "demo-policy",
-    "demo-hier",
-    "adamw",
-    "powersgd",
-)
 DEFAULT_METHODS = "demo-bf16,demo-allreduce,demo-overlap,demo-sync8,demo-policy,adamw,powersgd"
 LABELS = {
     "demo-bf16": "DeMo bf16",

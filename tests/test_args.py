@@ -161,8 +161,8 @@ def test_trl_config_keeps_sftconfig_defaults():
     assert parsed.demo_settings()["value_format"] == "sign" and parsed.learning_rate == plain.learning_rate
 
 
-def test_factory_groups_and_cls_and_kwargs():
-    model = LlamaForCausalLM(
+def _tiny_llama():
+    return LlamaForCausalLM(
         LlamaConfig(
             vocab_size=64,
             hidden_size=32,
@@ -172,6 +172,10 @@ def test_factory_groups_and_cls_and_kwargs():
             num_key_value_heads=2,
         )
     )
+
+
+def test_factory_groups_and_cls_and_kwargs():
+    model = _tiny_llama()
     opt = hf_demo.create_optimizer(model, lr=1e-3, weight_decay=0.1, compression_topk=8)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -185,16 +189,7 @@ def test_factory_groups_and_cls_and_kwargs():
 def _tiny_trainer(output_dir, **arg_overrides):
     from datasets import Dataset
 
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    model = _tiny_llama()
     data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8})
     args = hf_demo.DeMoTrainingArguments(
         output_dir=str(output_dir),
