@@ -1,14 +1,13 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
 
 from .accelerate_utils import (
-    DeMoSetupError,
     disable_gradient_allreduce,
     install_step_guard,
     prepare,
 )
 from .checkpoint import last_complete_checkpoint
 from .comm import CommStats
-from .errors import DeMoError, DeMoNonFiniteError, DeMoStateError, DeMoSyncError
+from .errors import DeMoError, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
 from .optimizer import DeMo
 from .settings import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
 from .teardown import shutdown
@@ -16,13 +15,13 @@ from .teardown import shutdown
 install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 
 try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
-    from .trainer import DeMoTrainer, DeMoTrainerMixin
+    from .trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
     from .training_args import DeMoArguments, DeMoTrainingArguments
 except ImportError as _exc:  # pragma: no cover - exercised only without transformers
     _MISSING = _exc
 
     def __getattr__(name):
-        if name in ("DeMoTrainer", "DeMoTrainerMixin", "DeMoArguments", "DeMoTrainingArguments"):
+        if name in ("DeMoTrainer", "DeMoTrainerMixin", "DeMoArguments", "DeMoTrainingArguments", "with_demo"):
             raise ImportError(
                 f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'"
             ) from _MISSING
@@ -49,4 +48,5 @@ __all__ = [
     "parse_optim_args",
     "prepare",
     "shutdown",
+    "with_demo",
 ]

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from .errors import DeMoError
+from .errors import DeMoSetupError
 from .optimizer import DeMo
 from .teardown import install_exit_handler, track
 
@@ -77,10 +77,6 @@ def prepare(accelerator, model, optimizer, *others):
     disable_gradient_allreduce(prepared[0])
     install_exit_handler()
     return prepared
-
-
-class DeMoSetupError(DeMoError, ValueError):
-    """DeMo runs in a set-up that would silently train something else (e.g. DDP still averages gradients)."""
 
 
 def _allreducing_ddp(params) -> list[DistributedDataParallel]:

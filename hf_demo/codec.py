@@ -2,9 +2,10 @@
 
 Every step a rank sends two buffers (two collectives):
 
-1. a fixed header (:data:`HEADER_BYTES`): twelve int64 words (magic, format version, step, layout
+1. a fixed header (:data:`HEADER_BYTES`): thirteen int64 words (magic, format version, step, layout
    checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
-   the sender's last exchange time and its time between communicating steps, in milliseconds) and a
+   the sender's last exchange time and its time between communicating steps, in milliseconds, and at a
+   process's first exchange a fingerprint of its local gradients) and a
    32-byte tag (zero unless a shared secret is set: 16 bytes of HMAC-SHA256 over the header, 16 over header
    and payload).
    Every rank checks every header (:func:`check_headers`) before the payload moves, so ranks with a
@@ -34,8 +35,8 @@ from .blocks import BlockLayout
 from .errors import DeMoSyncError
 
 MAGIC = 0x44654D6F  # "DeMo"
-FORMAT_VERSION = 2
-HEADER_WORDS = 12
+FORMAT_VERSION = 3
+HEADER_WORDS = 13
 TAG_BYTES = 32
 HEADER_BYTES = HEADER_WORDS * 8 + TAG_BYTES
 
@@ -43,6 +44,7 @@ FLAG_NONFINITE = 1  # NaN/Inf in this rank's gradients
 FLAG_NONFINITE_PARAMS = 2  # NaN/Inf in this rank's parameters
 FLAG_FINGERPRINT = 4  # the fingerprint word holds this rank's parameter fingerprint
 FLAG_AUTH = 8  # the tag is an HMAC over header and payload
+FLAG_GRAD_FINGERPRINT = 16  # the grad_fingerprint word holds this rank's local-gradient fingerprint
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -228,13 +230,14 @@ class Header:
     fingerprint: int = 0
     exchange_ms: int = 0
     elapsed_ms: int = 0
+    grad_fingerprint: int = 0
     magic: int = MAGIC
     version: int = FORMAT_VERSION
     tag: bytes = bytes(TAG_BYTES)
 
     _WORDS = (
         "magic", "version", "step", "layout_checksum", "settings_checksum", "flags", "world_size",
-        "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "elapsed_ms",
+        "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "elapsed_ms", "grad_fingerprint",
     )  # fmt: skip
 
     def words_bytes(self) -> bytes:
@@ -246,8 +249,9 @@ class Header:
     @classmethod
     def from_bytes(cls, buf: torch.Tensor) -> Header:
         raw = buf.detach().cpu().contiguous().numpy().tobytes()
-        w = torch.frombuffer(bytearray(raw[: HEADER_WORDS * 8]), dtype=torch.int64).tolist()
-        return cls(**dict(zip(cls._WORDS, w)), tag=raw[HEADER_WORDS * 8 : HEADER_BYTES])
+        words = (len(raw) - TAG_BYTES) // 8  # 12 in format version 2 (an overlapped exchange in a checkpoint)
+        w = torch.frombuffer(bytearray(raw[: words * 8]), dtype=torch.int64).tolist()
+        return cls(**dict(zip(cls._WORDS, w)), tag=raw[words * 8 : words * 8 + TAG_BYTES])
 
 
 assert len(Header._WORDS) == HEADER_WORDS and {f.name for f in fields(Header)} >= set(Header._WORDS)

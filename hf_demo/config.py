@@ -89,12 +89,20 @@ class DeMoSettings:
         300.0, "seconds DeMo's collectives wait for every rank before raising DeMoSyncError (0 = no limit)"
     )
     check_every: int = _setting(
-        100, "every this many steps, a fingerprint of the parameters is compared across ranks (0 = never)"
+        100,
+        "every this many steps, and at a process's first exchange, a fingerprint of the parameters is compared "
+        "across ranks (0 = at the first exchange only)",
     )
     drift: str = _setting(
         "resync",
         "when fingerprints differ: resync (copy rank 0's parameters, logged, counted) or raise",
         DRIFT_POLICIES,
+    )
+    identical_gradients: str = _setting(
+        "raise",
+        "at a process's first exchange, local gradients bitwise identical on every rank (DDP still averaging "
+        "them, or every rank reading the same batches): raise, or allow (a deliberate set-up)",
+        ("raise", "allow"),
     )
     full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
 

@@ -18,3 +18,8 @@ class DeMoNonFiniteError(DeMoError):
 
 class DeMoStateError(DeMoError):
     """A saved optimizer state does not fit this run (other world size, rank, layout or version)."""
+
+
+class DeMoSetupError(DeMoError, ValueError):
+    """DeMo runs in a set-up that would silently train something else (DDP still averaging gradients, every
+    rank reading the same batches, a launch that Trainer sees as one process)."""

@@ -20,6 +20,7 @@ step can be retried or the run resumed.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import time
@@ -36,8 +37,9 @@ from . import policy as policies
 from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
-from .errors import DeMoNonFiniteError, DeMoStateError, DeMoSyncError
+from .errors import DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
 
+logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
 GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
 
@@ -107,6 +109,7 @@ class DeMo(torch.optim.Optimizer):
         self._node: tuple[hierarchy.Topology, Transport] | None = None
         self._pending: dict | None = None  # overlap: the exchange started by the last step
         self._saved_world: tuple[int, int] | None = None
+        self._first_checked = False  # the first exchange of this process compares parameters and gradients
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
@@ -251,12 +254,15 @@ class DeMo(torch.optim.Optimizer):
         late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()
 
-        # 1. local checks
+        # 1. local checks (at this process's first exchange also: are the replicas and the data really apart?)
+        first = not self._first_checked and transport.world > 1
         bad_grads = _nonfinite([s for s in signals if s is not None])
         bad_params = _nonfinite(replicas)
-        check_drift = _due(self.settings.check_every, self.steps) and transport.world > 1
+        check_drift = (_due(self.settings.check_every, self.steps) or first) and transport.world > 1
+        grad_print = _gradient_fingerprint(signals) if first and self.settings.identical_gradients == "raise" else 0
         flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
         flags |= codec.FLAG_FINGERPRINT if check_drift else 0
+        flags |= codec.FLAG_GRAD_FINGERPRINT if grad_print else 0
 
         # 2-3. momentum on copies, then the exchange's local part (select, encode, error feedback)
         working, payload = [], torch.empty(0, dtype=torch.uint8)
@@ -276,6 +282,7 @@ class DeMo(torch.optim.Optimizer):
             world_size=transport.world,
             payload_bytes=exchange.payload_nbytes,
             fingerprint=_fingerprint(replicas) if check_drift else 0,
+            grad_fingerprint=grad_print,
             **self._timings(started),
         )
         header = codec.sign(header, payload, self.secret)
@@ -292,6 +299,8 @@ class DeMo(torch.optim.Optimizer):
             else self.policy
         )
 
+        if first:
+            _check_gradients_differ(headers, self.steps)
         drifted = check_drift and len({h.fingerprint for h in headers}) > 1
         bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
         resync = _due(self.settings.full_sync_every, self.steps) and transport.world > 1
@@ -303,8 +312,9 @@ class DeMo(torch.optim.Optimizer):
                     else f"parameter fingerprints differ: {[h.fingerprint for h in headers]}"
                 )
                 raise DeMoSyncError(
-                    f"replicas drifted apart at optimizer step {self.steps}: {why} "
+                    f"replicas {'started' if first else 'drifted'} apart at optimizer step {self.steps}: {why} "
                     f"(drift={self.settings.drift!r}); no state was changed"
+                    + (f". {UNSYNCED_START}" if first and drifted else "")
                 )
             resync = True
         fresh = self._fetch_rank0(replicas, transport) if resync else None
@@ -331,15 +341,17 @@ class DeMo(torch.optim.Optimizer):
             shared, rule_states = self._share_in_node(items, all_items, updates, generator)
 
         # 6. commit: nothing below raises on purpose
+        self._first_checked = True
         if fresh is not None:
             for r, value in zip(replicas, fresh):
                 r.copy_(value)
             self.resyncs += 1
-            warnings.warn(
-                f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} "
-                f"({'drift' if drifted else 'non-finite parameters' if bad_param_ranks else 'full_sync_every'})",
-                stacklevel=3,
-            )
+            cause = "drift" if drifted else "non-finite parameters" if bad_param_ranks else "full_sync_every"
+            if first and drifted:
+                cause = f"the replicas differed at this process's first exchange. {UNSYNCED_START}"
+            message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} ({cause})"
+            logger.warning(message)
+            warnings.warn(message, stacklevel=3)
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         if self.settings.overlap:
@@ -496,7 +508,7 @@ class DeMo(torch.optim.Optimizer):
         extra = state_dict.pop("demo", None)
         if extra is None:
             raise DeMoStateError("this optimizer state was not saved by hf_demo.DeMo (no 'demo' entry)")
-        if extra.get("format_version") not in (1, codec.FORMAT_VERSION):
+        if extra.get("format_version") not in (1, 2, codec.FORMAT_VERSION):
             raise DeMoStateError(
                 f"optimizer state has format version {extra.get('format_version')}, "
                 f"this hf_demo reads {codec.FORMAT_VERSION}"
@@ -593,6 +605,38 @@ def _nonfinite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return False
     return not all(bool(t.isfinite().all()) for t in tensors)
+
+
+UNSYNCED_START = (
+    "The initial weights were never synchronised: a model initialised differently on each rank (e.g. PEFT "
+    "adapters, or a seed that depends on the rank) that DDP never broadcast, for instance because "
+    "trainer.evaluate() ran before trainer.train() (hf_demo.DeMoTrainer handles that; in a custom loop wrap "
+    "the model with hf_demo.prepare before evaluating)"
+)
+
+
+def _check_gradients_differ(headers: list[codec.Header], step: int) -> None:
+    """Raise :class:`DeMoSetupError` when every rank sent the same (non-zero) local-gradient fingerprint."""
+    prints = [h.grad_fingerprint if h.flags & codec.FLAG_GRAD_FINGERPRINT else None for h in headers]
+    if None in prints or len(set(prints)) > 1:
+        return
+    raise DeMoSetupError(
+        f"the local gradients are bitwise identical on all {len(headers)} ranks at optimizer step {step}: DeMo "
+        "needs each rank's own gradient. The two usual causes: (1) DDP still averages the gradients: use "
+        "hf_demo.DeMoTrainer (or a trainer class made by hf_demo.with_demo), hf_demo.prepare(accelerator, model, "
+        "optimizer) in a custom loop, or hf_demo.disable_gradient_allreduce(ddp_model); (2) every rank reads the "
+        "same batches: shard the data per rank (a DistributedSampler, accelerator.prepare(dataloader)), and on a "
+        "machine without GPU launch with ACCELERATE_USE_CPU=1 or --use_cpu true so Trainer sees every process. "
+        "No state was changed; identical_gradients='allow' turns this check off."
+    )
+
+
+def _gradient_fingerprint(signals: list[torch.Tensor | None]) -> int:
+    """A non-zero fingerprint of the local gradients, or 0 when there are none or all are zero."""
+    present = [s for s in signals if s is not None]
+    if not present or not any(bool(s.detach().ne(0).any()) for s in present):
+        return 0
+    return _fingerprint(present) or 1
 
 
 def _fingerprint(params: list[torch.Tensor]) -> int:

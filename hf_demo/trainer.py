@@ -30,16 +30,17 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
 )
 
 from . import checkpoint as ckpt
+from . import generated
 from .accelerate_utils import (
     check_supported,
     disable_gradient_allreduce,
     unwrap_optimizer,
 )
-from .errors import DeMoStateError
+from .errors import DeMoSetupError, DeMoStateError
 from .optimizer import DeMo
 from .settings import optimizer_cls_and_kwargs
 from .teardown import install_exit_handler
-from .training_args import demo_settings, selects_demo
+from .training_args import DeMoArguments, demo_settings, selects_demo, with_demo_arguments
 
 
 def rank_state_file(rank: int) -> str:
@@ -58,7 +59,7 @@ class DeMoTrainerMixin:
         super().__init__(*args, **kwargs)
         self._demo_last_log = None
         if _distributed() and dist.get_world_size() != self.args.world_size:
-            raise ValueError(
+            raise DeMoSetupError(
                 f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
                 f"{self.args.world_size}: each process would train alone on the same batches. On a machine without "
                 "GPU, launch with ACCELERATE_USE_CPU=1 or pass --use_cpu true (use_cpu=True in the arguments); "
@@ -96,12 +97,15 @@ class DeMoTrainerMixin:
     def _build_accelerator_args(self, **kwargs) -> dict:
         """Trainer's accelerator arguments, plus the DDP comm hook of ``--ddp_comm_hook`` (baselines)."""
         args = super()._build_accelerator_args(**kwargs)
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        if self.args.ddp_find_unused_parameters is None:  # Trainer's True makes DDP warn on every run
+            for h in args.get("kwargs_handlers", []):
+                if isinstance(h, DistributedDataParallelKwargs):
+                    h.find_unused_parameters = False
         hook = getattr(self.args, "ddp_comm_hook", "no")
         if hook != "no":
-            from accelerate.utils import (
-                DDPCommunicationHookType,
-                DistributedDataParallelKwargs,
-            )
+            from accelerate.utils import DDPCommunicationHookType
 
             state = {}
             if "power_sgd" in hook:
@@ -168,6 +172,7 @@ class DeMoTrainerMixin:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
             self._verify_checkpoint(str(resume_from_checkpoint))
+        self._unprepare_evaluation_model()
         output = super().train(
             resume_from_checkpoint=resume_from_checkpoint or None,
             trial=trial,
@@ -178,6 +183,26 @@ class DeMoTrainerMixin:
         if opt is not None and hasattr(opt, "flush"):
             opt.flush()  # overlap=True: the last step's exchange lands before evaluate/save_model
         return output
+
+    def _unprepare_evaluation_model(self) -> None:
+        """Undo the evaluation-only preparation an ``evaluate()`` before ``train()`` left behind.
+
+        ``evaluate()`` asks Accelerate to prepare the bare model for evaluation (mixed precision only) and
+        marks it prepared; ``train()`` would then never wrap it in DistributedDataParallel, so nothing
+        broadcasts the initial weights and DDP's gradient averaging (the baselines') never happens. Clearing
+        the mark lets ``train()`` wrap the model as if ``evaluate()`` had not run.
+        """
+        model = self.model
+        if (
+            self.model_wrapped is not model
+            or not getattr(model, "_is_accelerate_prepared", False)
+            or not self.accelerator.distributed_type.value.startswith("MULTI_")
+        ):
+            return
+        if "_original_forward" in model.__dict__:  # the evaluation preparation's autocast wrapper
+            model.forward = model.__dict__.pop("_original_forward")
+        del model._is_accelerate_prepared
+        self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
 
     def _verify_checkpoint(self, folder: str) -> None:
         """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
@@ -258,3 +283,37 @@ class DeMoTrainerMixin:
 
 class DeMoTrainer(DeMoTrainerMixin, Trainer):
     """Drop-in for ``transformers.Trainer`` (same constructor) that knows DeMo."""
+
+
+_MADE: dict = {}
+
+
+def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
+    """DeMo versions of any Trainer subclass and its config class: ``(trainer class, config class)``.
+
+        DeMoSFTTrainer, DeMoSFTConfig = hf_demo.with_demo(SFTTrainer, SFTConfig)
+        args = DeMoSFTConfig(output_dir="out", optim="demo", demo_compression_topk=16)
+
+    The trainer class is ``trainer_cls`` with :class:`DeMoTrainerMixin` first; the config class is
+    ``config_cls`` first (its own defaults hold: SFTConfig's learning rate, bf16, logging) plus the
+    ``--demo_*`` fields. The classes are made once per pair and live in :mod:`hf_demo.generated`, so
+    Trainer can pickle the arguments with each checkpoint.
+    """
+    from transformers import TrainingArguments
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"with_demo: {trainer_cls!r} is not a transformers.Trainer subclass")
+    if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments)):
+        raise TypeError(f"with_demo: {config_cls!r} is not a transformers.TrainingArguments subclass")
+    key = (trainer_cls, config_cls)
+    if key not in _MADE:
+        trainer = trainer_cls
+        if not issubclass(trainer_cls, DeMoTrainerMixin):
+            trainer = type(
+                f"DeMo{trainer_cls.__name__}",
+                (DeMoTrainerMixin, trainer_cls),
+                {"__doc__": f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."},
+            )
+        config = config_cls if issubclass(config_cls, DeMoArguments) else with_demo_arguments(config_cls)
+        _MADE[key] = (generated.publish(trainer), generated.publish(config))
+    return _MADE[key]

@@ -4,23 +4,16 @@
     args = DeMoSFTConfig(output_dir="out", optim="demo", demo_compression_topk=16)
     DeMoSFTTrainer(model=model, args=args, train_dataset=data).train()
 
-``DeMoSFTConfig`` is ``SFTConfig`` (first in the bases: its defaults hold) plus the ``--demo_*`` fields.
-``DeMoSFTTrainer`` is ``SFTTrainer`` with :class:`hf_demo.DeMoTrainerMixin`: DDP's gradient all-reduce is
-off, every rank's optimizer state is saved, checkpoints carry a manifest. Other TRL trainers take the
-mixin the same way: ``class DeMoDPOTrainer(DeMoTrainerMixin, DPOTrainer): pass``.
+Both are :func:`hf_demo.with_demo` of TRL's classes: ``SFTConfig``'s own defaults hold (it comes first in
+the bases) plus the ``--demo_*`` fields; the trainer is ``SFTTrainer`` with :class:`hf_demo.DeMoTrainerMixin`
+(DDP's gradient all-reduce off, every rank's optimizer state saved, checkpoints with a manifest). Other TRL
+trainers the same way: ``DeMoDPOTrainer, DeMoDPOConfig = hf_demo.with_demo(DPOTrainer, DPOConfig)``.
 """
 
 from trl import SFTConfig, SFTTrainer
 
-from .trainer import DeMoTrainerMixin
-from .training_args import with_demo_arguments
+from .trainer import with_demo
 
-DeMoSFTConfig = with_demo_arguments(SFTConfig, "DeMoSFTConfig")
-DeMoSFTConfig.__module__ = __name__
-
-
-class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer):
-    """TRL's SFTTrainer with DeMo (``optim="demo"``, or ``optimizers=(DeMo(...), None)``)."""
-
+DeMoSFTTrainer, DeMoSFTConfig = with_demo(SFTTrainer, SFTConfig)
 
 __all__ = ["DeMoSFTConfig", "DeMoSFTTrainer"]

@@ -161,6 +161,50 @@ def test_trl_config_keeps_sftconfig_defaults():
     assert parsed.demo_settings()["value_format"] == "sign" and parsed.learning_rate == plain.learning_rate
 
 
+def test_with_demo_makes_any_trainer_and_config_demo_aware():
+    """hf_demo.with_demo(TrainerCls, ConfigCls): the config keeps its own defaults, the trainer is DeMo-aware,
+    made once per pair, picklable (Trainer saves the arguments with each checkpoint)."""
+    import pickle
+
+    import trl
+
+    from hf_demo.trl import DeMoSFTConfig, DeMoSFTTrainer
+
+    assert hf_demo.with_demo(trl.SFTTrainer, trl.SFTConfig) == (DeMoSFTTrainer, DeMoSFTConfig)
+    dpo_trainer, dpo_config = hf_demo.with_demo(trl.DPOTrainer, trl.DPOConfig)
+    assert hf_demo.with_demo(trl.DPOTrainer, trl.DPOConfig) == (dpo_trainer, dpo_config)
+    assert issubclass(dpo_trainer, hf_demo.DeMoTrainerMixin) and issubclass(dpo_trainer, trl.DPOTrainer)
+    assert dpo_trainer.__mro__[1] is hf_demo.DeMoTrainerMixin  # the mixin first
+    plain = trl.DPOConfig(output_dir="out-never-written", use_cpu=True, optim="demo")
+    ours = dpo_config(output_dir="out-never-written", use_cpu=True, optim="demo", demo_compression_topk=8)
+    for name in ("bf16", "learning_rate", "logging_steps", "beta", "max_length"):
+        assert getattr(ours, name) == getattr(plain, name), name
+    assert ours.demo_settings()["compression_topk"] == 8
+    assert pickle.loads(pickle.dumps(ours)).demo_compression_topk == 8
+    assert dpo_trainer.get_optimizer_cls_and_kwargs(ours)[0] is hf_demo.DeMo
+    assert hf_demo.with_demo(hf_demo.DeMoTrainer, hf_demo.DeMoTrainingArguments) == (
+        hf_demo.DeMoTrainer,
+        hf_demo.DeMoTrainingArguments,
+    )
+    with pytest.raises(TypeError, match="not a transformers.Trainer subclass"):
+        hf_demo.with_demo(object, trl.SFTConfig)
+
+
+def test_every_training_arguments_subclass_accepts_optim_demo():
+    """Once hf_demo is imported, 'demo' is an OptimizerNames member: TRL's configs take it as a value and
+    as a command-line choice; their plain trainers refuse to build it (they would keep DDP's all-reduce)."""
+    import trl
+
+    for config_cls in (trl.SFTConfig, trl.DPOConfig, trl.RewardConfig):
+        assert config_cls(output_dir="out-never-written", use_cpu=True, optim="demo").optim == "demo"
+        (parsed,) = HfArgumentParser(config_cls).parse_args_into_dataclasses(
+            ["--output_dir", "out-never-written", "--use_cpu", "true", "--optim", "demo"]
+        )
+        assert parsed.optim == "demo"
+    with pytest.raises(ValueError, match="needs a DeMo-aware trainer"):
+        trl.SFTTrainer.get_optimizer_cls_and_kwargs(trl.SFTConfig(output_dir="x", use_cpu=True, optim="demo"))
+
+
 def _tiny_llama():
     return LlamaForCausalLM(
         LlamaConfig(

@@ -86,29 +86,28 @@ def test_cpu_launch_without_the_switch_stops_with_plain_arguments(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_trl_sft_trainer(tmp_path, tiny_llama_dir):
-    """DeMoSFTTrainer trains with local gradients; plain SFTTrainer with optimizers=(DeMo, None) stops loudly."""
+    """DeMoSFTTrainer trains with local gradients and resumes exactly; plain SFTTrainer with
+    optimizers=(DeMo, None) stops loudly."""
     script = ROOT / "tests" / "scripts" / "train_sft.py"
     sft = (
         "--max_steps 4 --per_device_train_batch_size 4 --max_length 32 --logging_steps 2 --report_to none "
         "--use_cpu true --save_strategy no --disable_tqdm true --learning_rate 1e-3 --eos_token [SEP]"
     ).split()
     sft += ["--model_dir", tiny_llama_dir]
-    accelerate_launch(
-        script,
-        "--trainer",
-        "demo",
-        "--optim",
-        "demo",
-        "--record_dir",
-        tmp_path / "demo",
-        "--output_dir",
-        tmp_path / "o1",
-        *sft,
-    )
+    demo = ["--trainer", "demo", "--optim", "demo"]
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    accelerate_launch(script, *demo, "--record_dir", tmp_path / "demo", "--output_dir", tmp_path / "o1", *sft, *save)
     r0, r1 = load_records(tmp_path / "demo", 2)
     assert r0["optimizer"] == "DeMo" and r0["global_step"] == 4
     assert r0["params"] == r1["params"] and r0["first_grad"] != r1["first_grad"]
     assert any("demo/total_bytes_sent" in row for row in r0["log_history"])
+    # resume from step 2 on both ranks (each loads its own optimizer state): bitwise the uninterrupted run
+    resume = ["--resume_from_checkpoint", tmp_path / "o1" / "checkpoint-2"]
+    accelerate_launch(
+        script, *demo, "--record_dir", tmp_path / "resumed", "--output_dir", tmp_path / "o3", *sft, *resume
+    )
+    q0, q1 = load_records(tmp_path / "resumed", 2)
+    assert q0["params"] == q1["params"] == r0["params"] and q0["global_step"] == 4
     proc = accelerate_launch(script, "--trainer", "plain", "--output_dir", tmp_path / "o2", *sft, check=False)
     assert proc.returncode != 0
     assert proc.stdout.count("DeMoSetupError: DeMo's parameters are inside a DistributedDataParallel model") == 2

@@ -55,7 +55,7 @@ def test_all_reduce_traffic_is_flat_in_the_number_of_ranks():
     received = {}
     for world in (2, 4):
         stats = expect_ok(run_ranks(_train, world, {"exchange": "all_reduce"}, 2))
-        # the 128-byte headers are all-gathered in every mode: count the exchange itself
+        # the headers are all-gathered in every mode: count the exchange itself
         received[world] = stats[0][1]["bytes_received"] - (world - 1) * codec.HEADER_BYTES
         assert stats[0][1]["collectives"] == 3  # header, positions, values
     gathered = expect_ok(run_ranks(_train, 4, {}, 2))[0][1]["bytes_received"]

@@ -201,3 +201,21 @@ def test_custom_accelerate_loop_with_prepare(tmp_path):
     assert r0["world"] == r1["world"] == 2
     assert r0["params"] == r1["params"] and r0["grad0"] != r1["grad0"]
     assert sum(r0["losses"][-5:]) < sum(r0["losses"][:5])
+
+
+@pytest.mark.parametrize("optim", ["demo", "adamw_torch"])
+def test_evaluate_before_train_still_wraps_and_synchronises(tmp_path, optim):
+    """evaluate() before train() used to leave the model unwrapped: replicas initialised apart stayed apart
+    (PEFT adapters), and the DDP baselines never averaged. Now train() wraps it in DDP, which broadcasts
+    rank 0's weights; DDP's find_unused_parameters warning is gone too."""
+    name = f"evalfirst_{optim}"
+    proc = _train(tmp_path, name, "--optim", optim, "--evaluate_first", "true", "--init_seed_by_rank", "true",
+                  "--max_steps", "6", "--save_steps", "100")  # fmt: skip
+    r0, r1 = load_records(tmp_path / name / "rec", 2)
+    assert r0["ddp"] and r1["ddp"] and r0["find_unused_parameters"] is False
+    assert r0["params"] == r1["params"]  # one model on every rank
+    if optim == "demo":
+        assert r0["first_grad"] != r1["first_grad"] and r0["resyncs"] == 0  # local gradients; DDP broadcast
+    else:
+        assert r0["first_grad"] == r1["first_grad"]  # DDP averaged the gradients
+    assert "find_unused_parameters=True" not in proc.stdout

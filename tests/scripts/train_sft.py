@@ -66,7 +66,7 @@ def main():
             optimizers=(optimizer, None),
             callbacks=[first],
         )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         torch.save(

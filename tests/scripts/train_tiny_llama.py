@@ -34,6 +34,8 @@ class ScriptArgs:
     kill_rank: int = field(default=-1, metadata={"help": "this rank SIGKILLs itself after the save at kill_at_step"})
     kill_at_step: int = field(default=0)
     resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
+    init_seed_by_rank: bool = field(default=False, metadata={"help": "initialise the model differently on each rank"})
+    evaluate_first: bool = field(default=False, metadata={"help": "trainer.evaluate() before trainer.train()"})
 
 
 def stdlib_blocks(n: int, seq: int) -> Dataset:
@@ -85,7 +87,7 @@ def main():
     parser = HfArgumentParser((ScriptArgs, TrainingArguments if plain else hf_demo.DeMoTrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
     TrainerClass = hf_demo.DeMoTrainer if script.trainer == "demo" else Trainer
-    torch.manual_seed(0)
+    torch.manual_seed(int(os.environ.get("RANK", "0")) if script.init_seed_by_rank else 0)
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -99,14 +101,17 @@ def main():
     if script.gradient_checkpointing_on:
         args.gradient_checkpointing = True
     recorder = Recorder(script)
+    data = stdlib_blocks(script.samples, script.seq)
     trainer = TrainerClass(
-        model=model, args=args, train_dataset=stdlib_blocks(script.samples, script.seq), callbacks=[recorder]
+        model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)), callbacks=[recorder]
     )
     recorder.trainer = trainer
     resume = args.resume_from_checkpoint
     if script.resume_last:
         resume = hf_demo.last_complete_checkpoint(args.output_dir)
         print(f"rank {args.process_index}: resuming from {resume}", flush=True)
+    if script.evaluate_first:
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=resume)
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
@@ -119,6 +124,9 @@ def main():
                 "log_history": trainer.state.log_history,
                 "global_step": trainer.state.global_step,
                 "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+                "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
+                "find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
+                "resyncs": getattr(getattr(trainer.optimizer, "optimizer", None), "resyncs", None),
             },
             os.path.join(script.record_dir, f"rank{rank}.pt"),
         )
