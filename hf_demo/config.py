@@ -160,6 +160,22 @@ class DeMoSettings:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def resolve(cls, preset: str | None = None, **chosen) -> DeMoSettings:
+        """The settings of ``preset`` (see :data:`PRESETS`) with ``chosen`` on top; validated."""
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"DeMo: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS.get(preset, {}), **chosen})
+
+
+# Named starting points, ordered by bytes. Where a setting's value comes from, lowest to highest: the
+# default above, the preset, the setting given by name. Bytes/param/step are exact (codec.segment_bytes) on
+# SmolLM2-135M, where 64 divides every dimension; see docs/CONVERGENCE.md for what is measured of their loss.
+PRESETS: dict[str, dict] = {
+    "balanced": {},  # the defaults: top-32 of each 64x64 block, bf16 values (0.032 bytes/param/step)
+    "lean": {"value_format": "sign"},  # 1-bit values (0.017)
+    "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting (0.0026)
+}
 
 _TYPES = {
     f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)
@@ -173,6 +189,10 @@ def markdown_table() -> str:
         choices = ", ".join(f.metadata.get("choices") or ()) or _TYPES[f.name].__name__
         per_group = "yes" if f.metadata["per_group"] else ""
         rows.append(f"| `{f.name}` | `{f.default!r}` | {choices} | {per_group} | {f.metadata['help']} |")
+    rows += ["", "Presets (`preset=` / `--demo_preset`; settings given by name win over the preset's):", ""]
+    rows += ["| preset | settings |", "|---|---|"]
+    for name, values in PRESETS.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{k}={v!r}`' for k, v in values.items()) or 'the defaults'} |")
     return "\n".join(rows)
 
 

@@ -12,10 +12,8 @@ import sys
 
 
 def publish(cls: type) -> type:
-    """Give ``cls`` a unique name in this module and return it (a class already here is returned as is)."""
+    """Give ``cls`` (made at run time) a unique name in this module and return it."""
     module = sys.modules[__name__]
-    if cls.__module__ == __name__ and getattr(module, cls.__name__, None) is cls:
-        return cls
     name, n = cls.__name__, 2
     while getattr(module, name, cls) is not cls:
         name, n = f"{cls.__name__}_{n}", n + 1

@@ -57,6 +57,8 @@ class DeMo(torch.optim.Optimizer):
             initialised, otherwise a world of one.
         sign_update: the reference's switch, kept for compatibility: ``False`` means
             ``update_rule="raw"``.
+        preset: a named starting point (``balanced``, ``lean``, ``extreme``: :data:`hf_demo.config.PRESETS`);
+            settings given by name win over it.
         **settings: every other setting, by name: see :class:`hf_demo.config.DeMoSettings`
             (``compression_decay``, ``compression_topk``, ``compression_chunk``, ``value_format``,
             ``exchange``, ``update_rule``, ``nonfinite``, ``comm_timeout``, ``check_every``, ``drift``, ...).
@@ -73,6 +75,7 @@ class DeMo(torch.optim.Optimizer):
         process_group=None,
         *,
         sign_update: bool | None = None,
+        preset: str | None = None,
         **settings,
     ):
         if sign_update is not None:
@@ -86,7 +89,7 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(
                 f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(DeMoSettings.names())}"
             )
-        self.settings = DeMoSettings(**settings)
+        self.settings = DeMoSettings.resolve(preset, **settings)
         self.process_group = process_group
         self.update_rule = update_rules.get(self.settings.update_rule)
         secret = os.environ.get(SECRET_ENV)

@@ -16,6 +16,8 @@ SETTINGS: dict[str, tuple[type, object, str]] = {
 
 
 def _convert(key: str, raw: str):
+    if key == "preset":
+        return raw
     kind = SETTINGS[key][0]
     try:
         if kind is bool:
@@ -43,8 +45,10 @@ def parse_optim_args(text: str | None) -> dict:
         if entry.count("=") != 1:
             raise ValueError(f"malformed --optim_args entry {entry!r}: expected key=value")
         key, raw = (s.strip() for s in entry.split("="))
-        if key not in SETTINGS:
-            raise ValueError(f"unknown DeMo setting {key!r} in --optim_args; known settings: {', '.join(SETTINGS)}")
+        if key not in SETTINGS and key != "preset":
+            raise ValueError(
+                f"unknown DeMo setting {key!r} in --optim_args; known settings: preset, {', '.join(SETTINGS)}"
+            )
         out[key] = _convert(key, raw)
     return out
 
@@ -68,7 +72,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
     """``(DeMo, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (Trainer builds the groups)."""
-    unknown = set(settings) - set(SETTINGS) - {"process_group"}
+    unknown = set(settings) - set(SETTINGS) - {"process_group", "preset"}
     if unknown:
         raise ValueError(f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(SETTINGS)}")
     return DeMo, {"lr": lr, "weight_decay": weight_decay, **settings}

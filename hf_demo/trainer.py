@@ -307,13 +307,16 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
         raise TypeError(f"with_demo: {config_cls!r} is not a transformers.TrainingArguments subclass")
     key = (trainer_cls, config_cls)
     if key not in _MADE:
-        trainer = trainer_cls
+        trainer, config = trainer_cls, config_cls  # already DeMo-aware: as they are
         if not issubclass(trainer_cls, DeMoTrainerMixin):
-            trainer = type(
-                f"DeMo{trainer_cls.__name__}",
-                (DeMoTrainerMixin, trainer_cls),
-                {"__doc__": f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."},
+            trainer = generated.publish(
+                type(
+                    f"DeMo{trainer_cls.__name__}",
+                    (DeMoTrainerMixin, trainer_cls),
+                    {"__doc__": f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."},
+                )
             )
-        config = config_cls if issubclass(config_cls, DeMoArguments) else with_demo_arguments(config_cls)
-        _MADE[key] = (generated.publish(trainer), generated.publish(config))
+        if not issubclass(config_cls, DeMoArguments):
+            config = generated.publish(with_demo_arguments(config_cls))
+        _MADE[key] = (trainer, config)
     return _MADE[key]

@@ -13,8 +13,9 @@
   (``hf_demo.trl.DeMoSFTConfig = with_demo_arguments(SFTConfig)``).
 * :class:`DeMoTrainingArguments` is ``TrainingArguments`` + :class:`DeMoArguments`.
 
-Where a setting's value comes from, lowest to highest: ``DeMoSettings``'s default, (a preset, later), a
-``--demo_<name>`` given on the command line, ``--optim_args "name=value,..."``.
+Where a setting's value comes from, lowest to highest: ``DeMoSettings``'s default, the preset
+(``--demo_preset``, or ``preset=`` in ``--optim_args``), a ``--demo_<name>`` given on the command line,
+``--optim_args "name=value,..."``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .config import DeMoSettings
+from .config import PRESETS, DeMoSettings
 from .launch import prepare_launch
 from .settings import parse_optim_args
 
@@ -74,7 +75,13 @@ def selects_demo(optim) -> bool:
 
 # ---------------------------------------------------------------------- the settings as fields
 def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
-    fields = []
+    preset_help = "DeMo: a named starting point, " + "; ".join(
+        f"{name}: {', '.join(f'{k}={v}' for k, v in values.items()) or 'the defaults'}"
+        for name, values in PRESETS.items()
+    )
+    fields = [
+        ("demo_preset", str | None, field(default=None, metadata={"help": preset_help, "choices": list(PRESETS)}))
+    ]
     for name, kind, default, help, choices in DeMoSettings.describe():
         meta = {"help": f"DeMo: {help} (default: {default})"}
         if choices is not None:
@@ -95,7 +102,8 @@ def demo_settings(args) -> dict:
         if value is not None:
             chosen[name] = value
     chosen.update(parse_optim_args(getattr(args, "optim_args", None)))
-    return DeMoSettings(**chosen).as_dict()  # defaults filled in; invalid values fail here
+    preset = chosen.pop("preset", None) or getattr(args, "demo_preset", None)
+    return DeMoSettings.resolve(preset, **chosen).as_dict()  # defaults filled in; invalid values fail here
 
 
 class _DeMoArgumentsMethods:

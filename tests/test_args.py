@@ -67,7 +67,7 @@ def test_plain_trainer_refuses_optim_demo():
 def test_demo_fields_follow_the_settings_table(monkeypatch):
     """A setting added to DeMoSettings becomes a --demo_ field with its help and choices, without an edit."""
     fields = {name: f for name, _, f in hf_demo.training_args._demo_fields()}
-    assert set(fields) == {f"demo_{n}" for n in DeMoSettings.names()}
+    assert set(fields) == {"demo_preset"} | {f"demo_{n}" for n in DeMoSettings.names()}
     described = DeMoSettings.describe()
     monkeypatch.setattr(
         DeMoSettings,
@@ -270,3 +270,23 @@ def test_trainer_refuses_fp16_with_demo(tmp_path):
             _tiny_trainer(tmp_path, **trainer_args)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_presets_sit_under_settings_given_by_name():
+    """default < preset < --demo_<name> < --optim_args, in DeMo, the factory and the training arguments."""
+    from hf_demo.config import PRESETS
+
+    model = torch.nn.Linear(8, 8)
+    assert hf_demo.DeMo(model.parameters(), preset="extreme").settings.compression_topk == 4
+    lean = hf_demo.create_optimizer(model, preset="lean", compression_topk=8)
+    assert lean.settings.value_format == "sign" and lean.settings.compression_topk == 8
+    assert parse("--optim", "demo", "--demo_preset", "extreme").demo_settings()["value_format"] == "sign"
+    args = parse("--optim", "demo", "--demo_preset", "extreme", "--demo_compression_topk", "16")
+    assert args.demo_settings()["compression_topk"] == 16
+    args = parse("--optim", "demo", "--demo_preset", "balanced", "--optim_args", "preset=lean")
+    assert args.demo_settings()["value_format"] == "sign"  # --optim_args wins
+    assert set(PRESETS) == {"balanced", "lean", "extreme"}
+    with pytest.raises(ValueError, match="unknown preset 'fast'; presets: balanced, lean, extreme"):
+        hf_demo.DeMo(model.parameters(), preset="fast")
+    with pytest.raises(SystemExit):
+        parse("--optim", "demo", "--demo_preset", "fast")
