@@ -197,7 +197,7 @@ def _corpus():
     if _CORPUS is None:
         import wan_worker
 
-        _CORPUS = wan_worker.load_corpus()
+        _CORPUS = wan_worker.stdlib_bytes()
     return _CORPUS
 
 

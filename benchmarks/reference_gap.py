@@ -270,7 +270,7 @@ def step_by_step(a) -> dict:
         + ", ".join(f"{n}: {v:.1e}" for n, v in dct_gap.items())
     )
 
-    data = wan_worker.Data(wan_worker.load_corpus(), 0, 1, a.seq_len, a.batch_size, a.seed, 0.02, a.eval_batches)
+    data = wan_worker.Data(wan_worker.stdlib_bytes(), 0, 1, a.seq_len, a.batch_size, a.seed, 0.02, a.eval_batches)
     quality = compression_quality(copy.deepcopy(base), data.eval[0], a.chunk, a.topk)
     rows = []
     print("\n## Step by step, world of one (max |param - peer's param|; entries whose step differs)\n")
