@@ -494,7 +494,7 @@ def write_report(tag: str, runs: list[dict], args) -> str:
         ratio = f"{b['mean'] / adamw['mean']:.3f}" if adamw else "–"
         st = b["steps_to_target"][0]
         ast = adamw["steps_to_target"][0] if adamw else float("nan")
-        sratio = f"{st / ast:.2f}" if b["reached"] and adamw and adamw["reached"] else "–"
+        sratio = f"{st / ast:.2f}" if b["reached"] and adamw and adamw["reached"] and ast else "–"
         sts = f"{st:.0f} ({b['reached']}/{b['n']})" if b["reached"] else f"– (0/{b['n']})"
         lines.append(
             f"| {b['method']} | {b['lr']:g} | {b['mean']:.4f} ± {b['sd']:.4f} | {ratio} | {sts} | {sratio} | "
@@ -651,7 +651,8 @@ def build_methods(args) -> list[Method]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tag", default="short", help="results go to benchmarks/results/convergence_<tag>.*")
+    p.add_argument("--tag", default="short", help="results go to <results-dir>/convergence_<tag>.*")
+    p.add_argument("--results-dir", default=str(RESULTS), help="where results go (default benchmarks/results)")
     p.add_argument(
         "--methods",
         nargs="+",
@@ -695,7 +696,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    global RESULTS
     args = parse_args(argv)
+    RESULTS = Path(args.results_dir)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"convergence_{args.tag}.json"
     runs = json.loads(path.read_text()) if path.exists() and (args.resume or args.report_only) else []
