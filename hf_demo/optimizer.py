@@ -380,7 +380,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
         """Overlap: wait for the exchange the last step started, validate and average it (nothing committed)."""
-        pending, transport = self._pending, self._transport
+        pending, transport = self._pending, self._transport or self._transport_now()  # flush() right after a resume
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
         tier = self.tiers[self.policy.tier]
