@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-slow test-fast lint demo quickstart bench compare
+.PHONY: setup test test-slow test-fast lint demo quickstart bench compare gpu-check
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
@@ -16,6 +16,10 @@ test-slow: setup
 # The fast tier: everything but accelerate launches and the long fault/mode suites on gloo ranks.
 test-fast: setup
 	$(PY) -m pytest -q -m "not launch and not ranks"
+
+# On a machine with an NVIDIA GPU: the CUDA tests, DeMo over NCCL ranks, the step benchmark on CUDA (exit 77: no GPU).
+gpu-check: setup
+	bash scripts/gpu_check.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -2,11 +2,13 @@
 """Optimizer-step benchmark: hf_demo.DeMo against pytorch_optimizer.DeMo and torch.optim.AdamW.
 
 Llama model with SmolLM2-135M's shapes (random init), fixed random gradients (no forward/backward), each optimizer
-in a freshly spawned gloo world on CPU. What every column means: benchmarks/README.md.
+in a freshly spawned gloo world on CPU (or, with --device cuda, on GPUs: NCCL with a GPU per rank, else gloo).
+What every column means: benchmarks/README.md.
 
     python benchmarks/optimizer_step.py                       # full size: 30 layers, 2 ranks
     python benchmarks/optimizer_step.py --layers 2            # quick run
     python benchmarks/optimizer_step.py --profile demo-bf16   # where one step spends its time (1 process)
+    python benchmarks/optimizer_step.py --device cuda --world-size 1 --only demo-bf16,demo-sign,adamw
 """
 
 from __future__ import annotations
@@ -60,11 +62,27 @@ def build_model(layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def rank_device(args, rank: int) -> torch.device:
+    """``--device cuda``: GPU ``rank`` (modulo the GPUs there are); else the CPU."""
+    if args.device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """CUDA runs asynchronously: wait for the queued work before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def setup(name: str, args, rank: int):
     """The parameters (with their gradients in ``p.grad``), the fixed gradients and the optimizer."""
-    params = [p for p in build_model(args.layers).parameters() if p.requires_grad]
+    device = rank_device(args, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    params = [p for p in build_model(args.layers).to(device).parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(1234 + rank)  # ranks differ, every optimizer sees the same
-    grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2 for p in params]
+    grads = [(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2).to(device) for p in params]
     for p, grad in zip(params, grads):
         p.grad = grad.clone()
     if name.startswith("demo"):
@@ -252,12 +270,15 @@ def timed_step(opt, params, grads, counter=None) -> tuple[float, float, int]:
     """Gradients copied in and ranks lined up (untimed), then ``opt.step()`` (in ``counter`` if given):
     wall seconds, CPU seconds, minor page faults."""
     load_grads(params, grads)
+    device = params[0].device
+    synchronize(device)
     if dist.is_initialized():
         dist.barrier()
     with counter or contextlib.nullcontext():
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, t0 = time.process_time(), time.perf_counter()
         opt.step()
+        synchronize(device)
         t1, c1 = time.perf_counter(), time.process_time()
         return t1 - t0, c1 - c0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
@@ -269,8 +290,14 @@ def measure_rank(rank: int, world: int, name: str, args) -> dict:
     counter = CollectiveCounter(packages=("hf_demo", "pytorch_optimizer"))
     gc.collect()
     dist.barrier()
-    exact_peak = reset_peak_rss()
-    rss0 = _status_bytes("VmRSS")
+    device = params[0].device
+    if device.type == "cuda":  # the peak is the CUDA allocator's
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        exact_peak, rss0 = True, torch.cuda.memory_allocated(device)
+    else:
+        exact_peak = reset_peak_rss()
+        rss0 = _status_bytes("VmRSS")
     rec = {k: [] for k in ("times", "cpu", "faults", "sent", "collectives", "comm_seconds", "reported")}
     for step in range(args.warmup + args.steps):
         counter.reset()
@@ -294,7 +321,8 @@ def measure_rank(rank: int, world: int, name: str, args) -> dict:
         n_params=n_params,
         dense_bytes=4 * n_params,
         state_bytes=state_bytes(opt),
-        peak_delta=_status_bytes("VmHWM") - rss0,
+        peak_delta=(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_bytes("VmHWM"))
+        - rss0,
         exact_peak=exact_peak,
         by_name=counter.by_name,
     )
@@ -351,13 +379,15 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
         malloc = " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) if args.tune_malloc else "default malloc"
         print(
             f"\n## Optimizer step, Llama/SmolLM2-135M shapes, {args.layers} layers ({n / 1e6:.1f}M parameters), "
-            f"{args.world_size} gloo rank(s) on CPU, {args.threads} thread(s)/rank, median of {args.steps} steps "
+            f"{args.world_size} {args.backend} rank(s) on {args.device}, {args.threads} thread(s)/rank, "
+            f"median of {args.steps} steps "
             f"after {args.warmup} warm-up, chunk {args.chunk}, top-k {args.topk}, torch {torch.__version__}, "
             f"{malloc}\n"
         )
     print(
         "| optimizer | step s (median) | step s (min / max) | CPU s/step | in collectives s | state MiB "
-        "| peak RSS Δ MiB | page faults/step (GiB) | bytes sent/step | bytes/param/step | collectives/step "
+        f"| {'peak CUDA memory' if args.device == 'cuda' else 'peak RSS'} Δ MiB | page faults/step (GiB) "
+        "| bytes sent/step | bytes/param/step | collectives/step "
         "| sent / dense fp32 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for name, label in OPTIMIZERS.items():
@@ -450,8 +480,10 @@ def profile(name: str, args) -> None:
     from torch.profiler import profile as torch_profile
 
     load_grads(params, grads)
-    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as tp:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=activities, record_shapes=True) as tp:
         opt.step()
+        synchronize(params[0].device)
     for by_shape in (False, True):
         print(
             f"\n### torch.profiler, one step, top {args.profile_rows} aten ops by self CPU time"
@@ -466,7 +498,13 @@ def profile(name: str, args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
-    ap.add_argument("--world-size", type=int, default=2, help="gloo ranks to spawn")
+    ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the parameters live")
+    ap.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        help="default: nccl with --device cuda and a GPU per rank, else gloo (CUDA buffers staged through the host)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (state allocation)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -482,6 +520,11 @@ def main(argv=None) -> int:
         os.environ.update(TUNED_MALLOC)  # glibc reads them at start: the spawned ranks inherit them
         if args.profile:
             os.execv(sys.executable, [sys.executable] + sys.argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    if args.backend is None:
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        args.backend = "nccl" if args.device == "cuda" and args.world_size <= gpus else "gloo"
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(args.threads))
 
@@ -505,7 +548,14 @@ def main(argv=None) -> int:
         print(f"[{name}] {args.world_size} rank(s), {args.layers} layers ...", file=sys.stderr, flush=True)
         t0, others = time.perf_counter(), OtherCpu()
         per_rank = run_ranks(
-            measure_rank, args.world_size, name, args, timeout=3600, collective_timeout=600, start_method="spawn"
+            measure_rank,
+            args.world_size,
+            name,
+            args,
+            timeout=3600,
+            collective_timeout=600,
+            start_method="spawn",
+            backend=args.backend,
         )
         summaries[name] = summarise(expect_ok(per_rank))
         load[name] = others.others_cores()

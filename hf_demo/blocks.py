@@ -90,8 +90,10 @@ def block_side(n: int, chunk: int) -> int:
 
 @cache
 def _dct_matrix_cpu(n: int) -> torch.Tensor:
-    k = torch.arange(n, dtype=torch.float64)[:, None]
-    i = torch.arange(n, dtype=torch.float64)[None, :]
+    # built on the CPU in float64 whatever the default device (a cached tensor must not land on a
+    # torch.set_default_device device), then cast once and copied to each device that asks for it
+    k = torch.arange(n, dtype=torch.float64, device="cpu")[:, None]
+    i = torch.arange(n, dtype=torch.float64, device="cpu")[None, :]
     d = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
     d[0] /= math.sqrt(2.0)
     return d.to(torch.float32)
@@ -101,7 +103,10 @@ _DEVICE_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def dct_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The n x n orthonormal DCT-II matrix D (rows are basis vectors): ``coeffs = D @ x``."""
+    """The n x n orthonormal DCT-II matrix D (rows are basis vectors): ``coeffs = D @ x``, fp32, on ``device``.
+
+    Cached per (n, device): the same bits on every device (computed once on the CPU in float64, then copied),
+    so a CUDA rank and a CPU rank transform with the same matrix. Everything DeMo transforms is fp32."""
     device = torch.device(device)
     key = (n, device)
     if key not in _DEVICE_CACHE:

@@ -46,8 +46,6 @@ FLAG_FINGERPRINT = 4  # the fingerprint word holds this rank's parameter fingerp
 FLAG_AUTH = 8  # the tag is an HMAC over header and payload
 FLAG_GRAD_FINGERPRINT = 16  # the grad_fingerprint word holds this rank's local-gradient fingerprint
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
 
 def _align(n: int) -> int:
     return (n + 3) // 4 * 4
@@ -114,7 +112,8 @@ class SignFormat:
         negative = values < 0
         q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
         bits = _pad_to(negative.reshape(-1).to(torch.uint8), (nblocks * k + 7) // 8 * 8)
-        packed = (bits.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)  # bit j of byte i is value 8i+j
+        packed = (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
         wire = torch.cat(
             [_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))]
         )
@@ -241,7 +240,7 @@ class Header:
     )  # fmt: skip
 
     def words_bytes(self) -> bytes:
-        return torch.tensor([getattr(self, w) for w in self._WORDS], dtype=torch.int64).numpy().tobytes()
+        return torch.tensor([getattr(self, w) for w in self._WORDS], dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def to_bytes(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.words_bytes() + self.tag), dtype=torch.uint8)
@@ -289,7 +288,8 @@ def verify_headers(headers: list[Header], secret: bytes | None, rank: int, step:
 
 
 def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | None, rank: int, step: int) -> None:
-    """Every received payload row against its sender's CRC32 and (with a secret) HMAC tag."""
+    """Every received payload row against its sender's CRC32 and (with a secret) HMAC tag (on a host copy)."""
+    received = received.detach().cpu()  # one copy from the device for every row's CRC32 and HMAC
     for r, (h, row) in enumerate(zip(headers, received)):
         if crc32(row) != h.payload_crc:
             raise DeMoSyncError(

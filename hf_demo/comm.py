@@ -7,6 +7,12 @@ that names the step and, where the rendezvous store can tell, the ranks that did
 
 :func:`register_collective_hook` is the public hook for tools (the WAN benchmarks delay collectives with
 it): ``fn(name, nbytes)`` runs on every rank just before each of DeMo's collectives.
+
+Devices: callers hand :class:`Transport` buffers on the parameters' device and get results back on that
+device; the transport moves a buffer to where the backend needs it (:func:`wire_device`: NCCL takes CUDA
+tensors only, gloo is given host tensors) and back. CUDA collectives return before they are done, so the
+transport waits for the device around each one: the seconds it counts (and ``comm_budget`` decides on) are
+the collective's, not the time to queue it.
 """
 
 from __future__ import annotations
@@ -94,6 +100,32 @@ def register_collective_hook(fn: Callable[[str, int], None]) -> HookHandle:
     return HookHandle(key)
 
 
+def wire_device(backend: str | None, device: torch.device) -> torch.device:
+    """Where a buffer on ``device`` must be for a collective of ``backend``.
+
+    ``nccl``: CUDA only (a host buffer goes to the current CUDA device); ``gloo``: the host (gloo's CUDA support
+    is partial and stages through the host anyway); a device map such as ``"cpu:gloo,cuda:nccl"``: the
+    tensor's own device when the map has a backend for it; any other backend: the tensor's device.
+    """
+    name = str(backend or "").lower()
+    if ":" in name:
+        mapped = {part.split(":", 1)[0].strip() for part in name.split(",")}
+        if device.type in mapped:
+            return device
+        name = "gloo" if "cpu" in mapped else "nccl" if "cuda" in mapped else ""
+    if name == "nccl":
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    if name == "gloo":
+        return torch.device("cpu")
+    return device
+
+
+def _synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on a CUDA device (collectives included); nothing for the host."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # torch >= 2.11 renamed all_gather_into_tensor to all_gather_single (same arguments)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -101,20 +133,23 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Pending:
     """A collective running in the background; :meth:`wait` counts only the time spent waiting for it."""
 
-    def __init__(self, transport, name, work, rows, sent, received, step):
+    def __init__(self, transport, name, work, rows, sent, received, step, device=None):
         self.transport, self.name, self.work, self.rows = transport, name, work, rows
         self.sent, self.received, self.step = sent, received, step
+        self.device = rows.device if device is None else device  # where the caller wants the rows
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             t0 = time.perf_counter()
             try:
                 self.work.wait()
+                _synchronize(self.rows.device)
             except (RuntimeError, dist.DistError) as exc:
                 self.transport.step = self.step
                 raise self.transport._failure(self.name, time.perf_counter() - t0, exc) from exc
             self.transport.stats.record(self.sent, self.received, time.perf_counter() - t0)
             self.work = None
+            self.rows = self.rows.to(self.device)
         return self.rows
 
 
@@ -155,6 +190,7 @@ class Transport:
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.group = group
+        self.backend = dist.get_backend(group) if group is not None else None
         if group is not None and self.world > 1 and timeout > 0:
             try:
                 self.group = timed_group(dist.get_process_group_ranks(group), timeout, dist.get_backend(group))
@@ -167,14 +203,21 @@ class Transport:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank
 
+    def _to_wire(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` on the device the backend needs (itself when it is there already)."""
+        device = wire_device(self.backend, buf.device)
+        return buf if device == buf.device else buf.to(device)
+
     # ------------------------------------------------------------ collectives
     def all_gather(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
         if self.world == 1:
             return buf.view(1, -1)
-        out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=buf.device)
-        self._run(name, buf.numel(), buf.numel() * (self.world - 1), lambda: _all_gather(out, buf, group=self.group))
-        return out.view(self.world, -1)
+        wire = self._to_wire(buf)
+        out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
+        sent, received = buf.numel(), buf.numel() * (self.world - 1)
+        self._run(name, sent, received, lambda: _all_gather(out, wire, group=self.group), wire.device)
+        return out.view(self.world, -1).to(buf.device)
 
     def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
         """:meth:`all_gather` started in the background (overlap): :meth:`Pending.wait` returns the rows."""
@@ -184,20 +227,24 @@ class Transport:
             return Pending(self, name, None, out.view(1, -1), 0, 0, self.step)
         for hook in list(_HOOKS.values()):
             hook(name, buf.numel())
+        wire = self._to_wire(buf)
+        out = out if wire.device == out.device else torch.empty_like(out, device=wire.device)
         try:
-            work = _all_gather(out, buf, group=self.group, async_op=True)
+            work = _all_gather(out, wire, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, 0.0, exc) from exc
-        return Pending(
-            self, name, work, out.view(self.world, -1), buf.numel(), buf.numel() * (self.world - 1), self.step
-        )
+        sent, received = buf.numel(), buf.numel() * (self.world - 1)
+        return Pending(self, name, work, out.view(self.world, -1), sent, received, self.step, buf.device)
 
     def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Sum a tensor over every rank, in place (every rank gets the same bits)."""
         if self.world == 1:
             return buf
         ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
-        self._run(name, ring, ring, lambda: dist.all_reduce(buf, group=self.group))
+        wire = self._to_wire(buf)
+        self._run(name, ring, ring, lambda: dist.all_reduce(wire, group=self.group), wire.device)
+        if wire is not buf:
+            buf.copy_(wire)
         return buf
 
     def broadcast(self, buf: torch.Tensor, src: int, name: str) -> torch.Tensor:
@@ -206,15 +253,22 @@ class Transport:
             return buf
         n = buf.numel() * buf.element_size()
         sent, received = (n * (self.world - 1), 0) if self.rank == src else (0, n)
-        self._run(name, sent, received, lambda: dist.broadcast(buf, src=self.global_rank(src), group=self.group))
+        wire = self._to_wire(buf)
+        self._run(
+            name, sent, received, lambda: dist.broadcast(wire, src=self.global_rank(src), group=self.group), wire.device
+        )
+        if wire is not buf:
+            buf.copy_(wire)
         return buf
 
-    def _run(self, name: str, sent: int, received: int, op: Callable[[], object]) -> None:
+    def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device=None) -> None:
         for hook in list(_HOOKS.values()):
             hook(name, sent)
+        _synchronize(device)  # work queued before the collective is not counted as communication
         t0 = time.perf_counter()
         try:
             op()
+            _synchronize(device)  # a CUDA collective returns once queued: count it until it is done
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, time.perf_counter() - t0, exc) from exc
         self.stats.record(sent, received, time.perf_counter() - t0)

@@ -79,7 +79,7 @@ class AllReduceExchange:
         self.payload_nbytes = 0  # nothing is announced before the headers: positions follow them
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=working[0].device if working else "cpu")
 
     def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
         device = working[0].device if working else torch.device("cpu")

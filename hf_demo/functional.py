@@ -52,8 +52,20 @@ def mean_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -
 
 
 def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """Sparse per-block coefficients -> dense (nblocks, bsize), duplicates summed."""
-    return values.new_zeros(idx.shape[0], layout.bsize).scatter_add_(1, idx, values)
+    """Sparse per-block coefficients -> dense (nblocks, bsize), duplicates summed in rank order.
+
+    ``idx`` and ``values`` hold one run of ``layout.k`` positions per rank (rank after rank, as
+    :func:`mean_weights` lays them out); a run never repeats a position (a top-k). The runs are added one
+    after the other, so a position picked by several ranks is summed in rank order on every device: one
+    ``scatter_add_`` over all runs would sum duplicates with atomics on CUDA, in an order that changes from
+    call to call, and the replicas would drift apart. On the CPU, where ``scatter_add_`` goes through the
+    positions in order, the result is bitwise the same as one call.
+    """
+    out = values.new_zeros(idx.shape[0], layout.bsize)
+    k = layout.k
+    for start in range(0, idx.shape[1], k):
+        out.scatter_add_(1, idx[:, start : start + k], values[:, start : start + k])
+    return out
 
 
 def apply_step(
@@ -87,5 +99,22 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     if dtype != torch.bfloat16:
         return x.to(dtype)
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device="cpu").to(x.device)
+    generator = generator_on(x.device, generator)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device=x.device)
     return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def generator_on(device: torch.device, generator: torch.Generator) -> torch.Generator:
+    """A generator on ``device`` for noise made where the tensor lives.
+
+    ``generator`` itself when it is on ``device`` (a CPU parameter: the noise is what it always was);
+    otherwise a new generator on ``device`` seeded with one draw from ``generator``. The optimizer seeds
+    ``generator`` identically on every rank and every rank draws in the same order, so every rank gets the
+    same seeds and, on the same kind of accelerator, the same noise (CUDA's random kernels lay the stream
+    out by the GPU's number of SMs: different GPU models give different noise, which the drift check sees).
+    """
+    device = torch.device(device)
+    if generator.device.type == device.type and (device.index is None or generator.device.index == device.index):
+        return generator
+    seed = int(torch.randint(0, 1 << 62, (), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)

@@ -268,7 +268,7 @@ class DeMo(torch.optim.Optimizer):
         flags |= codec.FLAG_GRAD_FINGERPRINT if grad_print else 0
 
         # 2-3. momentum on copies, then the exchange's local part (select, encode, error feedback)
-        working, payload = [], torch.empty(0, dtype=torch.uint8)
+        working, payload = [], torch.empty(0, dtype=torch.uint8, device="cpu")
         if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             for (p, g, layout), signal in zip(items, signals):
                 m = self._momentum(p, layout).clone()
@@ -395,7 +395,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
         """Overlap: wait for the exchange the last step started, validate and average it (nothing committed)."""
-        pending, transport = self._pending, self._transport
+        pending, transport = self._pending, self._transport or self._transport_now()  # flush() right after a resume
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
         tier = self.tiers[self.policy.tier]
@@ -518,10 +518,10 @@ class DeMo(torch.optim.Optimizer):
             )
         requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in self.param_groups]
         saved_groups = state_dict["param_groups"]
-        # torch casts floating state to the parameter dtype; DeMo's state stays fp32 whatever the parameter
-        saved_fp32 = {
-            pid: {k: v for k, v in s.items() if torch.is_tensor(v) and v.is_floating_point()}
-            for pid, s in state_dict.get("state", {}).items()
+        # torch casts floating state to the parameter dtype (and integer state too, rule_step: a bf16 counter
+        # stops at 256); DeMo's state stays fp32 on the parameter's device, its counters int64 on the host
+        saved_tensors = {
+            pid: {k: v for k, v in s.items() if torch.is_tensor(v)} for pid, s in state_dict.get("state", {}).items()
         }
         super().load_state_dict(state_dict)
         changed = []
@@ -539,7 +539,10 @@ class DeMo(torch.optim.Optimizer):
         ids = [pid for g in saved_groups for pid in g["params"]]
         pairs = [(p, g, saved_g) for g, saved_g in zip(self.param_groups, saved_groups) for p in g["params"]]
         for pid, (p, group, saved_g) in zip(ids, pairs):
-            for key, value in saved_fp32.get(pid, {}).items():
+            for key, value in saved_tensors.get(pid, {}).items():
+                if not value.is_floating_point():
+                    self.state[p][key] = value.to(device="cpu", copy=True)
+                    continue
                 value = value.to(device=p.device, dtype=torch.float32, copy=True)
                 if key == "momentum":
                     value = _replan_momentum(
@@ -566,7 +569,7 @@ class DeMo(torch.optim.Optimizer):
             None
             if pending is None
             else {
-                "rows": pending["rows"].clone(),
+                "rows": pending["rows"].to(self._device(), copy=True),  # saved from the device, loaded to the host
                 "step": int(pending["step"]),
                 "lr": [tuple(x) for x in pending["lr"]],
                 "headers": [codec.Header.from_bytes(row) for row in pending["headers"]],
@@ -577,6 +580,11 @@ class DeMo(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             transport = self._transport_now()
             self._check_saved_world(transport.rank, transport.world)
+
+    def _device(self) -> torch.device:
+        """Where the step's buffers live: the first trainable parameter's device."""
+        trainable = (p.device for g in self.param_groups for p in g["params"] if p.requires_grad)
+        return next(trainable, torch.device("cpu"))
 
     def _check_saved_world(self, rank: int, world: int) -> None:
         if self._saved_world is None:
@@ -607,7 +615,10 @@ def _nonfinite(tensors: list[torch.Tensor]) -> bool:
         raise ValueError("DeMo does not support sparse gradients")
     if not tensors:
         return False
-    return not all(bool(t.isfinite().all()) for t in tensors)
+    flags: dict[torch.device, list[torch.Tensor]] = {}  # one host sync per device, not one per tensor
+    for t in tensors:
+        flags.setdefault(t.device, []).append(t.isfinite().all())
+    return not all(bool(torch.stack(f).all()) for f in flags.values())
 
 
 UNSYNCED_START = (
@@ -645,11 +656,15 @@ def _gradient_fingerprint(signals: list[torch.Tensor | None]) -> int:
 def _fingerprint(params: list[torch.Tensor]) -> int:
     """An exact, order-sensitive fingerprint of the parameters' bits (integer sums: deterministic)."""
     int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    total = 0
+    sums = []  # integer sums: the same on every device; read back to the host at once
     for p in params:
         bits = p.detach().contiguous().view(int_of[p.element_size()]).reshape(-1).to(torch.int64)
         weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
-        total = (total * 1_000_003 + int(bits.sum()) * 31 + int((bits * weights).sum())) & ((1 << 62) - 1)
+        sums.append(torch.stack([bits.sum(), (bits * weights).sum()]))
+    host = torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [s.tolist() for s in sums]
+    total = 0
+    for plain, weighted in host:
+        total = (total * 1_000_003 + plain * 31 + weighted) & ((1 << 62) - 1)
     return total
 
 

@@ -51,7 +51,7 @@ class AdamRule:
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         if "exp_avg_sq" not in state:
             state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            state["rule_step"] = torch.zeros((), dtype=torch.int64)
+            state["rule_step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # a host counter: no device sync
         state["rule_step"] += 1
         return adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
 

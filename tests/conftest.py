@@ -5,13 +5,24 @@
 A test is a launch test if it carries ``@pytest.mark.launch`` or is listed in ``LAUNCH_TESTS`` below (the
 place for them until the test files carry the marker); ``accelerate_launch`` refuses to run inside a test that
 is neither, so the fast tier does not silently grow.
+
+``device``: the single-process tests that take it run on every device: ``"cpu"``, and ``"cuda"`` (marked
+``cuda``, skipped with the reason where torch sees no GPU). ``pytest -m cuda`` is the GPU subset that
+``scripts/gpu_check.sh`` runs.
 """
 
 import os
 
 import pytest
+import torch
 
 from launch_utils import LAUNCH_ALLOWED
+
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False): the cuda tests need a GPU (scripts/gpu_check.sh)"
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]),
+]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -42,6 +53,18 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     os.environ[LAUNCH_ALLOWED] = "1" if item.get_closest_marker("launch") else "0"
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Each device the test runs on; on CUDA with TF32 off, so fp32 matmuls (the DCT) stay fp32."""
+    if request.param == "cuda":
+        matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        yield torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    else:
+        yield torch.device("cpu")
 
 
 @pytest.fixture(scope="session")

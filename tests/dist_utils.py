@@ -35,12 +35,14 @@ class RankError:
         return f"RankError({self.type}: {self.message})"
 
 
-def _worker(fn, rank, world, port, results, args, collective_timeout):
+def _worker(fn, rank, world, port, results, args, collective_timeout, backend="gloo"):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout)
         )
         assert dist.get_world_size() == world
         out = fn(rank, world, *args)
@@ -56,7 +58,13 @@ def _worker(fn, rank, world, port, results, args, collective_timeout):
 
 
 def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, collective_timeout: float = 60.0, start_method: str = "fork"
+    fn,
+    world: int,
+    *args,
+    timeout: float = 120.0,
+    collective_timeout: float = 60.0,
+    start_method: str = "fork",
+    backend: str = "gloo",
 ) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
 
@@ -65,12 +73,13 @@ def run_ranks(
     collective that waits longer than ``collective_timeout`` raises on its rank; results that do not all
     arrive within ``timeout`` fail the caller (nothing may hang). ``start_method="spawn"`` gives every rank a
     fresh interpreter (clean memory figures; ``fn`` and ``args`` must then pickle); "fork" starts faster.
+    ``backend="nccl"`` (with ``start_method="spawn"``: CUDA does not survive a fork) gives rank ``r`` GPU ``r``.
     """
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, results, args, collective_timeout), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world, port, results, args, collective_timeout, backend), daemon=True)
         for r in range(world)
     ]
     for p in procs:

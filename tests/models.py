@@ -27,7 +27,10 @@ def batch(rank: int, step: int, n: int = 32, inputs: int = 16, classes: int = 8)
 
 
 def loss_and_backward(model, rank, step):
+    """The batch of (rank, step), made on the CPU and moved to the model's device, through forward and backward."""
     x, y = batch(rank, step, inputs=model[0].in_features, classes=model[-1].out_features)
+    device = model[0].weight.device
+    x, y = x.to(device), y.to(device)
     model.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()

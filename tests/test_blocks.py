@@ -25,15 +25,21 @@ def test_dct_matches_the_cosine_formula():
 @pytest.mark.parametrize(
     "shape", [(), (1,), (5,), (64,), (100,), (128, 64), (130, 70), (3, 1000), (8, 4, 3, 3), (50257, 8)]
 )
-def test_round_trip(shape):
+def test_round_trip(shape, device):
     torch.manual_seed(0)
-    x = torch.randn(shape)
+    x = torch.randn(shape).to(device)
     layout = plan(tuple(shape), 64, 32)
     coeffs = encode(x, layout)
     assert coeffs.shape == (layout.nblocks, layout.bsize)
     torch.testing.assert_close(decode(coeffs, layout), x, atol=1e-5, rtol=1e-5)
     # orthonormal: energy preserved (padding adds zeros only)
     torch.testing.assert_close(coeffs.square().sum(), x.square().sum(), rtol=1e-4, atol=1e-4)
+
+
+def test_dct_matrix_is_cached_per_device_with_the_same_bits(device):
+    d = dct_matrix(43, device)
+    assert d.device == device and d.dtype == torch.float32 and dct_matrix(43, device) is d
+    assert torch.equal(d.cpu(), dct_matrix(43))  # built once on the CPU, copied: the same matrix everywhere
 
 
 def test_padding_round_trip_and_zero_fill():

@@ -29,22 +29,24 @@ def test_header_round_trip():
     assert codec.Header.from_bytes(b) == h
 
 
-def test_indices_round_trip_full_16_bit_range():
-    idx = torch.tensor([[0, 1, 32767, 32768], [65535, 4095, 12, 40000]])
+def test_indices_round_trip_full_16_bit_range(device):
+    idx = torch.tensor([[0, 1, 32767, 32768], [65535, 4095, 12, 40000]], device=device)
     wire = codec.pack_indices(idx)
-    assert wire.dtype == torch.uint8 and wire.numel() == 16
+    assert wire.dtype == torch.uint8 and wire.numel() == 16 and wire.device == device
+    assert torch.equal(wire.cpu(), codec.pack_indices(idx.cpu()))
     back = codec.unpack_indices(torch.stack([wire, wire]), 2, 4)
     assert torch.equal(back[0], idx) and torch.equal(back[1], idx)
 
 
 @pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
 @pytest.mark.parametrize("nblocks,k", [(1, 1), (3, 5), (17, 32)])
-def test_values_round_trip_exactly(fmt, nblocks, k):
+def test_values_round_trip_exactly(fmt, nblocks, k, device):
     torch.manual_seed(nblocks * k)
-    values = torch.randn(nblocks, k)
+    values = torch.randn(nblocks, k).to(device)
     f = codec.value_format(fmt)
     sent, wire = f.encode(values)
-    assert wire.numel() == f.nbytes(nblocks, k)
+    assert wire.numel() == f.nbytes(nblocks, k) and wire.device == sent.device == device
+    assert torch.equal(wire.cpu(), f.encode(values.cpu())[1])  # the same bytes from every device
     decoded = f.decode(torch.stack([wire, wire]), nblocks, k)
     assert torch.equal(decoded[0], sent) and torch.equal(decoded[1], sent)
 
@@ -72,7 +74,7 @@ def test_unknown_format():
         codec.value_format("int4")
 
 
-def _payload(fmt="bf16"):
+def _payload(fmt="bf16", device="cpu"):
     torch.manual_seed(0)
     layouts = [plan((70, 10), 8, 5), plan((13,), 8, 3)]
     pc = codec.PayloadCodec(layouts, fmt)
@@ -80,16 +82,23 @@ def _payload(fmt="bf16"):
         (torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices, torch.randn(lay.nblocks, lay.k))
         for lay in layouts
     ]
-    payload, sent = pc.encode(selections, "cpu")
+    selections = [(idx.to(device), values.to(device)) for idx, values in selections]
+    payload, sent = pc.encode(selections, device)
     return pc, selections, payload, sent
 
 
 @pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
-def test_payload_round_trip(fmt):
-    pc, selections, payload, sent = _payload(fmt)
-    assert payload.numel() == pc.nbytes
-    decoded = pc.decode(torch.stack([payload, payload]))
+def test_payload_round_trip(fmt, device):
+    pc, selections, payload, sent = _payload(fmt, device)
+    assert payload.numel() == pc.nbytes and payload.device == device
+    assert torch.equal(payload.cpu(), _payload(fmt)[2])  # the same bytes from every device
+    rows = torch.stack([payload, payload])
+    headers = [codec.sign(_header(), payload, b"k")] * 2
+    assert headers[0].payload_crc == codec.crc32(payload.cpu())
+    codec.verify_rows(headers, rows, b"k", rank=0, step=0)  # CRC32 and HMAC of device rows, on the host
+    decoded = pc.decode(rows)
     for (idx, _), values, (d_idx, d_values) in zip(selections, sent, decoded):
+        assert d_idx.device == d_values.device == device
         assert torch.equal(d_idx[1], idx) and torch.equal(d_values[1], values)
 
 

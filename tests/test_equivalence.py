@@ -16,8 +16,8 @@ SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}
 
 
-def _train_both(rank, world, rule, model="divisible"):
-    fast_model, ref_model = MODELS[model](), MODELS[model]()
+def _train_both(rank, world, rule, model="divisible", device="cpu"):
+    fast_model, ref_model = MODELS[model]().to(device), MODELS[model]()
     fast = hf_demo.DeMo(
         fast_model.parameters(),
         lr=SETTINGS["lr"],
@@ -34,7 +34,10 @@ def _train_both(rank, world, rule, model="divisible"):
         loss_and_backward(ref_model, rank, step)
         fast.step()
         ref.step()
-    return [p.detach().clone() for p in fast_model.parameters()], [p.detach().clone() for p in ref_model.parameters()]
+    return (
+        [p.detach().to("cpu", copy=True) for p in fast_model.parameters()],
+        [p.detach().clone() for p in ref_model.parameters()],
+    )
 
 
 def _max_diff(fast, ref):
@@ -58,8 +61,8 @@ def test_the_models_cover_padding():
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("rule", ["sign", "raw", "adam"])
-def test_matches_reference_single_process(rule, model):
-    fast, ref = _train_both(0, 1, rule, model)
+def test_matches_reference_single_process(rule, model, device):
+    fast, ref = _train_both(0, 1, rule, model, device)  # hf_demo on the device, the reference on the CPU
     assert _max_diff(fast, ref) <= 1e-5
 
 

@@ -42,13 +42,14 @@ def test_average_is_the_mean_over_ranks_that_selected():
     assert torch.equal(dense, torch.tensor([[1.0, 3.0, 8.0, 0.0]]))
 
 
-def test_optimizer_momentum_is_dct_of_decayed_gradients():
+def test_optimizer_momentum_is_dct_of_decayed_gradients(device):
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64, 64))
+    p = torch.nn.Parameter(torch.randn(64, 64).to(device))
     opt = hf_demo.DeMo([p], lr=0.1, compression_decay=0.5, value_format="fp32")
-    g = torch.randn(64, 64)
+    g = torch.randn(64, 64).to(device)
     p.grad = g.clone()
     opt.step()
+    assert opt.state[p]["momentum"].device == device
     layout = plan((64, 64), 64, 32)
     expected = 0.1 * encode(g, layout)
     idx, _ = F.select(expected.clone(), 32)
@@ -56,11 +57,11 @@ def test_optimizer_momentum_is_dct_of_decayed_gradients():
     torch.testing.assert_close(opt.state[p]["momentum"], expected, atol=1e-6, rtol=0)
 
 
-def test_bf16_parameters_keep_fp32_momentum_and_real_decay():
+def test_bf16_parameters_keep_fp32_momentum_and_real_decay(device):
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(64, 64).to(device, torch.bfloat16))
     opt = hf_demo.DeMo([p], lr=1e-3, compression_decay=0.999, value_format="fp32")
-    p.grad = torch.randn(64, 64).to(torch.bfloat16)
+    p.grad = torch.randn(64, 64).to(device, torch.bfloat16)
     opt.step()
     m1 = opt.state[p]["momentum"].clone()
     assert m1.dtype == torch.float32
@@ -73,8 +74,8 @@ def test_bf16_parameters_keep_fp32_momentum_and_real_decay():
     assert torch.equal(m2[untouched], (m1 * 0.999)[untouched])
 
 
-def _train(fmt, steps=80, lr=1e-2):
-    model = tiny_mlp(hidden=64)
+def _train(fmt, steps=80, lr=1e-2, device="cpu"):
+    model = tiny_mlp(hidden=64).to(device)
     opt = hf_demo.DeMo(model.parameters(), lr=lr, compression_topk=8, compression_chunk=16, value_format=fmt)
     losses = []
     for step in range(steps):
@@ -84,8 +85,8 @@ def _train(fmt, steps=80, lr=1e-2):
 
 
 @pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
-def test_every_value_format_trains(fmt):
-    losses = _train(fmt)
+def test_every_value_format_trains(fmt, device):
+    losses = _train(fmt, device=device)
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4
 
 
@@ -93,8 +94,8 @@ def _snapshot(model, opt):
     return [p.detach().clone() for p in model.parameters()], [s["momentum"].clone() for s in opt.state.values()]
 
 
-def test_resume_is_bitwise_exact_through_weights_only_load():
-    model = tiny_mlp()
+def test_resume_is_bitwise_exact_through_weights_only_load(device):
+    model = tiny_mlp().to(device)
     opt = hf_demo.DeMo(model.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8)
     for step in range(5):
         loss_and_backward(model, 0, step)
@@ -106,12 +107,13 @@ def test_resume_is_bitwise_exact_through_weights_only_load():
         opt.step()
     straight = _snapshot(model, opt)
 
-    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    model2 = tiny_mlp(seed=123)
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), map_location="cpu", weights_only=True)  # as DeMoTrainer loads
+    model2 = tiny_mlp(seed=123).to(device)
     model2.load_state_dict(ckpt["model"])
     opt2 = hf_demo.DeMo(model2.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8)
     opt2.load_state_dict(ckpt["opt"])
     assert opt2.steps == 5
+    assert all(s["momentum"].device == device for s in opt2.state.values())
     for step in range(5, 10):
         loss_and_backward(model2, 0, step)
         opt2.step()
@@ -177,8 +179,8 @@ def test_invalid_hyperparameters(kwargs, match):
         hf_demo.DeMo([torch.nn.Parameter(torch.ones(3))], **{"lr": 1e-3, **kwargs})
 
 
-def test_nonfinite_gradient_single_process():
-    p = torch.nn.Parameter(torch.randn(8, 8))
+def test_nonfinite_gradient_single_process(device):
+    p = torch.nn.Parameter(torch.randn(8, 8).to(device))
     before = p.detach().clone()
     opt = hf_demo.DeMo([p], lr=1e-2)
     p.grad = torch.full_like(p, float("nan"))
@@ -214,11 +216,13 @@ def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes():
     assert abs(drift - exact) < 0.1 * exact
 
 
-def test_stochastic_rounding_is_unbiased():
+def test_stochastic_rounding_is_unbiased(device):
     from hf_demo.functional import stochastic_round
 
-    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1.0 to the next bf16 (1 + 2**-7)... / 8
-    rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    x = torch.full((200_000,), 1.0 + 2**-10, device=device)  # 1/8 of the way from 1.0 to the next bf16, 1 + 2**-7
+    rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0))
+    assert rounded.device == device
+    rounded = rounded.float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(rounded.mean().item() - x[0].item()) < 2e-5
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU checks of hf-demo, for a machine with an NVIDIA GPU (run from anywhere: bash scripts/gpu_check.sh).
+#   1. the CUDA tests:           pytest -m cuda (the device-parametrised tests, their CUDA runs)
+#   2. DeMo over real ranks:     2 processes over NCCL with >= 2 GPUs; with one GPU, 1 process over NCCL and
+#                                2 processes sharing the GPU over gloo (scripts/gpu_dist_check.py: replicas
+#                                must stay bitwise identical in every mode)
+#   3. the step benchmark:       benchmarks/optimizer_step.py --device cuda (2 layers, DeMo and AdamW)
+# Then a summary, one line per check.
+# Exit status: 0 every check passed; 1 a check failed; 77 no CUDA GPU visible to torch (nothing was checked:
+# the automake convention for "skipped"; a CPU-only torch build on a GPU machine also ends here).
+# Environment: VENV (default .venv; `make setup` installs the CUDA torch where nvidia-smi works),
+# GPU_CHECK_LAYERS (benchmark layers, default 2), GPU_CHECK_STEPS (steps per mode, default 12).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+  echo "gpu_check: no $PY: run 'make setup' first" >&2
+  exit 1
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! gpus=$("$PY" -c "import torch, sys; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; print(n); sys.exit(0 if n else 1)" 2>/dev/null); then
+  why=$("$PY" -c "import torch; print('torch', torch.__version__, '(CUDA build' if torch.version.cuda else '(CPU-only build', end=')')" 2>/dev/null || echo "torch does not import")
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: SKIPPED: nvidia-smi sees a GPU but torch does not ($why): reinstall torch with CUDA" >&2
+  else
+    echo "gpu_check: SKIPPED: no CUDA GPU on this machine ($why); nothing was checked (exit 77)" >&2
+  fi
+  exit 77
+fi
+name=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
+echo "gpu_check: $gpus GPU(s), $name"
+
+declare -a summary
+failed=0
+check() {  # check "label" command...
+  local label=$1
+  shift
+  local t0=$SECONDS
+  echo
+  echo "=== $label: $*"
+  if "$@"; then
+    summary+=("PASS  $label ($((SECONDS - t0)) s)")
+  else
+    summary+=("FAIL  $label ($((SECONDS - t0)) s, exit $?)")
+    failed=1
+  fi
+}
+
+check "CUDA tests (pytest -m cuda)" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+STEPS=${GPU_CHECK_STEPS:-12}
+if [ "$gpus" -ge 2 ]; then
+  check "2 processes, NCCL, a GPU each" "$VENV/bin/torchrun" --standalone --nproc_per_node 2 \
+    scripts/gpu_dist_check.py --backend nccl --steps "$STEPS"
+else
+  check "1 process, NCCL" "$PY" scripts/gpu_dist_check.py --backend nccl --steps "$STEPS"
+  check "2 processes on one GPU, gloo" "$VENV/bin/torchrun" --standalone --nproc_per_node 2 \
+    scripts/gpu_dist_check.py --backend gloo --steps "$STEPS"
+fi
+WORLD=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
+check "optimizer step benchmark on CUDA ($WORLD rank(s))" "$PY" benchmarks/optimizer_step.py --device cuda \
+  --world-size "$WORLD" --layers "${GPU_CHECK_LAYERS:-2}" --only demo-bf16,demo-sign,adamw --steps 5
+
+echo
+echo "gpu_check summary ($name):"
+printf '  %s\n' "${summary[@]}"
+exit $failed
