@@ -516,7 +516,8 @@ def collect_results(
             "r": lora.r,
             "alpha": lora.lora_alpha,
             "dropout": lora.lora_dropout,
-            "target_modules": sorted(lora.target_modules)
+            # peft resolves "all-linear" into every module's full name: the kinds, e.g. q_proj, down_proj
+            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in lora.target_modules})
             if isinstance(lora.target_modules, (set, list))
             else lora.target_modules,
         },
