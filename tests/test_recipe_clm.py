@@ -75,6 +75,7 @@ def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
     comm = results["communication"]
     assert comm["method"] == "DeMo" and 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
     assert results["demo_counters"]["total_bytes_sent"] == comm["bytes_sent"]
+    assert [step for step, _ in results["train_loss_curve"]] == [1, 2, 3, 4]  # every step, for training.png
     assert (out / "training.png").stat().st_size > 1000 and (out / "model.safetensors").is_file()
     assert list((out / "runs").rglob("events.out.tfevents.*"))
     assert "demo fine-tune of" in proc.stdout and "(2 processes, 4 steps)" in proc.stdout
@@ -289,6 +290,53 @@ def test_summary_and_compare_read_one_layout(common):
 
 class _Args:
     powersgd_rank = 4
+
+
+def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, tmp_path):
+    losses = [3.0, 2.6, 2.9, 2.4, 2.5, 2.2]
+    log = [{"step": 0, "eval_loss": 3.1}]
+    for step, loss in enumerate(losses, start=1):
+        log.append({"step": step, "loss": loss, "demo/total_bytes_sent": 10.0 * step})
+        if step == 3:
+            log.append({"step": 3, "eval_loss": 2.7})
+    log.append({"step": 6, "eval_loss": 2.3})
+    results = {
+        "optim": "demo",
+        "model": "m",
+        "data": "d",
+        "world_size": 2,
+        "global_step": 6,
+        "parameters": 1000,
+        "log_history": log,
+        "communication": common.communication(log, 1000, 6),
+    }
+    d = common.plot_data(results)
+    assert d["train_steps"] == [1, 2, 3, 4, 5, 6] and d["train_loss"] == losses
+    assert common.loss_curve(log) == [[s, v] for s, v in zip(d["train_steps"], losses)]
+    smoothed = d["train_smoothed"]  # bias-corrected EMA: starts at the first loss, moves less than the raw curve
+    assert smoothed[0] == pytest.approx(3.0) and len(smoothed) == 6
+    assert max(smoothed) - min(smoothed) < max(losses) - min(losses) and smoothed[-1] < smoothed[0]
+    assert d["eval_steps"] == [0, 3, 6] and d["eval_loss"] == [3.1, 2.7, 2.3]  # before, in between, after
+    assert d["comm_steps"] == [1, 2, 3, 4, 5, 6]
+    assert d["dense_mb"] == pytest.approx([4000 * s / 1e6 for s in range(1, 7)])
+    assert d["demo_mb"] == pytest.approx([10 * s / 1e6 for s in range(1, 7)]) and d["saving"] == pytest.approx(400)
+    assert "DeMo fine-tune of m on d" in d["title"] and "6 steps" in d["title"]
+    common.report({**results, "before": None, "after": {"loss": 2.3}, "plot": None}, str(tmp_path))
+    assert (tmp_path / "training.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "results.json").read_text())["plot"].endswith("training.png")
+
+    dense = common.plot_data({**results, "optim": "adamw_torch", "communication": common.communication([], 1000, 6)})
+    assert dense["demo_mb"] is None and dense["saving"] is None and dense["comm_steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_log_line_is_short(common):
+    row = {"loss": 2.3114, "grad_norm": 1.25, "learning_rate": 9.5e-05, "epoch": 0.05, "demo/total_bytes_sent": 9e6}
+    row.update({"demo/bytes_sent_per_step": 4.27e6, "demo/ratio_to_dense": 1 / 126})
+    assert common.log_line(3, 20, row) == (
+        "step 3/20  loss 2.311  grad_norm 1.25  learning_rate 9.5e-05  sent 4.27 MB/step (126x less than dense)"
+    )
+    evaluation = {"eval_loss": 2.4, "eval_perplexity": 11.0873, "eval_runtime": 3.2, "eval_samples_per_second": 5.0}
+    assert common.log_line(0, 20, evaluation) == "step 0/20  eval_loss 2.4  eval_perplexity 11.09"
 
 
 def test_end_tears_the_process_group_down(common):
