@@ -1,15 +1,19 @@
 """recipes/run_clm.py, recipes/compare.py and recipes/common.py: launches on a tiny model and the real SmolLM2,
 clear errors, the shared arguments, results layout and exit."""
 
+import argparse
 import importlib
 import json
 import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_utils import free_port
-from launch_utils import ROOT, accelerate_launch
+from launch_utils import ROOT, accelerate_launch, load_records
+
+RECORD_RECIPE = ROOT / "tests" / "scripts" / "record_recipe.py"
 
 QUICK = [
     "--per_device_train_batch_size",
@@ -120,6 +124,65 @@ def test_compare_three_methods(tiny_llama_dir, tmp_path):
     table = (tmp_path / "compare.md").read_text()
     assert "| DeMo |" in table and "final eval loss" in table and "| perplexity |" in table
     assert (tmp_path / "compare.png").stat().st_size > 1000
+
+
+def _fit(grad: dict, reference: dict) -> float:
+    """Relative error of the best ``grad ≈ c · reference`` over all parameters together (c absorbs clipping
+    and loss scaling): 0 when ``grad`` is ``reference`` up to one scalar."""
+    g = torch.cat([grad[n].flatten() for n in reference])
+    r = torch.cat([reference[n].flatten() for n in reference])
+    c = (g @ r) / (r @ r)
+    return float((g - c * r).norm() / g.norm())
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("method", ["DDP-AdamW", "DDP-AdamW+PowerSGD", "DeMo"])
+def test_compare_methods_are_what_they_claim(method, tiny_llama_dir, tmp_path):
+    """compare.py's exact recipe command lines on 2 real processes: the baselines are real DDP (each rank's
+    gradient is the average of both ranks' local gradients; PowerSGD's hook compresses it), DeMo's gradients
+    stay local, and every method ends with bitwise identical parameters on both ranks."""
+    compare = import_recipe("compare")
+    passthrough = ["--model_name_or_path", str(tiny_llama_dir), "--per_device_train_batch_size", "2"]
+    passthrough += ["--block_size", "64", "--max_train_samples", "32", "--max_eval_samples", "4"]
+    passthrough += ["--disable_tqdm", "true"]
+    args = argparse.Namespace(steps=4, eval_steps=4, demo_lr=3e-3, adamw_lr=3e-3, powersgd_rank=4)
+    args.passthrough = passthrough
+    recipe_args = compare.recipe_args(compare.methods(args)[method], args, tmp_path / "out")
+    accelerate_launch(RECORD_RECIPE, "--record_dir", tmp_path / "rec", "--record_steps", "1,4", *recipe_args)
+    r0, r1 = load_records(tmp_path / "rec", 2)
+    assert r0["ddp"] and r1["ddp"] and r0["global_step"] == 4
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["ddp"]
+    for step in (1, 4):  # the ranks read different batches, so equal gradients come from communication
+        assert not torch.equal(r0["steps"][step]["input_ids"], r1["steps"][step]["input_ids"])
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), f"{name} differs across ranks after training"
+
+    def grads_equal(step):
+        g0, g1 = r0["steps"][step]["grad"], r1["steps"][step]["grad"]
+        return all(torch.equal(g0[n], g1[n]) for n in g0)
+
+    def error_to_average(step):  # of the optimizer's gradient against the mean of both ranks' local gradients
+        l0, l1 = r0["steps"][step]["local_grad"], r1["steps"][step]["local_grad"]
+        return _fit(r0["steps"][step]["grad"], {n: (l0[n] + l1[n]) / 2 for n in l0})
+
+    if method == "DeMo":
+        assert r0["comm_hooks"] == ["noop_hook"]  # DeMo moves the momentum, not the gradient
+        assert not grads_equal(1) and not grads_equal(4)
+        assert _fit(r0["steps"][1]["grad"], r0["steps"][1]["local_grad"]) < 1e-4  # its own local gradient
+        assert error_to_average(1) > 0.1  # (measured: 0.72)
+        return
+    assert grads_equal(1) and grads_equal(4)
+    assert error_to_average(1) < 1e-4  # the average (PowerSGD too: plain all-reduce before its start_iter 2)
+    assert _fit(r0["steps"][1]["grad"], r0["steps"][1]["local_grad"]) > 0.1  # not rank 0's own (measured: 0.72)
+    if method == "DDP-AdamW":
+        assert r0["comm_hooks"] == [] and error_to_average(4) < 1e-4  # DDP's own all-reduce
+    else:
+        assert r0["comm_hooks"] == ["powerSGD_hook"]
+        state = r0["comm_hook_states"][0]
+        assert state["matrix_approximation_rank"] == args.powersgd_rank and state["start_powerSGD_iter"] == 2
+        assert state["iter"] == 4  # the hook ran at every step
+        assert state["total_numel_after_compression"] < state["total_numel_before_compression"] / 2
+        assert error_to_average(4) > 0.01  # a compressed (low-rank) average, not the exact one (measured: 0.71)
 
 
 @pytest.mark.launch
