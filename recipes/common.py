@@ -539,6 +539,8 @@ def plot_data(results: dict) -> dict:
     return {
         "title": f"{display_name(results['optim'])} fine-tune of {results['model']} on {results['data']}\n"
         f"{results['world_size']} processes, {results['global_step']} steps",
+        "eval_label": "held-out loss"
+        + (f" (the same {results['eval_samples']} examples each time)" if results.get("eval_samples") else ""),
         "train_steps": [s for s, _ in train],
         "train_loss": [v for _, v in train],
         "train_smoothed": ema([v for _, v in train]),
@@ -570,7 +572,7 @@ def _plot(results: dict, path: str) -> None:
             lw=1,
             marker=".",
             ms=4,
-            label="training loss, each step",
+            label="training loss of each step (its own batch)",
         )
         ax1.plot(
             d["train_steps"],
@@ -589,7 +591,7 @@ def _plot(results: dict, path: str) -> None:
             lw=1.5,
             ls="--",
             zorder=3,
-            label="held-out loss (evaluation)",
+            label=d["eval_label"],
         )
         for s, v in zip(d["eval_steps"], d["eval_loss"]):
             ax1.annotate(
@@ -637,6 +639,7 @@ def _plot(results: dict, path: str) -> None:
     ax2.set_ylim(top=d["dense_mb"][-1] * 4)  # room for the labels
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(-0.5, max(results["global_step"], 1) + 0.5)
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("MB sent per rank, cumulative (log scale)")
     ax2.set_title("what it saved: communication")
