@@ -539,6 +539,9 @@ def plot_data(results: dict) -> dict:
     return {
         "title": f"{display_name(results['optim'])} fine-tune of {results['model']} on {results['data']}\n"
         f"{results['world_size']} processes, {results['global_step']} steps",
+        "loss_title": "it learns: held-out loss " + " -> ".join(f"{v:.3f}" for _, v in evals[:: max(len(evals) - 1, 1)])
+        if len(evals) > 1
+        else "loss",
         "eval_label": "held-out loss"
         + (f" (the same {results['eval_samples']} examples each time)" if results.get("eval_samples") else ""),
         "train_steps": [s for s, _ in train],
@@ -588,8 +591,7 @@ def _plot(results: dict, path: str) -> None:
             color="tab:red",
             marker="o",
             ms=7,
-            lw=1.5,
-            ls="--",
+            lw=2.5,
             zorder=3,
             label=d["eval_label"],
         )
@@ -599,7 +601,17 @@ def _plot(results: dict, path: str) -> None:
             )
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("cross-entropy loss (lower is better)")
-    ax1.set_title("it learns: loss")
+    ax1.set_title(d["loss_title"])
+    low, high = ax1.get_ylim()
+    ax1.set_ylim(low - 0.07 * (high - low), high)  # room for the note
+    ax1.text(
+        0.01,
+        0.015,
+        "each step trains on other files, so its loss moves with them; the held-out loss measures learning",
+        transform=ax1.transAxes,
+        fontsize=7.5,
+        color="dimgray",
+    )
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=9)
 

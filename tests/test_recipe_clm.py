@@ -384,6 +384,7 @@ def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, 
     assert d["dense_mb"] == pytest.approx([4000 * s / 1e6 for s in range(1, 7)])
     assert d["demo_mb"] == pytest.approx([10 * s / 1e6 for s in range(1, 7)]) and d["saving"] == pytest.approx(400)
     assert "DeMo fine-tune of m on d" in d["title"] and "6 steps" in d["title"]
+    assert d["loss_title"] == "it learns: held-out loss 3.100 -> 2.300"
     common.report({**results, "before": None, "after": {"loss": 2.3}, "plot": None}, str(tmp_path))
     assert (tmp_path / "training.png").stat().st_size > 1000
     assert json.loads((tmp_path / "results.json").read_text())["plot"].endswith("training.png")
