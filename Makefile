@@ -29,9 +29,10 @@ quickstart: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 examples/quickstart.py
 
 # The main job: a 2-process DeMo fine-tune of SmolLM2-135M on the Python stdlib sources (a few minutes).
+# Every step is logged (run_clm.py's default) and evaluated every 5 steps, for training.png.
 DEMO_OUT ?= outputs/smollm2-demo
 DEMO_ARGS ?= --max_steps 20 --per_device_train_batch_size 2 --block_size 128 --learning_rate 1e-4 \
-	--max_eval_samples 16 --logging_steps 5 --save_strategy no --report_to tensorboard
+	--max_eval_samples 16 --eval_strategy steps --eval_steps 5 --save_strategy no --report_to tensorboard
 demo: setup
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU-$$(nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo 1)} \
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE-1} OMP_NUM_THREADS=1 \

@@ -13,6 +13,8 @@ results.json (one layout for every recipe; recipes/compare.py reads it)::
     demo_counters       the last value of every demo/* figure DeMoTrainer logged ({} without DeMo)
     trainable_parameters, lora (the LoRA settings, or None), replicas (per rank: SHA-256 of the trainable
                         and of all parameters), replicas_identical
+    train_loss_curve    [[step, training loss], ...]: every logged training loss (the mean over the ranks);
+                        every step, as run_clm.py logs every step unless --logging_steps says otherwise
     plot, log_history   and whatever the recipe adds (e.g. labels)
 """
 
@@ -35,6 +37,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from datasets import Dataset, DatasetDict  # noqa: E402
 from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
+from transformers.trainer_callback import ProgressCallback  # noqa: E402
 
 import hf_demo  # noqa: E402
 from hf_demo.corpus import stdlib_files  # noqa: E402
@@ -400,11 +403,49 @@ class EvalBeforeTraining(TrainerCallback):
             self.metrics = dict(metrics or {})
 
 
+def log_line(step: int, max_steps: int, logs: dict) -> str:
+    """One log row as a short line: ``step 3/20  loss 2.311  grad_norm 1.2  learning_rate 9.5e-05  sent ...``.
+
+    DeMo's ``demo/*`` figures are summed up as the megabytes sent that step and the saving against a dense
+    all-reduce; epoch, FLOPs and the evaluation's timings are left out (every figure still reaches report_to).
+    """
+    parts = [f"step {step}/{max_steps}"]
+    for key, value in logs.items():
+        if key.startswith("demo/") or key in ("epoch", "total_flos"):
+            continue
+        if key.startswith("eval_") and key.endswith(("_runtime", "_per_second", "_preparation_time")):
+            continue
+        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    if "demo/bytes_sent_per_step" in logs:
+        line = f"sent {logs['demo/bytes_sent_per_step'] / 1e6:.2f} MB/step"
+        if logs.get("demo/ratio_to_dense"):
+            line += f" ({1 / logs['demo/ratio_to_dense']:.0f}x less than dense)"
+        parts.append(line)
+    return "  ".join(parts)
+
+
+class ConciseProgress(ProgressCallback):
+    """Trainer's progress bar, with each log row written as one :func:`log_line` instead of a dict: the
+    recipes log every step (``logging_steps=1``, for the plot), and a dict of ~15 figures a step is unreadable."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs:
+            self.training_bar.write(log_line(state.global_step, state.max_steps, logs))
+
+
+def concise_progress(trainer) -> None:
+    """Swap Trainer's progress bar for :class:`ConciseProgress` (nothing to do with ``--disable_tqdm``)."""
+    if any(type(cb) is ProgressCallback for cb in trainer.callback_handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(ConciseProgress)
+
+
 def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) -> dict:
     """train(), save the model, evaluate(); the results (layout above, with ``extra``) on every rank, and
     results.json, training.png and the summary from rank 0. "before" is None without ``--eval_on_start``."""
     before = EvalBeforeTraining()
     trainer.add_callback(before)
+    concise_progress(trainer)
     train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model()
     after = trainer.evaluate()
@@ -534,6 +575,7 @@ def collect_results(
         "demo_counters": demo_counters(log_history),
         "replicas": ranks,
         "replicas_identical": all(r == ranks[0] for r in ranks),
+        "train_loss_curve": loss_curve(log_history),
         **extra,
         "log_history": log_history,
     }
@@ -604,34 +646,163 @@ def summary(results: dict, output_dir: str, path: str) -> str:
     return "\n".join(lines)
 
 
+def display_name(optim: str) -> str:
+    return "DeMo" if optim == "demo" else optim
+
+
+SMOOTHING = 0.8  # of the training-loss curve: a bias-corrected EMA, as TensorBoard's smoothing slider
+
+
+def ema(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Bias-corrected exponential moving average (TensorBoard's smoothing): no pull towards 0 at the start."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+def loss_curve(log_history: list[dict]) -> list[list[float]]:
+    """``[[step, training loss], ...]`` as Trainer logged it (every step with the recipes' ``logging_steps=1``)."""
+    return [[r["step"], r["loss"]] for r in log_history if "loss" in r and "step" in r]
+
+
+def plot_data(results: dict) -> dict:
+    """What training.png draws, from the results (layout above); the plot itself only draws this.
+
+    train_steps/train_loss: every logged training loss (the mean over the ranks of that step's batch loss);
+    train_smoothed: their EMA (``SMOOTHING``); eval_steps/eval_loss: every evaluation (before, in between,
+    after); comm_steps with demo_mb/dense_mb: megabytes rank 0 sent up to each step, DeMo's measured
+    counters (None without DeMo) against a dense fp32 all-reduce (4 bytes/parameter/step); saving: dense/DeMo.
+    """
+    log_history = results["log_history"]
+    train = loss_curve(log_history)
+    evals = sorted({r["step"]: r["eval_loss"] for r in log_history if "eval_loss" in r and "step" in r}.items())
+    sent = sorted({r["step"]: r["demo/total_bytes_sent"] for r in log_history if "demo/total_bytes_sent" in r}.items())
+    steps = [s for s, _ in sent if s > 0] or list(range(1, results["global_step"] + 1))
+    comm = results.get("communication") or {}
+    demo = comm.get("method") == "DeMo"
+    return {
+        "title": f"{display_name(results['optim'])} fine-tune of {results['model']} on {results['data']}\n"
+        f"{results['world_size']} processes, {results['global_step']} steps",
+        "loss_title": "it learns: held-out loss " + " -> ".join(f"{v:.3f}" for _, v in evals[:: max(len(evals) - 1, 1)])
+        if len(evals) > 1
+        else "loss",
+        "eval_label": "held-out loss"
+        + (f" (the same {results['eval_samples']} examples each time)" if results.get("eval_samples") else ""),
+        "train_steps": [s for s, _ in train],
+        "train_loss": [v for _, v in train],
+        "train_smoothed": ema([v for _, v in train]),
+        "eval_steps": [s for s, _ in evals],
+        "eval_loss": [v for _, v in evals],
+        "comm_steps": steps,
+        "dense_mb": [4 * results["parameters"] * s / 1e6 for s in steps],
+        "demo_mb": [b / 1e6 for s, b in sent if s > 0] if demo and sent else None,
+        "saving": comm.get("saving") if demo else None,
+    }
+
+
 def _plot(results: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    log_history = results["log_history"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    train = [(r["step"], r["loss"]) for r in log_history if "loss" in r and "step" in r]
-    if train:
-        ax1.plot(*zip(*train), label="training loss")
-    evals = sorted({r["step"]: r["eval_loss"] for r in log_history if "eval_loss" in r and "step" in r}.items())
-    if evals:
-        ax1.plot(*zip(*evals), color="red", marker="o", zorder=3, label="eval loss")
+    d = plot_data(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig.suptitle(d["title"], fontsize=11)
+    if d["train_steps"]:
+        ax1.plot(
+            d["train_steps"],
+            d["train_loss"],
+            color="tab:blue",
+            alpha=0.3,
+            lw=1,
+            marker=".",
+            ms=4,
+            label="training loss of each step (its own batch)",
+        )
+        ax1.plot(
+            d["train_steps"],
+            d["train_smoothed"],
+            color="tab:blue",
+            lw=2.2,
+            label=f"training loss, smoothed (EMA {SMOOTHING})",
+        )
+    if d["eval_steps"]:
+        ax1.plot(
+            d["eval_steps"],
+            d["eval_loss"],
+            color="tab:red",
+            marker="o",
+            ms=7,
+            lw=2.5,
+            zorder=3,
+            label=d["eval_label"],
+        )
+        for s, v in zip(d["eval_steps"], d["eval_loss"]):
+            ax1.annotate(
+                f"{v:.3f}", (s, v), textcoords="offset points", xytext=(0, 9), ha="center", color="tab:red", fontsize=9
+            )
     ax1.set_xlabel("optimizer step")
-    ax1.set_ylabel("loss")
-    ax1.legend()
-    ax1.set_title(f"{results['optim']}: loss")
-    sent = [(r["step"], r["demo/total_bytes_sent"]) for r in log_history if "demo/total_bytes_sent" in r]
-    steps = [s for s, _ in sent] or [results["global_step"]]
-    ax2.plot(steps, [4 * results["parameters"] * s / 1e6 for s in steps], label="dense fp32 all-reduce")
-    if sent:
-        ax2.plot(steps, [b / 1e6 for _, b in sent], label="DeMo (measured)")
+    ax1.set_ylabel("cross-entropy loss (lower is better)")
+    ax1.set_title(d["loss_title"])
+    low, high = ax1.get_ylim()
+    ax1.set_ylim(low - 0.07 * (high - low), high)  # room for the note
+    ax1.text(
+        0.01,
+        0.015,
+        "each step trains on other files, so its loss moves with them; the held-out loss measures learning",
+        transform=ax1.transAxes,
+        fontsize=7.5,
+        color="dimgray",
+    )
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=9)
+
+    steps = d["comm_steps"]
+    ax2.plot(steps, d["dense_mb"], color="tab:gray", lw=2, label="dense fp32 all-reduce (DDP)")
+    ax2.annotate(
+        f"{d['dense_mb'][-1]:,.0f} MB",
+        (steps[-1], d["dense_mb"][-1]),
+        textcoords="offset points",
+        xytext=(-4, 6),
+        ha="right",
+        color="tab:gray",
+        fontsize=9,
+    )
+    if d["demo_mb"]:
+        ax2.plot(steps, d["demo_mb"], color="tab:green", lw=2, label=f"{display_name(results['optim'])} (measured)")
+        ax2.annotate(
+            f"{d['demo_mb'][-1]:,.1f} MB",
+            (steps[-1], d["demo_mb"][-1]),
+            textcoords="offset points",
+            xytext=(-4, -14),
+            ha="right",
+            color="tab:green",
+            fontsize=9,
+        )
+        ax2.annotate(
+            "",
+            xy=(steps[-1], d["demo_mb"][-1]),
+            xytext=(steps[-1], d["dense_mb"][-1]),
+            arrowprops={"arrowstyle": "<->", "color": "black", "lw": 1.2},
+        )
+        middle = (d["demo_mb"][-1] * d["dense_mb"][-1]) ** 0.5  # halfway on the log scale
+        ax2.text(
+            steps[-1], middle, f"  {d['saving']:.0f}x less ", ha="right", va="center", fontsize=13, fontweight="bold"
+        )
     ax2.set_yscale("log")
+    ax2.set_ylim(top=d["dense_mb"][-1] * 4)  # room for the labels
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(-0.5, max(results["global_step"], 1) + 0.5)
     ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("MB sent per rank (cumulative)")
-    ax2.legend()
-    ax2.set_title("communication")
+    ax2.set_ylabel("MB sent per rank, cumulative (log scale)")
+    ax2.set_title("what it saved: communication")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

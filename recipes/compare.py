@@ -66,16 +66,9 @@ def powersgd_bytes_per_step(shapes, rank: int, min_compression_rate: float = 2.0
     return 4 * floats
 
 
-def launch(name, extra, args, out_dir) -> float:
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", str(args.num_processes)]
-    env = dict(os.environ)
-    if args.config_file:
-        cmd += ["--config_file", args.config_file]
-    elif not _has_gpu():
-        cmd += ["--config_file", str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")]
-        env["ACCELERATE_USE_CPU"] = "1"
-    cmd += [
-        str(HERE / args.recipe),
+def recipe_args(extra, args, out_dir) -> list[str]:
+    """The recipe's command line for one method (``extra``: from :func:`methods`); tests launch it as it is."""
+    return [
         "--output_dir",
         str(out_dir),
         "--max_steps",
@@ -96,6 +89,17 @@ def launch(name, extra, args, out_dir) -> float:
         *extra,
         *args.passthrough,
     ]
+
+
+def launch(name, extra, args, out_dir) -> float:
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", str(args.num_processes)]
+    env = dict(os.environ)
+    if args.config_file:
+        cmd += ["--config_file", args.config_file]
+    elif not _has_gpu():
+        cmd += ["--config_file", str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")]
+        env["ACCELERATE_USE_CPU"] = "1"
+    cmd += [str(HERE / args.recipe), *recipe_args(extra, args, out_dir)]
     print(f"[compare] {name}: {' '.join(cmd)}", flush=True)
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env)

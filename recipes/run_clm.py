@@ -17,8 +17,9 @@ trains PEFT LoRA adapters (``--lora_alpha``, ``--lora_dropout``, ``--lora_target
 ``all-linear``) instead of every weight; DeMo then exchanges the adapters only.
 
 Perplexity and next-token accuracy are computed at the start of training and after it, with the metric
-scripts in recipes/metrics/. Writes results.json (layout: recipes/common.py), training.png and the model
-into --output_dir.
+scripts in recipes/metrics/. Training losses are logged every step (``--logging_steps 1`` unless given).
+Writes results.json (layout: recipes/common.py), training.png (the per-step and smoothed training loss with
+every evaluation; bytes sent against a dense all-reduce) and the model into --output_dir.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__,
         validation_split_percentage=5.0,
         max_eval_samples=64,
+        logging_steps=1,  # every step's loss for training.png (printed as one short line: common.ConciseProgress)
     )
     common.setup_logging(training_args)
     common.check_data_files(data_args)  # on every rank, before anything is loaded

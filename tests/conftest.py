@@ -34,6 +34,7 @@ LAUNCH_TESTS = {
     "test_recipe_clm.py": {
         "test_clm_smoke_two_processes",
         "test_compare_three_methods",
+        "test_compare_methods_are_what_they_claim",
         "test_real_smollm2_two_steps_two_processes",
     },
     "test_recipe_classification.py": {

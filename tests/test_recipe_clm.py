@@ -1,15 +1,19 @@
 """recipes/run_clm.py, recipes/compare.py and recipes/common.py: launches on a tiny model and the real SmolLM2,
 clear errors, the shared arguments, results layout and exit."""
 
+import argparse
 import importlib
 import json
 import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_utils import free_port
-from launch_utils import ROOT, accelerate_launch
+from launch_utils import ROOT, accelerate_launch, load_records
+
+RECORD_RECIPE = ROOT / "tests" / "scripts" / "record_recipe.py"
 
 QUICK = [
     "--per_device_train_batch_size",
@@ -75,6 +79,7 @@ def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
     comm = results["communication"]
     assert comm["method"] == "DeMo" and 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
     assert results["demo_counters"]["total_bytes_sent"] == comm["bytes_sent"]
+    assert [step for step, _ in results["train_loss_curve"]] == [1, 2, 3, 4]  # every step, for training.png
     assert (out / "training.png").stat().st_size > 1000 and (out / "model.safetensors").is_file()
     assert list((out / "runs").rglob("events.out.tfevents.*"))
     assert "demo fine-tune of" in proc.stdout and "(2 processes, 4 steps)" in proc.stdout
@@ -119,6 +124,65 @@ def test_compare_three_methods(tiny_llama_dir, tmp_path):
     table = (tmp_path / "compare.md").read_text()
     assert "| DeMo |" in table and "final eval loss" in table and "| perplexity |" in table
     assert (tmp_path / "compare.png").stat().st_size > 1000
+
+
+def _fit(grad: dict, reference: dict) -> float:
+    """Relative error of the best ``grad ≈ c · reference`` over all parameters together (c absorbs clipping
+    and loss scaling): 0 when ``grad`` is ``reference`` up to one scalar."""
+    g = torch.cat([grad[n].flatten() for n in reference])
+    r = torch.cat([reference[n].flatten() for n in reference])
+    c = (g @ r) / (r @ r)
+    return float((g - c * r).norm() / g.norm())
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("method", ["DDP-AdamW", "DDP-AdamW+PowerSGD", "DeMo"])
+def test_compare_methods_are_what_they_claim(method, tiny_llama_dir, tmp_path):
+    """compare.py's exact recipe command lines on 2 real processes: the baselines are real DDP (each rank's
+    gradient is the average of both ranks' local gradients; PowerSGD's hook compresses it), DeMo's gradients
+    stay local, and every method ends with bitwise identical parameters on both ranks."""
+    compare = import_recipe("compare")
+    passthrough = ["--model_name_or_path", str(tiny_llama_dir), "--per_device_train_batch_size", "2"]
+    passthrough += ["--block_size", "64", "--max_train_samples", "32", "--max_eval_samples", "4"]
+    passthrough += ["--disable_tqdm", "true"]
+    args = argparse.Namespace(steps=4, eval_steps=4, demo_lr=3e-3, adamw_lr=3e-3, powersgd_rank=4)
+    args.passthrough = passthrough
+    recipe_args = compare.recipe_args(compare.methods(args)[method], args, tmp_path / "out")
+    accelerate_launch(RECORD_RECIPE, "--record_dir", tmp_path / "rec", "--record_steps", "1,4", *recipe_args)
+    r0, r1 = load_records(tmp_path / "rec", 2)
+    assert r0["ddp"] and r1["ddp"] and r0["global_step"] == 4
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["ddp"]
+    for step in (1, 4):  # the ranks read different batches, so equal gradients come from communication
+        assert not torch.equal(r0["steps"][step]["input_ids"], r1["steps"][step]["input_ids"])
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), f"{name} differs across ranks after training"
+
+    def grads_equal(step):
+        g0, g1 = r0["steps"][step]["grad"], r1["steps"][step]["grad"]
+        return all(torch.equal(g0[n], g1[n]) for n in g0)
+
+    def error_to_average(step):  # of the optimizer's gradient against the mean of both ranks' local gradients
+        l0, l1 = r0["steps"][step]["local_grad"], r1["steps"][step]["local_grad"]
+        return _fit(r0["steps"][step]["grad"], {n: (l0[n] + l1[n]) / 2 for n in l0})
+
+    if method == "DeMo":
+        assert r0["comm_hooks"] == ["noop_hook"]  # DeMo moves the momentum, not the gradient
+        assert not grads_equal(1) and not grads_equal(4)
+        assert _fit(r0["steps"][1]["grad"], r0["steps"][1]["local_grad"]) < 1e-4  # its own local gradient
+        assert error_to_average(1) > 0.1  # (measured: 0.72)
+        return
+    assert grads_equal(1) and grads_equal(4)
+    assert error_to_average(1) < 1e-4  # the average (PowerSGD too: plain all-reduce before its start_iter 2)
+    assert _fit(r0["steps"][1]["grad"], r0["steps"][1]["local_grad"]) > 0.1  # not rank 0's own (measured: 0.72)
+    if method == "DDP-AdamW":
+        assert r0["comm_hooks"] == [] and error_to_average(4) < 1e-4  # DDP's own all-reduce
+    else:
+        assert r0["comm_hooks"] == ["powerSGD_hook"]
+        state = r0["comm_hook_states"][0]
+        assert state["matrix_approximation_rank"] == args.powersgd_rank and state["start_powerSGD_iter"] == 2
+        assert state["iter"] == 4  # the hook ran at every step
+        assert state["total_numel_after_compression"] < state["total_numel_before_compression"] / 2
+        assert error_to_average(4) > 0.01  # a compressed (low-rank) average, not the exact one (measured: 0.71)
 
 
 @pytest.mark.launch
@@ -289,6 +353,54 @@ def test_summary_and_compare_read_one_layout(common):
 
 class _Args:
     powersgd_rank = 4
+
+
+def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, tmp_path):
+    losses = [3.0, 2.6, 2.9, 2.4, 2.5, 2.2]
+    log = [{"step": 0, "eval_loss": 3.1}]
+    for step, loss in enumerate(losses, start=1):
+        log.append({"step": step, "loss": loss, "demo/total_bytes_sent": 10.0 * step})
+        if step == 3:
+            log.append({"step": 3, "eval_loss": 2.7})
+    log.append({"step": 6, "eval_loss": 2.3})
+    results = {
+        "optim": "demo",
+        "model": "m",
+        "data": "d",
+        "world_size": 2,
+        "global_step": 6,
+        "parameters": 1000,
+        "log_history": log,
+        "communication": common.communication(log, 1000, 6),
+    }
+    d = common.plot_data(results)
+    assert d["train_steps"] == [1, 2, 3, 4, 5, 6] and d["train_loss"] == losses
+    assert common.loss_curve(log) == [[s, v] for s, v in zip(d["train_steps"], losses)]
+    smoothed = d["train_smoothed"]  # bias-corrected EMA: starts at the first loss, moves less than the raw curve
+    assert smoothed[0] == pytest.approx(3.0) and len(smoothed) == 6
+    assert max(smoothed) - min(smoothed) < max(losses) - min(losses) and smoothed[-1] < smoothed[0]
+    assert d["eval_steps"] == [0, 3, 6] and d["eval_loss"] == [3.1, 2.7, 2.3]  # before, in between, after
+    assert d["comm_steps"] == [1, 2, 3, 4, 5, 6]
+    assert d["dense_mb"] == pytest.approx([4000 * s / 1e6 for s in range(1, 7)])
+    assert d["demo_mb"] == pytest.approx([10 * s / 1e6 for s in range(1, 7)]) and d["saving"] == pytest.approx(400)
+    assert "DeMo fine-tune of m on d" in d["title"] and "6 steps" in d["title"]
+    assert d["loss_title"] == "it learns: held-out loss 3.100 -> 2.300"
+    common.report({**results, "before": None, "after": {"loss": 2.3}, "plot": None}, str(tmp_path))
+    assert (tmp_path / "training.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "results.json").read_text())["plot"].endswith("training.png")
+
+    dense = common.plot_data({**results, "optim": "adamw_torch", "communication": common.communication([], 1000, 6)})
+    assert dense["demo_mb"] is None and dense["saving"] is None and dense["comm_steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_log_line_is_short(common):
+    row = {"loss": 2.3114, "grad_norm": 1.25, "learning_rate": 9.5e-05, "epoch": 0.05, "demo/total_bytes_sent": 9e6}
+    row.update({"demo/bytes_sent_per_step": 4.27e6, "demo/ratio_to_dense": 1 / 126})
+    assert common.log_line(3, 20, row) == (
+        "step 3/20  loss 2.311  grad_norm 1.25  learning_rate 9.5e-05  sent 4.27 MB/step (126x less than dense)"
+    )
+    evaluation = {"eval_loss": 2.4, "eval_perplexity": 11.0873, "eval_runtime": 3.2, "eval_samples_per_second": 5.0}
+    assert common.log_line(0, 20, evaluation) == "step 0/20  eval_loss 2.4  eval_perplexity 11.09"
 
 
 def test_end_tears_the_process_group_down(common):
