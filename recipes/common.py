@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 METRICS = Path(__file__).resolve().parent / "metrics"
 FILE_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
 TEXT_CANDIDATES = ("text", "sentence", "content", "review", "document")
-# Every recipe trains with DeMo unless --optim says otherwise, and evaluates at the start of train(): an
-# evaluate() before train() would mark the model as prepared, and Trainer would then never wrap it in DDP.
+# Every recipe trains with DeMo unless --optim says otherwise, and evaluates at the start of train() (Trainer's
+# own way; an evaluate() before train() works too with DeMoTrainer, which still wraps the model in DDP).
 RECIPE_DEFAULTS = {"optim": "demo", "eval_on_start": True}
 
 
