@@ -125,6 +125,8 @@ class DeMoTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
+        elif getattr(self.args, "ddp_comm_hook", "no") != "no":
+            give_powersgd_its_own_group(model)  # before the first backward; once
         return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ metrics
@@ -286,6 +288,23 @@ class DeMoTrainer(DeMoTrainerMixin, Trainer):
 
 
 _MADE: dict = {}
+
+
+def give_powersgd_its_own_group(model) -> None:
+    """Give a DDP model's PowerSGD hook state a process group of its own (once, on every rank, before a backward).
+
+    torch's PowerSGD hook issues its P and Q all-reduces from future callbacks on gloo's worker threads, on
+    ``state.process_group``, which Accelerate leaves ``None`` (the default group). Every other collective of a
+    training run (Trainer's gathers of the loss and token counts, evaluation's gathers, DDP's buffer broadcasts)
+    runs on the default group from the main thread; sharing the group's collective sequence with another thread
+    lets the ranks disagree on which collective comes next (``gloo::EnforceNotMet ... Received data size doesn't
+    match expected size`` mid-run). A group of the hook's own keeps its collectives in one sequence of their own.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    for _, state in getattr(model, "_comm_hooks", []):
+        if isinstance(state, PowerSGDState) and state.process_group is None:
+            state.process_group = dist.new_group(backend=dist.get_backend())
 
 
 def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:

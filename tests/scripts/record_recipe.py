@@ -58,6 +58,7 @@ class Recorder(TrainerCallback):
         self.handle.remove()
         self.record["params"] = {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()}
         self.record["comm_hook_states"] = [_numbers(state) for _, state in self.hooks]
+        self.record["comm_hook_groups"] = [_group(state) for _, state in self.hooks]
         self.record["global_step"] = state.global_step
 
 
@@ -68,6 +69,14 @@ def _numbers(state) -> dict | None:
     names = getattr(state, "__slots__", None) or list(vars(state))
     values = {name: getattr(state, name, None) for name in names}
     return {k: v for k, v in values.items() if isinstance(v, (int, float, bool))}
+
+
+def _group(state) -> str | None:
+    """Which process group a comm hook's state names: "default" (None or WORLD), "own", or None (no state)."""
+    group = getattr(state, "process_group", None) if state is not None else None
+    if state is None:
+        return None
+    return "default" if group is None or group == torch.distributed.group.WORLD else "own"
 
 
 def _pop(argv, flag, default):
