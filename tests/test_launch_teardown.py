@@ -11,6 +11,7 @@ from hf_demo import teardown
 def _exit_handler(rank, world):
     model = torch.nn.Linear(8, 8)
     opt = hf_demo.DeMo(model.parameters(), lr=1e-3, compression_topk=2, compression_chunk=4)
+    torch.manual_seed(rank)  # each rank its own batch (forked ranks share the random state)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # the first step installs the handler and remembers the optimizer
     installed_again = teardown.install_exit_handler()
@@ -35,6 +36,7 @@ def _step_guard(rank, world):
 
     model = DistributedDataParallel(torch.nn.Linear(8, 8))
     opt = hf_demo.DeMo(model.parameters(), lr=1e-3, compression_topk=2, compression_chunk=4)
+    torch.manual_seed(rank)  # each rank its own batch (forked ranks share the random state)
     model(torch.randn(4, 8)).sum().backward()
     try:
         opt.step()
