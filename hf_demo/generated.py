@@ -23,9 +23,12 @@ def publish(cls: type) -> type:
     return cls
 
 
+MADE_ON_IMPORT = {"DeMoSFTTrainer": "hf_demo.trl", "DeMoSFTConfig": "hf_demo.trl"}
+
+
 def __getattr__(name: str):
-    if name.startswith("DeMo") and "SFT" in name:  # made by hf_demo.trl on import
-        importlib.import_module("hf_demo.trl")
+    if name in MADE_ON_IMPORT:  # unpickling in a process that has not imported hf_demo.trl yet
+        importlib.import_module(MADE_ON_IMPORT[name])
         if name in globals():
             return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r} (made by hf_demo.with_demo at run time)")
