@@ -209,8 +209,22 @@ def test_evaluate_before_train_still_wraps_and_synchronises(tmp_path, optim):
     (PEFT adapters), and the DDP baselines never averaged. Now train() wraps it in DDP, which broadcasts
     rank 0's weights; DDP's find_unused_parameters warning is gone too."""
     name = f"evalfirst_{optim}"
-    proc = _train(tmp_path, name, "--optim", optim, "--evaluate_first", "true", "--init_seed_by_rank", "true",
-                  "--max_steps", "6", "--save_steps", "100")  # fmt: skip
+    proc = _train(
+        tmp_path,
+        name,
+        "--optim",
+        optim,
+        "--evaluate_first",
+        "true",
+        "--init_seed_by_rank",
+        "true",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "100",
+        "--end_with_shutdown",
+        "true",
+    )  # fmt: skip  (exit aborts are test_launch's subject)
     r0, r1 = load_records(tmp_path / name / "rec", 2)
     assert r0["ddp"] and r1["ddp"] and r0["find_unused_parameters"] is False
     assert r0["params"] == r1["params"]  # one model on every rank

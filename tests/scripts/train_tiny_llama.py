@@ -36,6 +36,7 @@ class ScriptArgs:
     resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
     init_seed_by_rank: bool = field(default=False, metadata={"help": "initialise the model differently on each rank"})
     evaluate_first: bool = field(default=False, metadata={"help": "trainer.evaluate() before trainer.train()"})
+    end_with_shutdown: bool = field(default=False, metadata={"help": "hf_demo.shutdown() at the end (not atexit)"})
 
 
 def stdlib_blocks(n: int, seq: int) -> Dataset:
@@ -130,6 +131,8 @@ def main():
             },
             os.path.join(script.record_dir, f"rank{rank}.pt"),
         )
+    if script.end_with_shutdown:
+        hf_demo.shutdown()
 
 
 if __name__ == "__main__":
