@@ -4,6 +4,16 @@ A run that never calls ``torch.distributed.destroy_process_group()`` leaves gloo
 work objects (with tensors) when the interpreter finalises; some exits then abort with ``terminate called
 without an active exception`` (SIGABRT) and the launcher reports failure although training finished.
 
+A second exit abort has the same message and a different cause: a gloo worker thread that completed a
+collective still holds it, with its tensors, and frees them only when the operating system runs it again.
+Freeing a tensor that Python has dropped needs the interpreter lock; once the interpreter is finalising,
+the thread is made to exit inside that destructor, which aborts the process. On a loaded machine a
+worker can wait hundreds of milliseconds for a CPU, longer than the rest of a script takes after its last
+collective (Trainer's last one is at the end of ``train()``). :func:`quiesce` waits, with the lock
+released, until every worker thread is idle; :func:`shutdown` calls it before and after destroying the
+groups, since a group that something still holds (DDP's reducer holds the default one) keeps its threads
+until the interpreter finalises.
+
 * :func:`shutdown` is for entry points: call it (or ``trainer.end()``) at the very end of a script.
 * :func:`install_exit_handler` registers an ``atexit`` handler that does the same for users who forget.
   ``DeMoTrainer`` installs it at construction, and DeMo at its first step in a multi-process run. It only
@@ -17,8 +27,11 @@ without an active exception`` (SIGABRT) and the launcher reports failure althoug
 from __future__ import annotations
 
 import atexit
+import gc
+import os
 import sys
 import threading
+import time
 import weakref
 
 import torch.distributed as dist
@@ -39,16 +52,68 @@ def _in_flight() -> bool:
     return any(getattr(opt, "in_flight", False) for opt in list(_optimizers))
 
 
+WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def busy_workers(task_dir: str = "/proc/self/task") -> list[int] | None:
+    """Thread ids of gloo worker threads that are running or waiting for a CPU (state R or D).
+
+    None where the process's threads cannot be read (not Linux).
+    """
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    busy = []
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :]
+        if name == WORKER_THREAD and rest[:1] in ("R", "D"):
+            busy.append(int(tid))
+    return busy
+
+
+def quiesce(timeout: float = 10.0, settle: int = 3, interval: float = 0.01, task_dir: str = "/proc/self/task") -> bool:
+    """Wait, with the interpreter lock released, until no gloo worker thread has work left.
+
+    Idle means ``settle`` polls in a row, ``interval`` seconds apart, find no worker thread running or
+    runnable. A worker waiting for the lock gets it while this sleeps, and shows as running. Returns True
+    when the workers went idle, False after ``timeout`` seconds (or, where threads cannot be read, after
+    one fixed pause).
+    """
+    gc.collect()  # tensors kept by reference cycles are freed now, by this thread, with the lock held
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while True:
+        busy = busy_workers(task_dir)
+        if busy is None:
+            time.sleep(min(timeout, 0.5))
+            return False
+        quiet = 0 if busy else quiet + 1
+        if quiet >= settle:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
 def shutdown() -> bool:
     """Destroy the default process group (and every group made from it) if one is initialised.
 
     Safe to call more than once and without ``torch.distributed``. Every collective the script wanted
-    must be done: after this call, no process of the group can communicate. Returns True when a group
-    was destroyed now.
+    must be done: after this call, no process of the group can communicate. Waits for gloo's worker
+    threads to finish before and after (:func:`quiesce`). Returns True when a group was destroyed now.
     """
     if not (dist.is_available() and dist.is_initialized()):
+        quiesce()
         return False
+    quiesce()
     dist.destroy_process_group()
+    quiesce()
     return True
 
 

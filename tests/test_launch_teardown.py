@@ -1,5 +1,8 @@
 """The exit handler and hf_demo.launch's environment checks, on 2 forked gloo ranks (no launcher: fast tier)."""
 
+import threading
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -52,3 +55,31 @@ def test_demo_under_an_allreducing_ddp_stops_at_the_first_step():
     for refused, steps in expect_ok(run_ranks(_step_guard, 2)):
         assert "still all-reduces gradients" in refused and "hf_demo.DeMoTrainer" in refused
         assert steps == 1  # the refused step changed nothing; the fixed one ran
+
+
+def _fake_thread(task_dir, tid, name, state):
+    folder = task_dir / str(tid)
+    folder.mkdir(exist_ok=True)
+    (folder / "stat").write_text(f"{tid} ({name}) {state} 1 2 3 4\n")
+
+
+def test_quiesce_waits_until_the_gloo_workers_are_idle(tmp_path):
+    """Only pt_gloo_runloop threads count; running (R) or in I/O (D) is busy; a vanished thread is skipped."""
+    _fake_thread(tmp_path, 1, "python", "R")
+    _fake_thread(tmp_path, 2, "gloo_tcp_loop", "R")
+    _fake_thread(tmp_path, 3, "pt_gloo_runloop", "S")
+    _fake_thread(tmp_path, 4, "pt_gloo_runloop", "R")
+    (tmp_path / "5").mkdir()  # ended between listing and reading
+    assert teardown.busy_workers(str(tmp_path)) == [4]
+    assert teardown.busy_workers(str(tmp_path / "missing")) is None
+
+    t0 = time.monotonic()
+    assert teardown.quiesce(timeout=0.2, task_dir=str(tmp_path)) is False  # busy throughout: gives up
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+
+    timer = threading.Timer(0.3, _fake_thread, (tmp_path, 4, "pt_gloo_runloop", "S"))  # the worker finishes
+    timer.start()
+    t0 = time.monotonic()
+    assert teardown.quiesce(timeout=10.0, settle=3, interval=0.01, task_dir=str(tmp_path)) is True
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+    timer.join()
