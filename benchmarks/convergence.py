@@ -33,7 +33,9 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 configuration with the error, the rest still run. Values: int, float, true/false or text.
                 ``blocking=divisor`` is not a DeMo keyword: it replaces ``hf_demo.blocks.plan`` in the worker by
                 the peer's blocking rule (see ``reference_gap.py``), to measure that fix before it lands;
-                ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K.
+                ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
+                ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
+                and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
                 Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
@@ -219,6 +221,11 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         elif blocking != "pad":
             raise ValueError(f"blocking must be pad or divisor, got {blocking!r}")
         mlp_topk = kw.pop("mlp_topk", None)
+        param_dtype = kw.pop("params", "fp32")
+        if param_dtype == "bf16":  # benchmark-only: bf16 parameters, no fp32 master copy (issue 10, item 4)
+            model.to(torch.bfloat16)
+        elif param_dtype != "fp32":
+            raise ValueError(f"params must be fp32 or bf16, got {param_dtype!r}")
         params = model.parameters()
         if mlp_topk is not None:  # benchmark-only: another top-k for the MLP matrices (a parameter group)
             named = list(model.named_parameters())
@@ -465,8 +472,12 @@ def write_report(tag: str, runs: list[dict], args) -> str:
             f"{c['schedule']}"
             + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "")
             + f"; held-out loss every {c['eval_every']} steps ({c['eval_batches']}x{c['batch_size']} windows). "
-            f"Target loss for 'steps to target': {target:.4f}"
-            + (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target)."),
+            + (
+                f"Target loss for 'steps to target': {target:.4f}"
+                + (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target).")
+                if target is not None
+                else "No target loss (no DDP-AdamW run and no --target)."
+            ),
             "",
         ]
     lines += [
