@@ -17,11 +17,11 @@ pytestmark = pytest.mark.ranks
 def test_convergence_benchmark_runs_every_method_on_a_tiny_model(tmp_path):
     tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
     run = f"--tag smoke --results-dir {tmp_path} --steps 3 --eval-every 3 --warmup 1 --topk 4 --chunk 8".split()
-    methods = ["--methods", "adamw", "powersgd", "demo", "--demo-configs", "update_rule=sign;update_rule=adam"]
+    methods = ["--methods", "adamw", "powersgd", "demo", "--demo-configs", "update_rule=sign;update_rule=adam;params=bf16,param_rounding=stochastic"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), *run, *methods, *tiny]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "convergence_smoke.json").read_text())
-    assert len(runs) == 4 and all(r["ok"] for r in runs), [r.get("error") for r in runs]
+    assert len(runs) == 5 and all(r["ok"] for r in runs), [r.get("error") for r in runs]
     assert (tmp_path / "convergence_smoke.md").exists()
