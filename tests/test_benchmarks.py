@@ -17,7 +17,8 @@ pytestmark = pytest.mark.ranks
 def test_convergence_benchmark_runs_every_method_on_a_tiny_model(tmp_path):
     tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
     run = f"--tag smoke --results-dir {tmp_path} --steps 3 --eval-every 3 --warmup 1 --topk 4 --chunk 8".split()
-    methods = ["--methods", "adamw", "powersgd", "demo", "--demo-configs", "update_rule=sign;update_rule=adam;params=bf16,param_rounding=stochastic"]
+    configs = "update_rule=sign;update_rule=adam;params=bf16,param_rounding=stochastic"
+    methods = ["--methods", "adamw", "powersgd", "demo", "--demo-configs", configs]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), *run, *methods, *tiny]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
