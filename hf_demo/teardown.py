@@ -108,13 +108,12 @@ def shutdown() -> bool:
     must be done: after this call, no process of the group can communicate. Waits for gloo's worker
     threads to finish before and after (:func:`quiesce`). Returns True when a group was destroyed now.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    initialised = dist.is_available() and dist.is_initialized()
+    quiesce()
+    if initialised:
+        dist.destroy_process_group()
         quiesce()
-        return False
-    quiesce()
-    dist.destroy_process_group()
-    quiesce()
-    return True
+    return initialised
 
 
 def _at_exit() -> None:
