@@ -59,8 +59,9 @@ class DeMoSettings:
     )
     update_rule: str = _setting(
         "sign",
-        "how the averaged update becomes a step: sign (the paper's), raw, or adam (second-moment "
-        "normalised, computed identically on every rank: no extra traffic)",
+        "how the averaged update becomes a step: sign (the paper's), raw, adam (second-moment "
+        "normalised) or adamw (AdamW's two moments, betas 0.9/0.95); every rule runs identically on every "
+        "rank: no extra traffic",
         update_rules.UPDATE_RULES,
     )
     param_rounding: str = _setting(

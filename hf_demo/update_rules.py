@@ -27,6 +27,25 @@ def adam_step(update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: 
     return update.div_(denom)
 
 
+def adamw_step(
+    update: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> torch.Tensor:
+    """Adam's two moments of the averaged update: ``m_hat / (sqrt(v_hat) + eps)``.
+
+    ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape) are updated in place; ``step`` counts from 1.
+    """
+    exp_avg.mul_(beta1).add_(update, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
+    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
+    return (exp_avg / (1.0 - beta1**step)).div_(denom)
+
+
 class SignRule:
     name = "sign"
 
@@ -56,9 +75,29 @@ class AdamRule:
         return adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
 
 
-STATE_KEYS = ("exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
+class AdamWRule:
+    """AdamW's moments on the averaged update (DeToNATION's DeToAdamW idea): a first moment smooths the
+    fast components DeMo sends, the second normalises them (state ``exp_avg`` + ``exp_avg_sq``: 8 bytes per
+    parameter). The betas are AdamW's of the benchmarks' baseline."""
 
-RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule)}
+    name = "adamw"
+    beta1 = 0.9
+    beta2 = 0.95
+    eps = 1e-8
+
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            state["rule_step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # a host counter: no device sync
+        state["rule_step"] += 1
+        step = int(state["rule_step"])
+        return adamw_step(update.float(), state["exp_avg"], state["exp_avg_sq"], step, self.beta1, self.beta2, self.eps)
+
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
+
+RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule)}
 UPDATE_RULES = tuple(RULES)
 
 

@@ -35,6 +35,7 @@ class ReferenceDeMo:
         self.weight_decay = weight_decay
         self.rule = rule or ("sign" if sign_update else "raw")
         self.second_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.first_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
         self.t = 0
         self.momentum = [torch.zeros(self._blocks(p)[4:], dtype=torch.float64) for p in self.params]
 
@@ -116,5 +117,12 @@ class ReferenceDeMo:
                 v = self._v(p)
                 v.mul_(0.999).add_(0.001 * update * update)
                 update = update / ((v / (1 - 0.999 ** (self.t + 1))).sqrt() + 1e-8)
+            elif self.rule == "adamw":  # AdamW's two moments (0.9, 0.95) of the averaged update, bias-corrected
+                m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
+                v = self._v(p)
+                m.mul_(0.9).add_(0.1 * update)
+                v.mul_(0.95).add_(0.05 * update * update)
+                t = self.t + 1
+                update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
             p.sub_(self.lr * update.to(p.dtype))
         self.t += 1

@@ -60,7 +60,7 @@ def test_the_models_cover_padding():
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("rule", ["sign", "raw", "adam"])
+@pytest.mark.parametrize("rule", ["sign", "raw", "adam", "adamw"])
 def test_matches_reference_single_process(rule, model, device):
     fast, ref = _train_both(0, 1, rule, model, device)  # hf_demo on the device, the reference on the CPU
     assert _max_diff(fast, ref) <= 1e-5
@@ -68,7 +68,7 @@ def test_matches_reference_single_process(rule, model, device):
 
 # padding is a per-rank matter: 2 ranks cover it; averaging over 4 ranks is the same code whatever the shapes
 @pytest.mark.parametrize("world,model", [(2, "divisible"), (4, "divisible"), (2, "padded")])
-@pytest.mark.parametrize("rule", ["sign", "raw", "adam"])
+@pytest.mark.parametrize("rule", ["sign", "raw", "adam", "adamw"])
 def test_matches_reference_distributed(world, rule, model):
     results = expect_ok(run_ranks(_train_both, world, rule, model))
     for fast, ref in results:

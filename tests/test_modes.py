@@ -13,6 +13,7 @@ pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 MODES = {
     "all_gather+sign": {},
     "all_gather+adam": {"update_rule": "adam"},
+    "all_gather+adamw": {"update_rule": "adamw"},
     "all_reduce+sign": {"exchange": "all_reduce"},
     "all_reduce+adam+fp32": {"exchange": "all_reduce", "update_rule": "adam", "value_format": "fp32"},
 }
