@@ -16,9 +16,13 @@ Every rank takes the same decision at the same step: the figures come from the h
 exchange time and its time between communicating steps; the policy uses the largest of each), never from
 a local clock alone. A decision is taken at each communicating step and holds from the next step:
 
-- down one tier after ``policy_patience`` consecutive steps over budget;
-- up one tier after ``policy_patience`` consecutive steps where the upper tier is predicted (time scaled by
-  its bytes) to stay under 70% of the budget (the hysteresis that keeps the policy from flapping).
+- down after ``policy_patience`` consecutive steps over budget, to the first lower tier predicted to fit
+  the budget (the last tier if none does): a link that drops 100x is answered in one move, not three;
+- up one tier after ``policy_patience`` consecutive steps where the upper tier is predicted to stay under
+  70% of the budget (the hysteresis that keeps the policy from flapping).
+
+A prediction scales the exchange time by the tier's bytes and keeps the computing time:
+``e * r / (elapsed - e + e * r)`` for an exchange time ``e`` and a byte ratio ``r``.
 
 The tier, and the counts of moves, are in ``state_dict()``: a resume continues in the same tier.
 """
@@ -65,13 +69,20 @@ class BudgetPolicy:
         nxt = BudgetPolicy(**vars(self))
         if self.budget <= 0 or elapsed_ms <= 0:
             return nxt
+        exchange_ms = min(exchange_ms, elapsed_ms)
         fraction = exchange_ms / elapsed_ms
+
+        def predicted(tier: int) -> float:
+            scaled = exchange_ms * bytes_by_tier[tier] / bytes_by_tier[self.tier]
+            return scaled / (elapsed_ms - exchange_ms + scaled)
+
         nxt.over = self.over + 1 if fraction > self.budget else 0
         up = self.tier - 1
-        predicted = fraction * bytes_by_tier[up] / bytes_by_tier[self.tier] if up >= 0 else float("inf")
-        nxt.under = self.under + 1 if predicted < HYSTERESIS * self.budget else 0
+        nxt.under = self.under + 1 if up >= 0 and predicted(up) < HYSTERESIS * self.budget else 0
         if nxt.over >= self.patience and self.tier + 1 < len(bytes_by_tier):
-            nxt.tier, nxt.over, nxt.under, nxt.moves_down = self.tier + 1, 0, 0, self.moves_down + 1
+            lower = range(self.tier + 1, len(bytes_by_tier))
+            down = next((t for t in lower if predicted(t) <= self.budget), len(bytes_by_tier) - 1)
+            nxt.tier, nxt.over, nxt.under, nxt.moves_down = down, 0, 0, self.moves_down + 1
         elif nxt.under >= self.patience and up >= 0:
             nxt.tier, nxt.over, nxt.under, nxt.moves_up = up, 0, 0, self.moves_up + 1
         return nxt

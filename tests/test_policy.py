@@ -25,6 +25,15 @@ def test_moves_down_after_patience_steps_over_budget_and_not_before():
     assert policy.moves_down == 3
 
 
+def test_a_link_that_drops_far_is_answered_in_one_move():
+    # 90% of a 1 s step in the exchange: tier 1 (half the bytes) predicted 450/550, tier 2 180/280, tier 3
+    # 22.5/122.5 = 18% <= 20%: straight to tier 3 after the patience, one move
+    tiers_seen, policy = _run(BudgetPolicy(0.2, 2), [(900, 1000)] * 3)
+    assert tiers_seen == [0, 3, 3] and policy.moves_down == 1
+    # 40% of the step: tier 1 predicted 200/800 = 25%, tier 2 80/680 = 12%: tier 2
+    assert _run(BudgetPolicy(0.2, 2), [(400, 1000)] * 2)[0] == [0, 2]
+
+
 def test_moves_up_only_when_the_upper_tier_is_predicted_well_under_budget():
     policy = BudgetPolicy(0.2, 2, tier=2)
     # 10% now; tier 1 would send 2.5x the bytes: 25% > 70% of 20%: stay
@@ -75,12 +84,14 @@ def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
     (tiers0, params0, _), (tiers1, params1, _) = expect_ok(run_ranks(_policy_run, 2, 30))
     assert tiers0 == tiers1
     assert max(tiers0) == 3 and tiers0[-1] == 0  # down to synchronising every 8 steps, then back up
-    assert tiers0.index(1) < tiers0.index(2) < tiers0.index(3)
+    # down in two moves (tier 1 predicted over budget: skipped), back up one tier at a time
+    assert tiers0.index(2) < tiers0.index(3) < tiers0.index(1)
+    assert tiers0[tiers0.index(3) :] == sorted(tiers0[tiers0.index(3) :], reverse=True)
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("resume_at", [5, 12])  # in tier 2; in tier 3 between two synchronisations
+@pytest.mark.parametrize("resume_at", [2, 12])  # in tier 2; in tier 3 between two synchronisations
 def test_resume_in_a_lower_tier_is_exact(resume_at):
     straight = expect_ok(run_ranks(_policy_run, 2, 30))
     resumed = expect_ok(run_ranks(_policy_run, 2, 30, resume_at))
