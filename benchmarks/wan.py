@@ -85,6 +85,11 @@ SCENARIOS = {
         events=[(8.0, "rate", "200kbit"), (50.0, "rate", "2mbit")],
         about="1 Gbit/s, at 8 s 200 kbit/s, at 50 s 2 Mbit/s (below DeMo bf16's payload per step time)",
     ),
+    "sustained": dict(
+        rate="1gbit",
+        events=[(8.0, "rate", "200kbit")],
+        about="1 Gbit/s, at 8 s 200 kbit/s to the end (a link that degrades and stays so: what a policy is for)",
+    ),
     "drop": dict(
         rate="100mbit",
         events=[(10.0, "down", 1), (16.0, "up", 1)],

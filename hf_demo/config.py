@@ -173,8 +173,10 @@ class DeMoSettings:
 # default above, the preset, the setting given by name. Bytes/param/step are exact (codec.segment_bytes) on
 # SmolLM2-135M, where 64 divides every dimension; see docs/CONVERGENCE.md for what is measured of their loss.
 PRESETS: dict[str, dict] = {
-    "balanced": {},  # the defaults: top-32 of each 64x64 block, bf16 values (0.032 bytes/param/step)
-    "lean": {"value_format": "sign"},  # 1-bit values (0.017)
+    # chosen from the compression sweep's Pareto front (docs/CONVERGENCE.md): at equal bytes, twice the
+    # coefficients with 1-bit values beat bf16 values (the defaults, top-32 bf16: 0.032, are off the front)
+    "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64 (0.034)
+    "lean": {"value_format": "sign"},  # 1-bit values, top-32 (0.017)
     "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting (0.0026)
 }
 

@@ -283,8 +283,9 @@ def test_presets_sit_under_settings_given_by_name():
     assert parse("--optim", "demo", "--demo_preset", "extreme").demo_settings()["value_format"] == "sign"
     args = parse("--optim", "demo", "--demo_preset", "extreme", "--demo_compression_topk", "16")
     assert args.demo_settings()["compression_topk"] == 16
+    assert parse("--optim", "demo", "--demo_preset", "balanced").demo_settings()["compression_topk"] == 64
     args = parse("--optim", "demo", "--demo_preset", "balanced", "--optim_args", "preset=lean")
-    assert args.demo_settings()["value_format"] == "sign"  # --optim_args wins
+    assert args.demo_settings()["compression_topk"] == 32  # --optim_args wins: lean keeps the default top-32
     assert set(PRESETS) == {"balanced", "lean", "extreme"}
     with pytest.raises(ValueError, match="unknown preset 'fast'; presets: balanced, lean, extreme"):
         hf_demo.DeMo(model.parameters(), preset="fast")
