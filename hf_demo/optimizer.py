@@ -26,6 +26,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
+from dataclasses import astuple
 
 import torch
 import torch.distributed as dist
@@ -486,11 +487,29 @@ class DeMo(torch.optim.Optimizer):
             "rank": transport.rank if transport else 0,
             "world_size": transport.world if transport else 1,
             "settings": self.settings.as_dict(),
-            "policy": self.policy.state_dict(),
+            "policy": {**self.policy.state_dict(), "tier_spec": list(astuple(self.tiers[self.policy.tier]))},
             "pending": self._pending_state(),
             "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         }
         return sd
+
+    def _load_policy(self, saved: dict) -> None:
+        """The saved tier, found by what it is (its format, top-k divisor and sync_every), not by its number."""
+        spec = saved.pop("tier_spec", None)
+        self.policy.load_state_dict(saved)
+        if spec is not None:
+            found = [i for i, t in enumerate(self.tiers) if list(astuple(t)) == [spec[0], int(spec[1]), int(spec[2])]]
+            if found:
+                self.policy.tier = found[0]
+                return
+        if spec is not None or self.policy.tier >= len(self.tiers):
+            tier = min(self.policy.tier, len(self.tiers) - 1)
+            warnings.warn(
+                f"DeMo: the checkpoint's communication tier ({spec or self.policy.tier}) is not among this run's "
+                f"tiers (other settings); continuing in tier {tier} {astuple(self.tiers[tier])}",
+                stacklevel=3,
+            )
+            self.policy.tier = tier
 
     def _pending_state(self) -> dict | None:
         """Overlap: the exchange in flight, finished here (it was started by every rank: no new collective)."""
@@ -563,7 +582,7 @@ class DeMo(torch.optim.Optimizer):
         self.skipped_steps = int(extra["skipped_steps"])
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         self.resyncs = int(extra.get("resyncs", 0))
-        self.policy.load_state_dict(extra.get("policy", {}))
+        self._load_policy(dict(extra.get("policy", {})))
         pending = extra.get("pending")
         self._pending = (
             None

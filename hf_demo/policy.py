@@ -3,14 +3,22 @@
 With ``comm_budget = b > 0`` the optimizer keeps the time spent waiting on DeMo's exchange at most a
 fraction ``b`` of the training time. The tiers, ordered by bytes (:func:`tiers`):
 
-====  ================================================  ================================================
-tier  exchange="all_gather"                             exchange="all_reduce"
-====  ================================================  ================================================
-0     the configured settings (e.g. bf16, top-32)       the configured settings
-1     sign values                                       top-k / 2
-2     sign values, top-k / 4                            top-k / 4
-3     tier 2, synchronising every ``policy_sync_every``  tier 2, synchronising every ``policy_sync_every``
-====  ================================================  ================================================
+====  ==========================================  ==========================================
+tier  exchange="all_gather"                       exchange="all_reduce"
+====  ==========================================  ==========================================
+0     the configured settings (e.g. bf16, top-32)  the configured settings
+1     sign values                                 top-k / 2
+2     sign values, top-k / 2                      top-k / 4
+3     sign values, top-k / 4                      tier 2, synchronising every 2 steps
+4     tier 3, synchronising every 2 steps         tier 2, synchronising every 4 steps
+5     tier 3, synchronising every 4 steps         tier 2, every ``policy_sync_every``
+6     tier 3, every ``policy_sync_every``
+====  ==========================================  ==========================================
+
+Each tier roughly halves the bytes of the one above it, so a link that slows down is met by the smallest
+cut that fits (the sweep in docs/CONVERGENCE.md: at equal bytes, fewer coefficients every step beat fewer
+synchronisations, so the local-step tiers come last). Tiers that repeat the configured settings (e.g. sign
+values already, or ``sync_every`` already 4) are left out.
 
 Every rank takes the same decision at the same step: the figures come from the headers (each rank's
 exchange time and its time between communicating steps; the policy uses the largest of each), never from
@@ -43,15 +51,15 @@ class Tier:
 
 def tiers(value_format: str, exchange: str, sync_every: int, policy_sync_every: int) -> list[Tier]:
     base = Tier(value_format, 1, sync_every)
-    slow_sync = max(sync_every, policy_sync_every)
-    if exchange == "all_reduce":
-        return [
-            base,
-            Tier(value_format, 2, sync_every),
-            Tier(value_format, 4, sync_every),
-            Tier(value_format, 4, slow_sync),
-        ]
-    return [base, Tier("sign", 1, sync_every), Tier("sign", 4, sync_every), Tier("sign", 4, slow_sync)]
+    if exchange == "all_reduce":  # sums values: the format stays, only the number of coefficients falls
+        fewer = [Tier(value_format, 2, sync_every), Tier(value_format, 4, sync_every)]
+    else:
+        fewer = [Tier("sign", 1, sync_every), Tier("sign", 2, sync_every), Tier("sign", 4, sync_every)]
+    last = fewer[-1]
+    slowest = max(sync_every, policy_sync_every)
+    slower = [Tier(last.value_format, last.topk_divisor, h) for h in (2, 4) if sync_every < h < slowest]
+    slower.append(Tier(last.value_format, last.topk_divisor, slowest))
+    return list(dict.fromkeys([base, *fewer, *slower]))  # ordered by bytes, no tier twice
 
 
 @dataclass
