@@ -48,6 +48,7 @@ LABELS = {
     "demo-sync8": "DeMo sync every 8",
     "demo-sync8-sign": "DeMo sign, sync every 8",
     "demo-policy": "DeMo policy (budget 0.15)",
+    "demo-policy30": "DeMo policy (budget 0.3)",
     "demo-hier": "DeMo hierarchical (node)",
     "adamw": "DDP AdamW",
     "powersgd": "DDP PowerSGD r4",
@@ -61,6 +62,7 @@ COLORS = {
     "demo-sync8": "tab:brown",
     "demo-sync8-sign": "tab:olive",
     "demo-policy": "tab:pink",
+    "demo-policy30": "tab:olive",
     "demo-hier": "tab:gray",
     "adamw": "tab:red",
     "powersgd": "tab:orange",
@@ -577,7 +579,7 @@ def report(args) -> None:
                 wait = f"≈{w:.1f}" if w is not None else "n/a"
             tx, rx = (s["tx_mean"], s["rx_mean"]) if sync else (s["tx_per_step"], s["rx_per_step"])
             tiers = ""
-            if m == "demo-policy":
+            if m.startswith("demo-policy"):
                 tiers = " (tiers: " + ", ".join(f"{t}: {c} steps" for t, c in s["tier_steps"].items()) + ")"
             lines.append(
                 f"| {LABELS[m]}{tiers} | {s['step_s']:.3f} | {s['fwd_bwd_s']:.3f} | {s['opt_step_s']:.3f}{comm} | "
@@ -666,12 +668,13 @@ def scenario_report(scen: list, args, summary: dict) -> list[str]:
                 f"| {LABELS[m]} | {s['wall_s']:.1f} | {s['train_s']:.1f} | {s['step_s']:.3f} | {wait} | "
                 f"{s['delay_s']:.1f} | {s['final_loss']:.4f} | {tiers} | {ev or '-'} |"
             )
-        if "demo-policy" in sums and "demo-bf16" in sums and not sums["demo-policy"].get("failed") and ref:
-            sp, sf = sums["demo-policy"], ref
+        for policy in [m for m in sums if m.startswith("demo-policy") and not sums[m].get("failed") and ref]:
+            sp, sf = sums[policy], ref
             lines += [
                 "",
-                f"Policy / fixed default (DeMo bf16): wall time {ratio(sp['wall_s'], sf['wall_s'])}, training time "
-                f"{ratio(sp['train_s'], sf['train_s'])}, final loss {pct(sp['final_loss'], sf['final_loss'])} "
+                f"{LABELS[policy]} / fixed default (DeMo bf16): wall time {ratio(sp['wall_s'], sf['wall_s'])}, "
+                f"training time {ratio(sp['train_s'], sf['train_s'])}, "
+                f"final loss {pct(sp['final_loss'], sf['final_loss'])} "
                 "(issue 12 target: <= 0.6× wall time with final loss within 2%).",
             ]
         if "adamw" in sums and not sums["adamw"].get("failed") and ref:
@@ -709,7 +712,7 @@ def cost_report(rows, prices: dict, args) -> list[str]:
     for title, nodes, m, s in rows:
         steps_epoch = s["train_tokens"] / s["tokens_per_step"]
         hours = steps_epoch * s["step_s"] / 3600
-        tx = s["tx_mean"] if m.startswith("demo-sync") or m == "demo-policy" else s["tx_per_step"]
+        tx = s["tx_mean"] if m.startswith(("demo-sync", "demo-policy")) else s["tx_per_step"]
         gb = steps_epoch * tx * nodes / 1e9
         cost = nodes * hours * node_h + gb * per_gb
         per_b = cost * 1e9 / s["train_tokens"]

@@ -62,6 +62,7 @@ METHODS = (
     "demo-sync8",
     "demo-sync8-sign",
     "demo-policy",
+    "demo-policy30",
     "demo-hier",
     "adamw",
     "powersgd",
@@ -76,6 +77,7 @@ DEMO_KW = {
     "demo-sync8": dict(sync_every=8),
     "demo-sync8-sign": dict(sync_every=8, value_format="sign"),
     "demo-policy": {},  # comm_budget from --comm-budget
+    "demo-policy30": dict(comm_budget=0.3),
     "demo-hier": dict(hierarchy="node"),
 }
 
