@@ -816,7 +816,7 @@ def plot_scenarios(scen: list, path: Path, target: float) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         axt.set_ylabel("tier")
-        axt.set_yticks([0, 1, 2, 3])
+        axt.set_yticks(range(7))  # hf_demo.policy.tiers: at most 7 tiers
         axt.set_xlabel("wall time since first step, s")
         axt.grid(alpha=0.3)
     fig.tight_layout()
