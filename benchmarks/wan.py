@@ -636,7 +636,8 @@ def scenario_report(scen: list, args, summary: dict) -> list[str]:
         "same without evaluations; **waiting s** DeMo's time in its collectives (largest rank; DDP: ≈ estimate "
         "as above, from DeMo bf16's compute time in the same scenario); **slept s** the application-level "
         "latency rank 0 slept; **tiers** steps spent in each tier of the policy (0 bf16 top-32, 1 sign, "
-        "2 sign top-16, 3 sign top-8, 4/5/6 sign top-8 synchronising every 2/4/8 steps; hf_demo.policy).",
+        "2 sign top-16, 3 sign top-8, 4 sign top-4, 5/6/7 sign top-4 synchronising every 2/4/8 steps; "
+        "hf_demo.policy).",
         "",
     ]
     names = list(dict.fromkeys(r["scenario"] for r in scen))
@@ -816,7 +817,7 @@ def plot_scenarios(scen: list, path: Path, target: float) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         axt.set_ylabel("tier")
-        axt.set_yticks(range(7))  # hf_demo.policy.tiers: at most 7 tiers
+        axt.set_yticks(range(8))  # hf_demo.policy.tiers: at most 8 tiers
         axt.set_xlabel("wall time since first step, s")
         axt.grid(alpha=0.3)
     fig.tight_layout()

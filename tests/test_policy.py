@@ -56,40 +56,42 @@ def test_tiers_are_ordered_by_bytes():
         ("sign", 1, 1),
         ("sign", 2, 1),
         ("sign", 4, 1),
-        ("sign", 4, 2),
-        ("sign", 4, 4),
-        ("sign", 4, 8),
+        ("sign", 8, 1),
+        ("sign", 8, 2),
+        ("sign", 8, 4),
+        ("sign", 8, 8),
     ]
     assert described("fp32", "all_reduce", 1, 8) == [
         ("fp32", 1, 1),
         ("fp32", 2, 1),
         ("fp32", 4, 1),
-        ("fp32", 4, 2),
-        ("fp32", 4, 4),
-        ("fp32", 4, 8),
+        ("fp32", 8, 1),
+        ("fp32", 8, 2),
+        ("fp32", 8, 4),
+        ("fp32", 8, 8),
     ]
     # no tier twice: sign values already, sync_every already 4, or no local-step tier at all
     assert described("sign", "all_gather", 1, 8)[0:2] == [("sign", 1, 1), ("sign", 2, 1)]
-    assert described("bf16", "all_gather", 4, 8)[-2:] == [("sign", 4, 4), ("sign", 4, 8)]
-    assert described("bf16", "all_gather", 1, 1)[-1] == ("sign", 4, 1)
+    assert described("bf16", "all_gather", 4, 8)[-2:] == [("sign", 8, 4), ("sign", 8, 8)]
+    assert described("bf16", "all_gather", 1, 1)[-1] == ("sign", 8, 1)
 
 
 def test_a_resume_finds_its_tier_by_what_it_is_not_by_its_number():
     params = [torch.nn.Parameter(torch.randn(16, 16))]
     saved = hf_demo.DeMo(params, lr=1e-3, comm_budget=0.2, policy_sync_every=8)
-    saved.policy.tier = 6  # sign top-k/4, synchronising every 8 steps
+    saved.policy.tier = 7  # sign top-k/8, synchronising every 8 steps
     state = saved.state_dict()
-    assert state["demo"]["policy"]["tier_spec"] == ["sign", 4, 8]
-    # resumed with sign values configured: its ladder has no bf16 tier, the same tier is number 5
+    assert state["demo"]["policy"]["tier_spec"] == ["sign", 8, 8]
+    # resumed with sign values configured: its ladder has no bf16 tier, the same tier is number 6
     signed = hf_demo.DeMo(params, lr=1e-3, comm_budget=0.2, policy_sync_every=8, value_format="sign")
     with pytest.warns(UserWarning, match="value_format"):
         signed.load_state_dict(state)
-    assert signed.tier == 5 and signed.tiers[5] == saved.tiers[6]
+    assert signed.tier == 6 and signed.tiers[6] == saved.tiers[7]
     # a ladder without that tier: the nearest number, with a warning that says so
     other = hf_demo.DeMo(params, lr=1e-3, comm_budget=0.2, policy_sync_every=16)
-    with pytest.warns(UserWarning, match=r"tier \(\['sign', 4, 8\]\) is not among this run's tiers"):
+    with pytest.warns(UserWarning, match=r"tier \(\['sign', 8, 8\]\) is not among this run's tiers"):
         other.load_state_dict(state)
-    assert other.tier == 6
+    assert other.tier == 7
     # a checkpoint from before tier_spec: its number is kept
     del state["demo"]["policy"]["tier_spec"]
     state["demo"]["policy"]["tier"] = 3
@@ -128,20 +130,20 @@ def _policy_run(rank, world, steps, resume_at=None):
 def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
     (tiers0, params0, _), (tiers1, params1, _) = expect_ok(run_ranks(_policy_run, 2, 30))
     assert tiers0 == tiers1
-    assert max(tiers0) == 5 and tiers0[-1] == 0  # down to synchronising every 4 steps, then back up
+    assert max(tiers0) == 6 and tiers0[-1] == 0  # down to synchronising every 4 steps, then back up
     # down in two moves (tiers predicted over budget are skipped), back up one tier at a time
-    assert set(tiers0[: tiers0.index(5)]) == {0, 3}
-    top = tiers0.index(5)
-    assert tiers0[top:] == sorted(tiers0[top:], reverse=True) and set(tiers0[top:]) == set(range(6))
+    top = tiers0.index(6)
+    assert set(tiers0[:top]) == {0, 3}
+    assert tiers0[top:] == sorted(tiers0[top:], reverse=True) and set(tiers0[top:]) == set(range(7))
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("resume_at", [2, 12])  # in tier 3; in tier 5 between two synchronisations
+@pytest.mark.parametrize("resume_at", [2, 12])  # in tier 3; in tier 6 between two synchronisations
 def test_resume_in_a_lower_tier_is_exact(resume_at):
     straight = expect_ok(run_ranks(_policy_run, 2, 30))
     resumed = expect_ok(run_ranks(_policy_run, 2, 30, resume_at))
-    assert straight[0][0][resume_at] == {2: 3, 12: 5}[resume_at]
+    assert straight[0][0][resume_at] == {2: 3, 12: 6}[resume_at]
     for (tiers_a, params_a, bytes_a), (tiers_b, params_b, bytes_b) in zip(straight, resumed):
         assert tiers_a == tiers_b and bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
