@@ -17,14 +17,20 @@ def sign_step(update: torch.Tensor) -> torch.Tensor:
     return update.sign_()
 
 
+def second_moment_denominator(
+    update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: float, eps: float
+) -> torch.Tensor:
+    """``sqrt(v / (1 - beta2**t)) + eps`` after ``v <- beta2*v + (1-beta2)*u^2`` (``exp_avg_sq`` in place)."""
+    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
+    return (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
+
+
 def adam_step(update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
     """Second-moment normalisation of the averaged update: ``u / (sqrt(v / (1 - beta2**t)) + eps)``.
 
     ``exp_avg_sq`` (fp32, the parameter's shape) is updated in place; ``step`` counts from 1.
     """
-    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
-    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
-    return update.div_(denom)
+    return update.div_(second_moment_denominator(update, exp_avg_sq, step, beta2, eps))
 
 
 def adamw_step(
@@ -41,9 +47,19 @@ def adamw_step(
     ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape) are updated in place; ``step`` counts from 1.
     """
     exp_avg.mul_(beta1).add_(update, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
-    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
+    denom = second_moment_denominator(update, exp_avg_sq, step, beta2, eps)
     return (exp_avg / (1.0 - beta1**step)).div_(denom)
+
+
+def next_step(state: dict, param: torch.Tensor, *moments: str) -> int:
+    """Create the rule's fp32 moment buffers the first time, count this step (a host counter: no device sync)."""
+    for key in moments:
+        if key not in state:
+            state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    if "rule_step" not in state:
+        state["rule_step"] = torch.zeros((), dtype=torch.int64, device="cpu")
+    state["rule_step"] += 1
+    return int(state["rule_step"])
 
 
 class SignRule:
@@ -68,11 +84,8 @@ class AdamRule:
     eps = 1e-8
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
-        if "exp_avg_sq" not in state:
-            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            state["rule_step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # a host counter: no device sync
-        state["rule_step"] += 1
-        return adam_step(update.float(), state["exp_avg_sq"], int(state["rule_step"]), self.beta2, self.eps)
+        step = next_step(state, param, "exp_avg_sq")
+        return adam_step(update.float(), state["exp_avg_sq"], step, self.beta2, self.eps)
 
 
 class AdamWRule:
@@ -86,12 +99,7 @@ class AdamWRule:
     eps = 1e-8
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            state["rule_step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # a host counter: no device sync
-        state["rule_step"] += 1
-        step = int(state["rule_step"])
+        step = next_step(state, param, "exp_avg", "exp_avg_sq")
         return adamw_step(update.float(), state["exp_avg"], state["exp_avg_sq"], step, self.beta1, self.beta2, self.eps)
 
 
