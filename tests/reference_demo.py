@@ -29,8 +29,14 @@ def dct_basis(n: int) -> torch.Tensor:
 
 
 class ReferenceDeMo:
-    def __init__(self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True, rule=None):
+    def __init__(
+        self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True, rule=None, delay=0
+    ):
+        """``delay=1``: each step's update (and its weight decay) is applied at the next step (``overlap``);
+        ``flush()`` applies the last one."""
         self.params = list(params)
+        self.delay = delay
+        self.pending = None
         self.lr, self.decay, self.topk, self.chunk = lr, decay, topk, chunk
         self.weight_decay = weight_decay
         self.rule = rule or ("sign" if sign_update else "raw")
@@ -78,9 +84,9 @@ class ReferenceDeMo:
     @torch.no_grad()
     def step(self):
         world = dist.get_world_size() if dist.is_initialized() else 1
+        updates = []
         for p, m in zip(self.params, self.momentum):
             rows, cols, b0, b1, prows, pcols = self._blocks(p)
-            p.mul_(1 - self.lr * self.weight_decay)
             m.mul_(self.decay)
             if p.grad is not None:
                 m[:rows, :cols].add_(p.grad.double().reshape(rows, cols), alpha=self.lr)
@@ -124,5 +130,18 @@ class ReferenceDeMo:
                 v.mul_(0.95).add_(0.05 * update * update)
                 t = self.t + 1
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-            p.sub_(self.lr * update.to(p.dtype))
+            updates.append(update)
+        if self.delay:
+            updates, self.pending = self.pending, updates
+        self._apply(updates)
         self.t += 1
+
+    @torch.no_grad()
+    def flush(self):
+        self._apply(self.pending)
+        self.pending = None
+
+    def _apply(self, updates):
+        for p, update in zip(self.params, updates or []):
+            p.mul_(1 - self.lr * self.weight_decay)
+            p.sub_(self.lr * update.to(p.dtype))

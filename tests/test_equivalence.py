@@ -16,10 +16,11 @@ SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}
 
 
-def _train_both(rank, world, rule, model="divisible", device="cpu"):
+def _train_both(rank, world, rule, model="divisible", device="cpu", overlap=False):
     fast_model, ref_model = MODELS[model]().to(device), MODELS[model]()
     fast = hf_demo.DeMo(
         fast_model.parameters(),
+        overlap=overlap,
         lr=SETTINGS["lr"],
         compression_decay=SETTINGS["decay"],
         compression_topk=SETTINGS["topk"],
@@ -28,12 +29,15 @@ def _train_both(rank, world, rule, model="divisible", device="cpu"):
         value_format="fp32",
         update_rule=rule,
     )
-    ref = ReferenceDeMo(ref_model.parameters(), rule=rule, **SETTINGS)
+    ref = ReferenceDeMo(ref_model.parameters(), rule=rule, delay=int(overlap), **SETTINGS)
     for step in range(20):
         loss_and_backward(fast_model, rank, step)
         loss_and_backward(ref_model, rank, step)
         fast.step()
         ref.step()
+    if overlap:
+        fast.flush()
+        ref.flush()
     return (
         [p.detach().to("cpu", copy=True) for p in fast_model.parameters()],
         [p.detach().clone() for p in ref_model.parameters()],
@@ -76,3 +80,14 @@ def test_matches_reference_distributed(world, rule, model):
     # and the training really moved the parameters
     start = [p.detach() for p in MODELS[model]().parameters()]
     assert _max_diff(results[0][0], start) > 1e-4  # ten times the tolerance
+
+
+@pytest.mark.parametrize("rule", ["sign", "adam"])
+def test_overlap_matches_the_reference_applied_one_step_late(rule):
+    """overlap=True is DeMo with every update (and its weight decay) applied one step late, nothing else."""
+    results = expect_ok(run_ranks(_train_both, 2, rule, "padded", "cpu", True))
+    for fast, ref in results:
+        assert _max_diff(fast, ref) <= 1e-5
+    # and it is not the plain algorithm: one step late changes where the gradients are taken
+    plain = expect_ok(run_ranks(_train_both, 2, rule, "padded"))
+    assert _max_diff(results[0][0], plain[0][0]) > 1e-4
