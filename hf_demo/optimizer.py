@@ -497,11 +497,9 @@ class DeMo(torch.optim.Optimizer):
         """The saved tier, found by what it is (its format, top-k divisor and sync_every), not by its number."""
         spec = saved.pop("tier_spec", None)
         self.policy.load_state_dict(saved)
-        if spec is not None:
-            found = [i for i, t in enumerate(self.tiers) if list(astuple(t)) == [spec[0], int(spec[1]), int(spec[2])]]
-            if found:
-                self.policy.tier = found[0]
-                return
+        if spec is not None and (tier := policies.Tier(spec[0], int(spec[1]), int(spec[2]))) in self.tiers:
+            self.policy.tier = self.tiers.index(tier)
+            return
         if spec is not None or self.policy.tier >= len(self.tiers):
             tier = min(self.policy.tier, len(self.tiers) - 1)
             warnings.warn(
