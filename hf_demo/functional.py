@@ -16,11 +16,15 @@ import torch
 from .blocks import BlockLayout, encode
 
 
-def accumulate(momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout, decay: float, lr: float) -> None:
-    """``momentum <- decay*momentum + lr*DCT(grad)`` in place (fp32). A missing grad counts as zero."""
-    momentum.mul_(decay)
+def accumulate(
+    momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout, decay: float, lr: float
+) -> torch.Tensor:
+    """``decay*momentum + lr*DCT(grad)`` as a new tensor (fp32; ``momentum`` is left as it is, so a step
+    that fails commits nothing). A missing grad counts as zero."""
+    out = momentum.mul(decay)
     if grad is not None:
-        momentum.add_(encode(grad, layout), alpha=lr)
+        out.add_(encode(grad, layout), alpha=lr)
+    return out
 
 
 def select(momentum: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -272,8 +272,9 @@ class DeMo(torch.optim.Optimizer):
         working, payload = [], torch.empty(0, dtype=torch.uint8, device="cpu")
         if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             for (p, g, layout), signal in zip(items, signals):
-                m = self._momentum(p, layout).clone()
-                F.accumulate(m, signal, layout, g["compression_decay"], 1.0 if local else g["lr"])
+                m = F.accumulate(
+                    self._momentum(p, layout), signal, layout, g["compression_decay"], 1.0 if local else g["lr"]
+                )
                 working.append(m)
             payload = exchange.prepare(working)
 
@@ -626,16 +627,26 @@ def _due(every: int, step: int) -> bool:
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Any NaN/Inf element (element-wise: a finite 1e30 is finite)."""
+    """Any NaN/Inf element (element-wise: a finite 1e30 is finite).
+
+    Fast path: a tensor's sum is finite only when every element is (a NaN or an Inf makes the sum NaN or
+    Inf), and a sum reads the tensor once where ``isfinite().all()`` makes three passes (30x slower on a
+    CPU). Only a tensor whose sum is not finite (a NaN/Inf, or finite values whose sum overflows) is checked
+    element by element.
+    """
     tensors = [t for t in tensors if t.numel()]
     if any(t.is_sparse for t in tensors):
         raise ValueError("DeMo does not support sparse gradients")
-    if not tensors:
-        return False
-    flags: dict[torch.device, list[torch.Tensor]] = {}  # one host sync per device, not one per tensor
+    by_device: dict[torch.device, list[torch.Tensor]] = {}  # one host sync per device, not one per tensor
     for t in tensors:
-        flags.setdefault(t.device, []).append(t.isfinite().all())
-    return not all(bool(torch.stack(f).all()) for f in flags.values())
+        by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():
+        sums = torch.stack([t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+                            for t in group])  # fmt: skip
+        suspects = (~sums.isfinite()).nonzero().flatten().tolist()
+        if any(not bool(group[i].isfinite().all()) for i in suspects):
+            return True
+    return False
 
 
 UNSYNCED_START = (

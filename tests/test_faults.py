@@ -285,6 +285,23 @@ def test_a_huge_finite_gradient_is_not_non_finite():
     assert opt.skipped_steps == 0 and bool(p.ne(0).any())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nonfinite_check_is_element_wise_where_a_sum_overflows(dtype):
+    """The check reads a tensor's sum first; finite values whose sum overflows must still count as finite,
+    and one NaN/Inf anywhere (also beside values that overflow the sum) as non-finite."""
+    from hf_demo.optimizer import _nonfinite
+
+    big = torch.finfo(dtype).max
+    overflowing = torch.full((64, 64), big, dtype=dtype)
+    assert bool(overflowing.sum(dtype=torch.float64 if dtype == torch.float64 else torch.float32).isinf())
+    assert not _nonfinite([torch.zeros(3, dtype=dtype), overflowing, -overflowing])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for base in (torch.zeros(64, 64, dtype=dtype), overflowing.clone()):
+            base[17, 5] = bad
+            assert _nonfinite([torch.ones(2, dtype=dtype), base]), (dtype, bad, base[0, 0].item())
+    assert not _nonfinite([]) and not _nonfinite([torch.zeros(0, dtype=dtype)])
+
+
 def test_warns_after_patience_consecutive_skipped_steps():
     p = torch.nn.Parameter(torch.zeros(8, 8))
     opt = hf_demo.DeMo([p], lr=1e-3, nonfinite_patience=3)
