@@ -33,11 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import expect_ok, run_ranks
+from hf_demo.codec import INDEX_CODINGS
+from hf_demo.config import DeMoSettings
+
+DEFAULT_INDEX_CODING = DeMoSettings().index_coding
 
 HERE = Path(__file__).resolve().parent
 
 DEFAULT_SETTINGS = (
-    "bf16:32:64,sign:32:64,bf16:32:64:all_reduce,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
+    "bf16:32:64,bf16:32:64:uint16,sign:32:64,sign:32:64:uint16,bf16:32:64:all_reduce,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
     "bf16:32:64:sync8,sign:32:64:sync8,bf16:8:64,sign:8:64,sign:4:64"
 )
 
@@ -51,8 +55,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma-separated value_format:topk:chunk[:all_reduce][:node][:syncH] (node = hierarchy='node' with "
-        "--local-size processes per node; syncH = sync_every=H)",
+        help="comma-separated value_format:topk:chunk[:all_reduce][:node][:syncH][:uint16|:elias_fano] (node = "
+        "hierarchy='node' with --local-size processes per node; syncH = sync_every=H; the index coding defaults "
+        "to DeMo's)",
     )
     p.add_argument("--local-size", type=int, default=2, help="LOCAL_WORLD_SIZE for the :node settings")
     p.add_argument("--steps", type=int, default=2, help="steps per setting (at least 2 x H for syncH settings)")
@@ -73,6 +78,7 @@ class Setting:
     exchange: str = "all_gather"
     hierarchy: str = "flat"
     sync_every: int = 1
+    index_coding: str = DEFAULT_INDEX_CODING
 
     @property
     def plain(self) -> bool:
@@ -87,6 +93,7 @@ class Setting:
             exchange=self.exchange,
             hierarchy=self.hierarchy,
             sync_every=self.sync_every,
+            index_coding=self.index_coding,
         )
 
 
@@ -102,6 +109,8 @@ def parse_settings(s: str) -> list[Setting]:
                 kw["hierarchy"] = e
             elif e.startswith("sync"):
                 kw["sync_every"] = int(e[4:])
+            elif e in INDEX_CODINGS:
+                kw["index_coding"] = e
             else:
                 raise SystemExit(f"scaling.py: unknown setting part {e!r} in {item!r}")
         out.append(Setting(fmt, int(k), int(c), **kw))
@@ -116,6 +125,8 @@ def label(s: Setting) -> str:
         out += ", node (2 proc/node)"
     if s.sync_every > 1:
         out += f", sync every {s.sync_every}"
+    if s.index_coding != DEFAULT_INDEX_CODING:
+        out += f", {s.index_coding} positions"
     return out
 
 
@@ -257,11 +268,11 @@ def llama_shapes(vocab, hidden, layers, intermediate, heads, kv_heads, tied):
     return shapes
 
 
-def payload_bytes(shapes, fmt, k, c) -> int:
+def payload_bytes(shapes, fmt, k, c, coding) -> int:
     from hf_demo import codec
     from hf_demo.blocks import plan
 
-    return sum(codec.segment_bytes(plan(tuple(s), c, k), fmt) for s in shapes)
+    return sum(codec.segment_bytes(plan(tuple(s), c, k), fmt, coding) for s in shapes)
 
 
 def ring_allreduce_per_rank(n_params, world) -> float:
@@ -304,8 +315,10 @@ def main(argv=None):
         "moves it, **2(W-1)/W of the buffer each way** (reduce-scatter + all-gather: the least any all-reduce "
         "algorithm can move per rank for a buffer the rank must both contribute and receive in full); a "
         "**broadcast** counts the buffer once as received by every non-root and (W-1) times as sent by the "
-        "root. `all_reduce` exchange = one positions broadcast (16-bit indices, from a leader rotating every "
-        "step, so the mean over ranks is the average over a rotation) + one all-reduce of bf16 values + the "
+        "root. Positions travel in the setting's index code (Elias-Fano, DeMo's default: ~9 bits each for "
+        "top-32 of 64×64; or 16-bit where the label says so). `all_reduce` exchange = one positions broadcast "
+        "(from a leader rotating every step, so the mean over ranks is the average over a rotation) + one "
+        "all-reduce of bf16 values + the "
         "64-byte header all-gather. **node** = `hierarchy='node'` with LOCAL_WORLD_SIZE="
         f"{L}: W processes = W/{L} nodes; *between nodes / node* counts only DeMo's collectives between nodes "
         "(the dense `node_gradients` all-reduce and `node_parameters` broadcasts stay on the node's local link), "
@@ -417,10 +430,10 @@ def main(argv=None):
         if not st.plain:
             continue
         fmt, k, c = st.fmt, st.k, st.c
-        ps = payload_bytes(small_shapes, fmt, k, c) + HEADER_BYTES
+        ps = payload_bytes(small_shapes, fmt, k, c, st.index_coding) + HEADER_BYTES
         meas = measured[worlds[0]]["mean"][i]["sent"]
         assert ps == meas, (ps, meas)
-        pb = payload_bytes(big_shapes, fmt, k, c) + HEADER_BYTES
+        pb = payload_bytes(big_shapes, fmt, k, c, st.index_coding) + HEADER_BYTES
         s_small, s_big = ps / n, pb / n_big
         exact.append(
             dict(setting=label(st), s_small=s_small, w_star_small=8 / s_small, s_1b=s_big, w_star_1b=8 / s_big)

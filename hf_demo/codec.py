@@ -12,9 +12,11 @@ Every step a rank sends two buffers (two collectives):
    different model, settings or step stop with a clear error on every rank, and a non-finite gradient on
    one rank makes every rank skip the step.
 2. one payload holding every parameter, in parameter order (:class:`PayloadCodec`). A parameter's segment
-   is its indices (16 bit, position inside the block, little endian) followed by its values. Segments are
-   4-byte aligned. Every received row is checked against its sender's CRC32 (and HMAC tag) before it is
-   decoded, and decoded indices and values are range- and finiteness-checked before anything is applied.
+   is its indices (positions inside the block: 16 bit little endian, or with ``index_coding="elias_fano"``
+   each block's sorted positions in the Elias-Fano code, ~9 bits for top-32 of 4096) followed by its
+   values. Segments are 4-byte aligned. Every received row is checked against its sender's CRC32 (and HMAC
+   tag) before it is decoded, and decoded indices and values are range- and finiteness-checked before
+   anything is applied.
 
 Value formats (:data:`FORMATS`): ``fp32`` (4 bytes), ``bf16`` (2 bytes), ``sign`` (1 bit per coefficient
 plus one bf16 scale per block: the mean magnitude of the block's selected coefficients). ``encode``
@@ -55,6 +57,19 @@ def _pad_to(buf: torch.Tensor, n: int) -> torch.Tensor:
     if buf.numel() == n:
         return buf
     return torch.cat([buf, buf.new_zeros(n - buf.numel())])
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A flat bool/0-1 tensor -> bytes, bit j of byte i holding bit 8i+j (zero-padded to whole bytes)."""
+    bits = _pad_to(bits.reshape(-1).to(torch.uint8), (bits.numel() + 7) // 8 * 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Bytes (world, nbytes) -> the first ``n`` bits of each row, (world, n) bool (the inverse of pack_bits)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, :, None] >> shifts) & 1).reshape(packed.shape[0], -1)[:, :n].bool()
 
 
 def checksum(obj) -> int:
@@ -111,9 +126,7 @@ class SignFormat:
         scale = values.abs().mean(dim=1).to(torch.bfloat16)
         negative = values < 0
         q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
-        bits = _pad_to(negative.reshape(-1).to(torch.uint8), (nblocks * k + 7) // 8 * 8)
-        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)  # bit j of byte i is value 8i+j
-        packed = (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+        packed = pack_bits(negative.reshape(-1))
         wire = torch.cat(
             [_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))]
         )
@@ -123,10 +136,7 @@ class SignFormat:
         world, n = wire.shape[0], nblocks * k
         s = _align(nblocks * 2)
         scale = wire[:, : nblocks * 2].contiguous().view(torch.bfloat16).float()
-        packed = wire[:, s : s + (n + 7) // 8]
-        shifts = torch.arange(8, dtype=torch.uint8, device=wire.device)
-        bits = (packed[:, :, None] >> shifts) & 1
-        negative = bits.reshape(world, -1)[:, :n].view(world, nblocks, k).bool()
+        negative = unpack_bits(wire[:, s : s + (n + 7) // 8], n).view(world, nblocks, k)
         return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
 
 
@@ -142,10 +152,6 @@ def value_format(name: str):
 
 
 # ---------------------------------------------------------------- indices
-def index_bytes(layout: BlockLayout) -> int:
-    return _align(layout.nblocks * layout.k * 2)
-
-
 def pack_indices(idx: torch.Tensor) -> torch.Tensor:
     """Block positions (nblocks, k) int64 in [0, 65536) -> 16-bit little-endian bytes (4-aligned)."""
     wire = idx.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8).reshape(-1)
@@ -158,32 +164,151 @@ def unpack_indices(wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
     return (wire[:, : n * 2].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).view(world, nblocks, k)
 
 
-def segment_bytes(layout: BlockLayout, fmt: str) -> int:
+class Uint16Indices:
+    """16 bits per position (Psyche's and the DeMo reference's wire)."""
+
+    name = "uint16"
+
+    def nbytes(self, layout: BlockLayout) -> int:
+        return _align(layout.nblocks * layout.k * 2)
+
+    def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
+        return [pack_indices(idx) for idx in idxs]
+
+    def unpack_many(self, wires: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
+        return [unpack_indices(w, layout.nblocks, layout.k) for w, layout in zip(wires, layouts)]
+
+
+class EliasFanoIndices:
+    """Each block's k positions, sorted, in the Elias-Fano code: ~log2(bsize/k) + 2 bits per position.
+
+    With ``L = floor(log2(bsize/k))`` a position ``x`` splits into its low ``L`` bits, stored as they are,
+    and its high part ``x >> L``; the i-th smallest position sets bit ``(x >> L) + i`` of an upper bit
+    vector of ``k + ((bsize-1) >> L)`` bits. A block's record is these bits rounded up to whole bytes, the
+    same for every block of a layout: top-32 of a 64x64 block is 7*32 + 63 = 287 bits -> 36 bytes (9.0 bits
+    per position instead of 16), top-4 is 10*4 + 7 = 47 -> 6 bytes (12). Blocks of the same (size, k) in
+    all parameters are coded at once (a handful of tensor operations per step, not per parameter).
+    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.functional.select` returns them),
+    so training is bitwise what the 16-bit code gives. A corrupted record (an upper vector without exactly
+    k ones, or positions not strictly increasing) decodes to an out-of-range position, which the payload
+    check reports.
+    """
+
+    name = "elias_fano"
+
+    @staticmethod
+    def split(bsize: int, k: int) -> tuple[int, int]:
+        """(low bits per position, upper-vector bits per block)."""
+        low = max(0, (bsize // k).bit_length() - 1)
+        return low, k + ((bsize - 1) >> low)
+
+    def record_bytes(self, bsize: int, k: int) -> int:
+        low, upper = self.split(bsize, k)
+        return (k * low + upper + 7) // 8
+
+    def nbytes(self, layout: BlockLayout) -> int:
+        return _align(layout.nblocks * self.record_bytes(layout.bsize, layout.k))
+
+    def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(idxs)
+        for (bsize, k), members in _by_block(layouts).items():
+            records = self.pack(torch.cat([idxs[i] for i in members]), bsize, k)
+            for i, rows in zip(members, records.split([layouts[i].nblocks for i in members])):
+                out[i] = _pad_to(rows.reshape(-1), self.nbytes(layouts[i]))
+        return out
+
+    def unpack_many(self, wires: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(wires)
+        for (bsize, k), members in _by_block(layouts).items():
+            r = self.record_bytes(bsize, k)
+            records = [wires[i][:, : layouts[i].nblocks * r].reshape(wires[i].shape[0], -1, r) for i in members]
+            idx = self.unpack(torch.cat(records, dim=1), bsize, k)
+            for i, part in zip(members, idx.split([layouts[i].nblocks for i in members], dim=1)):
+                out[i] = part
+        return out
+
+    def pack(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
+        """Sorted positions (nblocks, k) -> records (nblocks, record_bytes) uint8."""
+        low, upper = self.split(bsize, k)
+        nblocks, r = idx.shape[0], self.record_bytes(bsize, k)
+        bits = torch.zeros(nblocks, r * 8, dtype=torch.bool, device=idx.device)
+        if low:
+            shifts = torch.arange(low, device=idx.device)
+            bits[:, : k * low] = ((idx[:, :, None] >> shifts) & 1).reshape(nblocks, k * low).bool()
+        bits[:, k * low :].scatter_(1, (idx >> low) + torch.arange(k, device=idx.device), True)
+        return pack_bits(bits).view(nblocks, r)
+
+    def unpack(self, records: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
+        """Records (world, nblocks, record_bytes) -> positions (world, nblocks, k) int64; ``bsize`` (out of
+        range) for every position of a corrupted record."""
+        low, upper = self.split(bsize, k)
+        world, nblocks, r = records.shape
+        bits = unpack_bits(records.reshape(world, -1), nblocks * r * 8).view(world, nblocks, r * 8)
+        low_part = 0
+        if low:
+            shifts = torch.arange(low, device=records.device)
+            low_part = (bits[:, :, : k * low].view(world, nblocks, k, low).long() << shifts).sum(-1)
+        upper_bits = bits[:, :, k * low : k * low + upper]
+        # positions of the first k ones, in order: a stable sort puts the ones (0 after ~) first
+        ones = torch.sort((~upper_bits).to(torch.uint8), dim=-1, stable=True).indices[..., :k]
+        idx = ((ones - torch.arange(k, device=records.device)) << low) | low_part
+        bad = upper_bits.sum(-1) != k
+        if k > 1:
+            bad |= (idx[..., 1:] <= idx[..., :-1]).any(-1)
+        return torch.where(bad[..., None], bsize, idx)
+
+
+def _by_block(layouts: list[BlockLayout]) -> dict[tuple[int, int], list[int]]:
+    """Parameter numbers grouped by (block size, k), in order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, layout in enumerate(layouts):
+        groups.setdefault((layout.bsize, layout.k), []).append(i)
+    return groups
+
+
+INDEX_CODINGS_BY_NAME = {c.name: c for c in (Uint16Indices(), EliasFanoIndices())}
+INDEX_CODINGS = tuple(INDEX_CODINGS_BY_NAME)
+
+
+def index_coding(name: str):
+    try:
+        return INDEX_CODINGS_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown index coding {name!r}; expected one of {', '.join(INDEX_CODINGS)}") from None
+
+
+def index_bytes(layout: BlockLayout, coding: str) -> int:
+    return index_coding(coding).nbytes(layout)
+
+
+def segment_bytes(layout: BlockLayout, fmt: str, coding: str) -> int:
     """Bytes of one parameter's segment (indices + values) in the payload."""
-    return index_bytes(layout) + value_format(fmt).nbytes(layout.nblocks, layout.k)
+    return index_bytes(layout, coding) + value_format(fmt).nbytes(layout.nblocks, layout.k)
 
 
 # ---------------------------------------------------------------- payload
 class PayloadCodec:
     """Packs every parameter's selected coefficients into one payload, and unpacks and validates it."""
 
-    def __init__(self, layouts: list[BlockLayout], fmt: str):
+    def __init__(self, layouts: list[BlockLayout], fmt: str, coding: str):
         self.layouts = layouts
         self.format = value_format(fmt)
+        self.indices = index_coding(coding)
         self.offsets, off = [], 0
         for layout in layouts:
             self.offsets.append(off)
-            off += segment_bytes(layout, fmt)
+            off += segment_bytes(layout, fmt, coding)
         self.nbytes = off
 
     def encode(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
         """[(positions, values)] per parameter -> (payload uint8, [values as receivers decode them])."""
         payload = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         sent = []
-        for layout, off, (idx, values) in zip(self.layouts, self.offsets, selections):
+        index_wires = self.indices.pack_many([idx for idx, _ in selections], self.layouts)
+        for off, (_, values), index_wire in zip(self.offsets, selections, index_wires):
             decoded, wire = self.format.encode(values)
-            ib = index_bytes(layout)
-            payload[off : off + ib] = pack_indices(idx)
+            ib = index_wire.numel()
+            payload[off : off + ib] = index_wire
             payload[off + ib : off + ib + wire.numel()] = wire
             sent.append(decoded)
         return payload, sent
@@ -195,10 +320,12 @@ class PayloadCodec:
         NaN/Inf values; nothing is returned half-decoded.
         """
         out = []
-        for i, (layout, off) in enumerate(zip(self.layouts, self.offsets)):
-            ib = index_bytes(layout)
-            end = off + segment_bytes(layout, self.format.name)
-            idx = unpack_indices(received[:, off : off + ib], layout.nblocks, layout.k)
+        index_bytes = [self.indices.nbytes(layout) for layout in self.layouts]
+        idxs = self.indices.unpack_many(
+            [received[:, off : off + ib] for off, ib in zip(self.offsets, index_bytes)], self.layouts
+        )
+        for i, (layout, off, ib, idx) in enumerate(zip(self.layouts, self.offsets, index_bytes, idxs)):
+            end = off + ib + self.format.nbytes(layout.nblocks, layout.k)
             values = self.format.decode(received[:, off + ib : end], layout.nblocks, layout.k)
             bad_idx = (idx >= layout.bsize).flatten(1).any(1)
             if bool(bad_idx.any()):
@@ -335,7 +462,7 @@ def check_headers(headers: list[Header], rank: int) -> None:
         elif h.settings_checksum != ref.settings_checksum:
             problems.append(
                 f"rank {r} has different optimizer settings than rank 0 (lr, weight decay, momentum decay, "
-                "value format, exchange, update rule, non-finite policy, checks or timeouts differ)"
+                "value format, index coding, exchange, update rule, non-finite policy, checks or timeouts differ)"
             )
     if problems:
         raise DeMoSyncError(f"DeMo ranks disagree (seen by rank {rank}):\n  " + "\n  ".join(problems))

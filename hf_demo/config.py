@@ -40,6 +40,12 @@ class DeMoSettings:
     value_format: str = _setting(
         "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + a bf16 scale per block)", codec.VALUE_FORMATS
     )
+    index_coding: str = _setting(
+        "elias_fano",
+        "wire format of the positions: uint16 (16 bits each) or elias_fano (each block's sorted positions, "
+        "~log2(block/topk)+2 bits each: 9 for top-32 of 64x64; lossless: training is bitwise the same)",
+        codec.INDEX_CODINGS,
+    )
     exchange: str = _setting(
         "all_gather",
         "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (positions chosen "
@@ -171,13 +177,14 @@ class DeMoSettings:
 
 # Named starting points, ordered by bytes. Where a setting's value comes from, lowest to highest: the
 # default above, the preset, the setting given by name. Bytes/param/step are exact (codec.segment_bytes) on
-# SmolLM2-135M, where 64 divides every dimension; see docs/CONVERGENCE.md for what is measured of their loss.
+# SmolLM2-135M, where 64 divides every dimension, with the default Elias-Fano positions (16-bit positions in
+# brackets); see docs/CONVERGENCE.md for what is measured of their loss.
 PRESETS: dict[str, dict] = {
     # chosen from the compression sweep's Pareto front (docs/CONVERGENCE.md): at equal bytes, twice the
-    # coefficients with 1-bit values beat bf16 values (the defaults, top-32 bf16: 0.032, are off the front)
-    "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64 (0.034)
-    "lean": {"value_format": "sign"},  # 1-bit values, top-32 (0.017)
-    "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting (0.0026)
+    # coefficients with 1-bit values beat bf16 values (the defaults, top-32 bf16: 0.025 [0.032], are off it)
+    "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64: 0.018 [0.034]
+    "lean": {"value_format": "sign"},  # 1-bit values, top-32: 0.010 [0.017]
+    "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting: 0.0021 [0.0026]
 }
 
 _TYPES = {

@@ -32,9 +32,9 @@ from .errors import DeMoSyncError
 class AllGatherExchange:
     name = "all_gather"
 
-    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None):
+    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None, index_coding: str):
         self.layouts = layouts
-        self.codec = codec.PayloadCodec(layouts, value_format)
+        self.codec = codec.PayloadCodec(layouts, value_format, index_coding)
         self.payload_nbytes = self.codec.nbytes
         self.secret = secret
 
@@ -62,7 +62,7 @@ class AllReduceExchange:
     name = "all_reduce"
     VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None):
+    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None, index_coding: str):
         if value_format not in self.VALUE_DTYPES:
             raise ValueError(
                 f"exchange='all_reduce' sums values, so value_format must be one of "
@@ -71,10 +71,11 @@ class AllReduceExchange:
         self.layouts = layouts
         self.dtype = self.VALUE_DTYPES[value_format]
         self.secret = secret  # positions and sums are the same bytes on every rank: the drift check covers them
+        self.indices = codec.index_coding(index_coding)
         self.index_offsets, off = [], 0
         for layout in layouts:
             self.index_offsets.append(off)
-            off += codec.index_bytes(layout)
+            off += self.indices.nbytes(layout)
         self.index_nbytes = off
         self.payload_nbytes = 0  # nothing is announced before the headers: positions follow them
 
@@ -86,15 +87,19 @@ class AllReduceExchange:
         leader = transport.step % transport.world
         positions = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
         if transport.rank == leader:
-            for m, layout, off in zip(working, self.layouts, self.index_offsets):
-                wire = codec.pack_indices(F.select(m, layout.k)[0])
+            wires = self.indices.pack_many(
+                [F.select(m, layout.k)[0] for m, layout in zip(working, self.layouts)], self.layouts
+            )
+            for wire, off in zip(wires, self.index_offsets):
                 positions[off : off + wire.numel()] = wire
         transport.broadcast(positions, leader, "positions")
+        wires = [
+            positions[None, off : off + self.indices.nbytes(layout)]
+            for layout, off in zip(self.layouts, self.index_offsets)
+        ]
         chosen = []
-        for layout, off in zip(self.layouts, self.index_offsets):
-            idx = codec.unpack_indices(
-                positions[None, off : off + codec.index_bytes(layout)], layout.nblocks, layout.k
-            )[0]
+        for layout, idx in zip(self.layouts, self.indices.unpack_many(wires, self.layouts)):
+            idx = idx[0]
             if bool((idx >= layout.bsize).any()):
                 raise DeMoSyncError(
                     f"rank {transport.rank}: positions broadcast by rank {leader} at optimizer step "

@@ -28,8 +28,10 @@ def accumulate(
 
 
 def select(momentum: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest-magnitude coefficients of each block: (positions (nblocks, k) int64, values)."""
-    idx = momentum.abs().topk(k, dim=1, sorted=False).indices
+    """The k largest-magnitude coefficients of each block: (positions (nblocks, k) int64, values), the
+    positions of a block in increasing order (what the Elias-Fano index code needs; the 16-bit code sends
+    the same order, so both codes lead to the same bits everywhere)."""
+    idx = momentum.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     return idx, momentum.gather(1, idx)
 
 

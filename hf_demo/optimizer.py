@@ -117,7 +117,9 @@ class DeMo(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
-        exchanges.get(self.settings.exchange)([], self.settings.value_format, None)  # settings it refuses fail now
+        exchanges.get(self.settings.exchange)(
+            [], self.settings.value_format, None, self.settings.index_coding
+        )  # settings it refuses fail now
 
     @property
     def value_format(self) -> str:
@@ -254,7 +256,9 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
-        exchange = exchanges.get(self.settings.exchange)(layouts, tier.value_format, self.secret)
+        exchange = exchanges.get(self.settings.exchange)(
+            layouts, tier.value_format, self.secret, self.settings.index_coding
+        )
         late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()
 
@@ -338,6 +342,7 @@ class DeMo(torch.optim.Optimizer):
                 "headers": headers,
                 "step": self.steps,
                 "lr": [(g["lr"], g["weight_decay"]) for _, g, _ in items],
+                "index_coding": self.settings.index_coding,  # how its rows are coded, whatever a resume sets
             }
         elif not skip:
             updates = exchange.communicate(transport, headers, payload, working)
@@ -402,7 +407,7 @@ class DeMo(torch.optim.Optimizer):
         pending["rows"] = rows  # done: a failure below does not wait twice
         tier = self.tiers[self.policy.tier]
         exchange = exchanges.get(self.settings.exchange)(
-            [layout for _, _, layout in items], tier.value_format, self.secret
+            [layout for _, _, layout in items], tier.value_format, self.secret, pending["index_coding"]
         )
         return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
 
@@ -442,6 +447,7 @@ class DeMo(torch.optim.Optimizer):
                 codec.segment_bytes(
                     plan(tuple(p.shape), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
                     t.value_format,
+                    self.settings.index_coding,
                 )
                 for p, g, _ in items
             )
@@ -521,6 +527,7 @@ class DeMo(torch.optim.Optimizer):
             "rows": pending["rows"].clone(),
             "step": pending["step"],
             "lr": [list(x) for x in pending["lr"]],
+            "index_coding": pending["index_coding"],
             "headers": torch.stack([h.to_bytes() for h in pending["headers"]]),
         }
 
@@ -591,6 +598,7 @@ class DeMo(torch.optim.Optimizer):
                 "step": int(pending["step"]),
                 "lr": [tuple(x) for x in pending["lr"]],
                 "headers": [codec.Header.from_bytes(row) for row in pending["headers"]],
+                "index_coding": pending.get("index_coding", "uint16"),  # the only code before it was recorded
             }
         )
         self.comm_stats.load(extra.get("comm", {}))

@@ -106,3 +106,10 @@ def expect_ok(results: list) -> list:
     if errors:
         raise AssertionError("a rank failed:\n" + "\n".join(e.traceback for e in errors))
     return results
+
+
+def corrupt_indices(coding) -> None:
+    """From now on, this process's index code sends all-ones bytes: out-of-range 16-bit positions (65535),
+    Elias-Fano records with too many ones (both decode to out-of-range positions)."""
+    real = coding.pack_many
+    coding.pack_many = lambda idxs, layouts: [torch.full_like(w, 0xFF) for w in real(idxs, layouts)]

@@ -1,5 +1,7 @@
 """The wire protocol: header, indices, every value format and the payload round-trip exactly and are checked."""
 
+import math
+
 import pytest
 import torch
 
@@ -63,7 +65,7 @@ def test_value_formats_mean_what_they_say():
 
 def test_wire_cost_per_coefficient():
     layout = plan((576, 576), 64, 32)
-    per_param = {f: codec.segment_bytes(layout, f) / layout.numel for f in codec.VALUE_FORMATS}
+    per_param = {f: codec.segment_bytes(layout, f, "uint16") / layout.numel for f in codec.VALUE_FORMATS}
     assert per_param["bf16"] == pytest.approx(4 * 32 / 4096)
     assert per_param["fp32"] == pytest.approx(6 * 32 / 4096)
     assert per_param["sign"] <= 0.02
@@ -74,12 +76,15 @@ def test_unknown_format():
         codec.value_format("int4")
 
 
-def _payload(fmt="bf16", device="cpu"):
+def _payload(fmt="bf16", device="cpu", coding="uint16"):
     torch.manual_seed(0)
-    layouts = [plan((70, 10), 8, 5), plan((13,), 8, 3)]
-    pc = codec.PayloadCodec(layouts, fmt)
-    selections = [
-        (torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices, torch.randn(lay.nblocks, lay.k))
+    layouts = [plan((70, 10), 8, 5), plan((13,), 8, 3), plan((16, 8), 8, 5)]
+    pc = codec.PayloadCodec(layouts, fmt, coding)
+    selections = [  # positions sorted in each block, as DeMo's select returns them
+        (
+            torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices.sort(1).values,
+            torch.randn(lay.nblocks, lay.k),
+        )
         for lay in layouts
     ]
     selections = [(idx.to(device), values.to(device)) for idx, values in selections]
@@ -87,11 +92,12 @@ def _payload(fmt="bf16", device="cpu"):
     return pc, selections, payload, sent
 
 
+@pytest.mark.parametrize("coding", codec.INDEX_CODINGS)
 @pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
-def test_payload_round_trip(fmt, device):
-    pc, selections, payload, sent = _payload(fmt, device)
+def test_payload_round_trip(fmt, coding, device):
+    pc, selections, payload, sent = _payload(fmt, device, coding)
     assert payload.numel() == pc.nbytes and payload.device == device
-    assert torch.equal(payload.cpu(), _payload(fmt)[2])  # the same bytes from every device
+    assert torch.equal(payload.cpu(), _payload(fmt, coding=coding)[2])  # the same bytes from every device
     rows = torch.stack([payload, payload])
     headers = [codec.sign(_header(), payload, b"k")] * 2
     assert headers[0].payload_crc == codec.crc32(payload.cpu())
@@ -109,10 +115,71 @@ def test_payload_decode_names_out_of_range_indices_and_nan_values():
     with pytest.raises(DeMoSyncError, match=r"out-of-range indices for parameter 0 .* rank\(s\) \[1\]"):
         pc.decode(torch.stack([payload, bad]))
     bad = payload.clone()
-    off = codec.index_bytes(pc.layouts[0])
+    off = codec.index_bytes(pc.layouts[0], "uint16")
     bad[off : off + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # fp32 NaN
     with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[0\]"):
         pc.decode(torch.stack([bad, payload]))
+
+
+@pytest.mark.parametrize(
+    "shape,chunk,k",
+    [
+        ((256, 256), 64, 32),  # 64x64 blocks, the default
+        ((688, 256), 64, 32),  # 43x64 blocks
+        ((300,), 64, 32),  # a vector: blocks of 60, k close to the block size
+        ((7,), 64, 32),  # one block smaller than k: every position sent
+        ((256, 256), 64, 4),
+        ((256, 256), 64, 1),
+        ((128, 128), 64, 4096),  # k = the block size
+        ((1000, 1000), 128, 64),  # padded 128x128 blocks
+    ],
+)
+def test_elias_fano_round_trips_sorted_positions_in_about_log2_of_block_over_k_plus_2_bits(shape, chunk, k, device):
+    torch.manual_seed(k)
+    ef = codec.index_coding("elias_fano")
+    layouts = [plan(shape, chunk, k), plan((5, 9), 8, 3), plan(shape, chunk, k)]  # two share a (size, k) group
+    idxs = [
+        torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices.sort(1).values.to(device) for lay in layouts
+    ]
+    wires = ef.pack_many(idxs, layouts)
+    for w, lay in zip(wires, layouts):
+        assert w.dtype == torch.uint8 and w.device == device and w.numel() == ef.nbytes(lay)
+    assert all(torch.equal(w.cpu(), c) for w, c in zip(wires, ef.pack_many([i.cpu() for i in idxs], layouts)))
+    back = ef.unpack_many([torch.stack([w, w]) for w in wires], layouts)
+    assert all(torch.equal(b[0], i) and torch.equal(b[1], i) for b, i in zip(back, idxs))
+    lay = layouts[0]
+    bits = ef.nbytes(lay) * 8 / (lay.nblocks * lay.k)
+    # Elias-Fano's 2 + ceil(log2(n/k)), plus each record rounded to whole bytes and the segment to 4 bytes
+    assert bits <= math.ceil(math.log2(lay.bsize / lay.k)) + 2 + 8 / lay.k + 32 / (lay.nblocks * lay.k), bits
+    assert ef.nbytes(lay) <= codec.index_bytes(lay, "uint16")
+
+
+def test_elias_fano_wire_cost_per_coefficient():
+    layout = plan((576, 576), 64, 32)
+    assert codec.index_bytes(layout, "elias_fano") * 8 == layout.nblocks * 32 * 9  # 9 bits, not 16
+    assert codec.segment_bytes(layout, "bf16", "elias_fano") / layout.numel == pytest.approx(25 * 32 / 8 / 4096)
+    assert codec.segment_bytes(layout, "sign", "elias_fano") / layout.numel <= 0.0105
+    assert (
+        codec.index_bytes(plan((576, 576), 64, 4), "elias_fano") == 488
+    )  # 81 blocks x 6 bytes (12 bits each), 4-aligned
+
+
+@pytest.mark.parametrize("flaw", ["no position in the upper vector", "a repeated position"])
+def test_elias_fano_names_a_corrupted_record(flaw):
+    pc, selections, payload, _ = _payload("bf16", coding="elias_fano")
+    low, upper = codec.EliasFanoIndices.split(pc.layouts[0].bsize, pc.layouts[0].k)
+    if flaw == "no position in the upper vector":  # clear the first block's upper vector
+        bad = payload.clone()
+        bits = codec.unpack_bits(bad[None, :16], 128)[0]
+        bits[5 * low : 5 * low + upper] = False
+        bad[:16] = codec.pack_bits(bits)
+    else:  # a record that passes the count of ones, but whose positions do not strictly increase
+        idx, values = selections[0]
+        idx = idx.clone()
+        idx[0, 1] = idx[0, 0]
+        bad = pc.encode([(idx, values), *selections[1:]], "cpu")[0]
+    with pytest.raises(DeMoSyncError, match=r"out-of-range indices for parameter 0 .* rank\(s\) \[1\]"):
+        pc.decode(torch.stack([payload, bad]))
 
 
 def test_crc_catches_every_single_flipped_byte():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_demo
-from dist_utils import RankError, expect_ok, run_ranks
+from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
 from models import loss_and_backward, tiny_mlp
 
 
@@ -107,8 +107,7 @@ def _corrupt_payload(rank, world, what):
     opt = _make(model, value_format="fp32")
     if rank == world - 1:
         if what == "index":
-            real = codec.pack_indices
-            codec.pack_indices = lambda idx: real(torch.full_like(idx, 65535))
+            corrupt_indices(codec.index_coding(opt.settings.index_coding))
         else:
             fmt = codec.value_format("fp32")
             real = fmt.encode

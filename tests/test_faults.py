@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_demo
-from dist_utils import RankError, expect_ok, run_ranks
+from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
 from models import loss_and_backward, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -53,8 +53,7 @@ def _fail_on_second_step(rank, world, fault, kw):
     loss_and_backward(model, rank, 1)
     before = _snapshot(model, opt)
     if fault == "index" and rank == world - 1:
-        real_pack = codec.pack_indices
-        codec.pack_indices = lambda idx: real_pack(torch.full_like(idx, 65535))
+        corrupt_indices(codec.index_coding(opt.settings.index_coding))
     if fault == "nan" and rank == world - 1:
         fmt = codec.value_format(kw.get("value_format", "bf16"))
         real_encode = fmt.encode
@@ -188,6 +187,7 @@ def _settings(rank, world, name, values):
         ("check_every", (100, 50)),
         ("exchange", ("all_gather", "all_reduce")),
         ("value_format", ("bf16", "fp32")),
+        ("index_coding", ("uint16", "elias_fano")),
         ("compression_topk", (4, 2)),
     ],
 )
