@@ -28,7 +28,10 @@ exchange time and its time between communicating steps; the policy uses the larg
 a local clock alone. A decision is taken at each communicating step and holds from the next step:
 
 - down after ``policy_patience`` consecutive steps over budget, to the first lower tier predicted to fit
-  the budget (the last tier if none does): a link that drops 100x is answered in one move, not three;
+  the budget (the last tier if none does): a link that drops 100x is answered in one move, not three. A
+  step more than :data:`SEVERE` times over budget (e.g. 60% of the time waiting with a budget of 15%)
+  moves at once, without waiting for the patience: a collapsed link costs one slow step more, not
+  ``policy_patience`` (each of them seconds long);
 - up one tier after ``policy_patience`` consecutive steps where the upper tier is predicted to stay under
   70% of the budget (the hysteresis that keeps the policy from flapping).
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HYSTERESIS = 0.7
+SEVERE = 4.0  # a step this many times over budget moves down at once
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ class BudgetPolicy:
         nxt.over = self.over + 1 if fraction > self.budget else 0
         up = self.tier - 1
         nxt.under = self.under + 1 if up >= 0 and predicted(up) < HYSTERESIS * self.budget else 0
-        if nxt.over >= self.patience and self.tier + 1 < len(bytes_by_tier):
+        severe = fraction > SEVERE * self.budget
+        if (nxt.over >= self.patience or severe) and self.tier + 1 < len(bytes_by_tier):
             lower = range(self.tier + 1, len(bytes_by_tier))
             down = next((t for t in lower if predicted(t) <= self.budget), len(bytes_by_tier) - 1)
             nxt.tier, nxt.over, nxt.under, nxt.moves_down = down, 0, 0, self.moves_down + 1

@@ -26,12 +26,23 @@ def test_moves_down_after_patience_steps_over_budget_and_not_before():
 
 
 def test_a_link_that_drops_far_is_answered_in_one_move():
-    # 90% of a 1 s step in the exchange: tier 1 (half the bytes) predicted 450/550, tier 2 180/280, tier 3
-    # 22.5/122.5 = 18% <= 20%: straight to tier 3 after the patience, one move
-    tiers_seen, policy = _run(BudgetPolicy(0.2, 2), [(900, 1000)] * 3)
+    # 70% of a 1 s step in the exchange: tier 1 (half the bytes) predicted 350/650, tier 2 140/440, tier 3
+    # 17.5/317.5 = 6% <= 20%: straight to tier 3 after the patience, one move
+    tiers_seen, policy = _run(BudgetPolicy(0.2, 2), [(700, 1000)] * 3)
     assert tiers_seen == [0, 3, 3] and policy.moves_down == 1
     # 40% of the step: tier 1 predicted 200/800 = 25%, tier 2 80/680 = 12%: tier 2
     assert _run(BudgetPolicy(0.2, 2), [(400, 1000)] * 2)[0] == [0, 2]
+
+
+def test_a_step_far_over_budget_moves_without_waiting_for_the_patience():
+    # 90% of the step waiting, budget 20%: more than SEVERE (4) x over, so the first such step moves
+    tiers_seen, policy = _run(BudgetPolicy(0.2, 3), [(900, 1000)] * 3)
+    assert tiers_seen == [3, 3, 3] and policy.moves_down == 1
+    # just under 4x (79%) waits for the patience of 3
+    assert _run(BudgetPolicy(0.2, 3), [(790, 1000)] * 3)[0] == [0, 0, 3]
+    # a single severe step (a link that dropped for a moment) moves down; the way back up keeps its patience
+    seen, _ = _run(BudgetPolicy(0.2, 2), [(900, 1000)] + [(5, 1000)] * 8)
+    assert seen[0] == 3 and seen[1:3] == [3, 2] and seen[-1] == 0
 
 
 def test_moves_up_only_when_the_upper_tier_is_predicted_well_under_budget():
