@@ -86,7 +86,11 @@ class DeMoSettings:
         "at most this fraction of training time waiting on DeMo's exchange (e.g. 0.15); the policy moves "
         "between tiers of fewer bytes as the network changes (0 = fixed settings)",
     )
-    policy_patience: int = _setting(3, "communicating steps over (or well under) budget before the tier changes")
+    policy_patience: int = _setting(
+        3,
+        "communicating steps over (or well under) budget before the tier changes (a step more than 4x over "
+        "budget moves down at once)",
+    )
     policy_sync_every: int = _setting(8, "sync_every of the policy's last tier")
     nonfinite: str = _setting(
         "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
