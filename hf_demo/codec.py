@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .blocks import BlockLayout
-from .errors import DeMoSyncError
+from .errors import DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
 FORMAT_VERSION = 3
@@ -145,10 +145,7 @@ VALUE_FORMATS = tuple(FORMATS)
 
 
 def value_format(name: str):
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown value format {name!r}; expected one of {', '.join(VALUE_FORMATS)}") from None
+    return lookup(FORMATS, "value format", name)
 
 
 # ---------------------------------------------------------------- indices
@@ -271,10 +268,7 @@ INDEX_CODINGS = tuple(INDEX_CODINGS_BY_NAME)
 
 
 def index_coding(name: str):
-    try:
-        return INDEX_CODINGS_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown index coding {name!r}; expected one of {', '.join(INDEX_CODINGS)}") from None
+    return lookup(INDEX_CODINGS_BY_NAME, "index coding", name)
 
 
 def index_bytes(layout: BlockLayout, coding: str) -> int:

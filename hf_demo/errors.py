@@ -23,3 +23,11 @@ class DeMoStateError(DeMoError):
 class DeMoSetupError(DeMoError, ValueError):
     """DeMo runs in a set-up that would silently train something else (DDP still averaging gradients, every
     rank reading the same batches, a launch that Trainer sees as one process)."""
+
+
+def lookup(table: dict, what: str, name: str):
+    """``table[name]``, or a ValueError naming ``what`` was asked for and every name there is."""
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {what} {name!r}; expected one of {', '.join(table)}") from None

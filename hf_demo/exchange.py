@@ -26,7 +26,7 @@ import torch
 from . import codec
 from . import functional as F
 from .blocks import BlockLayout
-from .errors import DeMoSyncError
+from .errors import DeMoSyncError, lookup
 
 
 class AllGatherExchange:
@@ -128,7 +128,4 @@ EXCHANGES = tuple(EXCHANGES_BY_NAME)
 
 
 def get(name: str):
-    try:
-        return EXCHANGES_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown exchange {name!r}; expected one of {', '.join(EXCHANGES)}") from None
+    return lookup(EXCHANGES_BY_NAME, "exchange", name)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import lookup
+
 
 def sign_step(update: torch.Tensor) -> torch.Tensor:
     """The paper's rule: ``sign(update)`` (in place)."""
@@ -110,7 +112,4 @@ UPDATE_RULES = tuple(RULES)
 
 
 def get(name: str):
-    try:
-        return RULES[name]()
-    except KeyError:
-        raise ValueError(f"unknown update rule {name!r}; expected one of {', '.join(UPDATE_RULES)}") from None
+    return lookup(RULES, "update rule", name)()
