@@ -181,10 +181,12 @@ class EliasFanoIndices:
 
     With ``L = floor(log2(bsize/k))`` a position ``x`` splits into its low ``L`` bits, stored as they are,
     and its high part ``x >> L``; the i-th smallest position sets bit ``(x >> L) + i`` of an upper bit
-    vector of ``k + ((bsize-1) >> L)`` bits. A block's record is these bits rounded up to whole bytes, the
-    same for every block of a layout: top-32 of a 64x64 block is 7*32 + 63 = 287 bits -> 36 bytes (9.0 bits
-    per position instead of 16), top-4 is 10*4 + 7 = 47 -> 6 bytes (12). Blocks of the same (size, k) in
-    all parameters are coded at once (a handful of tensor operations per step, not per parameter).
+    vector of ``k + ((bsize-1) >> L)`` bits. A block's record is the k low parts back to back (bit
+    ``i*L + j`` is bit j of the i-th position), then the upper vector, rounded up to whole bytes: the same
+    size for every block of a layout. Top-32 of a 64x64 block is 7*32 + 63 = 287 bits, 36 bytes (9.0 bits
+    per position instead of 16), top-4 is 10*4 + 7 = 47 bits, 6 bytes (12). Blocks of the same (size,
+    k) in all parameters are coded at once, with integer arithmetic on (blocks, k) arrays (a handful of
+    tensor operations per step, not per parameter, and no array of single bits for the low parts).
     Lossless: receivers get the same positions (sorted, as :func:`hf_demo.functional.select` returns them),
     so training is bitwise what the 16-bit code gives. A corrupted record (an upper vector without exactly
     k ones, or positions not strictly increasing) decodes to an out-of-range position, which the payload
@@ -227,32 +229,52 @@ class EliasFanoIndices:
     def pack(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
         """Sorted positions (nblocks, k) -> records (nblocks, record_bytes) uint8."""
         low, upper = self.split(bsize, k)
-        nblocks, r = idx.shape[0], self.record_bytes(bsize, k)
-        bits = torch.zeros(nblocks, r * 8, dtype=torch.bool, device=idx.device)
-        if low:
-            shifts = torch.arange(low, device=idx.device)
-            bits[:, : k * low] = ((idx[:, :, None] >> shifts) & 1).reshape(nblocks, k * low).bool()
-        bits[:, k * low :].scatter_(1, (idx >> low) + torch.arange(k, device=idx.device), True)
-        return pack_bits(bits).view(nblocks, r)
+        nblocks, r, device = idx.shape[0], self.record_bytes(bsize, k), idx.device
+        record = torch.zeros(nblocks, r + 2, dtype=torch.int64, device=device)
+        # the bits of different positions never overlap, so adding a value shifted into place is OR-ing it
+        if low:  # position i's L bits start at bit i*L and touch at most 3 bytes (L <= 16)
+            start = torch.arange(k, device=device) * low
+            shifted = (idx & ((1 << low) - 1)) << (start % 8)
+            for byte in range(3):
+                record.scatter_add_(1, (start // 8 + byte).expand(nblocks, k), (shifted >> (8 * byte)) & 0xFF)
+        ones = k * low + (idx >> low) + torch.arange(k, device=device)  # the upper vector's bits
+        record.scatter_add_(1, ones // 8, 1 << (ones % 8))
+        return record[:, :r].to(torch.uint8)
 
     def unpack(self, records: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
         """Records (world, nblocks, record_bytes) -> positions (world, nblocks, k) int64; ``bsize`` (out of
         range) for every position of a corrupted record."""
         low, upper = self.split(bsize, k)
         world, nblocks, r = records.shape
-        bits = unpack_bits(records.reshape(world, -1), nblocks * r * 8).view(world, nblocks, r * 8)
+        device = records.device
         low_part = 0
-        if low:
-            shifts = torch.arange(low, device=records.device)
-            low_part = (bits[:, :, : k * low].view(world, nblocks, k, low).long() << shifts).sum(-1)
-        upper_bits = bits[:, :, k * low : k * low + upper]
-        # positions of the first k ones, in order: a stable sort puts the ones (0 after ~) first
-        ones = torch.sort((~upper_bits).to(torch.uint8), dim=-1, stable=True).indices[..., :k]
-        idx = ((ones - torch.arange(k, device=records.device)) << low) | low_part
-        bad = upper_bits.sum(-1) != k
+        if low:  # int32 throughout: a low part and its shift fit in 23 bits
+            padded = torch.nn.functional.pad(records[:, :, : (k * low + 7) // 8], (0, 2)).int()
+            start = torch.arange(k, device=device, dtype=torch.int32) * low
+            byte = (start // 8).long()
+            gathered = padded.index_select(2, byte)
+            gathered |= padded.index_select(2, byte + 1) << 8
+            gathered |= padded.index_select(2, byte + 2) << 16
+            low_part = (gathered >> (start % 8)) & ((1 << low) - 1)
+        first = k * low // 8  # the byte holding the upper vector's first bit
+        bits = _BYTE_BITS.to(device).index_select(0, records[:, :, first:].reshape(-1).int())
+        offset = k * low - 8 * first
+        upper_bits = bits.view(world, nblocks, (r - first) * 8)[:, :, offset : offset + upper]
+        bad = upper_bits.sum(-1, dtype=torch.int32) != k
+        if bool(bad.any()):  # a corrupted record: positions of its first ones by a (slower) stable sort
+            ones = torch.sort(1 - upper_bits, dim=-1, stable=True).indices[..., :k].int()
+        else:  # exactly k ones in every record: their flat positions, row by row, in order
+            flat = upper_bits.reshape(-1).nonzero().view(world, nblocks, k).int()
+            ones = (
+                flat - torch.arange(world * nblocks, device=device, dtype=torch.int32).view(world, nblocks, 1) * upper
+            )
+        idx = ((ones - torch.arange(k, device=device, dtype=torch.int32)) << low) | low_part
         if k > 1:
             bad |= (idx[..., 1:] <= idx[..., :-1]).any(-1)
-        return torch.where(bad[..., None], bsize, idx)
+        return torch.where(bad[..., None], bsize, idx).long()
+
+
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
 
 
 def _by_block(layouts: list[BlockLayout]) -> dict[tuple[int, int], list[int]]:
