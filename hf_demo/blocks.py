@@ -22,7 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-MAX_BLOCK_SIZE = 65536  # indices inside a block travel as 16-bit integers
+MAX_BLOCK_SIZE = 65536  # positions inside a block must fit 16 bits (index_coding="uint16")
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def unpack_indices(wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
 
 
 class Uint16Indices:
-    """16 bits per position (Psyche's and the DeMo reference's wire)."""
+    """16 bits per position (Psyche's wire; the DeMo reference sends 64-bit ones)."""
 
     name = "uint16"
 

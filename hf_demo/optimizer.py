@@ -733,7 +733,7 @@ def _validate_group(group: dict) -> None:
     if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
         bad("compression_decay", "must be in [0, 1]")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk * chunk <= MAX_BLOCK_SIZE:
-        bad("compression_chunk", "must be an integer in [1, 256] (indices travel as 16-bit)")
+        bad("compression_chunk", "must be an integer in [1, 256] (positions inside a block fit 16 bits)")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         bad("compression_topk", "must be an integer >= 1")
     if topk > chunk * chunk:
