@@ -108,6 +108,7 @@ class DeMo(torch.optim.Optimizer):
             self.settings.policy_sync_every,
         )
         self._last_exchange_ms = 0.0
+        self._last_exchange_tier: int | None = None  # the tier that exchange ran in (the policy scales from it)
         self._last_comm_start: float | None = None
         self._transport: Transport | None = None
         self._node: tuple[hierarchy.Topology, Transport] | None = None
@@ -212,8 +213,10 @@ class DeMo(torch.optim.Optimizer):
             raise
         return loss
 
-    def _step(self, transport: Transport) -> None:
-        tier = self.tiers[self.policy.tier]
+    def _step(self, transport: Transport, decided: policies.BudgetPolicy | None = None) -> None:
+        """One step; ``decided``: this step again, in the lower tier the policy chose from its headers."""
+        tier_index = (decided or self.policy).tier
+        tier = self.tiers[tier_index]
         items, layout_ck, settings_ck = self._plan(tier)
         all_items, node_grads = items, None
         if self._node is not None:  # hierarchy: the node's mean gradient; this rank's shard of the parameters
@@ -224,7 +227,8 @@ class DeMo(torch.optim.Optimizer):
             node_grads = node_grads[topo.local_rank :: topo.local_size]
         params = [p for p, _, _ in items]
         layouts = [layout for _, _, layout in items]
-        self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
+        if decided is None:
+            self.comm_stats.start_step(4 * sum(layout.numel for layout in layouts))
         transport.step = self.steps
         generator = None
         if self.settings.param_rounding == "stochastic":  # the same noise on every rank: replicas stay identical
@@ -245,6 +249,8 @@ class DeMo(torch.optim.Optimizer):
                 for p, g, _ in items
             ]
             if not local_steps.is_sync_step(tier.sync_every, self.steps):
+                if decided is not None:  # moved down into a local phase: this step communicates no more
+                    self.policy = decided
                 if _nonfinite([after for after, _, _ in inner]):
                     self._skipped()
                     return
@@ -300,13 +306,16 @@ class DeMo(torch.optim.Optimizer):
         headers = [codec.Header.from_bytes(row) for row in rows]
         codec.verify_headers(headers, self.secret, transport.rank, self.steps)
         codec.check_headers(headers, transport.rank)
-        policy = (
-            self.policy.decide(
-                max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers), self._bytes_by_tier(items)
+        policy = decided or self.policy
+        if self.settings.comm_budget and decided is None:
+            policy = self.policy.decide(
+                max(h.exchange_ms for h in headers),
+                max(h.elapsed_ms for h in headers),
+                self._bytes_by_tier(items),
+                self._last_exchange_tier,
             )
-            if self.settings.comm_budget
-            else self.policy
-        )
+            if policy.tier > self.policy.tier:  # down: this very step goes again in the lower tier
+                return self._step(transport, decided=policy)
 
         if first:
             _check_gradients_differ(headers, self.steps)
@@ -364,6 +373,7 @@ class DeMo(torch.optim.Optimizer):
             warnings.warn(message, stacklevel=3)
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
+        self._last_exchange_tier = tier_index
         if self.settings.overlap:
             self._apply_late(items, late)
             self._pending = pending

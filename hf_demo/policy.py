@@ -25,18 +25,22 @@ slow for anything else. Tiers that repeat the configured settings (e.g. sign val
 
 Every rank takes the same decision at the same step: the figures come from the headers (each rank's
 exchange time and its time between communicating steps; the policy uses the largest of each), never from
-a local clock alone. A decision is taken at each communicating step and holds from the next step:
+a local clock alone. A decision is taken at each communicating step, from the headers that open it. A move
+down applies to that very step: every rank prepares it again in the lower tier (one more header, 136
+bytes), so a link that collapses costs the one exchange that revealed it and no more. A move up holds from
+the next step (nothing is urgent, and a local phase ends on its synchronisation):
 
 - down after ``policy_patience`` consecutive steps over budget, to the first lower tier predicted to fit
   the budget (the last tier if none does): a link that drops 100x is answered in one move, not three. A
   step more than :data:`SEVERE` times over budget (e.g. 60% of the time waiting with a budget of 15%)
-  moves at once, without waiting for the patience: a collapsed link costs one slow step more, not
-  ``policy_patience`` (each of them seconds long);
+  moves at once, without waiting for the patience: a collapsed link costs one slow step, not
+  ``policy_patience`` + 1 (each of them seconds long);
 - up one tier after ``policy_patience`` consecutive steps where the upper tier is predicted to stay under
   70% of the budget (the hysteresis that keeps the policy from flapping).
 
 A prediction scales the exchange time by the tier's bytes and keeps the computing time:
-``e * r / (elapsed - e + e * r)`` for an exchange time ``e`` and a byte ratio ``r``.
+``e * r / (elapsed - e + e * r)`` for an exchange time ``e`` and a byte ratio ``r`` (the tier's bytes over
+those of the tier ``e`` was measured in).
 
 The tier, and the counts of moves, are in ``state_dict()``: a resume continues in the same tier.
 """
@@ -79,17 +83,26 @@ class BudgetPolicy:
     moves_down: int = 0
     moves_up: int = 0
 
-    def decide(self, exchange_ms: float, elapsed_ms: float, bytes_by_tier: list[float]) -> BudgetPolicy:
-        """The policy after one observation (a new object: the optimizer commits it with the step)."""
+    def decide(
+        self, exchange_ms: float, elapsed_ms: float, bytes_by_tier: list[float], measured_in: int | None = None
+    ) -> BudgetPolicy:
+        """The policy after one observation (a new object: the optimizer commits it with the step).
+
+        ``measured_in``: the tier the exchange ran in (default: the current one). It differs from the current
+        tier after a move up (the next step's headers report the last exchange of the tier below) and after
+        a move down into a local phase: the figures are scaled from the tier they were measured in.
+        """
         nxt = BudgetPolicy(**vars(self))
         if self.budget <= 0 or elapsed_ms <= 0:
             return nxt
         exchange_ms = min(exchange_ms, elapsed_ms)
-        fraction = exchange_ms / elapsed_ms
+        measured = self.tier if measured_in is None else measured_in
 
         def predicted(tier: int) -> float:
-            scaled = exchange_ms * bytes_by_tier[tier] / bytes_by_tier[self.tier]
+            scaled = exchange_ms * bytes_by_tier[tier] / bytes_by_tier[measured]
             return scaled / (elapsed_ms - exchange_ms + scaled)
+
+        fraction = predicted(self.tier)  # exchange_ms / elapsed_ms when measured in the current tier
 
         nxt.over = self.over + 1 if fraction > self.budget else 0
         up = self.tier - 1

@@ -5,6 +5,7 @@ import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
+from hf_demo import codec
 from hf_demo.policy import BudgetPolicy, tiers
 from models import loss_and_backward, restart, tiny_mlp
 
@@ -51,6 +52,16 @@ def test_moves_up_only_when_the_upper_tier_is_predicted_well_under_budget():
     assert _run(policy, [(100, 1000)] * 4)[0] == [2, 2, 2, 2]
     # 4% now: tier 1 predicted 10% < 14%: up after two steps; tier 0 predicted 8% ... up again
     assert _run(policy, [(40, 1000)] * 4)[0] == [2, 1, 1, 0]
+
+
+def test_figures_are_scaled_from_the_tier_they_were_measured_in():
+    # in tier 2, 100 ms of a 1 s step measured in tier 0 (the headers after a move report the last exchange):
+    # tier 2 sends 20/100 of those bytes, so it is at 20/920 = 2% and tier 1 is predicted 50/950 = 5% < 14%
+    assert BudgetPolicy(0.2, 1, tier=2).decide(100, 1000, BYTES, measured_in=0).tier == 1
+    # read as tier 2's own exchange, the same figures are 10% now and 25% predicted for tier 1: stay
+    assert BudgetPolicy(0.2, 1, tier=2).decide(100, 1000, BYTES).tier == 2
+    # 90% measured in tier 0 is 18% once in tier 3 (2.5/100 of the bytes): under a budget of 20%, no move
+    assert BudgetPolicy(0.2, 1, tier=3).decide(900, 1000, BYTES, measured_in=0).moves_down == 0
 
 
 def test_an_oscillating_link_does_not_make_it_flap():
@@ -158,3 +169,62 @@ def test_resume_in_a_lower_tier_is_exact(resume_at):
     for (tiers_a, params_a, bytes_a), (tiers_b, params_b, bytes_b) in zip(straight, resumed):
         assert tiers_a == tiers_b and bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
+
+
+def _one_slow_exchange(slow_step, exchange_ms):
+    """Rank 1 reports one slow exchange, in the headers of ``slow_step``; every other figure is fast."""
+
+    def timings(self, started):
+        slow = torch.distributed.get_rank() == 1 and self.steps == slow_step
+        return {"exchange_ms": exchange_ms if slow else 1, "elapsed_ms": 1000}
+
+    return timings
+
+
+def _move_run(rank, world, steps, slow_step, exchange_ms, budget, patience, resume_at=None):
+    hf_demo.DeMo._timings = _one_slow_exchange(slow_step, exchange_ms)
+    kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, comm_budget=budget, policy_patience=patience)
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), **kw)
+    seen = []
+    for step in range(steps):
+        if step == resume_at:
+            model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), **kw))
+        loss_and_backward(model, rank, step)
+        opt.step()
+        stats = opt.comm_stats
+        seen.append((opt.tier, stats.collectives, stats.bytes_sent))
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.ranks
+def test_a_move_down_applies_to_the_step_whose_headers_called_for_it():
+    # 40% of the step waiting at step 3, budget 20%, patience 1: tier 1 (sign values, 0.37x the bytes) is
+    # the first predicted to fit. Step 3 goes again in tier 1: two headers and tier 1's payload, no tier-0 one
+    (seen0, params0), (seen1, params1) = expect_ok(run_ranks(_move_run, 2, 6, 3, 400, 0.2, 1))
+    assert seen0 == seen1 and all(torch.equal(a, b) for a, b in zip(params0, params1))
+    tiers_seen, collectives, sent = zip(*seen0)
+    assert tiers_seen == (0, 0, 0, 1, 0, 0)  # back up at step 4 (1 ms), from step 5 on
+    assert collectives == (2, 2, 2, 3, 2, 2)
+    assert sent[3] - sent[4] == codec.HEADER_BYTES  # step 3: one header more, tier 1's payload (as step 4)
+    header = codec.HEADER_BYTES
+    assert sent[4] - header < 0.5 * (sent[2] - header) and sent[5] == sent[2]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("resume_at", [None, 5, 6])
+def test_a_collapsed_link_costs_the_one_exchange_that_revealed_it(resume_at):
+    # 90% waiting (severe, budget 20%) reported at step 5: straight to synchronising every 8 steps. Step 5 is
+    # then a local step: its first header was its only collective; the next one is step 7's synchronisation.
+    # 16 steps end on a synchronisation (step 15): the replicas are identical again
+    straight = expect_ok(run_ranks(_move_run, 2, 16, 5, 900, 0.2, 3))
+    (seen0, params0), (seen1, params1) = straight
+    assert seen0 == seen1 and all(torch.equal(a, b) for a, b in zip(params0, params1))
+    tiers_seen, collectives, sent = zip(*seen0)
+    assert tiers_seen[4:6] == (0, 7)
+    assert collectives[4:8] == (2, 1, 0, 2) and sent[5] == codec.HEADER_BYTES
+    if resume_at is not None:  # resumed before or after the step that moved: the same run
+        resumed = expect_ok(run_ranks(_move_run, 2, 16, 5, 900, 0.2, 3, resume_at))
+        for (seen_a, params_a), (seen_b, params_b) in zip(straight, resumed):
+            assert seen_a == seen_b
+            assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
