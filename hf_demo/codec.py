@@ -66,10 +66,18 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
+
+
+def byte_bits(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., nbytes) -> (..., 8 * nbytes) uint8 bits, least significant first (one table lookup)."""
+    bits = _BYTE_BITS.to(packed.device).index_select(0, packed.reshape(-1).int())
+    return bits.view(*packed.shape[:-1], 8 * packed.shape[-1])
+
+
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Bytes (world, nbytes) -> the first ``n`` bits of each row, (world, n) bool (the inverse of pack_bits)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed[:, :, None] >> shifts) & 1).reshape(packed.shape[0], -1)[:, :n].bool()
+    return byte_bits(packed)[:, :n].bool()
 
 
 def checksum(obj) -> int:
@@ -257,9 +265,8 @@ class EliasFanoIndices:
             gathered |= padded.index_select(2, byte + 2) << 16
             low_part = (gathered >> (start % 8)) & ((1 << low) - 1)
         first = k * low // 8  # the byte holding the upper vector's first bit
-        bits = _BYTE_BITS.to(device).index_select(0, records[:, :, first:].reshape(-1).int())
         offset = k * low - 8 * first
-        upper_bits = bits.view(world, nblocks, (r - first) * 8)[:, :, offset : offset + upper]
+        upper_bits = byte_bits(records[:, :, first:])[:, :, offset : offset + upper]
         bad = upper_bits.sum(-1, dtype=torch.int32) != k
         if bool(bad.any()):  # a corrupted record: positions of its first ones by a (slower) stable sort
             ones = torch.sort(1 - upper_bits, dim=-1, stable=True).indices[..., :k].int()
@@ -272,9 +279,6 @@ class EliasFanoIndices:
         if k > 1:
             bad |= (idx[..., 1:] <= idx[..., :-1]).any(-1)
         return torch.where(bad[..., None], bsize, idx).long()
-
-
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
 
 
 def _by_block(layouts: list[BlockLayout]) -> dict[tuple[int, int], list[int]]:
