@@ -67,7 +67,8 @@ class DeMoSettings:
         "sign",
         "how the averaged update becomes a step: sign (the paper's), raw, adam (second-moment "
         "normalised) or adamw (AdamW's two moments, betas 0.9/0.95); every rule runs identically on every "
-        "rank: no extra traffic",
+        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
+        "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,
     )
     param_rounding: str = _setting(
@@ -80,6 +81,17 @@ class DeMoSettings:
         1,
         "synchronise every this many steps (1 = every step); in between each rank takes local steps and "
         "the accumulated change goes through DeMo at the synchronisation (DiLoCo/SparseLoCo style)",
+    )
+    sync_decay: float = _setting(
+        0.7,
+        "decay in [0, 1] of the error feedback of synchronisations (sync_every > 1, the policy's local-step "
+        "tiers): what top-k has not sent fades instead of piling up behind the agreed model",
+    )
+    inner_rule: str = _setting(
+        "adam",
+        "the local optimizer between synchronisations: an update rule applied to the local momentum (adam: "
+        "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum)",
+        update_rules.UPDATE_RULES,
     )
     comm_budget: float = _setting(
         0.0,
@@ -130,8 +142,9 @@ class DeMoSettings:
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected an integer")
             if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected a number")
-        if not 0.0 <= self.compression_decay <= 1.0:
-            raise ValueError(f"DeMo: invalid compression_decay={self.compression_decay!r}: must be in [0, 1]")
+        for name in ("compression_decay", "sync_decay"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
         if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
             raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
         if not (math.isfinite(self.comm_budget) and 0 <= self.comm_budget < 1):

@@ -12,7 +12,9 @@ step succeeded) in two phases:
 Exchanges (:data:`EXCHANGES`):
 
 - ``all_gather`` (default): each rank sends its own top-k positions and values; each coefficient is the
-  mean over the ranks that picked it. Each rank receives ``W - 1`` payloads.
+  mean over the ranks that picked it (``average="pickers"``, every-step DeMo's rule), or at a
+  synchronisation of ``sync_every > 1`` the mean over all ranks (``average="world"``: a rank that did not
+  pick it counts zero, the average of the ranks' pseudo-gradients). Each rank receives ``W - 1`` payloads.
 - ``all_reduce``: one rank per step (rotating: ``step % W``) picks the positions and broadcasts them; every
   rank sends its values at those positions and an all-reduce sums them; each coefficient is the mean over
   all ranks. Only values travel in the reduction, so the bytes per rank stay flat in ``W`` (a ring
@@ -32,8 +34,16 @@ from .errors import DeMoSyncError, lookup
 class AllGatherExchange:
     name = "all_gather"
 
-    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None, index_coding: str):
+    def __init__(
+        self,
+        layouts: list[BlockLayout],
+        value_format: str,
+        secret: bytes | None,
+        index_coding: str,
+        average: str = "pickers",
+    ):
         self.layouts = layouts
+        self.weights = F.WEIGHTS[average]
         self.codec = codec.PayloadCodec(layouts, value_format, index_coding)
         self.payload_nbytes = self.codec.nbytes
         self.secret = secret
@@ -53,7 +63,7 @@ class AllGatherExchange:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         codec.verify_rows(headers, received, self.secret, rank, step)
         return [
-            F.densify(*F.mean_weights(idx, values, layout), layout)
+            F.densify(*self.weights(idx, values, layout), layout)
             for (idx, values), layout in zip(self.codec.decode(received), self.layouts)
         ]
 
@@ -62,7 +72,16 @@ class AllReduceExchange:
     name = "all_reduce"
     VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-    def __init__(self, layouts: list[BlockLayout], value_format: str, secret: bytes | None, index_coding: str):
+    def __init__(
+        self,
+        layouts: list[BlockLayout],
+        value_format: str,
+        secret: bytes | None,
+        index_coding: str,
+        average: str = "world",
+    ):
+        if average != "world":  # every rank sends values at the same positions: the mean is over all of them
+            raise ValueError(f"exchange='all_reduce' averages over every rank, not {average!r}")
         if value_format not in self.VALUE_DTYPES:
             raise ValueError(
                 f"exchange='all_reduce' sums values, so value_format must be one of "

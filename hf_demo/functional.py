@@ -40,21 +40,39 @@ def feedback(momentum: torch.Tensor, idx: torch.Tensor, sent: torch.Tensor) -> N
     momentum.scatter_add_(1, idx, -sent)
 
 
+def _rank_runs(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(world, nblocks, k) -> per block the ranks' runs one after the other, (nblocks, world*k) each."""
+    world, nblocks, k = idx.shape
+    return idx.permute(1, 0, 2).reshape(nblocks, world * k), values.permute(1, 0, 2).reshape(nblocks, world * k)
+
+
 def mean_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Coefficients of all ranks (world, nblocks, k) -> per block (positions, values) of length world*k.
 
     Each value is divided by the number of ranks that selected its position, so that summing the
-    duplicates gives the mean over the ranks that selected it (the reference's rule).
+    duplicates gives the mean over the ranks that selected it (the reference's rule, every-step DeMo).
     """
-    world, nblocks, k = idx.shape
-    idx = idx.permute(1, 0, 2).reshape(nblocks, world * k)
-    values = values.permute(1, 0, 2).reshape(nblocks, world * k)
+    world, nblocks = idx.shape[:2]
+    idx, values = _rank_runs(idx, values)
     if world == 1:
         return idx, values
     count_dtype = torch.uint8 if world < 256 else torch.int32
     count = torch.zeros(nblocks, layout.bsize, dtype=count_dtype, device=idx.device)
     count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=count_dtype, device=idx.device))
     return idx, values / count.gather(1, idx).to(values.dtype)
+
+
+def world_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`mean_weights`, but each value is divided by the world size: summed, a coefficient is the mean
+    over every rank, a rank that did not select it counting zero. This is the average of the ranks' sparse
+    pseudo-gradients at a synchronisation (DiLoCo's and SparseLoCo's outer step): the mean over the ranks
+    that selected a coefficient would apply one rank's change at full weight where the others sent nothing."""
+    world = idx.shape[0]
+    idx, values = _rank_runs(idx, values)
+    return idx, values / world
+
+
+WEIGHTS = {"pickers": mean_weights, "world": world_weights}  # how an all-gather averages; see exchange.py
 
 
 def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

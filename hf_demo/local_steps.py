@@ -1,14 +1,18 @@
 """Less frequent synchronisation (``sync_every = H > 1``): local steps between syncs, DeMo on the change.
 
 Between synchronisations every rank trains on its own: an *inner step* per call, ``m_in <- beta*m_in +
-(1-beta)*grad`` (``beta`` = :data:`INNER_BETA`), then the configured update rule on ``m_in``, decoupled weight
-decay and the step. Every H-th call is a synchronisation: the rank's accumulated change since the last
-synchronisation, the *pseudo-gradient* ``anchor - param`` (DiLoCo, SparseLoCo), goes through DeMo's own
-machinery (DCT, top-k, error feedback, the exchange), and every rank sets ``param = anchor - mean update``:
-the replicas are identical again and the anchor moves there. Traffic is one DeMo payload per H steps.
+(1-beta)*grad`` (``beta`` = :data:`INNER_BETA`), then the ``inner_rule`` on ``m_in`` (``adam`` by default:
+local Adam steps, as DiLoCo's and SparseLoCo's inner AdamW), decoupled weight decay and the step. Every
+H-th call is a synchronisation: the rank's accumulated change since the last synchronisation, the
+*pseudo-gradient* ``anchor - param``, goes through DeMo's own machinery: error feedback ``e <- sync_decay*e
++ DCT(anchor - param)`` (a decay well below 1, 0.7 by default, forgets what top-k has not sent for long:
+SparseLoCo's decayed error feedback), top-k, the exchange, and the mean over **every** rank (a rank that did
+not pick a coefficient counts zero). Every rank sets ``param = anchor - mean update``: the replicas are
+identical again and the anchor moves there. Traffic is one DeMo payload per H steps.
 
-State per parameter: ``anchor`` (the parameters at the last synchronisation, the parameter's dtype) and
-``inner_momentum`` (fp32): 4 bytes + one parameter copy more than every-step DeMo.
+State per parameter: ``anchor`` (the parameters at the last synchronisation, the parameter's dtype),
+``inner_momentum`` (fp32) and the inner rule's own state under ``inner_`` keys (adam: ``inner_exp_avg_sq``,
+4 bytes, and a step counter), apart from the every-step rule's (a budget's policy switches between both).
 """
 
 from __future__ import annotations
@@ -32,23 +36,36 @@ def anchor(state: dict, param: torch.Tensor) -> torch.Tensor:
     return state["anchor"]
 
 
+INNER = "inner_"  # the inner rule's state keys: inner_exp_avg_sq, inner_rule_step, ...
+
+
+def forget(state: dict) -> None:
+    """Drop the local phase's state (anchor, inner momentum, inner rule state): the next one starts afresh."""
+    for key in ("anchor", "inner_momentum", *(INNER + k for k in STATE_KEYS)):
+        state.pop(key, None)
+
+
 def inner_step(param, grad, state: dict, rule, lr: float, weight_decay: float, generator):
     """One local step on copies: (new parameter value, new inner momentum, new rule state); nothing committed."""
     m_in = state.get("inner_momentum")
     m_in = torch.zeros(param.shape, dtype=torch.float32, device=param.device) if m_in is None else m_in.clone()
     if grad is not None:
         m_in.mul_(INNER_BETA).add_(grad.float(), alpha=1.0 - INNER_BETA)
-    rule_state = {k: v.clone() for k, v in state.items() if k in STATE_KEYS}
+    rule_state = {k: state[INNER + k].clone() for k in STATE_KEYS if INNER + k in state}
     direction = rule.direction(param, m_in.clone(), rule_state)
     after = param.detach().clone()
     F.apply_step(after, direction, lr, weight_decay, generator)
     return after, m_in, rule_state
 
 
+def _keep(state: dict, m_in, rule_state: dict) -> None:
+    state["inner_momentum"] = m_in
+    state.update({INNER + k: v for k, v in rule_state.items()})
+
+
 def commit_inner(param, state: dict, after, m_in, rule_state) -> None:
     param.copy_(after)
-    state["inner_momentum"] = m_in
-    state.update(rule_state)
+    _keep(state, m_in, rule_state)
 
 
 def pseudo_gradient(anchor_value: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -59,5 +76,4 @@ def commit_sync(param, state: dict, update: torch.Tensor, m_in, rule_state) -> N
     """``param = anchor - update`` (identical on every rank), and the anchor moves there."""
     state["anchor"].copy_((state["anchor"].float() - update).to(param.dtype))
     param.copy_(state["anchor"])
-    state["inner_momentum"] = m_in
-    state.update(rule_state)
+    _keep(state, m_in, rule_state)

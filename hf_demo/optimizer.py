@@ -93,6 +93,7 @@ class DeMo(torch.optim.Optimizer):
         self.settings = DeMoSettings.resolve(preset, **settings)
         self.process_group = process_group
         self.update_rule = update_rules.get(self.settings.update_rule)
+        self.inner_rule = update_rules.get(self.settings.inner_rule)
         secret = os.environ.get(SECRET_ENV)
         self.secret = secret.encode() if secret else None
         self.comm_stats = CommStats()
@@ -237,15 +238,12 @@ class DeMo(torch.optim.Optimizer):
         # 0. less frequent synchronisation: a local step on copies; DeMo then moves the pseudo-gradient
         local = tier.sync_every > 1
         if not local:
-            for p in params:  # a tier without local steps: a later local phase starts from fresh anchors
-                self.state[p].pop("anchor", None)
-                self.state[p].pop("inner_momentum", None)
+            for p in params:  # a tier without local steps: a later local phase starts afresh
+                local_steps.forget(self.state[p])
         if local:
             anchors = [local_steps.anchor(self.state[p], p) for p in params]  # the parameters at the last sync
             inner = [
-                local_steps.inner_step(
-                    p, p.grad, self.state[p], self.update_rule, g["lr"], g["weight_decay"], generator
-                )
+                local_steps.inner_step(p, p.grad, self.state[p], self.inner_rule, g["lr"], g["weight_decay"], generator)
                 for p, g, _ in items
             ]
             if not local_steps.is_sync_step(tier.sync_every, self.steps):
@@ -262,8 +260,9 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
+        average = {"average": "world"} if local else {}  # a synchronisation averages over every rank
         exchange = exchanges.get(self.settings.exchange)(
-            layouts, tier.value_format, self.secret, self.settings.index_coding
+            layouts, tier.value_format, self.secret, self.settings.index_coding, **average
         )
         late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()
@@ -282,9 +281,8 @@ class DeMo(torch.optim.Optimizer):
         working, payload = [], torch.empty(0, dtype=torch.uint8, device="cpu")
         if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             for (p, g, layout), signal in zip(items, signals):
-                m = F.accumulate(
-                    self._momentum(p, layout), signal, layout, g["compression_decay"], 1.0 if local else g["lr"]
-                )
+                decay, scale = (self.settings.sync_decay, 1.0) if local else (g["compression_decay"], g["lr"])
+                m = F.accumulate(self._momentum(p, layout), signal, layout, decay, scale)
                 working.append(m)
             payload = exchange.prepare(working)
 

@@ -10,8 +10,8 @@ from reference_demo import dct_basis
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
-SETTINGS = dict(lr=3e-3, compression_decay=0.9, compression_topk=6, compression_chunk=8, weight_decay=0.01)
-H, STEPS, BETA = 4, 10, 0.9
+SETTINGS = dict(lr=3e-3, sync_decay=0.6, compression_topk=6, compression_chunk=8, weight_decay=0.01)
+H, STEPS, BETA, BETA2, EPS = 4, 10, 0.9, 0.999, 1e-8
 
 
 def _grads(model, rank, step):
@@ -40,26 +40,33 @@ def _unblocks(coeffs, shape, geometry):
     return x.reshape(shape)
 
 
-def reference(world):
-    """W ranks simulated in one process, float64, Python loops: inner Signum steps, then DeMo on anchor - param."""
+def reference(world, inner_rule):
+    """W ranks simulated in one process, float64, Python loops: inner Signum or Adam steps, then DeMo on
+    anchor - param with decayed error feedback and the mean over every rank (unpicked = 0)."""
     lr, decay, k, chunk, wd = (
-        SETTINGS[n] for n in ("lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay")
+        SETTINGS[n] for n in ("lr", "sync_decay", "compression_topk", "compression_chunk", "weight_decay")
     )
     models = [tiny_mlp().double() for _ in range(world)]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     inner = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]
+    second = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]  # inner Adam's v
     ef = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]  # parameter domain
     for step in range(STEPS):
         for r, model in enumerate(models):
             grads = _grads(model, r, step)
             with torch.no_grad():
-                for p, m, g in zip(model.parameters(), inner[r], grads):
+                for p, m, v, g in zip(model.parameters(), inner[r], second[r], grads):
                     m.mul_(BETA).add_(g, alpha=1 - BETA)
-                    p.mul_(1 - lr * wd).sub_(lr * m.sign())
+                    if inner_rule == "sign":
+                        direction = m.sign()
+                    else:  # Adam's second moment on the inner momentum, counted from the first step
+                        v.mul_(BETA2).add_(m * m, alpha=1 - BETA2)
+                        direction = m / ((v / (1 - BETA2 ** (step + 1))).sqrt() + EPS)
+                    p.mul_(1 - lr * wd).sub_(lr * direction)
         if (step + 1) % H:
             continue
         for i, a in enumerate(anchor):
-            sums, counts = {}, {}
+            sums = {}
             for r, model in enumerate(models):
                 p = list(model.parameters())[i]
                 ef[r][i].mul_(decay).add_(a - p.detach())
@@ -73,11 +80,10 @@ def reference(world):
                     sent.append(kept)
                     for j in top.tolist():
                         sums[(b, j)] = sums.get((b, j), 0.0) + coeffs[j].item()
-                        counts[(b, j)] = counts.get((b, j), 0) + 1
                 ef[r][i].sub_(_unblocks(sent, a.shape, geometry))
             mean = [torch.zeros_like(c) for c in blocks]
             for (b, j), v in sums.items():
-                mean[b][j] = v / counts[(b, j)]
+                mean[b][j] = v / world  # every rank's share, a rank that did not pick it counting 0
             a.sub_(_unblocks(mean, a.shape, geometry))
             for model in models:
                 with torch.no_grad():
@@ -85,19 +91,19 @@ def reference(world):
     return [[p.detach().float() for p in m.parameters()] for m in models]
 
 
-def _hf_demo(rank, world):
+def _hf_demo(rank, world, inner_rule):
     model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), value_format="fp32", sync_every=H, **SETTINGS)
+    opt = hf_demo.DeMo(model.parameters(), value_format="fp32", sync_every=H, inner_rule=inner_rule, **SETTINGS)
     for step in range(STEPS):
         loss_and_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.comm_stats.total_collectives
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sync_every_matches_the_slow_reference(world):
-    expected = reference(world)
-    results = expect_ok(run_ranks(_hf_demo, world))
+@pytest.mark.parametrize("world,inner_rule", [(2, "adam"), (3, "adam"), (2, "sign")])
+def test_sync_every_matches_the_slow_reference(world, inner_rule):
+    expected = reference(world, inner_rule)
+    results = expect_ok(run_ranks(_hf_demo, world, inner_rule))
     for rank, (params, collectives) in enumerate(results):
         assert collectives == 2 * (STEPS // H)  # header + payload at each synchronisation only
         for a, b in zip(params, expected[rank]):
@@ -123,3 +129,14 @@ def test_sync_every_resumes_exactly_between_synchronisations():
     resumed = expect_ok(run_ranks(_sync_resume, 2, 4))  # mid-interval: anchor and inner momentum matter
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("update_rule", ["sign", "adam"])
+def test_the_inner_rule_keeps_its_state_apart_from_the_update_rule(update_rule):
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), sync_every=4, update_rule=update_rule, **SETTINGS)  # one process
+    loss_and_backward(model, 0, 0)
+    opt.step()  # a local step: inner Adam (the default inner_rule), whatever the every-step rule
+    state = opt.state[model[0].weight]
+    assert {"anchor", "inner_momentum", "inner_exp_avg_sq", "inner_rule_step"} <= set(state)
+    assert "exp_avg_sq" not in state and int(state["inner_rule_step"]) == 1
