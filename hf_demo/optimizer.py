@@ -281,7 +281,10 @@ class DeMo(torch.optim.Optimizer):
         working, payload = [], torch.empty(0, dtype=torch.uint8, device="cpu")
         if not flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             for (p, g, layout), signal in zip(items, signals):
-                decay, scale = (self.settings.sync_decay, 1.0) if local else (g["compression_decay"], g["lr"])
+                if local:  # the pseudo-gradient, into an error feedback that fades as fast as top-k drains it
+                    decay, scale = local_steps.feedback_decay(self.settings.sync_decay, layout), 1.0
+                else:
+                    decay, scale = g["compression_decay"], g["lr"]
                 m = F.accumulate(self._momentum(p, layout), signal, layout, decay, scale)
                 working.append(m)
             payload = exchange.prepare(working)
