@@ -636,7 +636,7 @@ def scenario_report(scen: list, args, summary: dict) -> list[str]:
         "same without evaluations; **waiting s** DeMo's time in its collectives (largest rank; DDP: ≈ estimate "
         "as above, from DeMo bf16's compute time in the same scenario); **slept s** the application-level "
         "latency rank 0 slept; **tiers** steps spent in each tier of the policy (0 bf16 top-32, 1 sign, "
-        "2 sign top-16, 3 sign top-8, 4 sign top-4, 5/6/7 sign top-4 synchronising every 2/4/8 steps; "
+        "2 sign top-16, 3 sign top-8, 4/5/6/7 sign top-32/16/8/4 synchronising every 8 steps; "
         "hf_demo.policy).",
         "",
     ]

@@ -3,25 +3,26 @@
 With ``comm_budget = b > 0`` the optimizer keeps the time spent waiting on DeMo's exchange at most a
 fraction ``b`` of the training time. The tiers, ordered by bytes (:func:`tiers`):
 
-====  ==========================================  ==========================================
-tier  exchange="all_gather"                       exchange="all_reduce"
-====  ==========================================  ==========================================
-0     the configured settings (e.g. bf16, top-32)  the configured settings
-1     sign values                                 top-k / 2
-2     sign values, top-k / 2                      top-k / 4
-3     sign values, top-k / 4                      top-k / 8
-4     sign values, top-k / 8                      tier 3, synchronising every 2 steps
-5     tier 4, synchronising every 2 steps         tier 3, synchronising every 4 steps
-6     tier 4, synchronising every 4 steps         tier 3, every ``policy_sync_every``
-7     tier 4, every ``policy_sync_every``
-====  ==========================================  ==========================================
+====  ===============================================  ===============================================
+tier  exchange="all_gather"                            exchange="all_reduce"
+====  ===============================================  ===============================================
+0     the configured settings (e.g. bf16, top-32)       the configured settings
+1     sign values                                      top-k / 2
+2     sign values, top-k / 2                           top-k / 4
+3     sign values, top-k / 4                           synchronising every ``policy_sync_every`` (H)
+4     sign values, synchronising every H (8) steps     top-k / 2, every H
+5     sign values, top-k / 2, every H                  top-k / 4, every H
+6     sign values, top-k / 4, every H                  top-k / 8, every H
+7     sign values, top-k / 8, every H
+====  ===============================================  ===============================================
 
-Each tier roughly halves the bytes of the one above it, so a link that slows down is met by the smallest
-cut that fits. At equal bytes, fewer coefficients every step train better than fewer synchronisations
-(docs/CONVERGENCE.md, 1000 steps: sign top-4 of 64x64 every step 1.997 at 0.0039 bytes/param/step, top-32
-every 8 steps 2.195 at 0.0030, every-step default 1.592), so the local-step tiers come last, for links too
-slow for anything else. Tiers that repeat the configured settings (e.g. sign values already, or
-``sync_every`` already 4) are left out.
+Each tier roughly halves the bytes of the one above it (tier 4 sends ~0.4x tier 3's), so a link that slows
+down is met by the smallest cut that fits. Below top-k / 4 every step, local steps cost less loss than
+fewer coefficients: at about the same bytes, sign top-96 of 64x64 every 8 steps trains within 0.3% of
+every-step DeMo where sign top-4 every step is +18%, and top-32 every 8 steps beats top-4 every 2 steps
+(docs/CONVERGENCE.md, seventh session), so the local-step tiers keep ``policy_sync_every`` and halve
+their coefficients instead. Tiers that repeat the configured settings (e.g. sign values already, or
+``sync_every`` already 8) are left out.
 
 Every rank takes the same decision at the same step: the figures come from the headers (each rank's
 exchange time and its time between communicating steps; the policy uses the largest of each), never from
@@ -62,14 +63,12 @@ class Tier:
 
 def tiers(value_format: str, exchange: str, sync_every: int, policy_sync_every: int) -> list[Tier]:
     base = Tier(value_format, 1, sync_every)
-    if exchange == "all_reduce":  # sums values: the format stays, only the number of coefficients falls
-        fewer = [Tier(value_format, d, sync_every) for d in (2, 4, 8)]
-    else:
-        fewer = [Tier("sign", d, sync_every) for d in (1, 2, 4, 8)]
-    last = fewer[-1]
+    fmt = value_format if exchange == "all_reduce" else "sign"  # all_reduce sums values: its format stays
+    fewer = [Tier(fmt, d, sync_every) for d in ((2, 4) if exchange == "all_reduce" else (1, 2, 4))]
     slowest = max(sync_every, policy_sync_every)
-    slower = [Tier(last.value_format, last.topk_divisor, h) for h in (2, 4) if sync_every < h < slowest]
-    slower.append(Tier(last.value_format, last.topk_divisor, slowest))
+    # the local-step tiers, each sending less than the last every-sync_every tier (bytes ~ 1 / (divisor * H))
+    last = fewer[-1].topk_divisor * sync_every
+    slower = [Tier(fmt, d, slowest) for d in (1, 2, 4, 8) if d * slowest > last]
     return list(dict.fromkeys([base, *fewer, *slower]))  # ordered by bytes, no tier twice
 
 

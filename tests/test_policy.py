@@ -73,29 +73,40 @@ def test_tiers_are_ordered_by_bytes():
     def described(*args):
         return [(t.value_format, t.topk_divisor, t.sync_every) for t in tiers(*args)]
 
+    # every step down to top-k/4, then synchronising every policy_sync_every steps with fewer coefficients
     assert described("bf16", "all_gather", 1, 8) == [
         ("bf16", 1, 1),
         ("sign", 1, 1),
         ("sign", 2, 1),
         ("sign", 4, 1),
-        ("sign", 8, 1),
-        ("sign", 8, 2),
-        ("sign", 8, 4),
+        ("sign", 1, 8),
+        ("sign", 2, 8),
+        ("sign", 4, 8),
         ("sign", 8, 8),
     ]
     assert described("fp32", "all_reduce", 1, 8) == [
         ("fp32", 1, 1),
         ("fp32", 2, 1),
         ("fp32", 4, 1),
-        ("fp32", 8, 1),
-        ("fp32", 8, 2),
-        ("fp32", 8, 4),
+        ("fp32", 1, 8),
+        ("fp32", 2, 8),
+        ("fp32", 4, 8),
         ("fp32", 8, 8),
     ]
-    # no tier twice: sign values already, sync_every already 4, or no local-step tier at all
+    # no tier twice (sign values already, sync_every already 8, no local-step tier at all), and a local-step
+    # tier only where it sends less than the last one before it (sync_every 4: top-k/4 every 4 ~ top-k/16)
     assert described("sign", "all_gather", 1, 8)[0:2] == [("sign", 1, 1), ("sign", 2, 1)]
-    assert described("bf16", "all_gather", 4, 8)[-2:] == [("sign", 8, 4), ("sign", 8, 8)]
+    assert described("bf16", "all_gather", 4, 8)[-3:] == [("sign", 4, 4), ("sign", 4, 8), ("sign", 8, 8)]
+    assert described("bf16", "all_gather", 8, 8)[-2:] == [("sign", 4, 8), ("sign", 8, 8)]
     assert described("bf16", "all_gather", 1, 1)[-1] == ("sign", 8, 1)
+
+
+def test_tiers_send_fewer_bytes_one_after_the_other():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 688), torch.nn.Linear(688, 256), torch.nn.Embedding(256, 256))
+    for kw in ({}, {"sync_every": 2}, {"sync_every": 4}, {"exchange": "all_reduce"}, {"value_format": "sign"}):
+        opt = hf_demo.DeMo(model.parameters(), comm_budget=0.15, **kw)
+        sent = opt._bytes_by_tier(opt._plan(opt.tiers[0])[0])
+        assert all(a > b for a, b in zip(sent, sent[1:])), (kw, sent)
 
 
 def test_a_resume_finds_its_tier_by_what_it_is_not_by_its_number():
@@ -152,20 +163,20 @@ def _policy_run(rank, world, steps, resume_at=None):
 def test_every_rank_takes_the_same_decisions_and_the_replicas_stay_identical():
     (tiers0, params0, _), (tiers1, params1, _) = expect_ok(run_ranks(_policy_run, 2, 30))
     assert tiers0 == tiers1
-    assert max(tiers0) == 6 and tiers0[-1] == 0  # down to synchronising every 4 steps, then back up
+    assert max(tiers0) == 4 and tiers0[-1] == 0  # down to synchronising every 8 steps, then back up
     # down in two moves (tiers predicted over budget are skipped), back up one tier at a time
-    top = tiers0.index(6)
+    top = tiers0.index(4)
     assert set(tiers0[:top]) == {0, 3}
-    assert tiers0[top:] == sorted(tiers0[top:], reverse=True) and set(tiers0[top:]) == set(range(7))
+    assert tiers0[top:] == sorted(tiers0[top:], reverse=True) and set(tiers0[top:]) == set(range(5))
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("resume_at", [2, 12])  # in tier 3; in tier 6 between two synchronisations
+@pytest.mark.parametrize("resume_at", [2, 12])  # in tier 3; in tier 4 between two synchronisations
 def test_resume_in_a_lower_tier_is_exact(resume_at):
     straight = expect_ok(run_ranks(_policy_run, 2, 30))
     resumed = expect_ok(run_ranks(_policy_run, 2, 30, resume_at))
-    assert straight[0][0][resume_at] == {2: 3, 12: 6}[resume_at]
+    assert straight[0][0][resume_at] == {2: 3, 12: 4}[resume_at]
     for (tiers_a, params_a, bytes_a), (tiers_b, params_b, bytes_b) in zip(straight, resumed):
         assert tiers_a == tiers_b and bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
