@@ -83,7 +83,7 @@ def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
         ("demo_preset", str | None, field(default=None, metadata={"help": preset_help, "choices": list(PRESETS)}))
     ]
     for name, kind, default, help, choices in DeMoSettings.describe():
-        meta = {"help": f"DeMo: {help} (default: {default})"}
+        meta = {"help": f"DeMo: {help} (default: {default})".replace("%", "%%")}  # argparse %-formats help
         if choices is not None:
             meta["choices"] = list(choices)
         fields.append((f"demo_{name}", kind | None, field(default=None, metadata=meta)))
