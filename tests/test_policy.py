@@ -144,9 +144,11 @@ def _fake_timings(slow_rank, slow_until):
     return timings
 
 
-def _policy_run(rank, world, steps, resume_at=None):
-    hf_demo.DeMo._timings = _fake_timings(slow_rank=1, slow_until=10)
-    kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, comm_budget=0.2, policy_patience=2)
+def _train(rank, timings, steps, resume_at, record, **kw):
+    """``steps`` steps of the tiny MLP under injected timings (resumed at ``resume_at``): what ``record``
+    said of the optimizer after each step, the parameters, the optimizer."""
+    hf_demo.DeMo._timings = timings
+    kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, **kw)
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), **kw)
     seen = []
@@ -155,8 +157,16 @@ def _policy_run(rank, world, steps, resume_at=None):
             model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), **kw))
         loss_and_backward(model, rank, step)
         opt.step()
-        seen.append(opt.tier)
-    return seen, [p.detach().clone() for p in model.parameters()], opt.comm_stats.total_bytes_sent
+        seen.append(record(opt))
+    return seen, [p.detach().clone() for p in model.parameters()], opt
+
+
+def _policy_run(rank, world, steps, resume_at=None):
+    timings = _fake_timings(slow_rank=1, slow_until=10)
+    seen, params, opt = _train(
+        rank, timings, steps, resume_at, lambda opt: opt.tier, comm_budget=0.2, policy_patience=2
+    )
+    return seen, params, opt.comm_stats.total_bytes_sent
 
 
 @pytest.mark.ranks
@@ -193,19 +203,12 @@ def _one_slow_exchange(slow_step, exchange_ms):
 
 
 def _move_run(rank, world, steps, slow_step, exchange_ms, budget, patience, resume_at=None):
-    hf_demo.DeMo._timings = _one_slow_exchange(slow_step, exchange_ms)
-    kw = dict(lr=3e-3, compression_topk=8, compression_chunk=8, comm_budget=budget, policy_patience=patience)
-    model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), **kw)
-    seen = []
-    for step in range(steps):
-        if step == resume_at:
-            model, opt = restart(model, opt, lambda m: hf_demo.DeMo(m.parameters(), **kw))
-        loss_and_backward(model, rank, step)
-        opt.step()
-        stats = opt.comm_stats
-        seen.append((opt.tier, stats.collectives, stats.bytes_sent))
-    return seen, [p.detach().clone() for p in model.parameters()]
+    def record(opt):  # the tier after the step, and the step's own collectives and bytes
+        return opt.tier, opt.comm_stats.collectives, opt.comm_stats.bytes_sent
+
+    timings = _one_slow_exchange(slow_step, exchange_ms)
+    seen, params, _ = _train(rank, timings, steps, resume_at, record, comm_budget=budget, policy_patience=patience)
+    return seen, params
 
 
 @pytest.mark.ranks
