@@ -17,8 +17,8 @@ Methods (``--method``):
 - ``demo-sync8``  ``sync_every=8`` (local steps, DeMo on the pseudo-gradient every 8 steps); ``demo-sync8-sign``
   the same with sign values.
 - ``demo-policy``  ``comm_budget=--comm-budget`` (default 0.15): the policy moves between the tiers of
-  ``hf_demo.policy`` (bf16 -> sign -> sign top-k/2, /4, /8 -> sync every 2, 4, 8); ``opt.tier`` is
-  recorded per step.
+  ``hf_demo.policy`` (bf16 -> sign -> sign top-k/2, /4 -> sign every 8 steps -> top-k/2, /4, /8 every 8);
+  ``opt.tier`` is recorded per step.
 - ``demo-hier``  ``hierarchy="node"``: dense mean inside a node of LOCAL_WORLD_SIZE processes (torchrun's
   ``--nproc_per_node``), DeMo between nodes.
 - ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
