@@ -155,6 +155,8 @@ class DeMoTrainerMixin:
             "demo/skipped_steps": float(opt.skipped_steps),
             "demo/resyncs": float(opt.resyncs),
             "demo/tier": float(opt.tier),
+            "demo/tier_moves_down": float(opt.policy.moves_down),
+            "demo/tier_moves_up": float(opt.policy.moves_up),
         }
         self._demo_last_log = {
             "steps": s.steps,

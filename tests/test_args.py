@@ -247,10 +247,12 @@ def _tiny_trainer(output_dir, **arg_overrides):
 
 
 def test_trainer_with_optimizer_cls_and_kwargs_uses_demo_in_one_process(tmp_path):
-    trainer = _tiny_trainer(tmp_path, optim="adamw_torch")
+    trainer = _tiny_trainer(tmp_path, optim="adamw_torch", logging_steps=1)
     trainer.optimizer_cls_and_kwargs = hf_demo.optimizer_cls_and_kwargs(lr=1e-3)
     trainer.train()
     assert isinstance(hf_demo.accelerate_utils.unwrap_optimizer(trainer.optimizer), hf_demo.DeMo)
+    steps = [row for row in trainer.state.log_history if "loss" in row]  # a row per step: the tier and its moves
+    assert len(steps) == 3 and all({"demo/tier", "demo/tier_moves_down", "demo/tier_moves_up"} <= set(r) for r in steps)
     assert any("demo/total_bytes_sent" in row for row in trainer.state.log_history)
 
 
