@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from . import codec, exchange, update_rules
 
+REDUCE_POSITIONS = exchange.REDUCE_POSITIONS  # the class body below shadows the module name
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_POLICIES = ("raise", "resync")
 
@@ -48,9 +49,15 @@ class DeMoSettings:
     )
     exchange: str = _setting(
         "all_gather",
-        "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (positions chosen "
-        "by a rotating leader, values summed: traffic flat in the number of ranks)",
+        "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (every rank's values "
+        "summed at agreed positions, see reduce_positions: traffic flat in the number of ranks)",
         exchange.EXCHANGES,
+    )
+    reduce_positions: str = _setting(
+        "union",
+        "how exchange=all_reduce agrees on positions: union (each of the W ranks nominates its top k/W per "
+        "block, the union is summed) or leader (one rank per step, rotating, picks all k)",
+        REDUCE_POSITIONS,
     )
     hierarchy: str = _setting(
         "flat",

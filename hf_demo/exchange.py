@@ -15,13 +15,23 @@ Exchanges (:data:`EXCHANGES`):
   mean over the ranks that picked it (``average="pickers"``, every-step DeMo's rule), or at a
   synchronisation of ``sync_every > 1`` the mean over all ranks (``average="world"``: a rank that did not
   pick it counts zero, the average of the ranks' pseudo-gradients). Each rank receives ``W - 1`` payloads.
-- ``all_reduce``: one rank per step (rotating: ``step % W``) picks the positions and broadcasts them; every
-  rank sends its values at those positions and an all-reduce sums them; each coefficient is the mean over
-  all ranks. Only values travel in the reduction, so the bytes per rank stay flat in ``W`` (a ring
-  all-reduce moves ``2 (W-1)/W`` of the buffer), plus one broadcast of the positions.
+- ``all_reduce``: every rank sends its values at the same agreed positions and an all-reduce sums them, so
+  each coefficient is the mean over all ranks. Only values travel in the reduction: the bytes per rank stay
+  flat in ``W`` (a ring all-reduce moves ``2 (W-1)/W`` of the buffer, the least any all-reduce can). How the
+  positions are agreed (``reduce_positions``, :data:`REDUCE_POSITIONS`):
+
+  - ``union`` (default): each rank nominates the top ``k // W`` (at least 1) positions of its own momentum
+    per block and the nominations are all-gathered (under the header's CRC32/HMAC, like any payload); the
+    union (``W * (k // W)`` slots, a position nominated twice counted once) is where every rank's values are
+    summed. Every rank's energetic coefficients get in, and positions cost ``(W-1)/W`` of one top-k index
+    set per rank.
+  - ``leader``: one rank per step (rotating: ``step % W``) picks all ``k`` positions and broadcasts them;
+    the other ranks' energetic coefficients wait in their residuals until their turn.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -29,6 +39,8 @@ from . import codec
 from . import functional as F
 from .blocks import BlockLayout
 from .errors import DeMoSyncError, lookup
+
+REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on positions (see above)
 
 
 class AllGatherExchange:
@@ -41,6 +53,8 @@ class AllGatherExchange:
         secret: bytes | None,
         index_coding: str,
         average: str = "pickers",
+        world: int = 1,
+        positions: str = "union",  # all_reduce's; every exchange takes the same settings
     ):
         self.layouts = layouts
         self.weights = F.WEIGHTS[average]
@@ -79,6 +93,8 @@ class AllReduceExchange:
         secret: bytes | None,
         index_coding: str,
         average: str = "world",
+        world: int = 1,
+        positions: str = "union",
     ):
         if average != "world":  # every rank sends values at the same positions: the mean is over all of them
             raise ValueError(f"exchange='all_reduce' averages over every rank, not {average!r}")
@@ -87,59 +103,91 @@ class AllReduceExchange:
                 f"exchange='all_reduce' sums values, so value_format must be one of "
                 f"{', '.join(self.VALUE_DTYPES)} (got {value_format!r}); use exchange='all_gather' for sign"
             )
+        lookup(dict.fromkeys(REDUCE_POSITIONS), "reduce_positions", positions)
         self.layouts = layouts
         self.dtype = self.VALUE_DTYPES[value_format]
-        self.secret = secret  # positions and sums are the same bytes on every rank: the drift check covers them
+        self.secret = secret
+        self.union = positions == "union"
+        # union: each rank nominates k // W positions per block; leader: one rank picks all k
+        self.nominated = [
+            dataclasses.replace(layout, k=max(1, layout.k // world)) if self.union else layout for layout in layouts
+        ]
         self.indices = codec.index_coding(index_coding)
         self.index_offsets, off = [], 0
-        for layout in layouts:
+        for layout in self.nominated:
             self.index_offsets.append(off)
             off += self.indices.nbytes(layout)
         self.index_nbytes = off
-        self.payload_nbytes = 0  # nothing is announced before the headers: positions follow them
+        # union: the nominations are the payload the headers vouch for; leader: positions follow the headers
+        self.payload_nbytes = off if self.union else 0
+
+    def _positions(self, working: list[torch.Tensor], device) -> torch.Tensor:
+        """This rank's nominated positions, index-coded: one buffer for every parameter."""
+        wires = self.indices.pack_many(
+            [F.select(m, layout.k)[0] for m, layout in zip(working, self.nominated)], self.nominated
+        )
+        buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
+        for wire, off in zip(wires, self.index_offsets):
+            buf[off : off + wire.numel()] = wire
+        return buf
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=working[0].device if working else "cpu")
+        device = working[0].device if working else torch.device("cpu")
+        if self.union:
+            return self._positions(working, device)
+        return torch.empty(0, dtype=torch.uint8, device=device)
 
     def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
         device = working[0].device if working else torch.device("cpu")
-        leader = transport.step % transport.world
-        positions = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
-        if transport.rank == leader:
-            wires = self.indices.pack_many(
-                [F.select(m, layout.k)[0] for m, layout in zip(working, self.layouts)], self.layouts
-            )
-            for wire, off in zip(wires, self.index_offsets):
-                positions[off : off + wire.numel()] = wire
-        transport.broadcast(positions, leader, "positions")
-        wires = [
-            positions[None, off : off + self.indices.nbytes(layout)]
-            for layout, off in zip(self.layouts, self.index_offsets)
-        ]
-        chosen = []
-        for layout, idx in zip(self.layouts, self.indices.unpack_many(wires, self.layouts)):
-            idx = idx[0]
-            if bool((idx >= layout.bsize).any()):
+        if self.union:
+            rows = transport.all_gather(payload, "positions")
+            codec.verify_rows(headers, rows, self.secret, transport.rank, transport.step)
+        else:
+            leader = transport.step % transport.world
+            if transport.rank == leader:
+                buf = self._positions(working, device)
+            else:
+                buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
+            rows = transport.broadcast(buf, leader, "positions")[None]
+            source = f"broadcast by rank {leader}"  # the leader's positions travel after the headers
+        chosen, keep = [], []
+        for i, (layout, idx) in enumerate(zip(self.layouts, self._unpack(rows))):
+            bad = (idx >= layout.bsize).flatten(1).any(1)
+            if bool(bad.any()):
+                if self.union:
+                    source = f"nominated by rank(s) {bad.nonzero().flatten().tolist()}"
                 raise DeMoSyncError(
-                    f"rank {transport.rank}: positions broadcast by rank {leader} at optimizer step "
-                    f"{transport.step} are out of range for a block of {layout.bsize}: corrupted on the way"
+                    f"rank {transport.rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
+                    f"block of {layout.bsize}) {source} at optimizer step {transport.step}: corrupted payload"
                 )
-            chosen.append(idx)
-        # every rank contributes its own values at the agreed positions, exactly as they travel
-        contributions = [m.gather(1, idx).to(self.dtype) for m, idx in zip(working, chosen)]
+            # every rank's nominations one after the other: (nblocks, W * k_nominated)
+            chosen.append(idx.permute(1, 0, 2).reshape(layout.nblocks, -1))
+            keep.append(F.first_occurrences(idx, layout) if self.union else None)
+        # every rank contributes its own values at the agreed positions (once each), exactly as they travel
+        contributions = []
+        for m, idx, first in zip(working, chosen, keep):
+            mine = m.gather(1, idx)
+            contributions.append((mine if first is None else mine * first).to(self.dtype))
         sums = transport.all_reduce(torch.cat([c.reshape(-1) for c in contributions]), "values")
         if not bool(sums.isfinite().all()):
             raise DeMoSyncError(
                 f"rank {transport.rank}: the summed values of optimizer step {transport.step} hold NaN/Inf"
             )
         out, start = [], 0
-        for m, idx, mine, layout in zip(working, chosen, contributions, self.layouts):
+        for m, idx, mine, nominated in zip(working, chosen, contributions, self.nominated):
             F.feedback(m, idx, mine.float())
             n = mine.numel()
             mean = sums[start : start + n].float().view_as(idx) / transport.world
-            out.append(F.densify(idx, mean, layout))
+            out.append(F.densify(idx, mean, nominated))  # runs of one rank's nominations: no repeats within
             start += n
         return out
+
+    def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """(senders, index_nbytes) -> per parameter (senders, nblocks, k_nominated) positions."""
+        wires = [
+            rows[:, off : off + self.indices.nbytes(layout)] for layout, off in zip(self.nominated, self.index_offsets)
+        ]
+        return self.indices.unpack_many(wires, self.nominated)
 
 
 EXCHANGES_BY_NAME = {cls.name: cls for cls in (AllGatherExchange, AllReduceExchange)}

@@ -72,6 +72,19 @@ def world_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) 
     return idx, values / world
 
 
+def first_occurrences(idx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Ranks' nominated positions (world, nblocks, k) -> (nblocks, world*k): 1.0 where a position appears
+    for the first time in rank order, 0.0 where an earlier rank already nominated it (the union of the
+    nominations, each position counted once; every rank computes the same mask from the same rows)."""
+    world, nblocks, _ = idx.shape
+    seen = torch.zeros(nblocks, layout.bsize, dtype=torch.bool, device=idx.device)
+    keep = []
+    for run in idx:  # a run (one rank's top-k) never repeats a position
+        keep.append(~seen.gather(1, run))
+        seen.scatter_(1, run, True)
+    return torch.cat(keep, dim=1).float()
+
+
 WEIGHTS = {"pickers": mean_weights, "world": world_weights}  # how an all-gather averages; see exchange.py
 
 

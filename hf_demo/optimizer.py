@@ -120,7 +120,7 @@ class DeMo(torch.optim.Optimizer):
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
         exchanges.get(self.settings.exchange)(
-            [], self.settings.value_format, None, self.settings.index_coding
+            [], self.settings.value_format, None, self.settings.index_coding, positions=self.settings.reduce_positions
         )  # settings it refuses fail now
 
     @property
@@ -262,7 +262,13 @@ class DeMo(torch.optim.Optimizer):
         replicas = anchors if local else params  # what must be identical on every rank
         average = {"average": "world"} if local else {}  # a synchronisation averages over every rank
         exchange = exchanges.get(self.settings.exchange)(
-            layouts, tier.value_format, self.secret, self.settings.index_coding, **average
+            layouts,
+            tier.value_format,
+            self.secret,
+            self.settings.index_coding,
+            world=transport.world,
+            positions=self.settings.reduce_positions,
+            **average,
         )
         late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()

@@ -84,6 +84,11 @@ def _fail_on_second_step(rank, world, fault, kw):
             {"value_format": "fp32"},
             "out-of-range indices for parameter 0 (shape (32, 16), block of 64) from rank(s) [2]",
         ),
+        (
+            "index",
+            {"value_format": "fp32", "exchange": "all_reduce", "index_coding": "uint16"},
+            "out-of-range positions for parameter 0 (shape (32, 16), block of 64) nominated by rank(s) [2]",
+        ),
         ("nan", {"value_format": "bf16"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
         ("nan_grad", {"nonfinite": "raise"}, "non-finite gradients on rank(s) [1] at optimizer step 1"),
     ],
@@ -96,11 +101,11 @@ def test_every_error_leaves_the_whole_state_untouched_on_every_rank(fault, kw, m
         assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
 
 
-def _flip(rank, world):
+def _flip(rank, world, kw):
     from hf_demo import codec, comm
 
     model = tiny_mlp()
-    opt = _make(model, comm_timeout=5.0)
+    opt = _make(model, comm_timeout=5.0, **kw)
     loss_and_backward(model, rank, 0)
     opt.step()
     if rank == 1:  # one byte of rank 0's payload flipped on its way to rank 1
@@ -123,9 +128,12 @@ def _flip(rank, world):
     return "no error", True, 0.0, step
 
 
-def test_a_byte_flipped_on_the_wire_is_caught_by_the_receiver_and_the_sender_stops_within_the_timeout():
-    (err0, unchanged0, secs0, step0), (err1, unchanged1, _, step1) = expect_ok(run_ranks(_flip, 2, timeout=90))
-    assert (step0, step1) == (2, 1)
+@pytest.mark.parametrize("kw", [{}, {"exchange": "all_reduce"}], ids=["payload", "all_reduce nominations"])
+def test_a_byte_flipped_on_the_wire_is_caught_by_the_receiver_and_the_sender_stops_within_the_timeout(kw):
+    (err0, unchanged0, secs0, step0), (err1, unchanged1, _, step1) = expect_ok(run_ranks(_flip, 2, kw, timeout=90))
+    # all_gather: rank 0 finishes step 1 and waits alone at step 2; all_reduce: the values' all-reduce of
+    # step 1 follows the nominations rank 1 refused, so rank 0 waits alone in step 1
+    assert (step0, step1) == ((1, 1) if kw else (2, 1))
     assert isinstance(err1, RankError) and err1.type == "DeMoSyncError", err1
     assert "the payload from rank 0 at optimizer step 1 fails its CRC32 check" in err1.message, err1.message
     assert unchanged1

@@ -14,7 +14,8 @@ MODES = {
     "all_gather+sign": {},
     "all_gather+adam": {"update_rule": "adam"},
     "all_gather+adamw": {"update_rule": "adamw"},
-    "all_reduce+sign": {"exchange": "all_reduce"},
+    "all_reduce+sign": {"exchange": "all_reduce"},  # union positions, the default
+    "all_reduce+leader": {"exchange": "all_reduce", "reduce_positions": "leader"},
     "all_reduce+adam+fp32": {"exchange": "all_reduce", "update_rule": "adam", "value_format": "fp32"},
     "all_gather+sign values+elias_fano": {"value_format": "sign", "index_coding": "elias_fano"},
 }
@@ -70,32 +71,38 @@ def test_elias_fano_positions_train_bitwise_like_16_bit_ones_in_fewer_bytes(exch
         assert coded[0][1]["bytes_sent"] < 0.85 * plain[0][1]["bytes_sent"]
 
 
-def test_all_reduce_traffic_is_flat_in_the_number_of_ranks():
+@pytest.mark.parametrize("positions,growth", [("union", 1.6), ("leader", 1.5)])
+def test_all_reduce_traffic_is_flat_in_the_number_of_ranks(positions, growth):
+    kw = {"exchange": "all_reduce", "reduce_positions": positions, "compression_chunk": 16, "compression_topk": 16}
     received = {}
     for world in (2, 4):
-        stats = expect_ok(run_ranks(_train, world, {"exchange": "all_reduce"}, 2))
+        stats = expect_ok(run_ranks(_train, world, kw, 2))
         # the headers are all-gathered in every mode: count the exchange itself
         received[world] = stats[0][1]["bytes_received"] - (world - 1) * codec.HEADER_BYTES
         assert stats[0][1]["collectives"] == 3  # header, positions, values
-    gathered = expect_ok(run_ranks(_train, 4, {}, 2))[0][1]["bytes_received"]
-    # a ring all-reduce: 2 (W-1)/W of the values each way; the positions once: at most 1.5x from W=2 to W=4
-    assert received[4] <= 1.5 * received[2]
-    assert received[4] < gathered
+    gathered = expect_ok(run_ranks(_train, 4, {**kw, "exchange": "all_gather"}, 2))[0][1]["bytes_received"]
+    # a ring all-reduce: 2 (W-1)/W of the values each way (1.5x from W=2 to W=4); leader: the positions once;
+    # union: (W-1) ranks' k/W nominations each, a few more bits per position as k/W halves
+    assert received[4] <= growth * received[2]
+    assert received[4] < 0.6 * gathered
 
 
-def _leader_positions(rank, world):
-    """With all_reduce, every rank's update uses the positions of the step's leader, values averaged over all."""
+def _agreed_positions(rank, world, positions):
+    """With all_reduce, every rank's update is the mean over all ranks at the agreed positions: the step's
+    leader's top-k (``leader``), or the union of every rank's top-(k // W) (``union``), each counted once."""
     from hf_demo import functional as F
     from hf_demo.blocks import decode, plan
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(8, 8))
+    k = 6
     opt = hf_demo.DeMo(
         [p],
         lr=1.0,
-        compression_topk=3,
+        compression_topk=k,
         compression_chunk=8,
         exchange="all_reduce",
+        reduce_positions=positions,
         value_format="fp32",
         update_rule="raw",
         compression_decay=0.0,
@@ -104,18 +111,29 @@ def _leader_positions(rank, world):
     grads = [torch.randn(8, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     p.grad = grads[rank].clone()
     opt.step()
-    layout = plan((8, 8), 8, 3)
+    layout = plan((8, 8), 8, k)
     coeffs = [hf_demo.blocks.encode(g, layout) for g in grads]
-    idx, _ = F.select(coeffs[0].clone(), 3)  # step 0: rank 0 leads
+    if positions == "leader":  # step 0: rank 0 leads
+        idx = F.select(coeffs[0].clone(), k)[0]
+    else:  # the slow way: a Python set of every rank's top-2
+        union = sorted({int(i) for c in coeffs for i in F.select(c.clone(), k // world)[0][0]})
+        assert len(union) > k // world  # the ranks nominated different positions
+        idx = torch.tensor([union])
     mean = torch.stack([c.gather(1, idx) for c in coeffs]).mean(0)
     expected = -decode(torch.zeros(1, 64).scatter(1, idx, mean), layout)
     return torch.allclose(p.detach(), expected, atol=1e-6), opt.state[p]["momentum"].gather(1, idx).abs().max().item()
 
 
 def test_all_reduce_uses_the_leaders_positions_and_the_mean_of_all_ranks():
-    for ok, residual_at_sent in expect_ok(run_ranks(_leader_positions, 3)):
+    for ok, residual_at_sent in expect_ok(run_ranks(_agreed_positions, 3, "leader")):
         assert ok
         assert residual_at_sent == 0.0  # exact error feedback: each rank subtracted what it contributed
+
+
+def test_all_reduce_sums_every_rank_at_the_union_of_their_nominations():
+    for ok, residual_at_sent in expect_ok(run_ranks(_agreed_positions, 3, "union")):
+        assert ok
+        assert residual_at_sent == 0.0
 
 
 def test_all_reduce_refuses_the_sign_format():
