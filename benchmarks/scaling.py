@@ -41,7 +41,7 @@ DEFAULT_INDEX_CODING = DeMoSettings().index_coding
 HERE = Path(__file__).resolve().parent
 
 DEFAULT_SETTINGS = (
-    "bf16:32:64,bf16:32:64:uint16,sign:32:64,sign:32:64:uint16,bf16:32:64:all_reduce,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
+    "bf16:32:64,bf16:32:64:uint16,sign:32:64,sign:32:64:uint16,bf16:32:64:all_reduce,bf16:32:64:leader,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
     "bf16:32:64:sync8,sign:32:64:sync8,bf16:8:64,sign:8:64,sign:4:64"
 )
 
@@ -55,9 +55,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma-separated value_format:topk:chunk[:all_reduce][:node][:syncH][:uint16|:elias_fano] (node = "
-        "hierarchy='node' with --local-size processes per node; syncH = sync_every=H; the index coding defaults "
-        "to DeMo's)",
+        help="comma-separated value_format:topk:chunk[:all_reduce|:leader][:node][:syncH][:uint16|:elias_fano] "
+        "(all_reduce = exchange='all_reduce' with union positions, leader = the same with "
+        "reduce_positions='leader'; node = hierarchy='node' with --local-size processes per node; syncH = "
+        "sync_every=H; the index coding defaults to DeMo's)",
     )
     p.add_argument("--local-size", type=int, default=2, help="LOCAL_WORLD_SIZE for the :node settings")
     p.add_argument("--steps", type=int, default=2, help="steps per setting (at least 2 x H for syncH settings)")
@@ -79,6 +80,7 @@ class Setting:
     hierarchy: str = "flat"
     sync_every: int = 1
     index_coding: str = DEFAULT_INDEX_CODING
+    reduce_positions: str = "union"
 
     @property
     def plain(self) -> bool:
@@ -94,6 +96,7 @@ class Setting:
             hierarchy=self.hierarchy,
             sync_every=self.sync_every,
             index_coding=self.index_coding,
+            reduce_positions=self.reduce_positions,
         )
 
 
@@ -109,6 +112,8 @@ def parse_settings(s: str) -> list[Setting]:
                 kw["hierarchy"] = e
             elif e.startswith("sync"):
                 kw["sync_every"] = int(e[4:])
+            elif e in ("union", "leader"):
+                kw["exchange"], kw["reduce_positions"] = "all_reduce", e
             elif e in INDEX_CODINGS:
                 kw["index_coding"] = e
             else:
@@ -120,7 +125,7 @@ def parse_settings(s: str) -> list[Setting]:
 def label(s: Setting) -> str:
     out = f"{s.fmt}, top-{s.k}/{s.c}×{s.c}"
     if s.exchange != "all_gather":
-        out += ", all_reduce"
+        out += ", all_reduce" + (" (leader)" if s.reduce_positions == "leader" else "")
     if s.hierarchy != "flat":
         out += ", node (2 proc/node)"
     if s.sync_every > 1:
@@ -218,8 +223,8 @@ def measure(world, args, settings):
             for r, row in enumerate(rows):  # symmetric collectives: every rank must count the same
                 if (row["sent"], row["received"]) != (rows[0]["sent"], rows[0]["received"]):
                     raise RuntimeError(f"world {world}: rank {r} counted {row} but rank 0 {rows[0]}")
-        # all_reduce: the rotating leader sends the positions, the others receive them, so ranks differ in a
-        # step; the mean over ranks is the per-step average over a full rotation.
+        # all_reduce (leader): the rotating leader sends the positions, the others receive them, so ranks
+        # differ in a step; the mean over ranks is the per-step average over a full rotation.
         mean = {
             k: sum(row[k] for row in rows) / len(rows)
             for k in ("sent", "received", "inter_sent", "inter_received", "collectives")
@@ -316,10 +321,10 @@ def main(argv=None):
         "algorithm can move per rank for a buffer the rank must both contribute and receive in full); a "
         "**broadcast** counts the buffer once as received by every non-root and (W-1) times as sent by the "
         "root. Positions travel in the setting's index code (Elias-Fano, DeMo's default: ~9 bits each for "
-        "top-32 of 64×64; or 16-bit where the label says so). `all_reduce` exchange = one positions broadcast "
-        "(from a leader rotating every step, so the mean over ranks is the average over a rotation) + one "
-        "all-reduce of bf16 values + the "
-        "64-byte header all-gather. **node** = `hierarchy='node'` with LOCAL_WORLD_SIZE="
+        "top-32 of 64×64; or 16-bit where the label says so). `all_reduce` exchange = one all-gather of every "
+        "rank's top-k/W nominated positions (the default `reduce_positions='union'`), or with `(leader)` one "
+        "positions broadcast from a leader rotating every step (the mean over ranks is the average over a "
+        "rotation), + one all-reduce of bf16 values at the agreed positions + the 64-byte header all-gather. **node** = `hierarchy='node'` with LOCAL_WORLD_SIZE="
         f"{L}: W processes = W/{L} nodes; *between nodes / node* counts only DeMo's collectives between nodes "
         "(the dense `node_gradients` all-reduce and `node_parameters` broadcasts stay on the node's local link), "
         f"summed over the node's {L} processes. **PowerSGD r{args.powersgd_rank}** and **ring AR** (fp32 dense "

@@ -11,7 +11,7 @@ Methods (``--method``):
 - ``demo-bf16``  ``hf_demo.DeMo`` (defaults: chunk 64, top-k 32, bf16 values); no DDP wrapper: initial
   weights are broadcast from rank 0 once, each rank back-propagates its own loss, DeMo exchanges.
 - ``demo-sign``  the same with ``value_format="sign"``.
-- ``demo-allreduce``  ``exchange="all_reduce"`` (positions from a rotating leader, bf16 values all-reduced).
+- ``demo-allreduce``  ``exchange="all_reduce"`` (the union of every rank's top-k/W positions, bf16 values all-reduced).
 - ``demo-overlap``  ``overlap=True`` (step t's exchange runs during step t+1's forward/backward, applied one
   step late; ``opt.flush()`` after the last step).
 - ``demo-sync8``  ``sync_every=8`` (local steps, DeMo on the pseudo-gradient every 8 steps); ``demo-sync8-sign``
