@@ -43,24 +43,28 @@ from .errors import DeMoSyncError, lookup
 REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on positions (see above)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExchangeSpec:
+    """What one step's exchange needs to know, whichever exchange it is (the optimizer builds one per step)."""
+
+    layouts: list[BlockLayout]
+    value_format: str
+    index_coding: str
+    secret: bytes | None = None
+    average: str | None = None  # "pickers" or "world" (functional.WEIGHTS); None: the exchange's own rule
+    world: int = 1
+    positions: str = "union"  # exchange="all_reduce": REDUCE_POSITIONS
+
+
 class AllGatherExchange:
     name = "all_gather"
 
-    def __init__(
-        self,
-        layouts: list[BlockLayout],
-        value_format: str,
-        secret: bytes | None,
-        index_coding: str,
-        average: str = "pickers",
-        world: int = 1,
-        positions: str = "union",  # all_reduce's; every exchange takes the same settings
-    ):
-        self.layouts = layouts
-        self.weights = F.WEIGHTS[average]
-        self.codec = codec.PayloadCodec(layouts, value_format, index_coding)
+    def __init__(self, spec: ExchangeSpec):
+        self.layouts = spec.layouts
+        self.weights = F.WEIGHTS[spec.average or "pickers"]
+        self.codec = codec.PayloadCodec(spec.layouts, spec.value_format, spec.index_coding)
         self.payload_nbytes = self.codec.nbytes
-        self.secret = secret
+        self.secret = spec.secret
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
         selections = [F.select(m, layout.k) for m, layout in zip(working, self.layouts)]
@@ -86,33 +90,25 @@ class AllReduceExchange:
     name = "all_reduce"
     VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-    def __init__(
-        self,
-        layouts: list[BlockLayout],
-        value_format: str,
-        secret: bytes | None,
-        index_coding: str,
-        average: str = "world",
-        world: int = 1,
-        positions: str = "union",
-    ):
-        if average != "world":  # every rank sends values at the same positions: the mean is over all of them
-            raise ValueError(f"exchange='all_reduce' averages over every rank, not {average!r}")
-        if value_format not in self.VALUE_DTYPES:
+    def __init__(self, spec: ExchangeSpec):
+        if spec.average not in (None, "world"):  # every rank sends values at the same positions: mean over all
+            raise ValueError(f"exchange='all_reduce' averages over every rank, not {spec.average!r}")
+        if spec.value_format not in self.VALUE_DTYPES:
             raise ValueError(
                 f"exchange='all_reduce' sums values, so value_format must be one of "
-                f"{', '.join(self.VALUE_DTYPES)} (got {value_format!r}); use exchange='all_gather' for sign"
+                f"{', '.join(self.VALUE_DTYPES)} (got {spec.value_format!r}); use exchange='all_gather' for sign"
             )
-        lookup(dict.fromkeys(REDUCE_POSITIONS), "reduce_positions", positions)
-        self.layouts = layouts
-        self.dtype = self.VALUE_DTYPES[value_format]
-        self.secret = secret
-        self.union = positions == "union"
+        lookup(dict.fromkeys(REDUCE_POSITIONS), "reduce_positions", spec.positions)
+        self.layouts = spec.layouts
+        self.dtype = self.VALUE_DTYPES[spec.value_format]
+        self.secret = spec.secret
+        self.union = spec.positions == "union"
         # union: each rank nominates k // W positions per block; leader: one rank picks all k
         self.nominated = [
-            dataclasses.replace(layout, k=max(1, layout.k // world)) if self.union else layout for layout in layouts
+            dataclasses.replace(layout, k=max(1, layout.k // spec.world)) if self.union else layout
+            for layout in spec.layouts
         ]
-        self.indices = codec.index_coding(index_coding)
+        self.indices = codec.index_coding(spec.index_coding)
         self.index_offsets, off = [], 0
         for layout in self.nominated:
             self.index_offsets.append(off)
@@ -196,3 +192,8 @@ EXCHANGES = tuple(EXCHANGES_BY_NAME)
 
 def get(name: str):
     return lookup(EXCHANGES_BY_NAME, "exchange", name)
+
+
+def build(name: str, spec: ExchangeSpec):
+    """The exchange ``name`` for one step (raises ValueError, naming the fix, on settings it refuses)."""
+    return get(name)(spec)

@@ -119,9 +119,19 @@ class DeMo(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
-        exchanges.get(self.settings.exchange)(
-            [], self.settings.value_format, None, self.settings.index_coding, positions=self.settings.reduce_positions
-        )  # settings it refuses fail now
+        exchanges.build(self.settings.exchange, self._exchange_spec([], self.settings.value_format))  # refusals now
+
+    def _exchange_spec(self, layouts, value_format: str, world: int = 1, average=None, index_coding=None):
+        """This step's :class:`~hf_demo.exchange.ExchangeSpec` from the settings (the tier's value format)."""
+        return exchanges.ExchangeSpec(
+            layouts,
+            value_format,
+            index_coding or self.settings.index_coding,
+            self.secret,
+            average,
+            world,
+            self.settings.reduce_positions,
+        )
 
     @property
     def value_format(self) -> str:
@@ -260,15 +270,9 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
-        average = {"average": "world"} if local else {}  # a synchronisation averages over every rank
-        exchange = exchanges.get(self.settings.exchange)(
-            layouts,
-            tier.value_format,
-            self.secret,
-            self.settings.index_coding,
-            world=transport.world,
-            positions=self.settings.reduce_positions,
-            **average,
+        average = "world" if local else None  # a synchronisation averages over every rank
+        exchange = exchanges.build(
+            self.settings.exchange, self._exchange_spec(layouts, tier.value_format, transport.world, average)
         )
         late = self._finish_pending(items) if self._pending is not None else None  # overlap: last step's update
         started = time.monotonic()
@@ -423,9 +427,9 @@ class DeMo(torch.optim.Optimizer):
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
         tier = self.tiers[self.policy.tier]
-        exchange = exchanges.get(self.settings.exchange)(
-            [layout for _, _, layout in items], tier.value_format, self.secret, pending["index_coding"]
-        )
+        layouts = [layout for _, _, layout in items]
+        spec = self._exchange_spec(layouts, tier.value_format, transport.world, index_coding=pending["index_coding"])
+        exchange = exchanges.build(self.settings.exchange, spec)
         return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
 
     def _apply_late(self, items, updates) -> None:
