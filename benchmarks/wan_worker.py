@@ -12,6 +12,8 @@ Methods (``--method``):
   weights are broadcast from rank 0 once, each rank back-propagates its own loss, DeMo exchanges.
 - ``demo-sign``  the same with ``value_format="sign"``.
 - ``demo-allreduce``  ``exchange="all_reduce"`` (the union of every rank's top-k/W positions, bf16 values all-reduced).
+- ``demo-allreduce-wide``  the same with top-k ``--topk`` x W/2 (W = 4: 64), the setting that trains level
+  with the all-gather.
 - ``demo-overlap``  ``overlap=True`` (step t's exchange runs during step t+1's forward/backward, applied one
   step late; ``opt.flush()`` after the last step).
 - ``demo-sync8``  ``sync_every=8`` (local steps, DeMo on the pseudo-gradient every 8 steps); ``demo-sync8-sign``
@@ -58,6 +60,7 @@ METHODS = (
     "demo-bf16",
     "demo-sign",
     "demo-allreduce",
+    "demo-allreduce-wide",
     "demo-overlap",
     "demo-sync8",
     "demo-sync8-sign",
@@ -68,11 +71,16 @@ METHODS = (
     "powersgd",
 )
 
+# methods whose top-k grows with the world: --topk x max(1, W // 2), the union all-reduce's top-k that trained
+# level with the all-gather's --topk at W = 4 and 8 (docs/CONVERGENCE.md, eighth session)
+TOPK_PER_HALF_WORLD = ("demo-allreduce-wide",)
+
 # DeMo keywords of each demo-* method (besides lr, topk, chunk)
 DEMO_KW = {
     "demo-bf16": {},
     "demo-sign": dict(value_format="sign"),
     "demo-allreduce": dict(exchange="all_reduce"),
+    "demo-allreduce-wide": dict(exchange="all_reduce"),  # top-k x W/2: see TOPK_PER_HALF_WORLD
     "demo-overlap": dict(overlap=True),
     "demo-sync8": dict(sync_every=8),
     "demo-sync8-sign": dict(sync_every=8, value_format="sign"),
@@ -288,7 +296,7 @@ def main(argv=None):
         opt = DeMo(
             model.parameters(),
             lr=lr,
-            compression_topk=args.topk,
+            compression_topk=args.topk * (max(1, world // 2) if args.method in TOPK_PER_HALF_WORLD else 1),
             compression_chunk=args.chunk,
             comm_timeout=args.comm_timeout,
             **kw,
