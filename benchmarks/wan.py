@@ -117,6 +117,11 @@ def parse_args(argv=None):
         "processes per node, LOCAL_WORLD_SIZE for demo-hier)",
     )
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of: {', '.join(METHODS)}")
+    p.add_argument(
+        "--lrs",
+        default="",
+        help="comma-separated method=lr for some methods (e.g. demo-bf16=3e-3); after any '-- --lr', so they win",
+    )
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument(
@@ -248,6 +253,9 @@ def run_method(
     if delay_dist:
         worker += ["--delay-dist", delay_dist]
     extra = [a for a in args.worker_args if a != "--"]
+    lrs = dict(item.split("=", 1) for item in args.lrs.split(",") if item)
+    if method in lrs:
+        extra += ["--lr", lrs[method]]
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(args.threads),
