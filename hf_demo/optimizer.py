@@ -577,6 +577,8 @@ class DeMo(torch.optim.Optimizer):
                     changed.append(f"{k}: saved {saved[k]!r}, requested {v!r}")
             group.update(req)  # the requested settings win over the checkpoint's
         saved_settings = extra.get("settings", {})
+        if saved_settings and "reduce_positions" not in saved_settings:  # saved before the union existed
+            saved_settings = {**saved_settings, "reduce_positions": "leader"}
         changed += [
             f"{k}: saved {saved_settings[k]!r}, requested {v!r}"
             for k, v in self.settings.as_dict().items()

@@ -1,6 +1,7 @@
 """Single-process behaviour of hf_demo.DeMo: invariants, formats, dtypes, state, validation."""
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -241,3 +242,21 @@ def test_the_settings_page_is_generated_from_the_one_source_of_truth():
 
     page = (Path(__file__).parent.parent / "docs" / "SETTINGS.md").read_text()
     assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.config > docs/SETTINGS.md"
+
+
+def test_an_all_reduce_checkpoint_from_before_the_union_says_it_ran_with_the_leader():
+    """A checkpoint saved before ``reduce_positions`` existed ran the rotating leader: resuming it under the
+    union default is a change of settings, and is reported as one."""
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["demo"]["settings"]["reduce_positions"]
+    again = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
+    with pytest.warns(UserWarning, match="reduce_positions: saved 'leader', requested 'union'"):
+        again.load_state_dict(saved)
+    current = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        current.load_state_dict(opt.state_dict())  # saved with the setting: no warning
