@@ -9,8 +9,8 @@ setup:
 test: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# The slow tier: 20 two-process launches under load, exits with starved gloo workers, torchrun kill-and-recover
-# (about 15 minutes).
+# The slow tier: 20 two-process launches under load, exits with starved gloo workers, torchrun kill-and-recover,
+# compare.py end to end and a few launches whose checks the default run makes elsewhere (about 18 minutes).
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 

@@ -54,6 +54,7 @@ def common():
 
 # ------------------------------------------------------------------------------------------- launches
 @pytest.mark.launch
+@pytest.mark.slow  # the fast run keeps the real SmolLM2 two-process run of the same recipe
 def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
     out = tmp_path / "clm"
     proc = accelerate_launch(
@@ -87,6 +88,7 @@ def test_clm_smoke_two_processes(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.launch
+@pytest.mark.slow  # the fast run keeps each method's exact command line (test_compare_methods_are_what_they_claim)
 def test_compare_three_methods(tiny_llama_dir, tmp_path):
     compare = import_recipe("compare")
     rows = compare.main(

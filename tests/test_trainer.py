@@ -120,7 +120,11 @@ def test_checkpoints_carry_a_manifest_of_every_rank_file(straight):
     } <= set(manifest["files"])
 
 
-@pytest.mark.parametrize("damage", ["missing_rank1", "flipped_bytes"])
+@pytest.mark.parametrize(
+    "damage",
+    # flipped bytes are also caught in tests/test_checkpoint.py, in one process
+    ["missing_rank1", pytest.param("flipped_bytes", marks=pytest.mark.slow)],
+)
 def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
     tmp, _ = straight
     ckpt = tmp / f"damaged_{damage}"
@@ -162,6 +166,7 @@ def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
     assert a["params"] == b["params"] != r0["params"] and a["global_step"] == 20
 
 
+@pytest.mark.slow  # DeMoTrainer's non-DeMo path; the fast run keeps evaluate-before-train with adamw_torch
 def test_adamw_under_demo_trainer_is_plain_trainer(tmp_path):
     _train(tmp_path, "adamw_demo", "--optim", "adamw_torch", "--trainer", "demo")
     _train(tmp_path, "adamw_plain", "--optim", "adamw_torch", "--trainer", "plain")
