@@ -80,7 +80,7 @@ class Setting:
     hierarchy: str = "flat"
     sync_every: int = 1
     index_coding: str = DEFAULT_INDEX_CODING
-    reduce_positions: str = "union"
+    reduce_positions: str = DeMoSettings().reduce_positions
 
     @property
     def plain(self) -> bool:

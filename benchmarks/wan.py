@@ -59,7 +59,7 @@ COLORS = {
     "demo-bf16": "tab:blue",
     "demo-sign": "tab:cyan",
     "demo-allreduce": "tab:green",
-    "demo-allreduce-wide": "tab:cyan",
+    "demo-allreduce-wide": "darkgreen",
     "demo-overlap": "tab:purple",
     "demo-sync8": "tab:brown",
     "demo-sync8-sign": "tab:olive",

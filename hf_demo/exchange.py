@@ -53,7 +53,7 @@ class ExchangeSpec:
     secret: bytes | None = None
     average: str | None = None  # "pickers" or "world" (functional.WEIGHTS); None: the exchange's own rule
     world: int = 1
-    positions: str = "union"  # exchange="all_reduce": REDUCE_POSITIONS
+    positions: str = REDUCE_POSITIONS[0]  # exchange="all_reduce"; the optimizer passes the setting
 
 
 class AllGatherExchange:
@@ -98,7 +98,6 @@ class AllReduceExchange:
                 f"exchange='all_reduce' sums values, so value_format must be one of "
                 f"{', '.join(self.VALUE_DTYPES)} (got {spec.value_format!r}); use exchange='all_gather' for sign"
             )
-        lookup(dict.fromkeys(REDUCE_POSITIONS), "reduce_positions", spec.positions)
         self.layouts = spec.layouts
         self.dtype = self.VALUE_DTYPES[spec.value_format]
         self.secret = spec.secret
@@ -144,14 +143,16 @@ class AllReduceExchange:
                 buf = self._positions(working, device)
             else:
                 buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
-            rows = transport.broadcast(buf, leader, "positions")[None]
-            source = f"broadcast by rank {leader}"  # the leader's positions travel after the headers
+            rows = transport.broadcast(buf, leader, "positions")[None]  # after the headers: not under their CRC
         chosen, keep = [], []
         for i, (layout, idx) in enumerate(zip(self.layouts, self._unpack(rows))):
             bad = (idx >= layout.bsize).flatten(1).any(1)
             if bool(bad.any()):
-                if self.union:
-                    source = f"nominated by rank(s) {bad.nonzero().flatten().tolist()}"
+                source = (
+                    f"nominated by rank(s) {bad.nonzero().flatten().tolist()}"
+                    if self.union
+                    else f"broadcast by rank {transport.step % transport.world}"
+                )
                 raise DeMoSyncError(
                     f"rank {transport.rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
                     f"block of {layout.bsize}) {source} at optimizer step {transport.step}: corrupted payload"

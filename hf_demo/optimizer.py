@@ -577,7 +577,8 @@ class DeMo(torch.optim.Optimizer):
                     changed.append(f"{k}: saved {saved[k]!r}, requested {v!r}")
             group.update(req)  # the requested settings win over the checkpoint's
         saved_settings = extra.get("settings", {})
-        if saved_settings and "reduce_positions" not in saved_settings:  # saved before the union existed
+        if saved_settings.get("exchange") == "all_reduce" and "reduce_positions" not in saved_settings:
+            # saved before reduce_positions existed: that all_reduce ran the rotating leader
             saved_settings = {**saved_settings, "reduce_positions": "leader"}
         changed += [
             f"{k}: saved {saved_settings[k]!r}, requested {v!r}"

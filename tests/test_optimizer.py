@@ -260,3 +260,9 @@ def test_an_all_reduce_checkpoint_from_before_the_union_says_it_ran_with_the_lea
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         current.load_state_dict(opt.state_dict())  # saved with the setting: no warning
+    gathered = hf_demo.DeMo([p], compression_topk=4, compression_chunk=8)
+    old_gather = gathered.state_dict()
+    del old_gather["demo"]["settings"]["reduce_positions"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an all_gather checkpoint never used the setting: nothing changed
+        hf_demo.DeMo([p], compression_topk=4, compression_chunk=8).load_state_dict(old_gather)
