@@ -74,12 +74,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
 
-ALIASES = {
-    "topk": "compression_topk",
-    "chunk": "compression_chunk",
-    "decay": "compression_decay",
-    "format": "value_format",
-}
+from common import ALIASES, parse_overrides  # noqa: E402
+
 BASE_METHODS = ("adamw", "powersgd", "peer", "demo")
 
 
@@ -89,28 +85,6 @@ class Method:
     kind: str  # adamw | powersgd | peer | demo
     label: str
     overrides: dict = field(default_factory=dict)  # DeMo keywords (kind demo)
-
-
-def _value(text: str):
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
-def parse_overrides(spec: str) -> dict:
-    out = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        if "=" not in item:
-            raise SystemExit(f"DeMo override {item!r} is not key=value")
-        k, v = item.split("=", 1)
-        out[ALIASES.get(k.strip(), k.strip())] = _value(v)
-    return out
 
 
 def demo_label(overrides: dict) -> str:

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import stdlib_bytes
+from common import parse_overrides, stdlib_bytes
 
 METHODS = (
     "demo-bf16",
@@ -130,6 +130,12 @@ def parse_args(argv=None):
         "uniform:A:B, exp:MEAN, lognormal:MEDIAN:SIGMA, pareto:SCALE:ALPHA (heavy tail)",
     )
     p.add_argument("--comm-budget", type=float, default=0.15, help="comm_budget of demo-policy")
+    p.add_argument(
+        "--demo-settings",
+        default="",
+        help="extra DeMo keywords for every demo-* method, key=value,... as in convergence.py "
+        "(e.g. update_rule=adam,decay=0.99)",
+    )
     p.add_argument("--comm-timeout", type=float, default=300.0, help="DeMo's comm_timeout, seconds")
     p.add_argument("--progress-file", default="", help="rank 0 writes the wall clock of the first step here")
     p.add_argument("--timeout-min", type=float, default=60.0)
@@ -293,6 +299,7 @@ def main(argv=None):
         kw = dict(DEMO_KW[args.method])
         if args.method == "demo-policy":
             kw["comm_budget"] = args.comm_budget
+        kw.update(parse_overrides(args.demo_settings))
         opt = DeMo(
             model.parameters(),
             lr=lr,
