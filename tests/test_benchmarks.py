@@ -26,3 +26,19 @@ def test_convergence_benchmark_runs_every_method_on_a_tiny_model(tmp_path):
     runs = json.loads((tmp_path / "convergence_smoke.json").read_text())
     assert len(runs) == 5 and all(r["ok"] for r in runs), [r.get("error") for r in runs]
     assert (tmp_path / "convergence_smoke.md").exists()
+
+
+def test_wan_worker_reads_demo_settings_like_the_convergence_benchmark():
+    """``wan_worker.py --demo-settings`` and ``convergence.py --demo-configs`` share one key=value parser."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import wan_worker as w, convergence as c; "
+        "a = w.parse_args(['--method', 'demo-bf16', '--out', 'x', '--demo-settings', 'decay=0.99,update_rule=adam,"
+        "overlap=true,topk=64']); got = w.parse_overrides(a.demo_settings); "
+        "want = {'compression_decay': 0.99, 'update_rule': 'adam', 'overlap': True, 'compression_topk': 64}; "
+        "assert got == want, got; "
+        "assert c.parse_method('demo:decay=0.99,update_rule=adam,overlap=true,topk=64').overrides == got; "
+        "w.parse_overrides('decay')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "DeMo override 'decay' is not key=value" in proc.stderr, proc.stderr[-2000:]
