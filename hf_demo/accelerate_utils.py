@@ -11,6 +11,7 @@ A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo
 from __future__ import annotations
 
 import gc
+from itertools import compress
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
@@ -82,19 +83,18 @@ def prepare(accelerator, model, optimizer, *others):
 def _allreducing_ddp(params) -> list[DistributedDataParallel]:
     """DDP wrappers that hold any of ``params`` and still all-reduce gradients (no no-op comm hook)."""
     ids = {id(p) for p in params}
-    found = []
-    is_ddp: dict[type, bool] = {}  # DDP's metaclass is ABCMeta: one isinstance per live object costs ~1 us
-    for obj in gc.get_objects():
-        kind = type(obj)
-        if kind not in is_ddp:
-            is_ddp[kind] = issubclass(kind, DistributedDataParallel)
-        if (
-            is_ddp[kind]
-            and any(id(p) in ids for p in obj.module.parameters())
-            and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))
-        ):
-            found.append(obj)
-    return found
+    objects = gc.get_objects()
+    # the live objects' types, then the objects of DDP's types, both iterated in C: the Python loop over every
+    # object this replaced (~4*10^5 in a transformers process) took 0.53 s of a first step on 4 ranks sharing 2
+    # cores, this 0.32 s (docs/WAN.md, ninth session)
+    ddp_types = {kind for kind in set(map(type, objects)) if issubclass(kind, DistributedDataParallel)}
+    wrappers = compress(objects, map(ddp_types.__contains__, map(type, objects))) if ddp_types else ()
+    return [
+        obj
+        for obj in wrappers
+        if any(id(p) in ids for p in obj.module.parameters())
+        and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))
+    ]
 
 
 def check_local_gradients(optimizer: DeMo) -> None:
