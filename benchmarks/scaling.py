@@ -35,6 +35,7 @@ from pathlib import Path
 from common import expect_ok, run_ranks
 from hf_demo.codec import INDEX_CODINGS
 from hf_demo.config import DeMoSettings
+from hf_demo.exchange import REDUCE_POSITIONS
 
 DEFAULT_INDEX_CODING = DeMoSettings().index_coding
 
@@ -112,7 +113,7 @@ def parse_settings(s: str) -> list[Setting]:
                 kw["hierarchy"] = e
             elif e.startswith("sync"):
                 kw["sync_every"] = int(e[4:])
-            elif e in ("union", "leader"):
+            elif e in REDUCE_POSITIONS:
                 kw["exchange"], kw["reduce_positions"] = "all_reduce", e
             elif e in INDEX_CODINGS:
                 kw["index_coding"] = e

@@ -296,18 +296,16 @@ def main(argv=None):
         from hf_demo import DeMo
 
         net = model
-        kw = dict(DEMO_KW[args.method])
-        if args.method == "demo-policy":
-            kw["comm_budget"] = args.comm_budget
-        kw.update(parse_overrides(args.demo_settings))
-        opt = DeMo(
-            model.parameters(),
-            lr=lr,
+        kw = dict(
             compression_topk=args.topk * (max(1, world // 2) if args.method in TOPK_PER_HALF_WORLD else 1),
             compression_chunk=args.chunk,
             comm_timeout=args.comm_timeout,
-            **kw,
+            **DEMO_KW[args.method],
         )
+        if args.method == "demo-policy":
+            kw["comm_budget"] = args.comm_budget
+        kw.update(parse_overrides(args.demo_settings))  # --demo-settings win, e.g. topk=64 over --topk
+        opt = DeMo(model.parameters(), lr=lr, **kw)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
