@@ -213,6 +213,11 @@ PRESETS: dict[str, dict] = {
     "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64: 0.018 [0.034]
     "lean": {"value_format": "sign"},  # 1-bit values, top-32: 0.010 [0.017]
     "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting: 0.0021 [0.0026]
+    # many ranks: the union all-reduce at 4x the default top-k. Its bytes per rank stay below 2x those at W=2
+    # for any W (a ring all-reduce), where the all-gather's grow as W-1: on the 3.3M model 0.103 B/param
+    # received per rank at W=2, 0.19 at W=8 (0.84x the default all-gather's there, less still beyond), and it
+    # trained better than the default all-gather at W=2, 4 and 8 (docs/CONVERGENCE.md, tenth session)
+    "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
 }
 
 _TYPES = {
