@@ -308,7 +308,9 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     if out is not None:
         queue.put((rank, out))
     try:
-        dist.destroy_process_group()
+        from hf_demo.teardown import shutdown
+
+        shutdown()  # waits for gloo's workers first (a bare destroy can deadlock at exit: see wan_worker.py)
     except Exception:
         pass
 

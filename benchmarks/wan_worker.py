@@ -419,7 +419,12 @@ def main(argv=None):
             flush=True,
         )
     dist.barrier()
-    dist.destroy_process_group()
+    # not a bare destroy_process_group(): DDP's reducer keeps the group, and freeing it when main() returns
+    # joins gloo's worker threads with the interpreter lock held, while a worker may still need that lock
+    # to free the barrier's work: one rank of an 8-node run hung there for 300 s (docs/WAN.md §11)
+    from hf_demo.teardown import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def _worker(fn, rank, world, port, results, args, collective_timeout, backend="g
     torch.save(out, buf)  # plain bytes: tensors must not travel as shared-memory handles of a dead process
     results.put((rank, buf.getvalue()))
     try:
-        dist.destroy_process_group()
+        from hf_demo.teardown import shutdown
+
+        shutdown()  # waits for gloo's workers first: a bare destroy can deadlock with a worker freeing a work
     except Exception:
         pass
 
