@@ -165,6 +165,8 @@ class AllReduceExchange:
         for m, idx, first in zip(working, chosen, keep):
             mine = m.gather(1, idx)
             contributions.append((mine if first is None else mine * first).to(self.dtype))
+        if not contributions:  # nothing to send (every parameter frozen, or a hierarchy shard without one):
+            return []  # the same on every rank of the group, whose layouts the headers proved equal
         sums = transport.all_reduce(torch.cat([c.reshape(-1) for c in contributions]), "values")
         if not bool(sums.isfinite().all()):
             raise DeMoSyncError(

@@ -57,6 +57,21 @@ def topology(world: int, rank: int) -> Topology:
     return Topology(world, rank, int(raw))
 
 
+def check_agreement(topo: Topology) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks read the same ``LOCAL_WORLD_SIZE`` (nodes
+    with different numbers of processes would build different groups and wait on each other until a timeout)."""
+    import torch.distributed as dist
+
+    sizes: list = [None] * topo.world
+    dist.all_gather_object(sizes, topo.local_size)
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"hierarchy='node' needs the same number of processes on every node, but the ranks read "
+            f"LOCAL_WORLD_SIZE {sizes} (rank by rank): launch the same --nproc_per_node on every node, or use "
+            "hierarchy='flat'"
+        )
+
+
 def node_mean(tensors: list[torch.Tensor | None], like: list[torch.Tensor], transport) -> list[torch.Tensor]:
     """The mean over the node of each tensor (a missing one counts as zeros), one all-reduce, fp32."""
     flat = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1).float() for t, p in zip(tensors, like)])

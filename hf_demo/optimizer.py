@@ -35,7 +35,7 @@ from . import codec, hierarchy, local_steps, update_rules
 from . import exchange as exchanges
 from . import functional as F
 from . import policy as policies
-from .blocks import MAX_BLOCK_SIZE, decode, encode, plan
+from .blocks import MAX_BLOCK_SIZE, BlockLayout, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
 from .errors import DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
@@ -114,7 +114,7 @@ class DeMo(torch.optim.Optimizer):
         self._transport: Transport | None = None
         self._node: tuple[hierarchy.Topology, Transport] | None = None
         self._pending: dict | None = None  # overlap: the exchange started by the last step
-        self._saved_world: tuple[int, int] | None = None
+        self._saved_world: tuple[int, int, str] | None = None  # (rank, world, scope) of a loaded state
         self._first_checked = False  # the first exchange of this process compares parameters and gradients
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
@@ -176,6 +176,7 @@ class DeMo(torch.optim.Optimizer):
             if self.process_group is not None:
                 raise ValueError("hierarchy='node' builds its groups from the whole world: pass no process_group")
             topo = hierarchy.topology(dist.get_world_size(), dist.get_rank())
+            hierarchy.check_agreement(topo)
             node_group, peer_group = hierarchy.groups(topo, timeout, dist.get_backend())
             self._node = (topo, Transport(node_group, timeout, self.comm_stats))
             self._transport = Transport(peer_group, timeout, self.comm_stats)
@@ -207,7 +208,7 @@ class DeMo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         transport = self._transport_now()
-        self._check_saved_world(transport.rank, transport.world)
+        self._check_saved_world(transport)
         before = (
             self.steps,
             self.skipped_steps,
@@ -229,13 +230,13 @@ class DeMo(torch.optim.Optimizer):
         tier_index = (decided or self.policy).tier
         tier = self.tiers[tier_index]
         items, layout_ck, settings_ck = self._plan(tier)
-        all_items, node_grads = items, None
+        all_items, node_grads, all_node_grads = items, None, None
         if self._node is not None:  # hierarchy: the node's mean gradient; this rank's shard of the parameters
             topo, node = self._node
             node.step = self.steps
-            node_grads = hierarchy.node_mean([p.grad for p, _, _ in items], [p for p, _, _ in items], node)
+            all_node_grads = hierarchy.node_mean([p.grad for p, _, _ in items], [p for p, _, _ in items], node)
             items = all_items[topo.local_rank :: topo.local_size]
-            node_grads = node_grads[topo.local_rank :: topo.local_size]
+            node_grads = all_node_grads[topo.local_rank :: topo.local_size]
         params = [p for p, _, _ in items]
         layouts = [layout for _, _, layout in items]
         if decided is None:
@@ -270,6 +271,11 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
+        # what the local checks read: with hierarchy='node' every parameter and node-mean gradient, not only this
+        # rank's shard, so that all local ranks of a node raise the same flags and every inter-node group (each
+        # sees one local rank of every node) reaches the same decision: skip, raise, resync
+        checked_signals = all_node_grads if self._node is not None else signals
+        checked = [p for p, _, _ in all_items] if self._node is not None else replicas
         average = "world" if local else None  # a synchronisation averages over every rank
         exchange = exchanges.build(
             self.settings.exchange, self._exchange_spec(layouts, tier.value_format, transport.world, average)
@@ -279,8 +285,8 @@ class DeMo(torch.optim.Optimizer):
 
         # 1. local checks (at this process's first exchange also: are the replicas and the data really apart?)
         first = not self._first_checked and transport.world > 1
-        bad_grads = _nonfinite([s for s in signals if s is not None])
-        bad_params = _nonfinite(replicas)
+        bad_grads = _nonfinite([s for s in checked_signals if s is not None])
+        bad_params = _nonfinite(checked)
         check_drift = (_due(self.settings.check_every, self.steps) or first) and transport.world > 1
         grad_print = _gradient_fingerprint(signals) if first and self.settings.identical_gradients == "raise" else 0
         flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
@@ -307,7 +313,7 @@ class DeMo(torch.optim.Optimizer):
             flags=flags,
             world_size=transport.world,
             payload_bytes=exchange.payload_nbytes,
-            fingerprint=_fingerprint(replicas) if check_drift else 0,
+            fingerprint=_fingerprint(checked) if check_drift else 0,
             grad_fingerprint=grad_print,
             **self._timings(started),
         )
@@ -346,7 +352,7 @@ class DeMo(torch.optim.Optimizer):
                     + (f". {UNSYNCED_START}" if first and drifted else "")
                 )
             resync = True
-        fresh = self._fetch_rank0(replicas, transport) if resync else None
+        fresh = self._fetch_rank0(checked, transport) if resync else None
 
         skip = codec.flagged(headers, codec.FLAG_NONFINITE) or bad_param_ranks
         if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
@@ -363,17 +369,20 @@ class DeMo(torch.optim.Optimizer):
                 "step": self.steps,
                 "lr": [(g["lr"], g["weight_decay"]) for _, g, _ in items],
                 "index_coding": self.settings.index_coding,  # how its rows are coded, whatever a resume sets
+                "layouts": layouts,  # and with which blocks and top-k: a resume may change them
+                "value_format": tier.value_format,
             }
         elif not skip:
             updates = exchange.communicate(transport, headers, payload, working)
         shared = None
         if self._node is not None and not skip:  # hierarchy: owners' new values to every rank of the node
-            shared, rule_states = self._share_in_node(items, all_items, updates, generator)
+            bases = dict(zip(map(id, checked), fresh)) if fresh is not None else {}  # a resync's values first
+            shared, rule_states = self._share_in_node(items, all_items, updates, generator, bases)
 
         # 6. commit: nothing below raises on purpose
         self._first_checked = True
         if fresh is not None:
-            for r, value in zip(replicas, fresh):
+            for r, value in zip(checked, fresh):
                 r.copy_(value)
             self.resyncs += 1
             cause = "drift" if drifted else "non-finite parameters" if bad_param_ranks else "full_sync_every"
@@ -385,9 +394,10 @@ class DeMo(torch.optim.Optimizer):
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         self._last_exchange_tier = tier_index
-        if self.settings.overlap:
+        if self.settings.overlap or late is not None:  # overlap off: a resumed in-flight exchange lands here
             self._apply_late(items, late)
             self._pending = pending
+        if self.settings.overlap:
             if not skip:
                 for (p, _, _), m in zip(items, working):
                     self.state[p]["momentum"] = m
@@ -422,15 +432,38 @@ class DeMo(torch.optim.Optimizer):
             self._pending = None
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
-        """Overlap: wait for the exchange the last step started, validate and average it (nothing committed)."""
+        """Overlap: wait for the exchange the last step started, validate and average it (nothing committed).
+
+        Decoded with the layouts, value format and index code it was sent with (a resume may have changed the
+        settings since); overlap exchanges are all-gathers whatever ``exchange`` says now."""
         pending, transport = self._pending, self._transport or self._transport_now()  # flush() right after a resume
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
-        tier = self.tiers[self.policy.tier]
-        layouts = [layout for _, _, layout in items]
-        spec = self._exchange_spec(layouts, tier.value_format, transport.world, index_coding=pending["index_coding"])
-        exchange = exchanges.build(self.settings.exchange, spec)
-        return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
+        layouts = self._pending_layouts(items)
+        fmt = pending.get("value_format") or self.tiers[self.policy.tier].value_format
+        spec = self._exchange_spec(layouts, fmt, transport.world, index_coding=pending["index_coding"])
+        exchange = exchanges.build("all_gather", spec)
+        try:
+            return exchange.finish(rows, pending["headers"], transport.rank, pending["step"])
+        except DeMoSyncError as exc:
+            raise DeMoSyncError(
+                f"{exc}. This was the exchange still in flight (overlap=True) from optimizer step "
+                f"{pending['step']}: it cannot be sent again, and the ranks that received it intact have applied "
+                "it. Resume every rank from the last checkpoint"
+            ) from exc
+
+    def _pending_layouts(self, items) -> list:
+        """The layouts the exchange in flight was coded with (the current ones for a state saved before they were
+        recorded), checked against the parameters it updates."""
+        layouts = self._pending.get("layouts") or [layout for _, _, layout in items]
+        shapes = [tuple(p.shape) for p, _, _ in items]
+        if [layout.shape for layout in layouts] != shapes:
+            raise DeMoStateError(
+                f"the exchange in flight (overlap=True, optimizer step {self._pending['step']}) updates parameters "
+                f"of shapes {[layout.shape for layout in layouts]}, this optimizer has {shapes}: the model or its "
+                "trainable parameters changed since the checkpoint; resume with the same ones"
+            )
+        return layouts
 
     def _apply_late(self, items, updates) -> None:
         if updates is None:
@@ -439,18 +472,19 @@ class DeMo(torch.optim.Optimizer):
         generator = None
         if self.settings.param_rounding == "stochastic":
             generator = torch.Generator().manual_seed(0x5EED0000 + pending["step"])
-        for (p, _, layout), update, (lr, wd) in zip(items, updates, pending["lr"]):
+        for (p, _, _), layout, update, (lr, wd) in zip(items, self._pending_layouts(items), updates, pending["lr"]):
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, lr, wd, generator)
 
-    def _share_in_node(self, items, all_items, updates, generator):
-        """(every parameter's new value, this shard's new rule states), nothing committed."""
+    def _share_in_node(self, items, all_items, updates, generator, bases):
+        """(every parameter's new value, this shard's new rule states), nothing committed; ``bases``: id(param) ->
+        the value the step starts from where a resync replaced it."""
         topo, node = self._node
         values, rule_states = {}, []
         for i, ((p, g, layout), update) in enumerate(zip(items, updates)):
             rule_state = {k: v.clone() for k, v in self.state[p].items() if k in update_rules.STATE_KEYS}
             direction = self.update_rule.direction(p, decode(update, layout), rule_state)
-            value = p.detach().clone()
+            value = bases.get(id(p), p.detach()).clone()
             F.apply_step(value, direction, g["lr"], g["weight_decay"], generator)
             values[topo.local_rank + i * topo.local_size] = value
             rule_states.append(rule_state)
@@ -512,8 +546,7 @@ class DeMo(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "resyncs": self.resyncs,
-            "rank": transport.rank if transport else 0,
-            "world_size": transport.world if transport else 1,
+            **dict(zip(("rank", "world_size", "rank_scope"), self._identity(transport))),
             "settings": self.settings.as_dict(),
             "policy": {**self.policy.state_dict(), "tier_spec": list(astuple(self.tiers[self.policy.tier]))},
             "pending": self._pending_state(),
@@ -544,12 +577,22 @@ class DeMo(torch.optim.Optimizer):
         pending = self._pending
         if hasattr(pending["rows"], "wait"):
             pending["rows"] = pending["rows"].wait()
+        transport = self._transport or self._transport_now()
+        try:  # a checkpoint must not keep rows that can never be applied
+            codec.verify_rows(pending["headers"], pending["rows"], self.secret, transport.rank, pending["step"])
+        except DeMoSyncError as exc:
+            raise DeMoSyncError(
+                f"{exc}. This is the exchange in flight (overlap=True): a checkpoint of this state could never be "
+                "resumed, so none is written; resume every rank from the last checkpoint"
+            ) from exc
+        layouts = pending.get("layouts")
         return {
             "rows": pending["rows"].clone(),
             "step": pending["step"],
             "lr": [list(x) for x in pending["lr"]],
             "index_coding": pending["index_coding"],
             "headers": torch.stack([h.to_bytes() for h in pending["headers"]]),
+            **(_layouts_state(layouts, pending["value_format"]) if layouts else {}),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -623,23 +666,38 @@ class DeMo(torch.optim.Optimizer):
                 "lr": [tuple(x) for x in pending["lr"]],
                 "headers": [codec.Header.from_bytes(row) for row in pending["headers"]],
                 "index_coding": pending.get("index_coding", "uint16"),  # the only code before it was recorded
+                "layouts": [_layout(x) for x in pending["layouts"]] if "layouts" in pending else None,
+                "value_format": pending.get("value_format"),
             }
         )
         self.comm_stats.load(extra.get("comm", {}))
-        self._saved_world = (int(extra["rank"]), int(extra["world_size"]))
+        # "group": the rank in the optimizer's own group (and saved by a hierarchy before it recorded a scope)
+        self._saved_world = (int(extra["rank"]), int(extra["world_size"]), extra.get("rank_scope", "group"))
         if dist.is_available() and dist.is_initialized():
-            transport = self._transport_now()
-            self._check_saved_world(transport.rank, transport.world)
+            self._check_saved_world(self._transport_now())
 
     def _device(self) -> torch.device:
         """Where the step's buffers live: the first trainable parameter's device."""
         trainable = (p.device for g in self.param_groups for p in g["params"] if p.requires_grad)
         return next(trainable, torch.device("cpu"))
 
-    def _check_saved_world(self, rank: int, world: int) -> None:
+    def _identity(self, transport: Transport | None) -> tuple[int, int, str]:
+        """(rank, world size, scope) that a saved state belongs to. With hierarchy='node' the optimizer's
+        transport is the inter-node group, whose rank is the node's number: two local ranks of a node would
+        share it, so the state records the rank in the whole world."""
+        if transport is None:
+            return 0, 1, "group"
+        if self._node is not None:
+            return dist.get_rank(), dist.get_world_size(), "world"
+        return transport.rank, transport.world, "group"
+
+    def _check_saved_world(self, transport: Transport) -> None:
         if self._saved_world is None:
             return
-        saved_rank, saved_world = self._saved_world
+        saved_rank, saved_world, scope = self._saved_world
+        rank, world, _ = self._identity(transport)
+        if scope == "group" and self._node is not None:  # saved before the scope was recorded: the node's number
+            rank, world = transport.rank, transport.world
         if saved_world != world:
             raise DeMoStateError(
                 f"optimizer state was saved with {saved_world} process(es) but this run has "
@@ -726,6 +784,17 @@ def _fingerprint(params: list[torch.Tensor]) -> int:
     for plain, weighted in host:
         total = (total * 1_000_003 + plain * 31 + weighted) & ((1 << 62) - 1)
     return total
+
+
+def _layouts_state(layouts: list[BlockLayout], value_format: str) -> dict:
+    """What a checkpoint keeps of how an exchange in flight was coded."""
+    return {"layouts": [list(astuple(x)) for x in layouts], "value_format": value_format}
+
+
+def _layout(saved) -> BlockLayout:
+    """A :class:`~hf_demo.blocks.BlockLayout` from its saved fields (shape, rows, cols, b0, b1, k)."""
+    shape, *rest = saved
+    return BlockLayout(tuple(int(x) for x in shape), *(int(x) for x in rest))
 
 
 def _replan_momentum(pid, momentum: torch.Tensor, p: torch.Tensor, saved_chunk: int, chunk: int) -> torch.Tensor:

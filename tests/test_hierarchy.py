@@ -77,3 +77,106 @@ def test_node_hierarchy_without_a_topology_says_so():
 def test_node_hierarchy_refuses_what_it_does_not_combine_with():
     with pytest.raises(ValueError, match="hierarchy='node'"):
         hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node", sync_every=4)
+
+
+# ---------------------------------------------------------------- faults and checks (tenth session's fault hunt)
+def _apart_then_checked(rank, world):
+    """Nodes start from different weights (an un-broadcast model); a drift check, then full_sync_every."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out = []
+    for kw in ({"check_every": 2, "drift": "resync"}, {"full_sync_every": 3, "check_every": 0}):
+        model = tiny_mlp(seed=rank // 2)  # the same inside a node, different between nodes
+        opt = hf_demo.DeMo(model.parameters(), hierarchy="node", identical_gradients="allow", **KW, **kw)
+        for step in range(6):
+            loss_and_backward(model, rank, step)
+            opt.step()
+        out.append(([p.detach().clone() for p in model.parameters()], opt.resyncs))
+    return out
+
+
+def test_node_hierarchy_resync_gives_every_rank_the_same_parameters():
+    """A resync copies rank 0's parameters to every rank: before the fix each owner stepped from its own
+    un-resynced values and the replicas stayed apart while DeMo warned it had copied them."""
+    results = expect_ok(run_ranks(_apart_then_checked, 4))
+    for case in range(2):
+        params0, _ = results[0][case]
+        for params, resyncs in (r[case] for r in results):
+            assert resyncs >= 1
+            assert all(torch.equal(a, b) for a, b in zip(params0, params))
+
+
+def _one_bad_gradient(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", comm_timeout=20.0, **KW)
+    for step in range(4):
+        loss_and_backward(model, rank, step)
+        if step == 1 and rank == 0:
+            next(model.parameters()).grad[0, 0] = float("nan")  # parameter 0: local rank 0's shard
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.skipped_steps, opt.steps
+
+
+def test_node_hierarchy_skips_a_bad_gradient_on_every_rank():
+    """A NaN in one parameter's gradient on one rank: every rank skips that step (each checks every node-mean
+    gradient, not only its shard's); before the fix the other local ranks waited in the in-node share."""
+    results = expect_ok(run_ranks(_one_bad_gradient, 4, timeout=120))
+    assert [(skipped, steps) for _, skipped, steps in results] == [(1, 4)] * 4
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0], r[0]))
+
+
+def _fewer_parameters_than_local_ranks(rank, world, exchange):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4, bias=False)  # one parameter: local rank 1 owns none
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", exchange=exchange, lr=1e-2, compression_chunk=8)
+    for step in range(3):
+        model.zero_grad()
+        g = torch.Generator().manual_seed(rank * 10 + step)
+        model(torch.randn(4, 8, generator=g)).square().sum().backward()
+        opt.step()
+    return model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "all_reduce"])
+def test_node_hierarchy_with_a_rank_that_owns_no_parameter(exchange):
+    results = expect_ok(run_ranks(_fewer_parameters_than_local_ranks, 4, exchange))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert not torch.equal(results[0], torch.nn.Linear(8, 4, bias=False).weight)
+
+
+def _load_neighbours_state(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    states = [None] * world
+    torch.distributed.all_gather_object(states, opt.state_dict())
+    fresh = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
+    fresh.load_state_dict(states[rank ^ 1])  # the other local rank of the same node
+    loss_and_backward(model, rank, 1)
+    fresh.step()
+
+
+def test_node_hierarchy_refuses_another_ranks_state():
+    """The state records the rank in the whole world: two local ranks of a node are told apart (the rank of
+    the inter-node group, which the state recorded before, is the same for both)."""
+    results = run_ranks(_load_neighbours_state, 4)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankError), result
+        assert f"rank {rank} loaded the optimizer state saved by rank {rank ^ 1}" in result.message
+
+
+def _uneven(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = str([1, 2, 2, 1][rank])  # each divides the world; they disagree
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+
+
+def test_node_hierarchy_with_different_processes_per_node_says_so_on_every_rank():
+    for result in run_ranks(_uneven, 4, timeout=60):
+        assert isinstance(result, RankError), result
+        assert "same number of processes on every node" in result.message and "[1, 2, 2, 1]" in result.message

@@ -1,5 +1,9 @@
 """Every exchange and update rule on real gloo ranks: replicas bitwise identical, exact resume, traffic."""
 
+import copy
+import io
+import warnings
+
 import pytest
 import torch
 
@@ -189,3 +193,83 @@ def test_overlap_applies_each_update_one_step_late():
     assert all(torch.equal(a, b) for a, b in zip(late, tiny_mlp().parameters()))  # nothing applied yet
     (flushed, _, _), _ = expect_ok(run_ranks(_overlap, 2, 1))
     assert not all(torch.equal(a, b) for a, b in zip(flushed, tiny_mlp().parameters()))
+
+
+# ---------------------------------------------------------------- overlap: an exchange in flight across a resume
+def _in_flight(**kw):
+    """A one-process overlap run with an exchange in flight, its saved state, and the update it carries."""
+    model = tiny_mlp()
+    opt = _make(model, overlap=True, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
+    for step in range(3):
+        loss_and_backward(model, 0, step)
+        opt.step()
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.flush()
+    carried = [p.detach() - b for p, b in zip(model.parameters(), before)]
+    return torch.load(io.BytesIO(saved.getvalue()), weights_only=True), carried
+
+
+def _resumed(state, **kw):
+    model = tiny_mlp(seed=7)
+    opt = _make(model, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
+    model.load_state_dict(state["model"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "resuming with settings that differ from the checkpoint's"
+        opt.load_state_dict(state["opt"])
+    return model, opt
+
+
+@pytest.mark.parametrize("coding", ["elias_fano", "uint16"])
+@pytest.mark.parametrize("change", [{"compression_topk": 2}, {"compression_topk": 8}, {"compression_chunk": 4}])
+def test_overlap_in_flight_exchange_is_decoded_with_the_layout_it_was_sent_with(change, coding):
+    """Resuming with another top-k or chunk (allowed, with a warning) must apply the update that was in flight:
+    before the fix its rows were decoded with the new layout (an error, or with 16-bit positions a wrong update)."""
+    state, carried = _in_flight(index_coding=coding)
+    model, opt = _resumed(state, overlap=True, index_coding=coding, **change)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.flush()
+    for p, b, c in zip(model.parameters(), before, carried):
+        assert torch.equal(p.detach() - b, c)
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "all_reduce"])
+def test_overlap_checkpoint_resumed_without_overlap_applies_the_update_in_flight(exchange):
+    """The next step applies the exchange in flight, then its own update, and nothing is left in flight (before:
+    an AttributeError at every step with all_reduce; with all_gather the update was held back and a flush()
+    many steps later applied it)."""
+    state, carried = _in_flight()
+    model, opt = _resumed(state, exchange=exchange)
+    assert opt.in_flight
+    without = copy.deepcopy(state)
+    without["opt"]["demo"]["pending"] = None  # the same state with nothing in flight: this step's own update
+    own_model, own_opt = _resumed(without, exchange=exchange)
+    before = [p.detach().clone() for p in model.parameters()]
+    for m, o in ((model, opt), (own_model, own_opt)):
+        loss_and_backward(m, 0, 3)
+        o.step()
+    assert not opt.in_flight
+    for p, q, b, c in zip(model.parameters(), own_model.parameters(), before, carried):
+        torch.testing.assert_close(p.detach() - b, (q.detach() - b) + c, atol=1e-6, rtol=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.flush()  # nothing left to apply
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_overlap_refuses_to_checkpoint_an_exchange_that_arrived_corrupted():
+    model = tiny_mlp()
+    opt = _make(model, overlap=True)
+    for step in range(2):
+        loss_and_backward(model, 0, step)
+        opt.step()
+    rows = opt._pending["rows"].wait().clone()
+    rows[0, 3] ^= 0x01  # one bit flipped on the wire
+    opt._pending["rows"] = rows
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_and_backward(model, 0, 2)
+    with pytest.raises(hf_demo.DeMoSyncError, match="CRC32.*in flight.*Resume every rank from the last checkpoint"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing applied
+    with pytest.raises(hf_demo.DeMoSyncError, match="none is written"):
+        opt.state_dict()  # a checkpoint that could never be resumed is not written
