@@ -57,17 +57,19 @@ def topology(world: int, rank: int) -> Topology:
     return Topology(world, rank, int(raw))
 
 
-def check_agreement(topo: Topology) -> None:
+def check_agreement(world: int) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks read the same ``LOCAL_WORLD_SIZE`` (nodes
-    with different numbers of processes would build different groups and wait on each other until a timeout)."""
+    with different numbers of processes would build different groups and wait on each other until a timeout).
+    Runs before :func:`topology` validates the value, so a rank with a missing or invalid one does not leave
+    the others waiting: they all raise here, naming every rank's value."""
     import torch.distributed as dist
 
-    sizes: list = [None] * topo.world
-    dist.all_gather_object(sizes, topo.local_size)
-    if len(set(sizes)) > 1:
+    values: list = [None] * world
+    dist.all_gather_object(values, os.environ.get("LOCAL_WORLD_SIZE"))
+    if len(set(values)) > 1:
         raise ValueError(
             f"hierarchy='node' needs the same number of processes on every node, but the ranks read "
-            f"LOCAL_WORLD_SIZE {sizes} (rank by rank): launch the same --nproc_per_node on every node, or use "
+            f"LOCAL_WORLD_SIZE {values} (rank by rank): launch the same --nproc_per_node on every node, or use "
             "hierarchy='flat'"
         )
 

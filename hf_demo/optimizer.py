@@ -175,8 +175,8 @@ class DeMo(torch.optim.Optimizer):
         if initialised and self.settings.hierarchy == "node":
             if self.process_group is not None:
                 raise ValueError("hierarchy='node' builds its groups from the whole world: pass no process_group")
+            hierarchy.check_agreement(dist.get_world_size())  # the same LOCAL_WORLD_SIZE on every rank, first
             topo = hierarchy.topology(dist.get_world_size(), dist.get_rank())
-            hierarchy.check_agreement(topo)
             node_group, peer_group = hierarchy.groups(topo, timeout, dist.get_backend())
             self._node = (topo, Transport(node_group, timeout, self.comm_stats))
             self._transport = Transport(peer_group, timeout, self.comm_stats)
@@ -271,11 +271,11 @@ class DeMo(torch.optim.Optimizer):
         else:
             signals = node_grads if node_grads is not None else [p.grad for p in params]
         replicas = anchors if local else params  # what must be identical on every rank
-        # what the local checks read: with hierarchy='node' every parameter and node-mean gradient, not only this
-        # rank's shard, so that all local ranks of a node raise the same flags and every inter-node group (each
-        # sees one local rank of every node) reaches the same decision: skip, raise, resync
+        # hierarchy='node': every node-mean gradient is checked, not only this rank's shard. They are the same on
+        # every local rank of a node (one all-reduce), so all local ranks raise the same flag and every inter-node
+        # group (one local rank of every node) skips alike. Parameters stay checked per shard: a local rank's
+        # copy of a parameter it does not own is overwritten by the owner's share at every step
         checked_signals = all_node_grads if self._node is not None else signals
-        checked = [p for p, _, _ in all_items] if self._node is not None else replicas
         average = "world" if local else None  # a synchronisation averages over every rank
         exchange = exchanges.build(
             self.settings.exchange, self._exchange_spec(layouts, tier.value_format, transport.world, average)
@@ -286,7 +286,7 @@ class DeMo(torch.optim.Optimizer):
         # 1. local checks (at this process's first exchange also: are the replicas and the data really apart?)
         first = not self._first_checked and transport.world > 1
         bad_grads = _nonfinite([s for s in checked_signals if s is not None])
-        bad_params = _nonfinite(checked)
+        bad_params = _nonfinite(replicas)
         check_drift = (_due(self.settings.check_every, self.steps) or first) and transport.world > 1
         grad_print = _gradient_fingerprint(signals) if first and self.settings.identical_gradients == "raise" else 0
         flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
@@ -313,7 +313,7 @@ class DeMo(torch.optim.Optimizer):
             flags=flags,
             world_size=transport.world,
             payload_bytes=exchange.payload_nbytes,
-            fingerprint=_fingerprint(checked) if check_drift else 0,
+            fingerprint=_fingerprint(replicas) if check_drift else 0,
             grad_fingerprint=grad_print,
             **self._timings(started),
         )
@@ -352,7 +352,7 @@ class DeMo(torch.optim.Optimizer):
                     + (f". {UNSYNCED_START}" if first and drifted else "")
                 )
             resync = True
-        fresh = self._fetch_rank0(checked, transport) if resync else None
+        fresh = self._fetch_rank0(replicas, transport) if resync else None
 
         skip = codec.flagged(headers, codec.FLAG_NONFINITE) or bad_param_ranks
         if skip and not bad_param_ranks and self.settings.nonfinite == "raise":
@@ -376,13 +376,13 @@ class DeMo(torch.optim.Optimizer):
             updates = exchange.communicate(transport, headers, payload, working)
         shared = None
         if self._node is not None and not skip:  # hierarchy: owners' new values to every rank of the node
-            bases = dict(zip(map(id, checked), fresh)) if fresh is not None else {}  # a resync's values first
+            bases = dict(zip(map(id, replicas), fresh)) if fresh is not None else {}  # a resync's values first
             shared, rule_states = self._share_in_node(items, all_items, updates, generator, bases)
 
         # 6. commit: nothing below raises on purpose
         self._first_checked = True
         if fresh is not None:
-            for r, value in zip(checked, fresh):
+            for r, value in zip(replicas, fresh):
                 r.copy_(value)
             self.resyncs += 1
             cause = "drift" if drifted else "non-finite parameters" if bad_param_ranks else "full_sync_every"
@@ -657,6 +657,12 @@ class DeMo(torch.optim.Optimizer):
         self.resyncs = int(extra.get("resyncs", 0))
         self._load_policy(dict(extra.get("policy", {})))
         pending = extra.get("pending")
+        if pending is not None and (self.settings.sync_every > 1 or self.settings.hierarchy != "flat"):
+            raise DeMoStateError(
+                "this optimizer state holds an exchange still in flight (saved with overlap=True), which local steps "
+                "(sync_every > 1) and hierarchy='node' cannot apply: resume it with the settings it was saved with, "
+                "call optimizer.flush(), save again, and resume that checkpoint with the new settings"
+            )
         self._pending = (
             None
             if pending is None

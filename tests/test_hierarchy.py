@@ -179,4 +179,46 @@ def _uneven(rank, world):
 def test_node_hierarchy_with_different_processes_per_node_says_so_on_every_rank():
     for result in run_ranks(_uneven, 4, timeout=60):
         assert isinstance(result, RankError), result
-        assert "same number of processes on every node" in result.message and "[1, 2, 2, 1]" in result.message
+        assert "same number of processes on every node" in result.message and "['1', '2', '2', '1']" in result.message
+
+
+def _one_rank_off(rank, world, fault):
+    """World rank 3 (node 1, local rank 1) holds a wrong copy of parameter 0, which local rank 0 owns."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", check_every=1, comm_timeout=20.0, **KW)
+    for step in range(3):
+        loss_and_backward(model, rank, step)
+        if step == 1 and rank == 3:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan") if fault == "nan" else 1e-3
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.steps
+
+
+@pytest.mark.parametrize("fault", ["nan", "drift"])
+def test_node_hierarchy_heals_a_wrong_copy_of_a_parameter_another_local_rank_owns(fault):
+    """Parameters are checked per shard: a non-owner's wrong copy is overwritten by the owner's share, and every
+    rank goes on alike (checking every parameter on every rank made the local ranks of a node decide apart)."""
+    results = expect_ok(run_ranks(_one_rank_off, 4, fault, timeout=120))
+    assert [steps for _, steps in results] == [3] * 4
+    for params, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
+    assert all(bool(p.isfinite().all()) for p in results[0][0])
+
+
+def _missing_local_world_size(rank, world):
+    if rank == 3:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+
+
+def test_node_hierarchy_with_local_world_size_missing_on_one_rank_says_so_on_every_rank():
+    for result in run_ranks(_missing_local_world_size, 4, timeout=60):
+        assert isinstance(result, RankError), result
+        assert "['2', '2', '2', None]" in result.message

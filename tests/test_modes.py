@@ -273,3 +273,12 @@ def test_overlap_refuses_to_checkpoint_an_exchange_that_arrived_corrupted():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # nothing applied
     with pytest.raises(hf_demo.DeMoSyncError, match="none is written"):
         opt.state_dict()  # a checkpoint that could never be resumed is not written
+
+
+@pytest.mark.parametrize("settings", [{"sync_every": 2}, {"hierarchy": "node"}])
+def test_an_exchange_in_flight_is_not_resumed_where_it_cannot_be_applied(settings):
+    """Local steps and the hierarchical mode cannot apply an overlap exchange in flight: refused at load, naming
+    the way out, instead of losing the update silently."""
+    state, _ = _in_flight()
+    with pytest.raises(hf_demo.DeMoStateError, match="exchange still in flight.*flush"):
+        _resumed(state, **settings)
