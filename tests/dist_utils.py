@@ -52,9 +52,7 @@ def _worker(fn, rank, world, port, results, args, collective_timeout, backend="g
     torch.save(out, buf)  # plain bytes: tensors must not travel as shared-memory handles of a dead process
     results.put((rank, buf.getvalue()))
     try:
-        from hf_demo.teardown import shutdown
-
-        shutdown()  # waits for gloo's workers first: a bare destroy can deadlock with a worker freeing a work
+        dist.destroy_process_group()
     except Exception:
         pass
 
