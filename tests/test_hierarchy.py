@@ -168,8 +168,12 @@ def test_node_hierarchy_refuses_another_ranks_state():
         assert f"rank {rank} loaded the optimizer state saved by rank {rank ^ 1}" in result.message
 
 
-def _uneven(rank, world):
-    os.environ["LOCAL_WORLD_SIZE"] = str([1, 2, 2, 1][rank])  # each divides the world; they disagree
+def _local_world_sizes(rank, world, values):
+    """Each rank reads its own LOCAL_WORLD_SIZE (None: unset), then takes a step."""
+    if values[rank] is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = values[rank]
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
     loss_and_backward(model, rank, 0)
@@ -177,7 +181,7 @@ def _uneven(rank, world):
 
 
 def test_node_hierarchy_with_different_processes_per_node_says_so_on_every_rank():
-    for result in run_ranks(_uneven, 4, timeout=60):
+    for result in run_ranks(_local_world_sizes, 4, ["1", "2", "2", "1"], timeout=60):  # each divides 4
         assert isinstance(result, RankError), result
         assert "same number of processes on every node" in result.message and "['1', '2', '2', '1']" in result.message
 
@@ -207,18 +211,7 @@ def test_node_hierarchy_heals_a_wrong_copy_of_a_parameter_another_local_rank_own
     assert all(bool(p.isfinite().all()) for p in results[0][0])
 
 
-def _missing_local_world_size(rank, world):
-    if rank == 3:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
-    else:
-        os.environ["LOCAL_WORLD_SIZE"] = "2"
-    model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), hierarchy="node", **KW)
-    loss_and_backward(model, rank, 0)
-    opt.step()
-
-
 def test_node_hierarchy_with_local_world_size_missing_on_one_rank_says_so_on_every_rank():
-    for result in run_ranks(_missing_local_world_size, 4, timeout=60):
+    for result in run_ranks(_local_world_sizes, 4, ["2", "2", "2", None], timeout=60):
         assert isinstance(result, RankError), result
         assert "['2', '2', '2', None]" in result.message
