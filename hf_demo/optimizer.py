@@ -605,6 +605,12 @@ class DeMo(torch.optim.Optimizer):
                 f"optimizer state has format version {extra.get('format_version')}, "
                 f"this hf_demo reads {codec.FORMAT_VERSION}"
             )
+        if extra.get("pending") is not None and (self.settings.sync_every > 1 or self.settings.hierarchy != "flat"):
+            raise DeMoStateError(  # before anything is loaded: the optimizer stays as it was
+                "this optimizer state holds an exchange still in flight (saved with overlap=True), which local steps "
+                "(sync_every > 1) and hierarchy='node' cannot apply: resume it with the settings it was saved with, "
+                "call optimizer.flush(), save again, and resume that checkpoint with the new settings"
+            )
         requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in self.param_groups]
         saved_groups = state_dict["param_groups"]
         # torch casts floating state to the parameter dtype (and integer state too, rule_step: a bf16 counter
@@ -657,12 +663,6 @@ class DeMo(torch.optim.Optimizer):
         self.resyncs = int(extra.get("resyncs", 0))
         self._load_policy(dict(extra.get("policy", {})))
         pending = extra.get("pending")
-        if pending is not None and (self.settings.sync_every > 1 or self.settings.hierarchy != "flat"):
-            raise DeMoStateError(
-                "this optimizer state holds an exchange still in flight (saved with overlap=True), which local steps "
-                "(sync_every > 1) and hierarchy='node' cannot apply: resume it with the settings it was saved with, "
-                "call optimizer.flush(), save again, and resume that checkpoint with the new settings"
-            )
         self._pending = (
             None
             if pending is None

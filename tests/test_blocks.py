@@ -38,7 +38,7 @@ def test_round_trip(shape, device):
 
 @pytest.mark.parametrize("shape", [(5,), (100,), (130, 70), (688, 256), (3, 1000), (8, 4, 3, 3), (200, 129)])
 def test_encode_and_decode_match_the_slow_per_block_transform(shape, device):
-    """The two whole-matrix products give each block's ``D0 @ block @ D1.T`` (float64 reference, block by block)."""
+    """Each block's coefficients are ``D0 @ block @ D1.T`` and back (float64 reference, block by block)."""
     torch.manual_seed(1)
     x = torch.randn(shape).to(device)
     layout = plan(tuple(shape), 64, 32)

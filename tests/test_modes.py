@@ -280,5 +280,8 @@ def test_an_exchange_in_flight_is_not_resumed_where_it_cannot_be_applied(setting
     """Local steps and the hierarchical mode cannot apply an overlap exchange in flight: refused at load, naming
     the way out, instead of losing the update silently."""
     state, _ = _in_flight()
+    model = tiny_mlp(seed=7)
+    opt = _make(model, value_format="fp32", update_rule="raw", lr=1e-2, **settings)
     with pytest.raises(hf_demo.DeMoStateError, match="exchange still in flight.*flush"):
-        _resumed(state, **settings)
+        opt.load_state_dict(state["opt"])
+    assert opt.steps == 0 and not opt.in_flight and not opt.state  # refused before anything was loaded
