@@ -777,14 +777,28 @@ def _gradient_fingerprint(signals: list[torch.Tensor | None]) -> int:
     return _fingerprint(present) or 1
 
 
+_FINGERPRINT_PERIOD = 65521  # the position weights of the fingerprint repeat with this period (a prime)
+
+
 def _fingerprint(params: list[torch.Tensor]) -> int:
-    """An exact, order-sensitive fingerprint of the parameters' bits (integer sums: deterministic)."""
+    """An exact, order-sensitive fingerprint of the parameters' bits (integer sums: deterministic).
+
+    Per parameter: the sum of its bits as integers, and their sum weighted by ``1 + position % 65521``. The
+    weighted sum is taken over column sums (the bits laid out in rows of 65521), so no weight or 64-bit
+    copy of the whole parameter is made."""
     int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    period = _FINGERPRINT_PERIOD
     sums = []  # integer sums: the same on every device; read back to the host at once
     for p in params:
-        bits = p.detach().contiguous().view(int_of[p.element_size()]).reshape(-1).to(torch.int64)
-        weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
-        sums.append(torch.stack([bits.sum(), (bits * weights).sum()]))
+        bits = p.detach().contiguous().view(int_of[p.element_size()]).reshape(-1)
+        full = bits.numel() - bits.numel() % period
+        columns = torch.zeros(period, dtype=torch.int64, device=bits.device)
+        if full:
+            columns += bits[:full].view(-1, period).sum(0, dtype=torch.int64)
+        tail = bits[full:]
+        columns[: tail.numel()] += tail.to(torch.int64)
+        weights = torch.arange(1, period + 1, dtype=torch.int64, device=bits.device)
+        sums.append(torch.stack([columns.sum(), (columns * weights).sum()]))
     host = torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [s.tolist() for s in sums]
     total = 0
     for plain, weighted in host:

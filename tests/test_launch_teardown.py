@@ -83,3 +83,20 @@ def test_quiesce_waits_until_the_gloo_workers_are_idle(tmp_path):
     assert teardown.quiesce(timeout=10.0, settle=3, interval=0.01, task_dir=str(tmp_path)) is True
     assert 0.3 <= time.monotonic() - t0 < 5.0
     timer.join()
+
+
+def test_the_step_guard_knows_every_class_derived_from_ddp():
+    """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_demo.accelerate_utils import _subclasses
+
+    class Wrapped(DistributedDataParallel):
+        pass
+
+    class WrappedAgain(Wrapped):
+        pass
+
+    found = _subclasses(DistributedDataParallel)
+    assert {DistributedDataParallel, Wrapped, WrappedAgain} <= found
+    assert torch.nn.Module not in found and _subclasses(WrappedAgain) == {WrappedAgain}

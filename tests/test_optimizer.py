@@ -266,3 +266,40 @@ def test_an_all_reduce_checkpoint_from_before_the_union_says_it_ran_with_the_lea
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an all_gather checkpoint never used the setting: nothing changed
         hf_demo.DeMo([p], compression_topk=4, compression_chunk=8).load_state_dict(old_gather)
+
+
+def _slow_fingerprint(params):
+    """The fingerprint spelled out: every bit pattern times its weight, one 64-bit copy per parameter."""
+    int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    total = 0
+    for p in params:
+        bits = p.contiguous().view(int_of[p.element_size()]).reshape(-1).to(torch.int64)
+        weights = torch.arange(bits.numel()) % 65521 + 1
+        plain, weighted = int(bits.sum()), int((bits * weights).sum())
+        total = (total * 1_000_003 + plain * 31 + weighted) & ((1 << 62) - 1)
+    return total
+
+
+def test_parameter_fingerprint_matches_its_slow_spelling():
+    """Column sums give the same words as the weighted sum over every element: shorter than one period, an
+    exact multiple, a remainder, every element size; a change of one bit or of the order changes the word."""
+    from hf_demo.optimizer import _fingerprint
+
+    torch.manual_seed(0)
+    params = [
+        torch.randn(7),
+        torch.randn(65521),
+        torch.randn(3, 65521),
+        torch.randn(300, 700),
+        torch.randn(513, 257).bfloat16(),
+        torch.randn(1000).double(),
+        torch.randint(-128, 127, (70000,), dtype=torch.int8),
+        torch.randn(129, 1024)[:, ::2],  # not contiguous
+    ]
+    assert _fingerprint(params) == _slow_fingerprint(params)
+    for p in params:
+        assert _fingerprint([p]) == _slow_fingerprint([p])
+    changed = [p.clone() for p in params]
+    changed[3].view(torch.int32)[17, 5] ^= 1
+    assert _fingerprint(changed) != _fingerprint(params)
+    assert _fingerprint(params[::-1]) != _fingerprint(params)

@@ -208,7 +208,10 @@ def test_custom_accelerate_loop_with_prepare(tmp_path):
     assert sum(r0["losses"][-5:]) < sum(r0["losses"][:5])
 
 
-@pytest.mark.parametrize("optim", ["demo", "adamw_torch"])
+@pytest.mark.parametrize(
+    "optim",
+    ["demo", pytest.param("adamw_torch", marks=pytest.mark.slow)],  # the DDP control: slow tier
+)
 def test_evaluate_before_train_still_wraps_and_synchronises(tmp_path, optim):
     """evaluate() before train() used to leave the model unwrapped: replicas initialised apart stayed apart
     (PEFT adapters), and the DDP baselines never averaged. Now train() wraps it in DDP, which broadcasts
