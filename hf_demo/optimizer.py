@@ -391,6 +391,8 @@ class DeMo(torch.optim.Optimizer):
             message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {self.steps} ({cause})"
             logger.warning(message)
             warnings.warn(message, stacklevel=3)
+        if not self.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget: back to
+            policy = policies.BudgetPolicy(**{**vars(policy), "tier": 0, "over": 0, "under": 0})  # the settings
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         self._last_exchange_tier = tier_index
@@ -425,11 +427,24 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Overlap: apply the update of the exchange still in flight (call on every rank after the last step)."""
+        """After the last step, on every rank. Overlap: apply the update of the exchange still in flight. Inside
+        a local phase (``sync_every > 1``, or a policy's local-step tier): warn, since the ranks' parameters stay
+        their own until the next synchronisation, and a model saved from rank 0 holds only rank 0's."""
         if self._pending is not None:
             items = self._plan(self.tiers[self.policy.tier])[0]
             self._apply_late(items, self._finish_pending(items))
             self._pending = None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and any(True for _ in self._moved_from_anchor()):
+            every = self.tiers[self.policy.tier].sync_every
+            message = (
+                f"DeMo: training ended inside a local phase (optimizer step {self.steps}, sync_every={every}): "
+                "each rank's parameters are still its own and a model saved from rank 0 holds rank 0's. End on a "
+                f"synchronisation (max_steps a multiple of {every}), or resume from a checkpoint, which keeps "
+                "each rank's parameters in its optimizer state"
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
         """Overlap: wait for the exchange the last step started, validate and average it (nothing committed).
@@ -551,8 +566,23 @@ class DeMo(torch.optim.Optimizer):
             "policy": {**self.policy.state_dict(), "tier_spec": list(astuple(self.tiers[self.policy.tier]))},
             "pending": self._pending_state(),
             "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
+            "local_params": self._local_params(sd["param_groups"]),
         }
         return sd
+
+    def _moved_from_anchor(self):
+        """(position, parameter) of each parameter a local phase (sync_every > 1, a policy's local-step tier) has
+        moved away from its anchor, the parameters at the last synchronisation: they are this rank's own."""
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            anchor = self.state[p].get("anchor") if p in self.state else None
+            if anchor is not None and not torch.equal(p.detach(), anchor):
+                yield i, p
+
+    def _local_params(self, saved_groups) -> dict:
+        """This rank's own parameters inside a local phase, by saved id: a checkpoint's model weights (written by
+        rank 0 only) do not hold them, so each rank's optimizer state does."""
+        ids = [pid for g in saved_groups for pid in g["params"]]
+        return {ids[i]: p.detach().clone() for i, p in self._moved_from_anchor()}
 
     def _load_policy(self, saved: dict) -> None:
         """The saved tier, found by what it is (its format, top-k divisor and sync_every), not by its number."""
@@ -681,6 +711,11 @@ class DeMo(torch.optim.Optimizer):
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]), extra.get("rank_scope", "group"))
         if dist.is_available() and dist.is_initialized():
             self._check_saved_world(self._transport_now())
+        local = extra.get("local_params") or {}
+        with torch.no_grad():  # mid local phase: this rank's own parameters, not rank 0's model weights
+            for pid, (p, _, _) in zip(ids, pairs):
+                if pid in local and tuple(local[pid].shape) == tuple(p.shape):
+                    p.copy_(local[pid])
 
     def _device(self) -> torch.device:
         """Where the step's buffers live: the first trainable parameter's device."""

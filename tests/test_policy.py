@@ -242,3 +242,27 @@ def test_a_collapsed_link_costs_the_one_exchange_that_revealed_it(resume_at):
         for (seen_a, params_a), (seen_b, params_b) in zip(straight, resumed):
             assert seen_a == seen_b
             assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
+
+
+def test_a_budget_tier_resumed_without_a_budget_returns_to_the_settings_after_its_synchronisation():
+    """A checkpoint saved in a policy's local-step tier, resumed with comm_budget=0: the warning said the
+    requested settings are used, and the optimizer stayed in the saved tier for good."""
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(16, 16)
+
+    opt = hf_demo.DeMo(model().parameters(), preset="many_nodes", comm_budget=0.15)
+    opt.policy.tier = 4  # the policy had moved to top-k/2 every 8 steps
+    state = opt.state_dict()
+    m = model()
+    resumed = hf_demo.DeMo(m.parameters(), preset="many_nodes")  # comm_budget=0: fixed settings
+    with pytest.warns(UserWarning, match="comm_budget"):
+        resumed.load_state_dict(state)
+    for _ in range(8):  # the local phase in flight ends with its synchronisation (step 8)
+        m.weight.grad, m.bias.grad = torch.randn(16, 16), torch.randn(16)
+        resumed.step()
+    assert resumed.tier == 0
+    m.weight.grad, m.bias.grad = torch.randn(16, 16), torch.randn(16)
+    resumed.step()
+    assert "anchor" not in resumed.state[m.weight]  # every-step DeMo again

@@ -1,7 +1,11 @@
 """sync_every = H: local steps between synchronisations, DeMo on the pseudo-gradient, held to a slow reference."""
 
+import io
+import warnings
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
@@ -142,3 +146,53 @@ def test_the_inner_rule_keeps_its_state_apart_from_the_update_rule(update_rule):
     state = opt.state[model[0].weight]
     assert {"anchor", "inner_momentum", "inner_exp_avg_sq", "inner_rule_step"} <= set(state)
     assert "exp_avg_sq" not in state and int(state["inner_rule_step"]) == 1
+
+
+_LOCAL_RESUME = dict(lr=3e-3, compression_topk=6, compression_chunk=8, sync_every=4, exchange="all_reduce")
+
+
+def _resume_from_rank0_weights(rank, world, resume_at):
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+    for step in range(8):  # steps 3 and 7 synchronise
+        if step == resume_at:  # a checkpoint as Trainer writes one: rank 0's model, every rank's optimizer state
+            weights = [model.state_dict() if rank == 0 else None]
+            dist.broadcast_object_list(weights, 0)
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            model = tiny_mlp(seed=7)
+            model.load_state_dict(weights[0])  # every rank resumes from rank 0's weights
+            opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+            opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        loss_and_backward(model, rank, step)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_resume_inside_a_local_phase_from_rank_0s_model_weights_is_exact():
+    """Trainer saves the model from rank 0 only. Inside a local phase each rank's parameters are its own, so the
+    optimizer state carries them (they used to be lost: every rank went on from rank 0's, silently)."""
+    straight = expect_ok(run_ranks(_resume_from_rank0_weights, 2, None))
+    resumed = expect_ok(run_ranks(_resume_from_rank0_weights, 2, 2))  # after two local steps
+    assert all(torch.equal(a, b) for a, b in zip(straight[0], straight[1]))  # synchronised at the end
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _end_after(rank, world, steps):
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+    for step in range(steps):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.flush()  # what DeMoTrainer.train() calls after the last step
+    return [str(w.message) for w in caught]
+
+
+def test_ending_inside_a_local_phase_warns_on_every_rank():
+    for messages in expect_ok(run_ranks(_end_after, 2, 6)):  # step 7 would synchronise
+        assert len(messages) == 1 and "inside a local phase" in messages[0] and "multiple of 4" in messages[0]
+    for messages in expect_ok(run_ranks(_end_after, 2, 8)):  # ended on a synchronisation
+        assert messages == []
