@@ -20,6 +20,7 @@ step can be retried or the run resumed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -392,7 +393,7 @@ class DeMo(torch.optim.Optimizer):
             logger.warning(message)
             warnings.warn(message, stacklevel=3)
         if not self.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget: back to
-            policy = policies.BudgetPolicy(**{**vars(policy), "tier": 0, "over": 0, "under": 0})  # the settings
+            policy = dataclasses.replace(policy, tier=0, over=0, under=0)  # the settings
         self.policy = policy
         self._last_exchange_ms, self._last_comm_start = self.comm_stats.seconds * 1000.0, started
         self._last_exchange_tier = tier_index
@@ -435,7 +436,7 @@ class DeMo(torch.optim.Optimizer):
             self._apply_late(items, self._finish_pending(items))
             self._pending = None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1 and any(True for _ in self._moved_from_anchor()):
+        if world > 1 and any(self._moved_from_anchor()):
             every = self.tiers[self.policy.tier].sync_every
             message = (
                 f"DeMo: training ended inside a local phase (optimizer step {self.steps}, sync_every={every}): "
@@ -714,7 +715,7 @@ class DeMo(torch.optim.Optimizer):
         local = extra.get("local_params") or {}
         with torch.no_grad():  # mid local phase: this rank's own parameters, not rank 0's model weights
             for pid, (p, _, _) in zip(ids, pairs):
-                if pid in local and tuple(local[pid].shape) == tuple(p.shape):
+                if pid in local:
                     p.copy_(local[pid])
 
     def _device(self) -> torch.device:
@@ -819,21 +820,23 @@ def _fingerprint(params: list[torch.Tensor]) -> int:
     """An exact, order-sensitive fingerprint of the parameters' bits (integer sums: deterministic).
 
     Per parameter: the sum of its bits as integers, and their sum weighted by ``1 + position % 65521``. The
-    weighted sum is taken over column sums (the bits laid out in rows of 65521), so no weight or 64-bit
-    copy of the whole parameter is made."""
+    weighted sum is taken over column sums (the bits laid out in rows of 65521), so no 64-bit copy or weight
+    vector longer than one period is made, and the weights once per device."""
     int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     period = _FINGERPRINT_PERIOD
+    weights: dict[torch.device, torch.Tensor] = {}  # 1..period, once per device
     sums = []  # integer sums: the same on every device; read back to the host at once
     for p in params:
         bits = p.detach().contiguous().view(int_of[p.element_size()]).reshape(-1)
-        full = bits.numel() - bits.numel() % period
-        columns = torch.zeros(period, dtype=torch.int64, device=bits.device)
-        if full:
-            columns += bits[:full].view(-1, period).sum(0, dtype=torch.int64)
-        tail = bits[full:]
-        columns[: tail.numel()] += tail.to(torch.int64)
-        weights = torch.arange(1, period + 1, dtype=torch.int64, device=bits.device)
-        sums.append(torch.stack([columns.sum(), (columns * weights).sum()]))
+        if bits.numel() <= period:  # one row: the bits are their own column sums
+            columns = bits.to(torch.int64)
+        else:
+            full = bits.numel() - bits.numel() % period
+            columns = bits[:full].view(-1, period).sum(0, dtype=torch.int64)
+            columns[: bits.numel() - full] += bits[full:].to(torch.int64)
+        if bits.device not in weights:
+            weights[bits.device] = torch.arange(1, period + 1, dtype=torch.int64, device=bits.device)
+        sums.append(torch.stack([columns.sum(), (columns * weights[bits.device][: columns.numel()]).sum()]))
     host = torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [s.tolist() for s in sums]
     total = 0
     for plain, weighted in host:

@@ -295,6 +295,7 @@ def test_parameter_fingerprint_matches_its_slow_spelling():
         torch.randn(1000).double(),
         torch.randint(-128, 127, (70000,), dtype=torch.int8),
         torch.randn(129, 1024)[:, ::2],  # not contiguous
+        torch.empty(0),
     ]
     assert _fingerprint(params) == _slow_fingerprint(params)
     for p in params:
