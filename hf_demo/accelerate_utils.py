@@ -17,7 +17,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from .errors import DeMoSetupError
+from .errors import DDP_ALLREDUCES, DeMoSetupError
 from .optimizer import DeMo
 from .teardown import install_exit_handler, track
 
@@ -91,40 +91,39 @@ def _subclasses(kind: type) -> set[type]:
     return found
 
 
-def _allreducing_ddp(params) -> list[DistributedDataParallel]:
-    """DDP wrappers that hold any of ``params`` and still all-reduce gradients (no no-op comm hook)."""
-    ids = {id(p) for p in params}
+def _allreducing_ddp(params) -> list[torch.Tensor]:
+    """Those of ``params`` that a DDP wrapper holds and may all-reduce the gradients of (no no-op comm hook)."""
+    ids = {id(p): p for p in params}
     objects = gc.get_objects()
     # DDP's classes from the class tree, then the objects of those classes, picked out in C: the Python loop over
     # every object this replaced (~4*10^5 in a transformers process) took 0.53 s of a first step on 4 ranks sharing
     # 2 cores, a pass over the objects' types with issubclass 0.32 s, this ~0.2 s (docs/WAN.md, §10 and §12)
     ddp_types = _subclasses(DistributedDataParallel)
     wrappers = compress(objects, map(ddp_types.__contains__, map(type, objects)))
-    return [
-        obj
-        for obj in wrappers
-        if any(id(p) in ids for p in obj.module.parameters())
-        and not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", []))
-    ]
+    held: dict[int, torch.Tensor] = {}
+    for obj in wrappers:
+        if not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", [])):
+            held.update((id(p), ids[id(p)]) for p in obj.module.parameters() if id(p) in ids)
+    return [p for p in params if id(p) in held]  # in the optimizer's order: the same on every rank
 
 
 def check_local_gradients(optimizer: DeMo) -> None:
-    """Raise :class:`DeMoSetupError` when DDP all-reduces the gradients of DeMo's parameters.
+    """Stop DeMo when DDP all-reduces the gradients of its parameters.
 
     DeMo needs each rank's own gradient; DDP's mean would make every rank's momentum the same and DeMo's
-    exchange redundant: a different, silently slower optimizer. Every rank holds the same wrapper, so every
-    rank raises the same error, before any state changed.
+    exchange redundant: a different, silently slower optimizer. Python sees a wrapper that could all-reduce,
+    not whether its reducer still runs (an earlier baseline's wrapper may be alive and unused). So where this
+    step exchanges with other ranks, the wrapped parameters become the optimizer's suspects: every rank sends
+    the fingerprint of their gradients in the exchange's header, and every rank raises
+    :class:`DeMoSetupError` before any state changed when they are bitwise the same on all ranks (the wrapper
+    averaged them), or goes on with a warning when they differ (the wrapper is unused). Where it cannot tell (no
+    other rank in DeMo's group, or a local step first), it raises here.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if _allreducing_ddp(params):
-        raise DeMoSetupError(
-            "DeMo's parameters are inside a DistributedDataParallel model that still all-reduces gradients "
-            "(a plain Trainer/SFTTrainer given optimizers=(DeMo, ...), or accelerator.prepare without hf_demo): "
-            "every rank would step on the averaged gradient. Use hf_demo.DeMoTrainer (--optim demo), a trainer "
-            "class with hf_demo.DeMoTrainerMixin first (hf_demo.trl.DeMoSFTTrainer for TRL), "
-            "hf_demo.prepare(accelerator, model, optimizer) in a custom loop, or call "
-            "hf_demo.disable_gradient_allreduce(ddp_model) before the first backward."
-        )
+    wrapped = _allreducing_ddp(params)
+    optimizer._ddp_suspects = wrapped if wrapped and optimizer.exchanges_next() else []
+    if wrapped and not optimizer._ddp_suspects:
+        raise DeMoSetupError(DDP_ALLREDUCES)
 
 
 def _first_step(optimizer, args, kwargs) -> None:

@@ -47,6 +47,8 @@ FLAG_NONFINITE_PARAMS = 2  # NaN/Inf in this rank's parameters
 FLAG_FINGERPRINT = 4  # the fingerprint word holds this rank's parameter fingerprint
 FLAG_AUTH = 8  # the tag is an HMAC over header and payload
 FLAG_GRAD_FINGERPRINT = 16  # the grad_fingerprint word holds this rank's local-gradient fingerprint
+FLAG_DDP_SUSPECT = 32  # a DDP wrapper that all-reduces holds some of DeMo's parameters here: grad_fingerprint is
+# the fingerprint of those parameters' gradients, which tells whether the wrapper really averaged them
 
 
 def _align(n: int) -> int:

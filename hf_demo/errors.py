@@ -25,6 +25,16 @@ class DeMoSetupError(DeMoError, ValueError):
     rank reading the same batches, a launch that Trainer sees as one process)."""
 
 
+DDP_ALLREDUCES = (
+    "DeMo's parameters are inside a DistributedDataParallel model that still all-reduces gradients "
+    "(a plain Trainer/SFTTrainer given optimizers=(DeMo, ...), or accelerator.prepare without hf_demo): "
+    "every rank would step on the averaged gradient. Use hf_demo.DeMoTrainer (--optim demo), a trainer "
+    "class with hf_demo.DeMoTrainerMixin first (hf_demo.trl.DeMoSFTTrainer for TRL), "
+    "hf_demo.prepare(accelerator, model, optimizer) in a custom loop, or call "
+    "hf_demo.disable_gradient_allreduce(ddp_model) before the first backward (or `del` a wrapper no longer used)."
+)
+
+
 def lookup(table: dict, what: str, name: str):
     """``table[name]``, or a ValueError naming ``what`` was asked for and every name there is."""
     try:

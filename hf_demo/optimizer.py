@@ -39,7 +39,7 @@ from . import policy as policies
 from .blocks import MAX_BLOCK_SIZE, BlockLayout, decode, encode, plan
 from .comm import CommStats, Transport
 from .config import DeMoSettings
-from .errors import DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from .errors import DDP_ALLREDUCES, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
 
 logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
@@ -117,6 +117,8 @@ class DeMo(torch.optim.Optimizer):
         self._pending: dict | None = None  # overlap: the exchange started by the last step
         self._saved_world: tuple[int, int, str] | None = None  # (rank, world, scope) of a loaded state
         self._first_checked = False  # the first exchange of this process compares parameters and gradients
+        self._hf_demo_checked = False  # the step guard (accelerate_utils) has scanned for DDP wrappers; again if False
+        self._ddp_suspects: list[torch.Tensor] = []  # parameters a DDP wrapper could be averaging the gradients of
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
@@ -167,6 +169,11 @@ class DeMo(torch.optim.Optimizer):
                 raise ValueError(
                     f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: leave it out of the optimizer"
                 )
+
+    def exchanges_next(self) -> bool:
+        """Whether the next step exchanges with other ranks (its headers can confirm or clear a DDP suspicion)."""
+        tier = self.tiers[self.policy.tier]
+        return self._transport_now().world > 1 and local_steps.is_sync_step(tier.sync_every, self.steps)
 
     def _transport_now(self) -> Transport:
         initialised = dist.is_available() and dist.is_initialized()
@@ -289,10 +296,16 @@ class DeMo(torch.optim.Optimizer):
         bad_grads = _nonfinite([s for s in checked_signals if s is not None])
         bad_params = _nonfinite(replicas)
         check_drift = (_due(self.settings.check_every, self.steps) or first) and transport.world > 1
-        grad_print = _gradient_fingerprint(signals) if first and self.settings.identical_gradients == "raise" else 0
+        # a DDP wrapper holds some parameters (accelerate_utils.check_local_gradients): did it average their gradients?
+        suspects = self._ddp_suspects if first or check_drift else []
+        if suspects:
+            grad_print = _gradient_fingerprint([p.grad for p in suspects])
+        else:
+            grad_print = _gradient_fingerprint(signals) if first and self.settings.identical_gradients == "raise" else 0
         flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
         flags |= codec.FLAG_FINGERPRINT if check_drift else 0
         flags |= codec.FLAG_GRAD_FINGERPRINT if grad_print else 0
+        flags |= codec.FLAG_DDP_SUSPECT if suspects else 0
 
         # 2-3. momentum on copies, then the exchange's local part (select, encode, error feedback)
         working, payload = [], torch.empty(0, dtype=torch.uint8, device="cpu")
@@ -335,8 +348,20 @@ class DeMo(torch.optim.Optimizer):
             if policy.tier > self.policy.tier:  # down: this very step goes again in the lower tier
                 return self._step(transport, decided=policy)
 
-        if first:
-            _check_gradients_differ(headers, self.steps)
+        if first or codec.flagged(headers, codec.FLAG_DDP_SUSPECT):
+            try:
+                unused = _check_gradients_differ(headers, self.steps, identical_check=first)
+            except DeMoSetupError:
+                self._hf_demo_checked = False  # the fix (disable_gradient_allreduce, del) is seen at the next step
+                raise
+            if unused and first:
+                warnings.warn(
+                    f"a DistributedDataParallel wrapper holds {len(self._ddp_suspects)} of DeMo's parameters but did "
+                    f"not average their gradients at optimizer step {self.steps} (they differ between ranks): taken "
+                    "for a wrapper no longer in use. DeMo goes on and checks again at every check_every step; "
+                    "hf_demo.disable_gradient_allreduce(wrapper) or `del wrapper` silences this.",
+                    stacklevel=3,
+                )
         drifted = check_drift and len({h.fingerprint for h in headers}) > 1
         bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
         resync = _due(self.settings.full_sync_every, self.steps) and transport.world > 1
@@ -789,11 +814,28 @@ UNSYNCED_START = (
 )
 
 
-def _check_gradients_differ(headers: list[codec.Header], step: int) -> None:
-    """Raise :class:`DeMoSetupError` when every rank sent the same (non-zero) local-gradient fingerprint."""
+def _check_gradients_differ(headers: list[codec.Header], step: int, identical_check: bool) -> bool:
+    """Raise :class:`DeMoSetupError` when the ranks' local gradients are bitwise the same.
+
+    Where a rank flagged a DDP suspicion, its fingerprint covers the gradients of the parameters a DDP wrapper
+    holds: raise unless every rank flagged and the fingerprints differ (then the wrapper is unused: True).
+    Otherwise, with ``identical_check``, raise when every rank sent the same (non-zero) fingerprint."""
     prints = [h.grad_fingerprint if h.flags & codec.FLAG_GRAD_FINGERPRINT else None for h in headers]
-    if None in prints or len(set(prints)) > 1:
-        return
+    apart = None not in prints and len(set(prints)) > 1
+    suspects = codec.flagged(headers, codec.FLAG_DDP_SUSPECT)
+    if suspects:
+        if len(suspects) == len(headers) and apart:
+            return True
+        why = (
+            f"only rank(s) {suspects} of {len(headers)} hold such a wrapper"
+            if len(suspects) < len(headers)
+            else "their gradients are not all non-zero"
+            if None in prints
+            else "their gradients are bitwise identical on every rank"
+        )
+        raise DeMoSetupError(f"{DDP_ALLREDUCES} Found at optimizer step {step}: {why}. No state was changed.")
+    if not identical_check or not prints or None in prints or apart:
+        return False
     raise DeMoSetupError(
         f"the local gradients are bitwise identical on all {len(headers)} ranks at optimizer step {step}: DeMo "
         "needs each rank's own gradient. The two usual causes: (1) DDP still averages the gradients: use "

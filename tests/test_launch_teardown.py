@@ -57,6 +57,93 @@ def test_demo_under_an_allreducing_ddp_stops_at_the_first_step():
         assert steps == 1  # the refused step changed nothing; the fixed one ran
 
 
+def _opt(params, **kw):
+    return hf_demo.DeMo(params, lr=1e-3, compression_topk=2, compression_chunk=4, **kw)
+
+
+def _stale_wrapper(rank, world):
+    """A DDP wrapper of the model, alive but unused (an earlier baseline's), then used again at step 2."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(8, 8)
+    old = DistributedDataParallel(model)  # holds DeMo's parameters; its reducer would average their gradients
+    opt = _opt(model.parameters(), check_every=1)
+    torch.manual_seed(rank)  # each rank its own batch (forked ranks share the random state)
+    model(torch.randn(4, 8)).sum().backward()  # the model itself: the wrapper averages nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    opt.zero_grad()
+    weights = model.weight.detach().clone()
+    old(torch.randn(4, 8)).sum().backward()  # through the wrapper after all: now it averages
+    try:
+        opt.step()
+        refused = None
+    except hf_demo.DeMoSetupError as exc:
+        refused = str(exc)
+    return [str(w.message) for w in caught], opt.steps, refused, torch.equal(weights, model.weight)
+
+
+def test_a_stale_ddp_wrapper_is_cleared_by_the_gradients_and_caught_when_it_averages_again():
+    results = expect_ok(run_ranks(_stale_wrapper, 2))
+    for caught, steps, refused, unchanged in results:
+        assert any("no longer in use" in w for w in caught), caught  # step 1 ran, with a warning, not an error
+        assert steps == 1 and unchanged  # step 2 changed nothing
+        assert "still all-reduces gradients" in refused and "bitwise identical on every rank" in refused
+        assert "optimizer step 1" in refused
+
+
+def _partial_wrapper(rank, world):
+    """A live DDP around the first layer only: the gradients of the second still differ between ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    wrapped = DistributedDataParallel(first)
+    opt = _opt([*first.parameters(), *second.parameters()])
+    torch.manual_seed(rank)
+    second(wrapped(torch.randn(4, 8))).sum().backward()
+    try:
+        opt.step()
+    except hf_demo.DeMoSetupError as exc:
+        return str(exc), opt.steps
+    return None, opt.steps
+
+
+def test_a_ddp_wrapper_averaging_some_of_demos_parameters_is_caught():
+    for refused, steps in expect_ok(run_ranks(_partial_wrapper, 2)):
+        assert refused and "still all-reduces gradients" in refused and "bitwise identical" in refused
+        assert steps == 0
+
+
+def _one_rank_wrapper(rank, world):
+    """Only rank 0 holds a (stale) wrapper: every rank raises the same error, nobody waits for another."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Linear(8, 8)
+    if rank == 0:
+        stale = torch.nn.Linear(8, 8)
+        stale.load_state_dict(model.state_dict())
+        old = DistributedDataParallel(stale, process_group=dist.new_group([0]))
+        model = old.module  # rank 0 steps the wrapped parameters, without the wrapper
+    else:
+        dist.new_group([0])  # every rank takes part in new_group
+    opt = _opt(model.parameters())
+    torch.manual_seed(rank)
+    model(torch.randn(4, 8)).sum().backward()
+    try:
+        opt.step()
+    except hf_demo.DeMoSetupError as exc:
+        return str(exc), opt.steps
+    return None, opt.steps
+
+
+def test_a_ddp_wrapper_on_one_rank_only_stops_every_rank():
+    for refused, steps in expect_ok(run_ranks(_one_rank_wrapper, 2)):
+        assert refused and "only rank(s) [0] of 2 hold such a wrapper" in refused and steps == 0
+
+
 def _fake_thread(task_dir, tid, name, state):
     folder = task_dir / str(tid)
     folder.mkdir(exist_ok=True)
