@@ -139,6 +139,13 @@ class DeMoSettings:
         ("raise", "allow"),
     )
     full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
+    end_local_phase: str = _setting(
+        "average",
+        "when training ends inside a local phase (sync_every > 1, a policy's local-step tier), what flush() does: "
+        "average (one dense fp32 all-reduce makes every rank's parameters their mean) or warn (each rank keeps "
+        "its own until the next synchronisation)",
+        ("average", "warn"),
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -454,23 +454,57 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def flush(self) -> None:
         """After the last step, on every rank. Overlap: apply the update of the exchange still in flight. Inside
-        a local phase (``sync_every > 1``, or a policy's local-step tier): warn, since the ranks' parameters stay
-        their own until the next synchronisation, and a model saved from rank 0 holds only rank 0's."""
+        a local phase (``sync_every > 1``, or a policy's local-step tier) the ranks' parameters are their own
+        until the next synchronisation: ``end_local_phase='average'`` ends the phase now
+        (:meth:`end_local_phase`), ``'warn'`` leaves them apart and warns (a model saved from rank 0 holds
+        rank 0's)."""
         if self._pending is not None:
             items = self._plan(self.tiers[self.policy.tier])[0]
             self._apply_late(items, self._finish_pending(items))
             self._pending = None
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1 and any(self._moved_from_anchor()):
-            every = self.tiers[self.policy.tier].sync_every
-            message = (
-                f"DeMo: training ended inside a local phase (optimizer step {self.steps}, sync_every={every}): "
-                "each rank's parameters are still its own and a model saved from rank 0 holds rank 0's. End on a "
-                f"synchronisation (max_steps a multiple of {every}), or resume from a checkpoint, which keeps "
-                "each rank's parameters in its optimizer state"
-            )
-            logger.warning(message)
-            warnings.warn(message, stacklevel=2)
+        if not self.in_local_phase():
+            return
+        every = self.tiers[self.policy.tier].sync_every
+        where = f"training ended inside a local phase (optimizer step {self.steps}, sync_every={every})"
+        if self.settings.end_local_phase == "average":
+            moved = self.end_local_phase()
+            logger.info("DeMo: %s: %d parameters averaged over every rank", where, moved)
+            return
+        message = (
+            f"DeMo: {where}: each rank's parameters are still its own and a model saved from rank 0 holds rank "
+            f"0's. End on a synchronisation (max_steps a multiple of {every}), resume from a checkpoint, which "
+            "keeps each rank's parameters in its optimizer state, or set end_local_phase='average'"
+        )
+        logger.warning(message)
+        warnings.warn(message, stacklevel=2)
+
+    def in_local_phase(self) -> bool:
+        """Whether the ranks are between synchronisations (the same answer on every rank: steps are lockstep)."""
+        every = self.tiers[self.policy.tier].sync_every
+        return every > 1 and self.steps % every != 0 and self._transport_now().world > 1
+
+    @torch.no_grad()
+    def end_local_phase(self) -> int:
+        """End a local phase now, on every rank: each parameter with an anchor becomes the mean of every rank's
+        value (one dense fp32 all-reduce, counted in ``comm_stats``) and its anchor moves there, so the replicas
+        are identical again; the error feedback and the inner state are kept. The next step goes on in the same
+        phase, from the agreed parameters. Returns the number of parameters averaged."""
+        if not self.in_local_phase():
+            return 0
+        anchored = [p for g in self.param_groups for p in g["params"] if "anchor" in self.state.get(p, {})]
+        if not anchored:  # the same on every rank: anchors are made for every parameter at a local step
+            return 0
+        transport = self._transport_now()
+        transport.step = self.steps
+        flat = torch.cat([p.detach().reshape(-1).float() for p in anchored])
+        transport.all_reduce(flat, "end_local_phase")
+        flat /= transport.world
+        start = 0
+        for p in anchored:
+            p.copy_(flat[start : start + p.numel()].view(p.shape).to(p.dtype))
+            self.state[p]["anchor"].copy_(p)
+            start += p.numel()
+        return len(anchored)
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
         """Overlap: wait for the exchange the last step started, validate and average it (nothing committed).

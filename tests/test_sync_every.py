@@ -179,20 +179,33 @@ def test_resume_inside_a_local_phase_from_rank_0s_model_weights_is_exact():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _end_after(rank, world, steps):
+def _end_after(rank, world, steps, settings=None):
     model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+    opt = hf_demo.DeMo(model.parameters(), **{**_LOCAL_RESUME, **(settings or {})})
     for step in range(steps):
         loss_and_backward(model, rank, step)
         opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    sent = opt.comm_stats.total_bytes_sent
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.flush()  # what DeMoTrainer.train() calls after the last step
-    return [str(w.message) for w in caught]
+    after = [p.detach().clone() for p in model.parameters()]
+    anchors_moved = all(torch.equal(opt.state[p]["anchor"], p) for p in model.parameters())
+    return [str(w.message) for w in caught], before, after, anchors_moved, opt.comm_stats.total_bytes_sent - sent
 
 
-def test_ending_inside_a_local_phase_warns_on_every_rank():
-    for messages in expect_ok(run_ranks(_end_after, 2, 6)):  # step 7 would synchronise
+def test_ending_inside_a_local_phase_averages_the_ranks_or_warns():
+    results = expect_ok(run_ranks(_end_after, 2, 6))  # step 7 would synchronise; end_local_phase='average'
+    (m0, before0, after0, moved0, sent0), (m1, before1, after1, moved1, sent1) = results
+    assert m0 == m1 == [] and moved0 and moved1
+    assert not all(torch.equal(a, b) for a, b in zip(before0, before1))  # apart after 2 local steps
+    for a, b, x, y in zip(after0, after1, before0, before1):  # the mean of both ranks, on both
+        assert torch.equal(a, b) and torch.equal(a, ((x.float() + y.float()) / 2).to(a.dtype))
+    n = sum(p.numel() for p in after0)
+    assert sent0 == sent1 == 4 * n  # one dense fp32 all-reduce (a ring at W=2 sends the buffer once)
+    for messages, before, after, _, sent in expect_ok(run_ranks(_end_after, 2, 6, {"end_local_phase": "warn"})):
         assert len(messages) == 1 and "inside a local phase" in messages[0] and "multiple of 4" in messages[0]
-    for messages in expect_ok(run_ranks(_end_after, 2, 8)):  # ended on a synchronisation
-        assert messages == []
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) and sent == 0  # left apart
+    for messages, before, after, _, sent in expect_ok(run_ranks(_end_after, 2, 8)):  # ended on a sync
+        assert messages == [] and sent == 0 and all(torch.equal(a, b) for a, b in zip(before, after))
