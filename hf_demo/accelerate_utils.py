@@ -10,15 +10,13 @@ A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo
 
 from __future__ import annotations
 
-import gc
-from itertools import compress
-
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from . import ddp_wrappers
 from .errors import DDP_ALLREDUCES, DeMoSetupError
-from .optimizer import DeMo
+from .optimizer import DeMo, _gradient_fingerprint
 from .teardown import install_exit_handler, track
 
 
@@ -80,50 +78,40 @@ def prepare(accelerator, model, optimizer, *others):
     return prepared
 
 
-def _subclasses(kind: type) -> set[type]:
-    """``kind`` and every class derived from it, at any depth."""
-    found, todo = {kind}, [kind]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in found:
-                found.add(sub)
-                todo.append(sub)
-    return found
-
-
-def _allreducing_ddp(params) -> list[torch.Tensor]:
-    """Those of ``params`` that a DDP wrapper holds and may all-reduce the gradients of (no no-op comm hook)."""
-    ids = {id(p): p for p in params}
-    objects = gc.get_objects()
-    # DDP's classes from the class tree, then the objects of those classes, picked out in C: the Python loop over
-    # every object this replaced (~4*10^5 in a transformers process) took 0.53 s of a first step on 4 ranks sharing
-    # 2 cores, a pass over the objects' types with issubclass 0.32 s, this ~0.2 s (docs/WAN.md, §10 and §12)
-    ddp_types = _subclasses(DistributedDataParallel)
-    wrappers = compress(objects, map(ddp_types.__contains__, map(type, objects)))
-    held: dict[int, torch.Tensor] = {}
-    for obj in wrappers:
-        if not any(hook is noop_hook for hook, _ in getattr(obj, "_comm_hooks", [])):
-            held.update((id(p), ids[id(p)]) for p in obj.module.parameters() if id(p) in ids)
-    return [p for p in params if id(p) in held]  # in the optimizer's order: the same on every rank
-
-
 def check_local_gradients(optimizer: DeMo) -> None:
-    """Stop DeMo when DDP all-reduces the gradients of its parameters.
+    """Stop DeMo when DDP all-reduces the gradients of its parameters (run at DeMo's first step, every rank).
 
     DeMo needs each rank's own gradient; DDP's mean would make every rank's momentum the same and DeMo's
-    exchange redundant: a different, silently slower optimizer. Python sees a wrapper that could all-reduce,
-    not whether its reducer still runs (an earlier baseline's wrapper may be alive and unused). So where this
-    step exchanges with other ranks, the wrapped parameters become the optimizer's suspects: every rank sends
-    the fingerprint of their gradients in the exchange's header, and every rank raises
-    :class:`DeMoSetupError` before any state changed when they are bitwise the same on all ranks (the wrapper
-    averaged them), or goes on with a warning when they differ (the wrapper is unused). Where it cannot tell (no
-    other rank in DeMo's group, or a local step first), it raises here.
+    exchange redundant: a different, silently slower optimizer. A live wrapper that holds DeMo's parameters is
+    only a suspicion (an earlier baseline's may be alive and unused), settled by the gradients: every rank sends
+    (holds a wrapper, fingerprint of the wrapped gradients) in one 16-byte all-gather (a set-up check, left out
+    of ``comm_stats``), and every rank raises
+    :class:`DeMoSetupError` before any state changed when two ranks' wrapped gradients are bitwise the same
+    (a wrapper averaged them, over the world or a subgroup). Otherwise the wrappers are taken for unused ones:
+    a warning, and the optimizer checks them again at every ``check_every`` step. With no other rank in DeMo's
+    group to compare with, a wrapper raises at once.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    wrapped = _allreducing_ddp(params)
-    optimizer._ddp_suspects = wrapped if wrapped and optimizer.exchanges_next() else []
-    if wrapped and not optimizer._ddp_suspects:
-        raise DeMoSetupError(DDP_ALLREDUCES)
+    wrappers = ddp_wrappers.live_wrappers(params)
+    transport = optimizer._transport_now()
+    if transport.world <= 1:
+        if wrappers:
+            raise DeMoSetupError(DDP_ALLREDUCES)
+        return
+    held = ddp_wrappers.held_params(wrappers, params)
+    mine = torch.tensor([int(bool(held)), _gradient_fingerprint([p.grad for p in held]) if held else 0])
+    device = params[0].device if params else torch.device("cpu")
+    transport.step = optimizer.steps
+    rows = transport.all_gather(mine.view(torch.uint8).to(device), "ddp_check", count=False).cpu().view(torch.int64)
+    flags, prints = [bool(r[0]) for r in rows.tolist()], [int(r[1]) for r in rows.tolist()]
+    averaged = ddp_wrappers.averaging_ranks(flags, prints)
+    if averaged:
+        raise DeMoSetupError(
+            f"{DDP_ALLREDUCES} Found at optimizer step {optimizer.steps}: the gradients of the parameters such a "
+            f"wrapper holds are bitwise identical on ranks {averaged} (it averages them; or those ranks read the "
+            "same batches). No state was changed."
+        )
+    optimizer.watch_ddp_wrappers(wrappers)
 
 
 def _first_step(optimizer, args, kwargs) -> None:

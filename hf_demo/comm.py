@@ -209,14 +209,16 @@ class Transport:
         return buf if device == buf.device else buf.to(device)
 
     # ------------------------------------------------------------ collectives
-    def all_gather(self, buf: torch.Tensor, name: str) -> torch.Tensor:
-        """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
+    def all_gather(self, buf: torch.Tensor, name: str, count: bool = True) -> torch.Tensor:
+        """Gather a uint8 buffer of equal length from every rank: returns (world, len). ``count=False``: a set-up
+        check once per process (as creating the groups), left out of the counters, so that a resumed run's
+        counters are the uninterrupted run's."""
         if self.world == 1:
             return buf.view(1, -1)
         wire = self._to_wire(buf)
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        self._run(name, sent, received, lambda: _all_gather(out, wire, group=self.group), wire.device)
+        self._run(name, sent, received, lambda: _all_gather(out, wire, group=self.group), wire.device, count)
         return out.view(self.world, -1).to(buf.device)
 
     def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
@@ -261,7 +263,7 @@ class Transport:
             buf.copy_(wire)
         return buf
 
-    def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device=None) -> None:
+    def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device=None, count=True) -> None:
         for hook in list(_HOOKS.values()):
             hook(name, sent)
         _synchronize(device)  # work queued before the collective is not counted as communication
@@ -271,7 +273,8 @@ class Transport:
             _synchronize(device)  # a CUDA collective returns once queued: count it until it is done
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, time.perf_counter() - t0, exc) from exc
-        self.stats.record(sent, received, time.perf_counter() - t0)
+        if count:
+            self.stats.record(sent, received, time.perf_counter() - t0)
 
     def _failure(self, name: str, waited: float, exc: BaseException) -> DeMoSyncError:
         silent = self._unanswered_ranks()

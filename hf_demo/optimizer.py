@@ -26,13 +26,14 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import astuple
 
 import torch
 import torch.distributed as dist
 
-from . import codec, hierarchy, local_steps, update_rules
+from . import codec, ddp_wrappers, hierarchy, local_steps, update_rules
 from . import exchange as exchanges
 from . import functional as F
 from . import policy as policies
@@ -102,6 +103,7 @@ class DeMo(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.resyncs = 0
+        self.unsynced = False  # a local step since the last committed synchronisation (lockstep: same on every rank)
         self.policy = policies.BudgetPolicy(self.settings.comm_budget, self.settings.policy_patience)
         self.tiers = policies.tiers(
             self.settings.value_format,
@@ -118,7 +120,7 @@ class DeMo(torch.optim.Optimizer):
         self._saved_world: tuple[int, int, str] | None = None  # (rank, world, scope) of a loaded state
         self._first_checked = False  # the first exchange of this process compares parameters and gradients
         self._hf_demo_checked = False  # the step guard (accelerate_utils) has scanned for DDP wrappers; again if False
-        self._ddp_suspects: list[torch.Tensor] = []  # parameters a DDP wrapper could be averaging the gradients of
+        self._ddp_wrappers: list[weakref.ref] = []  # live DDP wrappers of its parameters, taken for unused ones
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
@@ -170,10 +172,24 @@ class DeMo(torch.optim.Optimizer):
                     f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: leave it out of the optimizer"
                 )
 
-    def exchanges_next(self) -> bool:
-        """Whether the next step exchanges with other ranks (its headers can confirm or clear a DDP suspicion)."""
-        tier = self.tiers[self.policy.tier]
-        return self._transport_now().world > 1 and local_steps.is_sync_step(tier.sync_every, self.steps)
+    def watch_ddp_wrappers(self, wrappers) -> None:
+        """DDP wrappers of this optimizer's parameters that did not average their gradients at the first step
+        (accelerate_utils.check_local_gradients): warn, and check them again at every ``check_every`` step."""
+        self._ddp_wrappers = [weakref.ref(w) for w in wrappers]
+        if wrappers:
+            warnings.warn(
+                f"DeMo: {len(wrappers)} DistributedDataParallel wrapper(s) hold some of DeMo's parameters but did not "
+                f"average their gradients at optimizer step {self.steps} (they differ between ranks): taken for "
+                "wrappers no longer in use. DeMo checks them again at every check_every step; "
+                "hf_demo.disable_gradient_allreduce(wrapper) or `del wrapper` silences this.",
+                stacklevel=4,
+            )
+
+    def _ddp_suspects(self) -> list[torch.Tensor]:
+        """The parameters that the watched wrappers (alive and still all-reducing) hold."""
+        alive = [w for ref in self._ddp_wrappers if (w := ref()) is not None]
+        self._ddp_wrappers = [weakref.ref(w) for w in alive]
+        return ddp_wrappers.held_params(alive, [p for g in self.param_groups for p in g["params"]])
 
     def _transport_now(self) -> Transport:
         initialised = dist.is_available() and dist.is_initialized()
@@ -266,6 +282,7 @@ class DeMo(torch.optim.Optimizer):
                 for p, g, _ in items
             ]
             if not local_steps.is_sync_step(tier.sync_every, self.steps):
+                self.unsynced = True  # skipped or not: the ranks stay apart until a synchronisation commits
                 if decided is not None:  # moved down into a local phase: this step communicates no more
                     self.policy = decided
                 if _nonfinite([after for after, _, _ in inner]):
@@ -296,8 +313,8 @@ class DeMo(torch.optim.Optimizer):
         bad_grads = _nonfinite([s for s in checked_signals if s is not None])
         bad_params = _nonfinite(replicas)
         check_drift = (_due(self.settings.check_every, self.steps) or first) and transport.world > 1
-        # a DDP wrapper holds some parameters (accelerate_utils.check_local_gradients): did it average their gradients?
-        suspects = self._ddp_suspects if first or check_drift else []
+        # a DDP wrapper taken for an unused one at the first step (accelerate_utils.check_local_gradients): still?
+        suspects = self._ddp_suspects() if check_drift and not first and self._ddp_wrappers else []
         if suspects:
             grad_print = _gradient_fingerprint([p.grad for p in suspects])
         else:
@@ -350,18 +367,10 @@ class DeMo(torch.optim.Optimizer):
 
         if first or codec.flagged(headers, codec.FLAG_DDP_SUSPECT):
             try:
-                unused = _check_gradients_differ(headers, self.steps, identical_check=first)
+                _check_gradients_differ(headers, self.steps, identical_check=first)
             except DeMoSetupError:
-                self._hf_demo_checked = False  # the fix (disable_gradient_allreduce, del) is seen at the next step
+                self._hf_demo_checked = False  # the step guard scans again: the fix (disable_gradient_allreduce, del)
                 raise
-            if unused and first:
-                warnings.warn(
-                    f"a DistributedDataParallel wrapper holds {len(self._ddp_suspects)} of DeMo's parameters but did "
-                    f"not average their gradients at optimizer step {self.steps} (they differ between ranks): taken "
-                    "for a wrapper no longer in use. DeMo goes on and checks again at every check_every step; "
-                    "hf_demo.disable_gradient_allreduce(wrapper) or `del wrapper` silences this.",
-                    stacklevel=3,
-                )
         drifted = check_drift and len({h.fingerprint for h in headers}) > 1
         bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
         resync = _due(self.settings.full_sync_every, self.steps) and transport.world > 1
@@ -434,6 +443,7 @@ class DeMo(torch.optim.Optimizer):
             return
         self.steps += 1
         self.consecutive_skips = 0
+        self.unsynced = False  # a communicating step committed: the replicas agree
         if self.settings.overlap:
             return
         if shared is not None:
@@ -479,31 +489,42 @@ class DeMo(torch.optim.Optimizer):
         warnings.warn(message, stacklevel=2)
 
     def in_local_phase(self) -> bool:
-        """Whether the ranks are between synchronisations (the same answer on every rank: steps are lockstep)."""
-        every = self.tiers[self.policy.tier].sync_every
-        return every > 1 and self.steps % every != 0 and self._transport_now().world > 1
+        """Whether the ranks are between synchronisations: a local step ran since the last committed one (a
+        skipped synchronisation included). The same answer on every rank."""
+        return self.unsynced and self._transport_now().world > 1
 
     @torch.no_grad()
     def end_local_phase(self) -> int:
         """End a local phase now, on every rank: each parameter with an anchor becomes the mean of every rank's
-        value (one dense fp32 all-reduce, counted in ``comm_stats``) and its anchor moves there, so the replicas
-        are identical again; the error feedback and the inner state are kept. The next step goes on in the same
-        phase, from the agreed parameters. Returns the number of parameters averaged."""
+        value (dense all-reduces in fp32, or the parameter's dtype where wider, counted in ``comm_stats``) and its
+        anchor moves there, so the replicas are identical again; the error feedback and the inner state are kept.
+        Raises :class:`DeMoNonFiniteError` (every rank, nothing changed) when the mean is not finite. Returns the
+        number of parameters averaged."""
         if not self.in_local_phase():
             return 0
         anchored = [p for g in self.param_groups for p in g["params"] if "anchor" in self.state.get(p, {})]
-        if not anchored:  # the same on every rank: anchors are made for every parameter at a local step
-            return 0
         transport = self._transport_now()
         transport.step = self.steps
-        flat = torch.cat([p.detach().reshape(-1).float() for p in anchored])
-        transport.all_reduce(flat, "end_local_phase")
-        flat /= transport.world
-        start = 0
+        means = {}
+        for key in sorted({(str(p.device), str(p.dtype)) for p in anchored}):  # the same order on every rank
+            part = [p for p in anchored if (str(p.device), str(p.dtype)) == key]
+            wide = torch.promote_types(part[0].dtype, torch.float32)
+            flat = torch.cat([p.detach().reshape(-1).to(wide) for p in part])
+            transport.all_reduce(flat, "end_local_phase")
+            flat /= transport.world
+            start = 0
+            for p in part:
+                means[p] = flat[start : start + p.numel()].view(p.shape)
+                start += p.numel()
+        if _nonfinite(list(means.values())):
+            raise DeMoNonFiniteError(
+                f"DeMo: the mean of the ranks' parameters at the end of the local phase (optimizer step {self.steps}) "
+                "is not finite: a rank's parameters hold NaN/Inf. Nothing was changed; resume from a checkpoint"
+            )
         for p in anchored:
-            p.copy_(flat[start : start + p.numel()].view(p.shape).to(p.dtype))
+            p.copy_(means[p].to(p.dtype))
             self.state[p]["anchor"].copy_(p)
-            start += p.numel()
+        self.unsynced = False
         return len(anchored)
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
@@ -621,6 +642,7 @@ class DeMo(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "resyncs": self.resyncs,
+            "unsynced": self.unsynced,
             **dict(zip(("rank", "world_size", "rank_scope"), self._identity(transport))),
             "settings": self.settings.as_dict(),
             "policy": {**self.policy.state_dict(), "tier_spec": list(astuple(self.tiers[self.policy.tier]))},
@@ -752,6 +774,8 @@ class DeMo(torch.optim.Optimizer):
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         self.resyncs = int(extra.get("resyncs", 0))
         self._load_policy(dict(extra.get("policy", {})))
+        every = self.tiers[self.policy.tier].sync_every  # a state saved before it recorded: from the step count
+        self.unsynced = bool(extra.get("unsynced", every > 1 and self.steps % every != 0))
         pending = extra.get("pending")
         self._pending = (
             None
@@ -848,28 +872,25 @@ UNSYNCED_START = (
 )
 
 
-def _check_gradients_differ(headers: list[codec.Header], step: int, identical_check: bool) -> bool:
+def _check_gradients_differ(headers: list[codec.Header], step: int, identical_check: bool) -> None:
     """Raise :class:`DeMoSetupError` when the ranks' local gradients are bitwise the same.
 
-    Where a rank flagged a DDP suspicion, its fingerprint covers the gradients of the parameters a DDP wrapper
-    holds: raise unless every rank flagged and the fingerprints differ (then the wrapper is unused: True).
-    Otherwise, with ``identical_check``, raise when every rank sent the same (non-zero) fingerprint."""
+    Ranks that flagged a DDP suspicion sent the fingerprint of the wrapped parameters' gradients: two of them
+    equal (and non-zero) means a wrapper averages them. Otherwise, with ``identical_check`` (a process's first
+    exchange), every rank having sent the same non-zero fingerprint raises."""
     prints = [h.grad_fingerprint if h.flags & codec.FLAG_GRAD_FINGERPRINT else None for h in headers]
-    apart = None not in prints and len(set(prints)) > 1
-    suspects = codec.flagged(headers, codec.FLAG_DDP_SUSPECT)
-    if suspects:
-        if len(suspects) == len(headers) and apart:
-            return True
-        why = (
-            f"only rank(s) {suspects} of {len(headers)} hold such a wrapper"
-            if len(suspects) < len(headers)
-            else "their gradients are not all non-zero"
-            if None in prints
-            else "their gradients are bitwise identical on every rank"
-        )
-        raise DeMoSetupError(f"{DDP_ALLREDUCES} Found at optimizer step {step}: {why}. No state was changed.")
-    if not identical_check or not prints or None in prints or apart:
-        return False
+    suspects = [bool(h.flags & codec.FLAG_DDP_SUSPECT) for h in headers]
+    if any(suspects):
+        averaged = ddp_wrappers.averaging_ranks(suspects, [p or 0 for p in prints])
+        if averaged:
+            raise DeMoSetupError(
+                f"{DDP_ALLREDUCES} Found at optimizer step {step}: a wrapper that did not average at the first step "
+                f"does now (the gradients of the parameters it holds are bitwise identical on ranks {averaged}). "
+                "No state was changed."
+            )
+        return
+    if not identical_check or not prints or None in prints or len(set(prints)) > 1:
+        return
     raise DeMoSetupError(
         f"the local gradients are bitwise identical on all {len(headers)} ranks at optimizer step {step}: DeMo "
         "needs each rank's own gradient. The two usual causes: (1) DDP still averages the gradients: use "

@@ -30,7 +30,7 @@ def loss_and_backward(model, rank, step):
     """The batch of (rank, step), made on the CPU and moved to the model's device, through forward and backward."""
     x, y = batch(rank, step, inputs=model[0].in_features, classes=model[-1].out_features)
     device = model[0].weight.device
-    x, y = x.to(device), y.to(device)
+    x, y = x.to(device, model[0].weight.dtype), y.to(device)
     model.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()

@@ -135,6 +135,22 @@ def test_trl_sft_trainer(tmp_path, tiny_llama_dir):
     assert proc.stdout.count("DeMoSetupError: DeMo's parameters are inside a DistributedDataParallel model") == 2
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trl_sft_trainer_with_the_many_nodes_preset(tmp_path, tiny_llama_dir):
+    """DeMoSFTTrainer with ``--demo_preset many_nodes``: the preset reaches the optimizer, replicas stay identical."""
+    script = ROOT / "tests" / "scripts" / "train_sft.py"
+    sft = (
+        "--max_steps 4 --per_device_train_batch_size 4 --max_length 32 --logging_steps 2 --report_to none "
+        "--use_cpu true --save_strategy no --disable_tqdm true --learning_rate 1e-3 --eos_token [SEP]"
+    ).split()
+    demo = ["--trainer", "demo", "--optim", "demo", "--demo_preset", "many_nodes", "--model_dir", tiny_llama_dir]
+    accelerate_launch(script, *demo, "--record_dir", tmp_path / "rec", "--output_dir", tmp_path / "o", *sft)
+    r0, r1 = load_records(tmp_path / "rec", 2)
+    assert r0["settings"].exchange == "all_reduce" and r0["settings"].compression_topk == 128
+    assert r0["params"] == r1["params"] and r0["first_grad"] != r1["first_grad"] and r0["global_step"] == 4
+
+
 def _torchrun_script(script, *args, restarts=0, env_extra=None, timeout=600):
     """``torchrun --nproc_per_node 2`` (c10d rendezvous on a free port) of ``script``: (returncode, output)."""
     launcher = (

@@ -91,8 +91,8 @@ def test_a_stale_ddp_wrapper_is_cleared_by_the_gradients_and_caught_when_it_aver
     for caught, steps, refused, unchanged in results:
         assert any("no longer in use" in w for w in caught), caught  # step 1 ran, with a warning, not an error
         assert steps == 1 and unchanged  # step 2 changed nothing
-        assert "still all-reduces gradients" in refused and "bitwise identical on every rank" in refused
-        assert "optimizer step 1" in refused
+        assert "still all-reduces gradients" in refused and "bitwise identical on ranks [0, 1]" in refused
+        assert "optimizer step 1" in refused and "does now" in refused
 
 
 def _partial_wrapper(rank, world):
@@ -117,31 +117,54 @@ def test_a_ddp_wrapper_averaging_some_of_demos_parameters_is_caught():
         assert steps == 0
 
 
-def _one_rank_wrapper(rank, world):
-    """Only rank 0 holds a (stale) wrapper: every rank raises the same error, nobody waits for another."""
+def _odd_wrappers(rank, world, case):
+    """Wrappers that average nothing across DeMo's ranks, and one that averages within pairs of ranks."""
+    import warnings
+
     from torch.nn.parallel import DistributedDataParallel
 
-    model = torch.nn.Linear(8, 8)
-    if rank == 0:
-        stale = torch.nn.Linear(8, 8)
-        stale.load_state_dict(model.state_dict())
-        old = DistributedDataParallel(stale, process_group=dist.new_group([0]))
-        model = old.module  # rank 0 steps the wrapped parameters, without the wrapper
-    else:
-        dist.new_group([0])  # every rank takes part in new_group
-    opt = _opt(model.parameters())
+    body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else None  # every rank, same order
+    settings = {}
+    if case == "one_rank":  # only rank 0 holds one, over a group of its own
+        solo = dist.new_group([0])
+        keep = DistributedDataParallel(body, process_group=solo) if rank == 0 else None
+    elif case == "no_gradient":  # an earlier phase's wrapper of the head; this phase trains the body only
+        keep = DistributedDataParallel(head)
+    elif case == "local_first":  # an unused wrapper, and a local step before the first exchange
+        keep, settings = DistributedDataParallel(body), {"sync_every": 4, "exchange": "all_reduce"}
+    else:  # "pairs": a live wrapper over each pair of ranks, DeMo over all four
+        keep = DistributedDataParallel(body, process_group=pairs[rank // 2])
+    opt = _opt([*body.parameters(), *head.parameters()], **settings)
     torch.manual_seed(rank)
-    model(torch.randn(4, 8)).sum().backward()
-    try:
-        opt.step()
-    except hf_demo.DeMoSetupError as exc:
-        return str(exc), opt.steps
-    return None, opt.steps
+    x = torch.randn(4, 8)
+    out = keep(x) if case == "pairs" else body(x)
+    (out if case == "no_gradient" else head(out)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+            refused = None
+        except hf_demo.DeMoSetupError as exc:
+            refused = str(exc)
+    assert keep is not None or rank != 0  # alive through the step
+    return refused, opt.steps, [str(w.message) for w in caught], body.weight.detach().clone()
 
 
-def test_a_ddp_wrapper_on_one_rank_only_stops_every_rank():
-    for refused, steps in expect_ok(run_ranks(_one_rank_wrapper, 2)):
-        assert refused and "only rank(s) [0] of 2 hold such a wrapper" in refused and steps == 0
+def test_ddp_wrappers_that_average_nothing_across_ranks_do_not_stop_demo():
+    for case in ("one_rank", "no_gradient", "local_first"):
+        results = expect_ok(run_ranks(_odd_wrappers, 2, case))
+        for rank, (refused, steps, caught, _) in enumerate(results):
+            assert refused is None and steps == 1, (case, refused)
+            warned = any("no longer in use" in w for w in caught)
+            assert warned == (case != "one_rank" or rank == 0), (case, rank, caught)
+        if case != "local_first":  # a local step leaves each rank its own weights
+            assert torch.equal(results[0][3], results[1][3]), case
+
+
+def test_a_ddp_wrapper_averaging_within_subgroups_stops_every_rank():
+    for refused, steps, _, _ in expect_ok(run_ranks(_odd_wrappers, 4, "pairs")):
+        assert refused and "bitwise identical on ranks [0, 1, 2, 3]" in refused and steps == 0
 
 
 def _fake_thread(task_dir, tid, name, state):
@@ -176,7 +199,7 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_demo.accelerate_utils import _subclasses
+    from hf_demo.ddp_wrappers import _subclasses
 
     class Wrapped(DistributedDataParallel):
         pass

@@ -102,3 +102,26 @@ def test_lora_resume_is_bitwise_exact(straight, tiny_llama_dir, tmp_path):
     assert resumed["global_step"] == 6 and resumed["replicas_identical"]
     assert resumed["before"]["loss"] < results["before"]["loss"]  # evaluated at the start: step 3's adapters
     assert resumed["replicas"] == results["replicas"]  # trainable and all parameters, both ranks
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_lora_with_the_many_nodes_preset_stays_identical_and_resumes_exactly(straight, tiny_llama_dir, tmp_path):
+    """``--demo_preset many_nodes`` (the all-reduce on the union of nominations) on LoRA adapters."""
+    preset = ["--demo_preset", "many_nodes"]
+    results = _clm(tiny_llama_dir, tmp_path / "straight", *LORA, *STEPS, *SAVE, *preset)
+    assert results["world_size"] == 2 and results["global_step"] == 6 and results["replicas_identical"]
+    assert results["after"]["loss"] < results["before"]["loss"]
+    comm = results["communication"]
+    assert comm["method"] == "DeMo" and 0 < comm["bytes_sent"] < comm["dense_bytes"]
+    assert comm["bytes_sent"] != straight[1]["communication"]["bytes_sent"]  # the preset reached the optimizer
+    resumed = _clm(
+        tiny_llama_dir,
+        tmp_path / "resumed",
+        *LORA,
+        *STEPS,
+        *preset,
+        "--resume_from_checkpoint",
+        tmp_path / "straight" / "checkpoint-3",
+    )
+    assert resumed["global_step"] == 6 and resumed["replicas"] == results["replicas"]

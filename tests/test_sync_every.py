@@ -209,3 +209,27 @@ def test_ending_inside_a_local_phase_averages_the_ranks_or_warns():
         assert all(torch.equal(a, b) for a, b in zip(before, after)) and sent == 0  # left apart
     for messages, before, after, _, sent in expect_ok(run_ranks(_end_after, 2, 8)):  # ended on a sync
         assert messages == [] and sent == 0 and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _end_after_a_skipped_sync(rank, world, dtype):
+    model = tiny_mlp().to(dtype)
+    opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+    for step in range(4):  # step 3 would synchronise; rank 1's NaN gradient makes every rank skip it
+        loss_and_backward(model, rank, step)
+        if step == 3 and rank == 1:
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.flush()
+    return opt.steps, opt.skipped_steps, before, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_skipped_synchronisation_still_ends_the_phase_at_the_end_exactly_in_the_parameters_dtype():
+    for dtype in (torch.float32, torch.float64):
+        (steps, skipped, before0, after0), (_, _, before1, after1) = expect_ok(
+            run_ranks(_end_after_a_skipped_sync, 2, dtype)
+        )
+        assert steps == 4 and skipped == 1
+        assert not all(torch.equal(a, b) for a, b in zip(before0, before1))  # still apart after the skip
+        for a, b, x, y in zip(after0, after1, before0, before1):
+            assert a.dtype == dtype and torch.equal(a, b) and torch.equal(a, (x + y) / 2)

@@ -76,6 +76,7 @@ def main():
                 "first_grad": first.value,
                 "global_step": trainer.state.global_step,
                 "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+                "settings": getattr(getattr(trainer.optimizer, "optimizer", trainer.optimizer), "settings", None),
                 "log_history": trainer.state.log_history,
             },
             os.path.join(script.record_dir, f"rank{dist.get_rank()}.pt"),
