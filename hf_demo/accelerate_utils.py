@@ -103,8 +103,8 @@ def check_local_gradients(optimizer: DeMo) -> None:
     device = params[0].device if params else torch.device("cpu")
     transport.step = optimizer.steps
     rows = transport.all_gather(mine.view(torch.uint8).to(device), "ddp_check", count=False).cpu().view(torch.int64)
-    flags, prints = [bool(r[0]) for r in rows.tolist()], [int(r[1]) for r in rows.tolist()]
-    averaged = ddp_wrappers.averaging_ranks(flags, prints)
+    flags, prints = zip(*rows.tolist())
+    averaged = ddp_wrappers.averaging_ranks([bool(f) for f in flags], list(prints))
     if averaged:
         raise DeMoSetupError(
             f"{DDP_ALLREDUCES} Found at optimizer step {optimizer.steps}: the gradients of the parameters such a "

@@ -142,7 +142,8 @@ class DeMoSettings:
     end_local_phase: str = _setting(
         "average",
         "when training ends inside a local phase (sync_every > 1, a policy's local-step tier), what flush() does: "
-        "average (one dense fp32 all-reduce makes every rank's parameters their mean) or warn (each rank keeps "
+        "average (dense all-reduces, in fp32 or the parameter's dtype where wider, make every rank's parameters "
+        "their mean) or warn (each rank keeps "
         "its own until the next synchronisation)",
         ("average", "warn"),
     )
