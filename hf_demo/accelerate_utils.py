@@ -30,14 +30,19 @@ def unwrap_optimizer(optimizer):
 def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     """Register DDP's no-op comm hook on ``model`` when it is DDP: each rank keeps its local gradient.
 
-    DDP still broadcasts the initial weights (at construction) and buffers; DeMo moves the momentum.
-    Returns True when a hook was registered now, False when not DDP or already done.
+    A model the user had wrapped in DDP already, wrapped again by Accelerate (DDP inside DDP), gets the hook
+    on every wrapper: the inner one would otherwise all-reduce every gradient densely, uncounted, before the
+    outer one's no-op hook. DDP still broadcasts the initial weights (at construction) and buffers; DeMo moves
+    the momentum. Returns True when a hook was registered now, False when not DDP or already done.
     """
-    if not isinstance(model, DistributedDataParallel) or getattr(model, "_hf_demo_noop_hook", False):
-        return False
-    model.register_comm_hook(state=None, hook=noop_hook)
-    model._hf_demo_noop_hook = True
-    return True
+    registered = False
+    while isinstance(model, DistributedDataParallel):
+        if not getattr(model, "_hf_demo_noop_hook", False) and ddp_wrappers.allreducing(model):
+            model.register_comm_hook(state=None, hook=noop_hook)
+            model._hf_demo_noop_hook = True
+            registered = True
+        model = model.module
+    return registered
 
 
 def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False) -> None:

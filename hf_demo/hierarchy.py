@@ -74,9 +74,22 @@ def check_agreement(world: int) -> None:
         )
 
 
+def wide_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """fp32, or the widest parameter dtype where wider (fp64): what the node's dense collectives carry. The same
+    on every rank of the node (it depends on the parameters only)."""
+    wide = torch.float32
+    for p in params:
+        wide = torch.promote_types(wide, p.dtype)
+    return wide
+
+
 def node_mean(tensors: list[torch.Tensor | None], like: list[torch.Tensor], transport) -> list[torch.Tensor]:
-    """The mean over the node of each tensor (a missing one counts as zeros), one all-reduce, fp32."""
-    flat = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1).float() for t, p in zip(tensors, like)])
+    """The mean over the node of each tensor (a missing one counts as zeros), one all-reduce, in fp32 or the
+    parameters' wider dtype (:func:`wide_dtype`)."""
+    wide = wide_dtype(like)
+    flat = torch.cat(
+        [(t if t is not None else torch.zeros_like(p)).reshape(-1).to(wide) for t, p in zip(tensors, like)]
+    )
     transport.all_reduce(flat, "node_gradients")
     flat /= transport.world
     out, start = [], 0
@@ -93,10 +106,11 @@ def share(values: dict[int, torch.Tensor], params: list[torch.Tensor], topo: Top
         mine = [i for i in range(len(params)) if i % topo.local_size == owner]
         if not mine:
             continue
+        wide = wide_dtype([params[i] for i in mine])  # fp64 parameters travel as fp64
         if owner == topo.local_rank:
-            buf = torch.cat([values[i].reshape(-1).float() for i in mine])
+            buf = torch.cat([values[i].reshape(-1).to(wide) for i in mine])
         else:
-            buf = torch.empty(sum(params[i].numel() for i in mine), dtype=torch.float32, device=params[0].device)
+            buf = torch.empty(sum(params[i].numel() for i in mine), dtype=wide, device=params[0].device)
         transport.broadcast(buf, owner, "node_parameters")
         start = 0
         for i in mine:

@@ -406,6 +406,7 @@ class DeMo(torch.optim.Optimizer):
                 "index_coding": self.settings.index_coding,  # how its rows are coded, whatever a resume sets
                 "layouts": layouts,  # and with which blocks and top-k: a resume may change them
                 "value_format": tier.value_format,
+                "params": self._indices(params),  # which parameters it updates, whatever is trainable later
             }
         elif not skip:
             updates = exchange.communicate(transport, headers, payload, working)
@@ -535,7 +536,7 @@ class DeMo(torch.optim.Optimizer):
         pending, transport = self._pending, self._transport or self._transport_now()  # flush() right after a resume
         rows = pending["rows"].wait() if hasattr(pending["rows"], "wait") else pending["rows"]
         pending["rows"] = rows  # done: a failure below does not wait twice
-        layouts = self._pending_layouts(items)
+        layouts = [layout for _, layout in self._pending_targets(items)]
         fmt = pending.get("value_format") or self.tiers[self.policy.tier].value_format
         spec = self._exchange_spec(layouts, fmt, transport.world, index_coding=pending["index_coding"])
         exchange = exchanges.build("all_gather", spec)
@@ -548,18 +549,30 @@ class DeMo(torch.optim.Optimizer):
                 "it. Resume every rank from the last checkpoint"
             ) from exc
 
-    def _pending_layouts(self, items) -> list:
-        """The layouts the exchange in flight was coded with (the current ones for a state saved before they were
-        recorded), checked against the parameters it updates."""
-        layouts = self._pending.get("layouts") or [layout for _, _, layout in items]
-        shapes = [tuple(p.shape) for p, _, _ in items]
+    def _indices(self, params) -> list[int]:
+        """The positions of ``params`` among all of this optimizer's parameters (trainable or not)."""
+        where = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return [where[id(p)] for p in params]
+
+    def _pending_targets(self, items) -> list[tuple[torch.Tensor, BlockLayout]]:
+        """(parameter, layout) of each coefficient set of the exchange in flight: the parameters it was computed
+        for (by position among all parameters, so freezing or unfreezing one since changes nothing), with the
+        layouts it was coded with. A state saved before these were recorded: the trainable ones, current layouts."""
+        pending = self._pending
+        layouts = pending.get("layouts") or [layout for _, _, layout in items]
+        everything = [p for g in self.param_groups for p in g["params"]]
+        if pending.get("params") is not None and max(pending["params"], default=-1) < len(everything):
+            targets = [everything[i] for i in pending["params"]]
+        else:
+            targets = [p for p, _, _ in items]
+        shapes = [tuple(p.shape) for p in targets]
         if [layout.shape for layout in layouts] != shapes:
             raise DeMoStateError(
                 f"the exchange in flight (overlap=True, optimizer step {self._pending['step']}) updates parameters "
                 f"of shapes {[layout.shape for layout in layouts]}, this optimizer has {shapes}: the model or its "
                 "trainable parameters changed since the checkpoint; resume with the same ones"
             )
-        return layouts
+        return list(zip(targets, layouts))
 
     def _apply_late(self, items, updates) -> None:
         if updates is None:
@@ -568,7 +581,7 @@ class DeMo(torch.optim.Optimizer):
         generator = None
         if self.settings.param_rounding == "stochastic":
             generator = torch.Generator().manual_seed(0x5EED0000 + pending["step"])
-        for (p, _, _), layout, update, (lr, wd) in zip(items, self._pending_layouts(items), updates, pending["lr"]):
+        for (p, layout), update, (lr, wd) in zip(self._pending_targets(items), updates, pending["lr"]):
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, lr, wd, generator)
 
@@ -666,12 +679,21 @@ class DeMo(torch.optim.Optimizer):
         ids = [pid for g in saved_groups for pid in g["params"]]
         return {ids[i]: p.detach().clone() for i, p in self._moved_from_anchor()}
 
+    def _saved_tier(self, saved: dict) -> int | None:
+        """The index among this run's tiers of a saved policy's tier, found by what it is (its format, top-k
+        divisor and sync_every), not by its number; None when this run has no such tier."""
+        spec = saved.get("tier_spec")
+        if spec is not None and (tier := policies.Tier(spec[0], int(spec[1]), int(spec[2]))) in self.tiers:
+            return self.tiers.index(tier)
+        return None
+
     def _load_policy(self, saved: dict) -> None:
-        """The saved tier, found by what it is (its format, top-k divisor and sync_every), not by its number."""
+        """The saved tier (:meth:`_saved_tier`); else the nearest number, with a warning."""
+        found = self._saved_tier(saved)
         spec = saved.pop("tier_spec", None)
         self.policy.load_state_dict(saved)
-        if spec is not None and (tier := policies.Tier(spec[0], int(spec[1]), int(spec[2]))) in self.tiers:
-            self.policy.tier = self.tiers.index(tier)
+        if found is not None:
+            self.policy.tier = found
             return
         if spec is not None or self.policy.tier >= len(self.tiers):
             tier = min(self.policy.tier, len(self.tiers) - 1)
@@ -705,6 +727,7 @@ class DeMo(torch.optim.Optimizer):
             "index_coding": pending["index_coding"],
             "headers": torch.stack([h.to_bytes() for h in pending["headers"]]),
             **(_layouts_state(layouts, pending["value_format"]) if layouts else {}),
+            **({"params": list(pending["params"])} if pending.get("params") is not None else {}),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -723,6 +746,7 @@ class DeMo(torch.optim.Optimizer):
                 "(sync_every > 1) and hierarchy='node' cannot apply: resume it with the settings it was saved with, "
                 "call optimizer.flush(), save again, and resume that checkpoint with the new settings"
             )
+        self._refuse_an_unending_local_phase(extra)
         requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in self.param_groups]
         saved_groups = state_dict["param_groups"]
         # torch casts floating state to the parameter dtype (and integer state too, rule_step: a bf16 counter
@@ -788,6 +812,7 @@ class DeMo(torch.optim.Optimizer):
                 "index_coding": pending.get("index_coding", "uint16"),  # the only code before it was recorded
                 "layouts": [_layout(x) for x in pending["layouts"]] if "layouts" in pending else None,
                 "value_format": pending.get("value_format"),
+                "params": [int(i) for i in pending["params"]] if "params" in pending else None,
             }
         )
         self.comm_stats.load(extra.get("comm", {}))
@@ -800,6 +825,29 @@ class DeMo(torch.optim.Optimizer):
             for pid, (p, _, _) in zip(ids, pairs):
                 if pid in local:
                     p.copy_(local[pid])
+
+    def _refuse_an_unending_local_phase(self, extra: dict) -> None:
+        """A state saved inside a local phase holds each rank's own parameters; resumed into a tier without local
+        steps, the next exchange would find the ranks apart and copy rank 0's over the others' (their local
+        steps lost, blamed on unsynchronised initial weights). Refused before anything is loaded."""
+        saved_policy = extra.get("policy", {})
+        spec = saved_policy.get("tier_spec")
+        saved_every = int(spec[2]) if spec else int(extra.get("settings", {}).get("sync_every", 1))
+        unsynced = extra.get("unsynced", saved_every > 1 and int(extra["steps"]) % saved_every != 0)
+        if not unsynced or int(extra.get("world_size", 1)) <= 1:  # one rank: its parameters are everybody's
+            return
+        found = self._saved_tier(saved_policy)
+        tier = found if found is not None else min(int(saved_policy.get("tier", 0)), len(self.tiers) - 1)
+        if self.tiers[tier].sync_every > 1:
+            return
+        raise DeMoStateError(
+            f"this optimizer state was saved inside a local phase (optimizer step {extra['steps']}, synchronising "
+            f"every {saved_every} steps): each rank's parameters are still its own, and this run has no local "
+            "steps (sync_every=1), so its first exchange would find the ranks apart and copy rank 0's parameters "
+            f"over the others'. Resume it with the settings it was saved with (sync_every={saved_every}), call "
+            "optimizer.flush() on every rank (end_local_phase='average' averages the ranks), save again, and "
+            "resume that checkpoint with the new settings"
+        )
 
     def _device(self) -> torch.device:
         """Where the step's buffers live: the first trainable parameter's device."""

@@ -215,3 +215,35 @@ def test_node_hierarchy_with_local_world_size_missing_on_one_rank_says_so_on_eve
     for result in run_ranks(_local_world_sizes, 4, ["2", "2", "2", None], timeout=60):
         assert isinstance(result, RankError), result
         assert "['2', '2', '2', None]" in result.message
+
+
+def _fp64(rank, world, hierarchy):
+    """fp64 parameters on one node of ``world`` ranks, or (flat, one process) with the node's mean gradient."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    params = [
+        torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)))
+        for i in range(3)
+    ]
+    opt = hf_demo.DeMo(params, lr=1e-3, weight_decay=0.1, compression_topk=4, compression_chunk=8, hierarchy=hierarchy)
+    for step in range(3):
+        grads = [
+            [
+                torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * r + 10 * step + i))
+                for i in range(len(params))
+            ]
+            for r in range(2)
+        ]
+        for i, p in enumerate(params):
+            p.grad = grads[rank][i] if hierarchy == "node" else (grads[0][i] + grads[1][i]) / 2
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_node_hierarchy_keeps_fp64_parameters_in_fp64():
+    """The node's gradient mean and the owners' new values travel in the parameters' dtype where wider than
+    fp32 (they were rounded to fp32 at every step, on every rank alike)."""
+    node = expect_ok(run_ranks(_fp64, 2, "node"))
+    flat = expect_ok(run_ranks(_fp64, 1, "flat"))[0]
+    for params in node:
+        assert all(torch.equal(a, b) for a, b in zip(params, flat))
+    assert any(not torch.equal(p, p.float().double()) for p in flat)  # not representable in fp32

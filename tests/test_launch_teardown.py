@@ -57,6 +57,35 @@ def test_demo_under_an_allreducing_ddp_stops_at_the_first_step():
         assert steps == 1  # the refused step changed nothing; the fixed one ran
 
 
+def _nested_ddp(rank, world):
+    """A model the user wrapped in DDP, wrapped again (as Accelerate does with an already wrapped model)."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = DistributedDataParallel(torch.nn.Linear(8, 8))
+    outer = DistributedDataParallel(inner)
+    opt = hf_demo.DeMo(outer.parameters(), lr=1e-3, compression_topk=2, compression_chunk=4)
+    registered = hf_demo.disable_gradient_allreduce(outer)
+    torch.manual_seed(rank)
+    outer(torch.randn(4, 8)).sum().backward()
+    grads = [p.grad.clone() for p in outer.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return registered, hf_demo.disable_gradient_allreduce(outer), grads, [str(w.message) for w in caught]
+
+
+def test_every_wrapper_of_a_nested_ddp_model_keeps_the_local_gradient():
+    """The inner wrapper of DDP(DDP(model)) all-reduced every gradient densely, uncounted, before the outer
+    one's no-op hook, and DeMo called it a wrapper "no longer in use"."""
+    results = expect_ok(run_ranks(_nested_ddp, 2))
+    for registered, again, _, caught in results:
+        assert registered and not again
+        assert not any("DistributedDataParallel" in message for message in caught)
+    assert not torch.equal(results[0][2][0], results[1][2][0])  # each rank's own weight gradient
+
+
 def _opt(params, **kw):
     return hf_demo.DeMo(params, lr=1e-3, compression_topk=2, compression_chunk=4, **kw)
 

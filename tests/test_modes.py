@@ -195,6 +195,38 @@ def test_overlap_applies_each_update_one_step_late():
     assert not all(torch.equal(a, b) for a, b in zip(flushed, tiny_mlp().parameters()))
 
 
+def _staged(freeze_a_at_step_1: bool):
+    """Two same-shape layers, overlap on: A alone trains at step 0; at step 1 either B trains instead of A
+    (staged fine-tuning) or A stays, with a zero gradient. One process."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+    opt = hf_demo.DeMo([a, b], lr=0.1, compression_topk=4, compression_chunk=8, overlap=True)
+    b.requires_grad_(False)
+    a.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    opt.step()  # A's exchange is in flight
+    if freeze_a_at_step_1:
+        a.requires_grad_(False)
+        a.grad = None
+        b.requires_grad_(True)
+        b.grad = torch.zeros(8, 8)
+    else:
+        a.grad = torch.zeros(8, 8)
+    b_before = b.detach().clone()
+    opt.step()  # applies the exchange in flight
+    return a.detach().clone(), b.detach(), b_before, opt
+
+
+def test_overlap_applies_the_update_in_flight_to_the_parameter_it_was_computed_for():
+    """Freezing and unfreezing parameters between steps must not move the update in flight to another one
+    (it was matched by position among the trainable parameters: A's update landed on B)."""
+    a_staged, b_staged, b_before, opt = _staged(True)
+    a_plain, _, _, _ = _staged(False)
+    assert torch.equal(a_staged, a_plain)  # A got its own update, now frozen or not
+    assert torch.equal(b_staged, b_before)  # B's first update is still in flight
+    opt.flush()  # B had a zero gradient and no momentum: its own update moves nothing
+    assert torch.equal(b_staged, b_before)
+
+
 # ---------------------------------------------------------------- overlap: an exchange in flight across a resume
 def _in_flight(**kw):
     """A one-process overlap run with an exchange in flight, its saved state, and the update it carries."""

@@ -233,3 +233,41 @@ def test_a_skipped_synchronisation_still_ends_the_phase_at_the_end_exactly_in_th
         assert not all(torch.equal(a, b) for a, b in zip(before0, before1))  # still apart after the skip
         for a, b, x, y in zip(after0, after1, before0, before1):
             assert a.dtype == dtype and torch.equal(a, b) and torch.equal(a, (x + y) / 2)
+
+
+def _resume_mid_phase_without_local_steps(rank, world, fix):
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), sync_every=3, **SETTINGS)
+    for step in range(4):  # steps 0-2 end on a synchronisation, step 3 opens a new phase
+        loss_and_backward(model, rank, step)
+        opt.step()
+    if fix:  # the fix the error names: end the phase with the old settings, then resume with the new ones
+        opt.flush()
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    new_model = tiny_mlp(seed=7)
+    new_model.load_state_dict(state["model"])
+    new_opt = hf_demo.DeMo(new_model.parameters(), **SETTINGS)  # sync_every=1
+    try:
+        new_opt.load_state_dict(state["opt"])
+    except hf_demo.DeMoStateError as exc:
+        return str(exc), new_opt.steps, len(new_opt.state), None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no resync: the ranks agree
+        loss_and_backward(new_model, rank, 4)
+        new_opt.step()
+    return None, new_opt.steps, new_opt.resyncs, [p.detach().clone() for p in new_model.parameters()]
+
+
+def test_a_state_saved_inside_a_local_phase_is_refused_by_a_run_without_local_steps():
+    """Resumed with sync_every=1, the first exchange found the ranks apart and copied rank 0's parameters over
+    the others' (their local steps lost, the warning blaming unsynchronised initial weights)."""
+    for error, steps, state_entries, _ in expect_ok(run_ranks(_resume_mid_phase_without_local_steps, 2, False)):
+        assert "saved inside a local phase (optimizer step 4" in error and "sync_every=3" in error
+        assert "optimizer.flush()" in error
+        assert (steps, state_entries) == (0, 0)  # refused before anything was loaded
+    fixed = expect_ok(run_ranks(_resume_mid_phase_without_local_steps, 2, True))
+    for error, steps, resyncs, params in fixed:
+        assert error is None and steps == 5 and resyncs == 0
+        assert all(torch.equal(a, b) for a, b in zip(params, fixed[0][3]))
