@@ -615,8 +615,11 @@ def report(args) -> None:
                         f"{ratio(sd['t_target_interp'], sb['t_target_interp'])} | "
                         f"{pct(sd['final_loss'], sb['final_loss'])} | {ratio(txd, txb)} |"
                     )
-        before = [f"{LABELS[m]} {'/'.join(recs[m]['load_before'])}" for m in METHODS if recs.get(m, {}).get("load_before")]
-        if before:  # the 15-minute figure shows a machine still busy from an earlier job, which the 1-minute one hides
+        # the 15-minute figure shows a machine still busy from an earlier job, which the 1-minute one hides
+        before = [
+            f"{LABELS[m]} {'/'.join(recs[m]['load_before'])}" for m in METHODS if m in recs and "load_before" in recs[m]
+        ]
+        if before:
             lines += ["", "Load average (1/5/15 min) before each method, its predecessors' ranks included: "]
             lines[-1] += "; ".join(before) + "."
         lines.append("")
