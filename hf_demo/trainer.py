@@ -20,6 +20,7 @@ momentum sees the same per-rank gradient as DDP's mean would be built from.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from .errors import DeMoSetupError, DeMoStateError
 from .optimizer import DeMo
 from .settings import optimizer_cls_and_kwargs
 from .teardown import install_exit_handler
-from .training_args import DeMoArguments, demo_settings, selects_demo, with_demo_arguments
+from .training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 
 
 def rank_state_file(rank: int) -> str:
@@ -67,6 +68,7 @@ class DeMoTrainerMixin:
             )
         if _distributed():
             install_exit_handler()
+        self._check_settings_reach_the_optimizer()
         if self.uses_demo:
             if selects_demo(self.args.optim):
                 demo_settings(self.args)  # invalid settings fail now, not at the first step
@@ -75,6 +77,33 @@ class DeMoTrainerMixin:
                 fp16=bool(self.args.fp16),
                 deepspeed=self.is_deepspeed_enabled,
                 fsdp=self.is_fsdp_enabled,
+            )
+
+    def _check_settings_reach_the_optimizer(self) -> None:
+        """Say so when DeMo settings given in the arguments are not the ones that train (one source of truth),
+        and refuse a DDP comm hook beside a DeMo given as an optimizer (``--optim demo`` refuses it already)."""
+        given = given_demo_fields(self.args)
+        passed = self.optimizer is not None or self.optimizer_cls_and_kwargs is not None
+        if passed and (given or selects_demo(self.args.optim)):
+            warnings.warn(
+                f"{type(self).__name__}: an optimizer was given to the trainer (optimizers= or "
+                "optimizer_cls_and_kwargs=), so it trains with that one's settings: "
+                f"{', '.join(given + (['--optim demo'] if selects_demo(self.args.optim) else []))} are not used. "
+                "Give the settings in one place: drop them, or drop the optimizer and use --optim demo",
+                stacklevel=3,
+            )
+        elif given and not self.uses_demo:
+            warnings.warn(
+                f"{type(self).__name__}: {', '.join(given)} set, but the optimizer is "
+                f"{getattr(self.args.optim, 'value', self.args.optim)!r}, not "
+                "DeMo: they are not used. Add --optim demo to train with DeMo",
+                stacklevel=3,
+            )
+        hook = getattr(self.args, "ddp_comm_hook", "no")
+        if self.uses_demo and hook != "no":
+            raise ValueError(
+                f"--ddp_comm_hook {hook} compresses DDP's gradient all-reduce; with DeMo as the optimizer there is "
+                "none (DeMo moves the momentum): drop it"
             )
 
     @property

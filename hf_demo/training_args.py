@@ -90,6 +90,12 @@ def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
     return fields
 
 
+def given_demo_fields(args) -> list[str]:
+    """The ``--demo_*`` fields these arguments set (not left at None), as ``--demo_<name>`` flags."""
+    names = ["preset", *DeMoSettings.names()]
+    return [f"--demo_{name}" for name in names if getattr(args, f"demo_{name}", None) is not None]
+
+
 def demo_settings(args) -> dict:
     """Every DeMo setting (besides lr and weight decay) for these arguments, validated.
 

@@ -1,5 +1,7 @@
 """DeMoTrainingArguments through HfArgumentParser, the factory, and refusals at start-up (in-process)."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import (
@@ -230,7 +232,7 @@ def test_factory_groups_and_cls_and_kwargs():
         hf_demo.create_optimizer(model, topk=3)
 
 
-def _tiny_trainer(output_dir, **arg_overrides):
+def _tiny_trainer(output_dir, trainer_kw=None, **arg_overrides):
     from datasets import Dataset
 
     model = _tiny_llama()
@@ -243,7 +245,7 @@ def _tiny_trainer(output_dir, **arg_overrides):
         per_device_train_batch_size=4,
         **arg_overrides,
     )
-    return hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data)
+    return hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data, **(trainer_kw or {}))
 
 
 def test_trainer_with_optimizer_cls_and_kwargs_uses_demo_in_one_process(tmp_path):
@@ -295,3 +297,21 @@ def test_presets_sit_under_settings_given_by_name():
         hf_demo.DeMo(model.parameters(), preset="fast")
     with pytest.raises(SystemExit):
         parse("--optim", "demo", "--demo_preset", "fast")
+
+
+def test_settings_that_do_not_reach_the_optimizer_are_named(tmp_path):
+    """--demo_* flags without --optim demo, or beside an optimizer given to the trainer, were dropped silently;
+    a DDP comm hook beside a DeMo given as an optimizer failed at the first step with torch's error."""
+    with pytest.warns(
+        UserWarning, match=r"--demo_compression_topk set, but the optimizer is 'adamw_torch'.*--optim demo"
+    ):
+        _tiny_trainer(tmp_path, optim="adamw_torch", demo_compression_topk=16)
+    given = {"optimizer_cls_and_kwargs": hf_demo.optimizer_cls_and_kwargs(lr=1e-3, compression_topk=8)}
+    with pytest.warns(UserWarning, match=r"an optimizer was given.*--demo_sync_every, --optim demo are not used"):
+        _tiny_trainer(tmp_path, given, optim="demo", demo_sync_every=4)
+    with pytest.raises(ValueError, match=r"--ddp_comm_hook fp16 .* with DeMo as the optimizer .* drop it"):
+        _tiny_trainer(tmp_path, given, optim="adamw_torch", ddp_comm_hook="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one source of settings: nothing to say
+        _tiny_trainer(tmp_path, optim="demo", demo_compression_topk=16)
+        _tiny_trainer(tmp_path, given, optim="adamw_torch")
