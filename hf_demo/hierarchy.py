@@ -5,7 +5,8 @@ The topology is the one the launcher already knows: ``LOCAL_WORLD_SIZE`` process
 
 1. gradients are averaged densely inside the node over the fast local link (one all-reduce): every local
    rank of a node then holds the node's mean gradient;
-2. parameters are sharded over the local ranks (parameter ``i`` belongs to local rank ``i % L``): local rank
+2. parameters are sharded over the local ranks (parameter ``i``, counted among all of the optimizer's
+   parameters, trainable or not, belongs to local rank ``i % L``: freezing one moves no other): local rank
    ``j`` keeps the momentum of its shard only and runs DeMo for it with local rank ``j`` of every other node
    (its *inter-node group*), so each node sends one DeMo payload per step over the slow link, not ``L``;
 3. each owner broadcasts its shard's new values inside the node (dense, fast link), and every rank commits.
@@ -99,11 +100,19 @@ def node_mean(tensors: list[torch.Tensor | None], like: list[torch.Tensor], tran
     return out
 
 
-def share(values: dict[int, torch.Tensor], params: list[torch.Tensor], topo: Topology, transport) -> list[torch.Tensor]:
-    """Every owner's new values (``values``: index -> tensor, this rank's shard) to every rank of the node."""
+def owners(indices: list[int], topo: Topology) -> list[int]:
+    """The local rank that owns each parameter, from its position among all of the optimizer's parameters."""
+    return [i % topo.local_size for i in indices]
+
+
+def share(
+    values: dict[int, torch.Tensor], params: list[torch.Tensor], owner_of: list[int], topo: Topology, transport
+) -> list[torch.Tensor]:
+    """Every owner's new values (``values``: index -> tensor, this rank's shard; ``owner_of``: each parameter's
+    owner, :func:`owners`) to every rank of the node."""
     out: list[torch.Tensor | None] = [None] * len(params)
     for owner in range(topo.local_size):
-        mine = [i for i in range(len(params)) if i % topo.local_size == owner]
+        mine = [i for i in range(len(params)) if owner_of[i] == owner]
         if not mine:
             continue
         wide = wide_dtype([params[i] for i in mine])  # fp64 parameters travel as fp64

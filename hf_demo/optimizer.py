@@ -259,8 +259,9 @@ class DeMo(torch.optim.Optimizer):
             topo, node = self._node
             node.step = self.steps
             all_node_grads = hierarchy.node_mean([p.grad for p, _, _ in items], [p for p, _, _ in items], node)
-            items = all_items[topo.local_rank :: topo.local_size]
-            node_grads = all_node_grads[topo.local_rank :: topo.local_size]
+            owner_of = hierarchy.owners(self._indices([p for p, _, _ in all_items]), topo)
+            items = [x for x, owner in zip(all_items, owner_of) if owner == topo.local_rank]
+            node_grads = [g for g, owner in zip(all_node_grads, owner_of) if owner == topo.local_rank]
         params = [p for p, _, _ in items]
         layouts = [layout for _, _, layout in items]
         if decided is None:
@@ -589,15 +590,17 @@ class DeMo(torch.optim.Optimizer):
         """(every parameter's new value, this shard's new rule states), nothing committed; ``bases``: id(param) ->
         the value the step starts from where a resync replaced it."""
         topo, node = self._node
+        owner_of = hierarchy.owners(self._indices([p for p, _, _ in all_items]), topo)
+        mine = [j for j, owner in enumerate(owner_of) if owner == topo.local_rank]  # items' places in all_items
         values, rule_states = {}, []
-        for i, ((p, g, layout), update) in enumerate(zip(items, updates)):
+        for j, ((p, g, layout), update) in zip(mine, zip(items, updates)):
             rule_state = {k: v.clone() for k, v in self.state[p].items() if k in update_rules.STATE_KEYS}
             direction = self.update_rule.direction(p, decode(update, layout), rule_state)
             value = bases.get(id(p), p.detach()).clone()
             F.apply_step(value, direction, g["lr"], g["weight_decay"], generator)
-            values[topo.local_rank + i * topo.local_size] = value
+            values[j] = value
             rule_states.append(rule_state)
-        return hierarchy.share(values, [p for p, _, _ in all_items], topo, node), rule_states
+        return hierarchy.share(values, [p for p, _, _ in all_items], owner_of, topo, node), rule_states
 
     def _timings(self, started: float) -> dict:
         """This rank's figures for the policy: its last exchange time and the time since its last exchange."""
@@ -663,6 +666,8 @@ class DeMo(torch.optim.Optimizer):
             "comm": {k: v for k, v in self.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
             "local_params": self._local_params(sd["param_groups"]),
         }
+        if self._node is not None:  # which local rank owns which parameter's state (hierarchy.owners)
+            sd["demo"]["shards"] = "all_parameters"
         return sd
 
     def _moved_from_anchor(self):
@@ -816,6 +821,14 @@ class DeMo(torch.optim.Optimizer):
             }
         )
         self.comm_stats.load(extra.get("comm", {}))
+        frozen = any(not p.requires_grad for g in self.param_groups for p in g["params"])
+        if extra.get("settings", {}).get("hierarchy") == "node" and "shards" not in extra and frozen:
+            warnings.warn(
+                "DeMo: this hierarchy='node' state was saved by an hf_demo that gave parameters to local ranks by "
+                "their position among the trainable ones; they now go by their position among all parameters, so "
+                "with frozen parameters some momenta start afresh on a new owner",
+                stacklevel=2,
+            )
         # "group": the rank in the optimizer's own group (and saved by a hierarchy before it recorded a scope)
         self._saved_world = (int(extra["rank"]), int(extra["world_size"]), extra.get("rank_scope", "group"))
         if dist.is_available() and dist.is_initialized():

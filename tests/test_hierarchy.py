@@ -247,3 +247,39 @@ def test_node_hierarchy_keeps_fp64_parameters_in_fp64():
     for params in node:
         assert all(torch.equal(a, b) for a, b in zip(params, flat))
     assert any(not torch.equal(p, p.float().double()) for p in flat)  # not representable in fp32
+
+
+def _freeze_midway(rank, world, hierarchy):
+    """Three parameters on one node of ``world`` ranks (or flat, one process, on the node's mean gradient);
+    the first is frozen after three steps."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    opt = hf_demo.DeMo(
+        params, lr=1e-3, compression_topk=4, compression_chunk=8, hierarchy=hierarchy, update_rule="adam"
+    )
+    for step in range(6):
+        if step == 3:
+            params[0].requires_grad_(False)
+            params[0].grad = None
+        grads = [
+            [
+                torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * r + 10 * step + i))
+                for i in range(len(params))
+            ]
+            for r in range(2)
+        ]
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.grad = grads[rank][i] if hierarchy == "node" else (grads[0][i] + grads[1][i]) / 2
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_node_hierarchy_keeps_each_parameters_owner_when_another_is_frozen():
+    """Ownership went by position among the trainable parameters: freezing one handed every later one to
+    another local rank, whose momentum and Adam state for it started from zero."""
+    node = expect_ok(run_ranks(_freeze_midway, 2, "node"))
+    flat = expect_ok(run_ranks(_freeze_midway, 1, "flat"))[0]
+    for params in node:
+        for a, b in zip(params, flat):
+            assert torch.equal(a, b)
