@@ -136,7 +136,7 @@ def label(s: Setting) -> str:
     return out
 
 
-INTRA_NODE = ("node_gradients", "node_parameters")  # the collectives of hierarchy='node' inside a node
+INTRA_NODE = ("node_header", "node_gradients", "node_parameters")  # hierarchy="node"'s collectives inside a node
 
 
 # ------------------------------------------------------------------ measured part

@@ -75,6 +75,21 @@ def check_agreement(world: int) -> None:
         )
 
 
+def check_node(transport, header, device, node: int) -> None:
+    """The local ranks of a node agree on the step, the parameter layout and the settings (one small all-gather
+    on the node's link, before any dense collective): the headers between nodes compare only one local rank of
+    each node, and a single node has no other. Raises :class:`~hf_demo.errors.DeMoSyncError` on every local
+    rank alike."""
+    from . import codec
+    from .errors import DeMoSyncError
+
+    rows = transport.all_gather(header.to_bytes().to(device), "node_header")
+    try:
+        codec.check_headers([codec.Header.from_bytes(row) for row in rows], transport.rank)
+    except DeMoSyncError as exc:
+        raise DeMoSyncError(f"{exc}\n(ranks are local ranks of node {node}, hierarchy='node')") from None
+
+
 def wide_dtype(params: list[torch.Tensor]) -> torch.dtype:
     """fp32, or the widest parameter dtype where wider (fp64): what the node's dense collectives carry. The same
     on every rank of the node (it depends on the parameters only)."""

@@ -283,3 +283,25 @@ def test_node_hierarchy_keeps_each_parameters_owner_when_another_is_frozen():
     for params in node:
         for a, b in zip(params, flat):
             assert torch.equal(a, b)
+
+
+def _node_settings_differ(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    start = [p.detach().clone() for p in params]
+    opt = hf_demo.DeMo(params, lr=1e-3 if rank == 0 else 0.5, compression_topk=4, compression_chunk=8, hierarchy="node")
+    for p in params:
+        p.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        opt.step()
+    except hf_demo.DeMoSyncError as exc:
+        return str(exc), opt.steps, all(torch.equal(p, s) for p, s in zip(params, start))
+    return None, opt.steps, False
+
+
+def test_node_hierarchy_compares_the_settings_of_the_ranks_inside_a_node():
+    """The headers travel between nodes only, one local rank of each: two ranks of one node with different
+    settings each stepped their own shard with their own learning rate, silently."""
+    for error, steps, unchanged in expect_ok(run_ranks(_node_settings_differ, 2)):
+        assert "different optimizer settings" in error and "local ranks of node 0" in error
+        assert steps == 0 and unchanged
