@@ -58,15 +58,36 @@ def topology(world: int, rank: int) -> Topology:
     return Topology(world, rank, int(raw))
 
 
-def check_agreement(world: int) -> None:
+AGREEMENT_MAGIC = b"HDN1"  # opens check_agreement's 16 bytes: a rank in another collective sends something else
+
+
+def check_agreement(transport) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks read the same ``LOCAL_WORLD_SIZE`` (nodes
     with different numbers of processes would build different groups and wait on each other until a timeout).
     Runs before :func:`topology` validates the value, so a rank with a missing or invalid one does not leave
-    the others waiting: they all raise here, naming every rank's value."""
-    import torch.distributed as dist
+    the others waiting: they all raise here, naming every rank's value. One 16-byte all-gather over the whole
+    world (``transport``, under ``comm_timeout``; a set-up check, not counted)."""
+    import torch
 
-    values: list = [None] * world
-    dist.all_gather_object(values, os.environ.get("LOCAL_WORLD_SIZE"))
+    from .errors import DeMoSyncError
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = AGREEMENT_MAGIC + bytes([raw is not None]) + (raw or "").encode()[:11].ljust(11, b"\0")
+    try:
+        rows = transport.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "hierarchy", count=False)
+    except DeMoSyncError as exc:
+        raise DeMoSyncError(
+            f"{exc}. hierarchy='node' checks the topology first: a rank with another hierarchy setting (every rank "
+            "needs the same one) fails here too"
+        ) from None
+    foreign = [r for r, row in enumerate(rows) if bytes(row[:4].tolist()) != AGREEMENT_MAGIC]
+    if foreign:  # what a rank in another collective sent (hierarchy='flat': its exchange header)
+        raise DeMoSyncError(
+            f"rank {transport.rank}: hierarchy='node' checks the topology at the first step, but rank(s) {foreign} "
+            "sent something else: they run with another hierarchy setting (every rank needs the same one), or "
+            "called optimizer.step() a different number of times"
+        )
+    values = [bytes(row[5:].tolist()).rstrip(b"\0").decode(errors="replace") if row[4] else None for row in rows]
     if len(set(values)) > 1:
         raise ValueError(
             f"hierarchy='node' needs the same number of processes on every node, but the ranks read "

@@ -199,7 +199,7 @@ class DeMo(torch.optim.Optimizer):
         if initialised and self.settings.hierarchy == "node":
             if self.process_group is not None:
                 raise ValueError("hierarchy='node' builds its groups from the whole world: pass no process_group")
-            hierarchy.check_agreement(dist.get_world_size())  # the same LOCAL_WORLD_SIZE on every rank, first
+            hierarchy.check_agreement(Transport(None, timeout, self.comm_stats))  # the same LOCAL_WORLD_SIZE, first
             topo = hierarchy.topology(dist.get_world_size(), dist.get_rank())
             node_group, peer_group = hierarchy.groups(topo, timeout, dist.get_backend())
             self._node = (topo, Transport(node_group, timeout, self.comm_stats))

@@ -305,3 +305,36 @@ def test_node_hierarchy_compares_the_settings_of_the_ranks_inside_a_node():
     for error, steps, unchanged in expect_ok(run_ranks(_node_settings_differ, 2)):
         assert "different optimizer settings" in error and "local ranks of node 0" in error
         assert steps == 0 and unchanged
+
+
+def _mixed_hierarchy(rank, world):
+    """Rank 0 with hierarchy='node', rank 1 with 'flat'; rank 1 stays alive after its error (a launcher or a
+    retry loop keeps it), so nothing but comm_timeout can end rank 0's wait."""
+    import time
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = hf_demo.DeMo(
+        [p], compression_topk=4, compression_chunk=8, comm_timeout=3, hierarchy="node" if rank == 0 else "flat"
+    )
+    p.grad = torch.randn(8, 8)
+    start, before = time.monotonic(), p.detach().clone()
+    try:
+        opt.step()
+        error = None
+    except (hf_demo.DeMoSyncError, ValueError) as exc:
+        error = str(exc)
+    waited = time.monotonic() - start
+    if rank == 1:
+        time.sleep(12)
+    return error, waited, opt.steps, torch.equal(p, before)
+
+
+def test_a_rank_with_another_hierarchy_fails_within_comm_timeout_on_every_rank():
+    """hierarchy='node' checked LOCAL_WORLD_SIZE on the default group, untimed: a 'flat' peer left it waiting
+    for the default group's timeout (30 minutes), far beyond comm_timeout."""
+    results = expect_ok(run_ranks(_mixed_hierarchy, 2, collective_timeout=60, timeout=90))
+    for error, waited, steps, unchanged in results:
+        assert error is not None and waited < 10  # comm_timeout=3, not the default group's 60 s here
+        assert steps == 0 and unchanged
+    assert "another hierarchy setting" in results[0][0]
