@@ -19,6 +19,7 @@ step can be retried or the run resumed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -506,6 +507,43 @@ class DeMo(torch.optim.Optimizer):
         number of parameters averaged."""
         if not self.in_local_phase():
             return 0
+        means = self._phase_means("end_local_phase")
+        if _nonfinite(list(means.values())):
+            raise DeMoNonFiniteError(
+                f"DeMo: the mean of the ranks' parameters at the end of the local phase (optimizer step {self.steps}) "
+                "is not finite: a rank's parameters hold NaN/Inf. Nothing was changed; resume from a checkpoint"
+            )
+        for p, mean in means.items():
+            p.copy_(mean.to(p.dtype))
+            self.state[p]["anchor"].copy_(p)
+        self.unsynced = False
+        return len(means)
+
+    @contextlib.contextmanager
+    def averaged_parameters(self):
+        """Inside a local phase, the parameters hold the mean of every rank's while the ``with`` block runs, then
+        this rank's own again, bit for bit; the optimizer state is not touched. Use it for what should see the
+        model and not one rank's part of it: an evaluation, the model file of a checkpoint (DeMoTrainer does both).
+        Outside a local phase it does nothing. Inside one it is a collective (every rank enters it) and its dense
+        all-reduces are counted in ``comm_stats``."""
+        if not self.in_local_phase():
+            yield
+            return
+        with torch.no_grad():
+            means = self._phase_means("averaged_parameters")
+            own = {p: p.detach().clone() for p in means}
+            for p, mean in means.items():
+                p.copy_(mean.to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in own.items():
+                    p.copy_(value)
+
+    def _phase_means(self, name: str) -> dict:
+        """Every anchored parameter's mean over every rank (nothing changed): dense all-reduces grouped by device
+        and dtype, in fp32 or the parameter's dtype where wider."""
         anchored = [p for g in self.param_groups for p in g["params"] if "anchor" in self.state.get(p, {})]
         transport = self._transport_now()
         transport.step = self.steps
@@ -514,22 +552,13 @@ class DeMo(torch.optim.Optimizer):
             part = [p for p in anchored if (str(p.device), str(p.dtype)) == key]
             wide = torch.promote_types(part[0].dtype, torch.float32)
             flat = torch.cat([p.detach().reshape(-1).to(wide) for p in part])
-            transport.all_reduce(flat, "end_local_phase")
+            transport.all_reduce(flat, name)
             flat /= transport.world
             start = 0
             for p in part:
                 means[p] = flat[start : start + p.numel()].view(p.shape)
                 start += p.numel()
-        if _nonfinite(list(means.values())):
-            raise DeMoNonFiniteError(
-                f"DeMo: the mean of the ranks' parameters at the end of the local phase (optimizer step {self.steps}) "
-                "is not finite: a rank's parameters hold NaN/Inf. Nothing was changed; resume from a checkpoint"
-            )
-        for p in anchored:
-            p.copy_(means[p].to(p.dtype))
-            self.state[p]["anchor"].copy_(p)
-        self.unsynced = False
-        return len(anchored)
+        return {p: means[p] for p in anchored}
 
     def _finish_pending(self, items) -> list[torch.Tensor]:
         """Overlap: wait for the exchange the last step started, validate and average it (nothing committed).
@@ -836,10 +865,14 @@ class DeMo(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             self._check_saved_world(self._transport_now())
         local = extra.get("local_params") or {}
-        with torch.no_grad():  # mid local phase: this rank's own parameters, not rank 0's model weights
+        with torch.no_grad():  # mid local phase: this rank's own parameters, not the checkpoint's model weights
             for pid, (p, _, _) in zip(ids, pairs):
                 if pid in local:
                     p.copy_(local[pid])
+                elif self.unsynced and "anchor" in self.state.get(p, {}):
+                    # not moved since the synchronisation on this rank: its own value is the anchor (a model file
+                    # written through averaged_parameters holds the ranks' mean, which another rank moved)
+                    p.copy_(self.state[p]["anchor"])
 
     def _refuse_an_unending_local_phase(self, extra: dict) -> None:
         """A state saved inside a local phase holds each rank's own parameters; resumed into a tier without local

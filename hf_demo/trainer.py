@@ -19,6 +19,7 @@ momentum sees the same per-rank gradient as DDP's mean would be built from.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -258,6 +259,24 @@ class DeMoTrainerMixin:
                 "problems: do all processes see the same checkpoint folder?)"
             )
         raise ckpt.CheckpointError(message)
+
+    def _averaged(self):
+        """The ranks' mean parameters for the ``with`` block inside a local phase (DeMo.averaged_parameters)."""
+        opt = unwrap_optimizer(self.optimizer)
+        return opt.averaged_parameters() if opt is not None else contextlib.nullcontext()
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Trainer's evaluation (``evaluate``, ``predict``, in training and after it); inside a local phase on the
+        ranks' mean parameters, the model ``train()`` ends with, not each rank its own on its shard of the data."""
+        with self._averaged():
+            return super().evaluation_loop(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's ``save_model``; inside a local phase the model file holds the ranks' mean parameters (what
+        ``load_best_model_at_end`` and other readers of a checkpoint's model take), while each rank's own stay in
+        its optimizer state for an exact resume. Every rank must call it (Trainer's checkpoints do)."""
+        with self._averaged():
+            return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.

@@ -1,5 +1,6 @@
 """sync_every = H: local steps between synchronisations, DeMo on the pseudo-gradient, held to a slow reference."""
 
+import copy
 import io
 import warnings
 
@@ -271,3 +272,39 @@ def test_a_state_saved_inside_a_local_phase_is_refused_by_a_run_without_local_st
     for error, steps, resyncs, params in fixed:
         assert error is None and steps == 5 and resyncs == 0
         assert all(torch.equal(a, b) for a, b in zip(params, fixed[0][3]))
+
+
+def _averaged_view(rank, world):
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), **_LOCAL_RESUME)
+    for step in range(6):  # two local steps into a phase
+        loss_and_backward(model, rank, step)
+        opt.step()
+    own = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with opt.averaged_parameters():
+        inside = [p.detach().clone() for p in model.parameters()]
+    after = [p.detach().clone() for p in model.parameters()]
+    unchanged_state = all(
+        torch.equal(a, b) if torch.is_tensor(a) else a == b
+        for x, y in zip(state["state"].values(), opt.state_dict()["state"].values())
+        for a, b in zip(x.values(), y.values())
+    )
+    opt.end_local_phase()
+    ended = [p.detach().clone() for p in model.parameters()]
+    with opt.averaged_parameters():  # outside a local phase: nothing, no communication
+        sent = opt.comm_stats.total_bytes_sent
+    return own, inside, after, ended, unchanged_state, opt.comm_stats.total_bytes_sent - sent
+
+
+def test_averaged_parameters_shows_the_ranks_mean_and_restores_each_ranks_own():
+    """What an evaluation or a checkpoint's model file inside a local phase sees (DeMoTrainer): the mean that
+    ending the phase would give, with this rank's own parameters back afterwards, bit for bit."""
+    (own0, inside0, after0, ended0, kept0, sent0), (own1, inside1, after1, ended1, kept1, sent1) = expect_ok(
+        run_ranks(_averaged_view, 2)
+    )
+    assert not all(torch.equal(a, b) for a, b in zip(own0, own1))  # apart inside the phase
+    for a, b, c, d in zip(inside0, inside1, ended0, ended1):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(c, d)
+    assert all(torch.equal(a, b) for a, b in zip(own0, after0)) and all(torch.equal(a, b) for a, b in zip(own1, after1))
+    assert kept0 and kept1 and sent0 == sent1 == 0

@@ -97,6 +97,25 @@ def test_resume_is_bitwise_exact(straight):
     assert resumed[0]["params"] == resumed[1]["params"] == r0["params"]
 
 
+def test_a_local_phase_is_evaluated_and_checkpointed_as_the_ranks_mean(tmp_path):
+    """sync_every=4, evaluation and checkpoints every 3 steps, 6 steps: both fall inside local phases. The
+    evaluation at step 6 saw each rank's own model on its shard (not the model train() returns after averaging),
+    and a checkpoint's model file held rank 0's own parameters (what load_best_model_at_end takes)."""
+    phase = ["--optim", "demo", "--demo_sync_every", "4", "--max_steps", "6", "--save_steps", "3"]
+    phase += ["--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "4"]
+    _train(tmp_path, "phase", *phase, "--evaluate_after", "true")
+    r0, r1 = load_records(tmp_path / "phase" / "rec", 2)
+    evals = [(row["step"], row["eval_loss"]) for row in r0["log_history"] if "eval_loss" in row]
+    assert [step for step, _ in evals] == [3, 6, 6]  # in training at 3 and 6, then trainer.evaluate()
+    assert r0["params"] == r1["params"]  # the phase ended, averaged, at the end
+    assert evals[1][1] == evals[2][1] == r0["eval_after"] == r1["eval_after"]  # the mean model, in training too
+    checkpoint = tmp_path / "phase" / "out" / "checkpoint-3"
+    _train(tmp_path, "resumed", *phase, "--resume_from_checkpoint", checkpoint, "--evaluate_after", "true")
+    resumed = load_records(tmp_path / "resumed" / "rec", 2)
+    assert resumed[0]["params"] == resumed[1]["params"] == r0["params"]  # exact, from the mean model file
+    assert resumed[0]["eval_after"] == r0["eval_after"]
+
+
 def test_resume_with_another_number_of_processes_fails_clearly(straight):
     tmp, _ = straight
     ckpt = tmp / "straight" / "out" / "checkpoint-10"

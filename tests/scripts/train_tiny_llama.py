@@ -36,6 +36,7 @@ class ScriptArgs:
     resume_last: bool = field(default=False, metadata={"help": "resume from the last complete checkpoint, if any"})
     init_seed_by_rank: bool = field(default=False, metadata={"help": "initialise the model differently on each rank"})
     evaluate_first: bool = field(default=False, metadata={"help": "trainer.evaluate() before trainer.train()"})
+    evaluate_after: bool = field(default=False, metadata={"help": "trainer.evaluate() after trainer.train()"})
     end_with_shutdown: bool = field(default=False, metadata={"help": "hf_demo.shutdown() at the end (not atexit)"})
 
 
@@ -114,6 +115,7 @@ def main():
     if script.evaluate_first:
         trainer.evaluate()
     trainer.train(resume_from_checkpoint=resume)
+    eval_after = trainer.evaluate()["eval_loss"] if script.evaluate_after else None
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -128,6 +130,7 @@ def main():
                 "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
                 "find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
                 "resyncs": getattr(getattr(trainer.optimizer, "optimizer", None), "resyncs", None),
+                "eval_after": eval_after,
             },
             os.path.join(script.record_dir, f"rank{rank}.pt"),
         )
