@@ -470,11 +470,16 @@ def check_headers(headers: list[Header], rank: int) -> None:
                 f"rank {r} is at optimizer step {h.step}, rank 0 at step {ref.step} (a rank skipped or "
                 "repeated optimizer.step(), or resumed from another checkpoint)"
             )
-        if h.layout_checksum != ref.layout_checksum or h.payload_bytes != ref.payload_bytes:
+        if h.layout_checksum != ref.layout_checksum:
             problems.append(
                 f"rank {r} has a different parameter layout than rank 0 (layout checksum "
                 f"{h.layout_checksum:#010x} vs {ref.layout_checksum:#010x}, payload {h.payload_bytes} vs "
                 f"{ref.payload_bytes} bytes): different model, frozen parameters, parameter order, chunk or top-k"
+            )
+        elif h.payload_bytes != ref.payload_bytes:  # same parameters and blocks, another way of sending them
+            problems.append(
+                f"rank {r} sends a payload of {h.payload_bytes} bytes, rank 0 of {ref.payload_bytes}, for the same "
+                "parameter layout: a different exchange, reduce_positions, value format or index coding"
             )
         if (h.flags & FLAG_AUTH) != (ref.flags & FLAG_AUTH):
             problems.append(

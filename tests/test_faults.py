@@ -203,6 +203,8 @@ def test_every_setting_that_must_agree_is_checked(name, values):
     for r in run_ranks(_settings, 2, name, values):
         assert isinstance(r, RankError) and "DeMo ranks disagree" in r.message, r
         assert "different optimizer settings" in r.message or "different parameter layout" in r.message, r
+        if name in ("exchange", "value_format", "index_coding"):  # the same blocks, sent another way
+            assert "different parameter layout" not in r.message, r  # it showed two equal layout checksums
 
 
 def _secret(rank, world, secrets, kw=None):
