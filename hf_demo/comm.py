@@ -147,7 +147,8 @@ class Pending:
             except (RuntimeError, dist.DistError) as exc:
                 self.transport.step = self.step
                 raise self.transport._failure(self.name, time.perf_counter() - t0, exc) from exc
-            self.transport.stats.record(self.sent, self.received, time.perf_counter() - t0)
+            self.waited = time.perf_counter() - t0
+            self.transport.stats.record(self.sent, self.received, self.waited)
             self.work = None
             self.rows = self.rows.to(self.device)
         return self.rows

@@ -242,11 +242,16 @@ class DeMo(torch.optim.Optimizer):
             copy.copy(self.comm_stats),
             self.policy,
         )
+        in_flight = (
+            self._pending["rows"] if self._pending is not None and hasattr(self._pending["rows"], "wait") else None
+        )
         try:
             self._step(transport)
         except BaseException:
             self.steps, self.skipped_steps, self.consecutive_skips, self.resyncs, stats, self.policy = before
             self.comm_stats.__dict__.update(stats.__dict__)
+            if in_flight is not None and in_flight.work is None:  # the overlapped exchange arrived during this
+                self.comm_stats.record(in_flight.sent, in_flight.received, in_flight.waited)  # try: it stays counted
             raise
         return loss
 
