@@ -673,6 +673,13 @@ class DeMo(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum" not in state:
             state["momentum"] = torch.zeros(layout.nblocks, layout.bsize, dtype=torch.float32, device=p.device)
+        if state["momentum"].shape != (layout.nblocks, layout.bsize):
+            raise DeMoStateError(
+                f"the momentum of a parameter of shape {tuple(p.shape)} is blocked as {tuple(state['momentum'].shape)} "
+                f"but compression_chunk now asks for {(layout.nblocks, layout.bsize)}: compression_chunk was changed "
+                "during training. Change it across a checkpoint instead (save, then resume with the new chunk: the "
+                "momentum is re-planned); nothing was changed"
+            )
         return state["momentum"]
 
     def _fetch_rank0(self, params, transport: Transport) -> list[torch.Tensor]:

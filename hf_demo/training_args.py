@@ -86,6 +86,8 @@ def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
         meta = {"help": f"DeMo: {help} (default: {default})".replace("%", "%%")}  # argparse %-formats help
         if choices is not None:
             meta["choices"] = list(choices)
+        if kind is bool:  # a bare --demo_overlap means true, as Trainer's own switches (--do_train) do
+            meta.update(nargs="?", const=True)
         fields.append((f"demo_{name}", kind | None, field(default=None, metadata=meta)))
     return fields
 

@@ -315,3 +315,10 @@ def test_settings_that_do_not_reach_the_optimizer_are_named(tmp_path):
         warnings.simplefilter("error")  # one source of settings: nothing to say
         _tiny_trainer(tmp_path, optim="demo", demo_compression_topk=16)
         _tiny_trainer(tmp_path, given, optim="adamw_torch")
+
+
+def test_a_bare_boolean_demo_flag_means_true():
+    """--demo_overlap alone was refused ("expected one argument"), unlike Trainer's own switches."""
+    assert parse("--optim", "demo", "--demo_overlap").demo_overlap is True
+    assert parse("--optim", "demo", "--demo_overlap", "false").demo_overlap is False
+    assert parse("--optim", "demo").demo_overlap is None  # not given: the default (or the preset) holds

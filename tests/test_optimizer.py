@@ -304,3 +304,16 @@ def test_parameter_fingerprint_matches_its_slow_spelling():
     changed[3].view(torch.int32)[17, 5] ^= 1
     assert _fingerprint(changed) != _fingerprint(params)
     assert _fingerprint(params[::-1]) != _fingerprint(params)
+
+
+def test_a_chunk_changed_during_training_is_refused_clearly():
+    """A parameter group's compression_chunk edited between steps failed with a raw tensor-size error."""
+    p = torch.nn.Parameter(torch.randn(16, 16))
+    opt = hf_demo.DeMo([p], compression_topk=4, compression_chunk=8)
+    p.grad = torch.randn(16, 16)
+    opt.step()
+    before, momentum = p.detach().clone(), opt.state[p]["momentum"].clone()
+    opt.param_groups[0]["compression_chunk"] = 4
+    with pytest.raises(hf_demo.DeMoStateError, match="compression_chunk was changed during training.*checkpoint"):
+        opt.step()
+    assert torch.equal(p, before) and torch.equal(opt.state[p]["momentum"], momentum) and opt.steps == 1
