@@ -96,7 +96,7 @@ def check_agreement(transport) -> None:
         )
 
 
-def check_node(transport, header, device, node: int) -> None:
+def check_node(transport, header, device, node: int, secret: bytes | None = None) -> None:
     """The local ranks of a node agree on the step, the parameter layout and the settings (one small all-gather
     on the node's link, before any dense collective): the headers between nodes compare only one local rank of
     each node, and a single node has no other. Raises :class:`~hf_demo.errors.DeMoSyncError` on every local
@@ -104,9 +104,12 @@ def check_node(transport, header, device, node: int) -> None:
     from . import codec
     from .errors import DeMoSyncError
 
+    header = codec.sign(header, torch.empty(0, dtype=torch.uint8), secret)  # with HF_DEMO_SECRET: its tag
     rows = transport.all_gather(header.to_bytes().to(device), "node_header")
     try:
-        codec.check_headers([codec.Header.from_bytes(row) for row in rows], transport.rank)
+        headers = [codec.Header.from_bytes(row) for row in rows]
+        codec.verify_headers(headers, secret, transport.rank, header.step)  # another secret stops here
+        codec.check_headers(headers, transport.rank)
     except DeMoSyncError as exc:
         raise DeMoSyncError(f"{exc}\n(ranks are local ranks of node {node}, hierarchy='node')") from None
 

@@ -265,7 +265,8 @@ class DeMo(torch.optim.Optimizer):
             topo, node = self._node
             node.step = self.steps
             here = codec.Header(self.steps, layout_ck, settings_ck, 0, node.world, 0)
-            hierarchy.check_node(node, here, items[0][0].device if items else torch.device("cpu"), topo.node)
+            device = items[0][0].device if items else torch.device("cpu")
+            hierarchy.check_node(node, here, device, topo.node, self.secret)
             all_node_grads = hierarchy.node_mean([p.grad for p, _, _ in items], [p for p, _, _ in items], node)
             owner_of = hierarchy.owners(self._indices([p for p, _, _ in all_items]), topo)
             items = [x for x, owner in zip(all_items, owner_of) if owner == topo.local_rank]

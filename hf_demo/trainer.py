@@ -275,8 +275,18 @@ class DeMoTrainerMixin:
         """Trainer's ``save_model``; inside a local phase the model file holds the ranks' mean parameters (what
         ``load_best_model_at_end`` and other readers of a checkpoint's model take), while each rank's own stay in
         its optimizer state for an exact resume. Every rank must call it (Trainer's checkpoints do)."""
+        if not _internal_call:  # a user's call may come from rank 0 alone (after train() the phase has ended,
+            return super().save_model(output_dir, _internal_call)  # except with end_local_phase='warn')
         with self._averaged():
             return super().save_model(output_dir, _internal_call)
+
+    def _load_best_model(self) -> None:
+        """Trainer's ``load_best_model_at_end``; overlap's last exchange in flight lands first, so the best
+        checkpoint's weights are what ``train()`` ends with (the flush after ``train()`` added it on top)."""
+        opt = unwrap_optimizer(self.optimizer)
+        if opt is not None and opt.in_flight:
+            opt.flush()
+        return super()._load_best_model()
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.

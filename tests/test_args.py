@@ -322,3 +322,26 @@ def test_a_bare_boolean_demo_flag_means_true():
     assert parse("--optim", "demo", "--demo_overlap").demo_overlap is True
     assert parse("--optim", "demo", "--demo_overlap", "false").demo_overlap is False
     assert parse("--optim", "demo").demo_overlap is None  # not given: the default (or the preset) holds
+
+
+def test_overlap_with_load_best_model_at_end_ends_with_the_best_checkpoints_weights(tmp_path):
+    """flush() after train() applied overlap's last exchange in flight on top of the best checkpoint's weights."""
+    from datasets import Dataset
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (64, 4), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir=str(tmp_path), optim="demo", demo_overlap=True, demo_compression_topk=4,
+        demo_compression_chunk=8, learning_rate=1e-2, per_device_train_batch_size=4, max_steps=6,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=True,  # the first evaluation is "best": not the last
+        report_to="none", use_cpu=True, logging_steps=100, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)))
+    trainer.train()
+    assert not trainer.state.best_model_checkpoint.endswith("checkpoint-6")
+    saved = load_file(f"{trainer.state.best_model_checkpoint}/model.safetensors")
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items() if k in saved)

@@ -338,3 +338,25 @@ def test_a_rank_with_another_hierarchy_fails_within_comm_timeout_on_every_rank()
         assert error is not None and waited < 10  # comm_timeout=3, not the default group's 60 s here
         assert steps == 0 and unchanged
     assert "another hierarchy setting" in results[0][0]
+
+
+def _node_secrets(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    os.environ["HF_DEMO_SECRET"] = "A" if rank == 0 else "B"
+    try:
+        model = tiny_mlp()
+        opt = hf_demo.DeMo(model.parameters(), hierarchy="node", comm_timeout=20, **KW)
+        loss_and_backward(model, rank, 0)
+        try:
+            opt.step()
+        except hf_demo.DeMoSyncError as exc:
+            return str(exc), opt.steps
+        return None, opt.steps
+    finally:
+        os.environ.pop("HF_DEMO_SECRET", None)
+
+
+def test_node_hierarchy_stops_ranks_of_one_node_with_different_secrets():
+    """Within a node nothing was signed: two local ranks with different HF_DEMO_SECRET trained on."""
+    for error, steps in expect_ok(run_ranks(_node_secrets, 2)):
+        assert "HMAC-SHA256" in error and "local ranks of node 0" in error and steps == 0

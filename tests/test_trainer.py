@@ -116,6 +116,24 @@ def test_a_local_phase_is_evaluated_and_checkpointed_as_the_ranks_mean(tmp_path)
     assert resumed[0]["eval_after"] == r0["eval_after"]
 
 
+def test_rank_0_alone_saves_after_training_that_ended_inside_a_local_phase_left_apart(tmp_path):
+    """end_local_phase='warn' leaves the phase open after train(); `if is_world_process_zero(): save_model()`
+    then waited on rank 0 alone in the ranks' mean (a collective) until comm_timeout."""
+    phase = ["--optim", "demo", "--demo_sync_every", "4", "--max_steps", "6", "--save_steps", "100"]
+    _train(
+        tmp_path,
+        "warn",
+        *phase,
+        "--demo_end_local_phase",
+        "warn",
+        "--demo_comm_timeout",
+        "20",
+        "--save_on_rank0",
+        "true",
+    )
+    assert (tmp_path / "warn" / "out" / "final" / "model.safetensors").is_file()
+
+
 def test_resume_with_another_number_of_processes_fails_clearly(straight):
     tmp, _ = straight
     ckpt = tmp / "straight" / "out" / "checkpoint-10"

@@ -37,6 +37,7 @@ class ScriptArgs:
     init_seed_by_rank: bool = field(default=False, metadata={"help": "initialise the model differently on each rank"})
     evaluate_first: bool = field(default=False, metadata={"help": "trainer.evaluate() before trainer.train()"})
     evaluate_after: bool = field(default=False, metadata={"help": "trainer.evaluate() after trainer.train()"})
+    save_on_rank0: bool = field(default=False, metadata={"help": "rank 0 alone: trainer.save_model(out/final)"})
     end_with_shutdown: bool = field(default=False, metadata={"help": "hf_demo.shutdown() at the end (not atexit)"})
 
 
@@ -116,6 +117,8 @@ def main():
         trainer.evaluate()
     trainer.train(resume_from_checkpoint=resume)
     eval_after = trainer.evaluate()["eval_loss"] if script.evaluate_after else None
+    if script.save_on_rank0 and trainer.is_world_process_zero():
+        trainer.save_model(os.path.join(args.output_dir, "final"))
     if script.record_dir:
         os.makedirs(script.record_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
