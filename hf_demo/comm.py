@@ -136,6 +136,7 @@ class Pending:
     def __init__(self, transport, name, work, rows, sent, received, step, device=None):
         self.transport, self.name, self.work, self.rows = transport, name, work, rows
         self.sent, self.received, self.step = sent, received, step
+        self.waited = 0.0  # seconds wait() spent, once it has
         self.device = rows.device if device is None else device  # where the caller wants the rows
 
     def wait(self) -> torch.Tensor:

@@ -260,7 +260,7 @@ class DeMo(torch.optim.Optimizer):
         tier_index = (decided or self.policy).tier
         tier = self.tiers[tier_index]
         items, layout_ck, settings_ck = self._plan(tier)
-        all_items, node_grads, all_node_grads = items, None, None
+        all_items, node_grads, all_node_grads, owner_of = items, None, None, None
         if self._node is not None:  # hierarchy: the node's mean gradient; this rank's shard of the parameters
             topo, node = self._node
             node.step = self.steps
@@ -423,7 +423,7 @@ class DeMo(torch.optim.Optimizer):
         shared = None
         if self._node is not None and not skip:  # hierarchy: owners' new values to every rank of the node
             bases = dict(zip(map(id, replicas), fresh)) if fresh is not None else {}  # a resync's values first
-            shared, rule_states = self._share_in_node(items, all_items, updates, generator, bases)
+            shared, rule_states = self._share_in_node(items, all_items, owner_of, updates, generator, bases)
 
         # 6. commit: nothing below raises on purpose
         self._first_checked = True
@@ -556,7 +556,7 @@ class DeMo(torch.optim.Optimizer):
         means = {}
         for key in sorted({(str(p.device), str(p.dtype)) for p in anchored}):  # the same order on every rank
             part = [p for p in anchored if (str(p.device), str(p.dtype)) == key]
-            wide = torch.promote_types(part[0].dtype, torch.float32)
+            wide = hierarchy.wide_dtype(part)
             flat = torch.cat([p.detach().reshape(-1).to(wide) for p in part])
             transport.all_reduce(flat, name)
             flat /= transport.world
@@ -623,11 +623,11 @@ class DeMo(torch.optim.Optimizer):
             direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, lr, wd, generator)
 
-    def _share_in_node(self, items, all_items, updates, generator, bases):
-        """(every parameter's new value, this shard's new rule states), nothing committed; ``bases``: id(param) ->
-        the value the step starts from where a resync replaced it."""
+    def _share_in_node(self, items, all_items, owner_of, updates, generator, bases):
+        """(every parameter's new value, this shard's new rule states), nothing committed; ``owner_of``: each of
+        ``all_items``' owner (hierarchy.owners); ``bases``: id(param) -> the value the step starts from where a
+        resync replaced it."""
         topo, node = self._node
-        owner_of = hierarchy.owners(self._indices([p for p, _, _ in all_items]), topo)
         mine = [j for j, owner in enumerate(owner_of) if owner == topo.local_rank]  # items' places in all_items
         values, rule_states = {}, []
         for j, ((p, g, layout), update) in zip(mine, zip(items, updates)):
