@@ -31,7 +31,8 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 compression_decay, value_format). Any other key goes to ``DeMo(...)`` as is (e.g.
                 ``update_rule=adam``, ``sign_update=false``); a keyword this hf_demo does not know fails that
                 configuration with the error, the rest still run. Values: int, float, true/false or text.
-                ``blocking=divisor`` is not a DeMo keyword: it replaces ``hf_demo.blocks.plan`` in the worker by
+                ``blocking=divisor`` is not a DeMo keyword: it replaces ``hf_demo.compression.blocks.plan``
+                in the worker by
                 the peer's blocking rule (see ``reference_gap.py``), to measure that fix before it lands;
                 ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
                 ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
@@ -308,7 +309,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     if out is not None:
         queue.put((rank, out))
     try:
-        from hf_demo.teardown import shutdown
+        from hf_demo.hf.teardown import shutdown
 
         shutdown()  # waits for gloo's workers first (a bare destroy can deadlock at exit: see wan_worker.py)
     except Exception:

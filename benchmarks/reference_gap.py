@@ -12,7 +12,7 @@ Part 2 (always): one process (gloo world of 1, which the peer needs), three copi
 
 - ``hf``      ``hf_demo.DeMo(value_format="fp32")`` as shipped (a dimension the chunk does not divide is
               zero-padded up to a multiple of the chunk);
-- ``hf-div``  the same optimizer with ``hf_demo.blocks.plan`` replaced, in this process only, by the peer's
+- ``hf-div``  the same optimizer with ``hf_demo.compression.blocks.plan`` replaced, in this process only, by the peer's
               blocking rule (the largest divisor of the dimension not above the chunk): the proposed fix;
 - ``peer``    ``pytorch_optimizer.DeMo`` (chunk 64, top-32, its defaults otherwise).
 
@@ -55,8 +55,8 @@ def divisor_split(n: int, chunk: int) -> int:
 
 
 def divisor_plan(shape, chunk, topk):
-    """``hf_demo.blocks.plan`` with the peer's blocking (no padding)."""
-    from hf_demo.blocks import BlockLayout
+    """``hf_demo.compression.blocks.plan`` with the peer's blocking (no padding)."""
+    from hf_demo.compression.blocks import BlockLayout
 
     if len(shape) == 0:
         rows, cols = 1, 1
@@ -71,7 +71,7 @@ def divisor_plan(shape, chunk, topk):
 def use_divisor_blocking() -> None:
     """Make hf_demo.DeMo in this process block as the peer does (benchmark-only monkeypatch)."""
     import hf_demo
-    import hf_demo.blocks as hblocks
+    import hf_demo.compression.blocks as hblocks
 
     original = hblocks.plan
     for name in dir(hf_demo):  # every hf_demo module that imported plan by name (optimizer, ...)
@@ -101,7 +101,7 @@ def is_mlp(name: str) -> bool:
 
 
 def layouts(model, chunk: int, topk: int) -> list[dict]:
-    from hf_demo.blocks import plan
+    from hf_demo.compression.blocks import plan
 
     rows = []
     for name, p in model.named_parameters():
@@ -155,7 +155,7 @@ def print_layouts(rows) -> dict:
 
 def pad_energy(opt, model) -> tuple[float, float]:
     """hf's residual momentum (squared norm, parameter domain): (energy in the zero-padding, total)."""
-    from hf_demo.blocks import BlockLayout, dct_matrix, plan
+    from hf_demo.compression.blocks import BlockLayout, dct_matrix, plan
 
     pad_e = tot_e = 0.0
     for p in model.parameters():
@@ -178,8 +178,8 @@ def pad_energy(opt, model) -> tuple[float, float]:
 
 def transmitted(g: torch.Tensor, layout) -> torch.Tensor:
     """What one top-k round of a fresh momentum (= g) sends, decoded and cropped to the parameter."""
-    from hf_demo import functional as F
-    from hf_demo.blocks import decode, encode
+    from hf_demo.compression import functional as F
+    from hf_demo.compression.blocks import decode, encode
 
     coeffs = encode(g, layout)
     idx, vals = F.select(coeffs, layout.k)
@@ -188,7 +188,7 @@ def transmitted(g: torch.Tensor, layout) -> torch.Tensor:
 
 def compression_quality(model, batch, chunk: int, topk: int) -> list[dict]:
     """Step 1 on the MLP matrices: how well one top-k round of the gradient represents it, per blocking."""
-    from hf_demo.blocks import plan
+    from hf_demo.compression.blocks import plan
 
     model.zero_grad(set_to_none=True)
     model(input_ids=batch, labels=batch).loss.backward()
@@ -245,7 +245,7 @@ def step_by_step(a) -> dict:
             p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
     names = [n for n, _ in base.named_parameters()]
     common = dict(lr=a.lr, compression_decay=0.999, compression_chunk=a.chunk)
-    import hf_demo.optimizer as hopt
+    import hf_demo.optim.optimizer as hopt
 
     original_plan = hopt.plan
     opts = {"hf": hf_demo.DeMo(models["hf"].parameters(), compression_topk=a.topk, value_format="fp32", **common)}

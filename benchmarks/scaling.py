@@ -15,7 +15,8 @@ bytes, not time), every setting in ``--settings`` builds ``hf_demo.DeMo`` on the
 ranks' payloads). The launcher checks that every rank reports the same and tabulates rank 0.
 
 Part 2 (exact, no tensors): the payload a setting produces for bigger models is a function of the parameter
-shapes only (``hf_demo.blocks.plan`` + ``hf_demo.codec.segment_bytes``, the functions DeMo itself sizes its
+shapes only (``hf_demo.compression.blocks.plan`` + ``hf_demo.wire.codec.segment_bytes``, the functions DeMo
+itself sizes its
 payload with), so s and W* are also computed for a 1.2B Llama (Llama-3.2-1B shapes) and the measured model
 (which checks the computation against Part 1).
 
@@ -33,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import expect_ok, run_ranks
-from hf_demo.codec import INDEX_CODINGS
-from hf_demo.config import DeMoSettings
-from hf_demo.exchange import REDUCE_POSITIONS
+from hf_demo.exchange.exchanges import REDUCE_POSITIONS
+from hf_demo.settings import DeMoSettings
+from hf_demo.wire.codec import INDEX_CODINGS
 
 DEFAULT_INDEX_CODING = DeMoSettings().index_coding
 
@@ -153,14 +154,14 @@ def _rank(rank, world, args, settings):
     """One rank (run by ``run_ranks``): the traffic every setting counted, in ``settings`` order.
 
     Bytes are split by collective name: ``opt.comm_stats.record`` is wrapped on this optimizer instance and the
-    public collective hook (``hf_demo.comm.register_collective_hook``, called just before each collective)
+    public collective hook (``hf_demo.exchange.transport.register_collective_hook``, called just before each collective)
     says which collective the next record belongs to. Intra-node collectives (hierarchy='node') are counted
     apart from the traffic between nodes.
     """
     import torch
 
     from hf_demo import DeMo
-    from hf_demo.comm import register_collective_hook
+    from hf_demo.exchange.transport import register_collective_hook
 
     os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)
     model = small_model(args)
@@ -275,8 +276,8 @@ def llama_shapes(vocab, hidden, layers, intermediate, heads, kv_heads, tied):
 
 
 def payload_bytes(shapes, fmt, k, c, coding) -> int:
-    from hf_demo import codec
-    from hf_demo.blocks import plan
+    from hf_demo.compression.blocks import plan
+    from hf_demo.wire import codec
 
     return sum(codec.segment_bytes(plan(tuple(s), c, k), fmt, coding) for s in shapes)
 
@@ -302,7 +303,7 @@ def main(argv=None):
     measured = {w: measure(w, args, settings) for w in worlds}
     load_after = uptime()
     n = measured[worlds[0]]["n_params"]
-    from hf_demo.codec import HEADER_BYTES
+    from hf_demo.wire.codec import HEADER_BYTES
 
     small_shapes = [tuple(p.shape) for p in small_model(args).parameters()]
     ps_bytes = powersgd_bytes(small_shapes, args.powersgd_rank)

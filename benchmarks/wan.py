@@ -646,7 +646,8 @@ def scenario_report(scen: list, args, summary: dict) -> list[str]:
         "(`tc qdisc change`) or takes a node's switch port down (`ip link set p1 down`, then up) at the given "
         "times, counted from the first training step of each run (the worker writes a file when it starts "
         "it); every method sees the same timeline. This kernel has no netem: latency and jitter are added in "
-        "the application, by sleeping before each collective (DeMo: `hf_demo.comm.register_collective_hook`; "
+        "the application, by sleeping before each collective (DeMo: "
+        "`hf_demo.exchange.transport.register_collective_hook`; "
         "DDP: `torch.distributed.all_reduce` wrapped) for a random draw per rank and collective times the "
         "ring hops ((W-1) per DeMo collective, 2(W-1) per all-reduce). **wall s**: from the first step to the "
         "end of the last one (evaluations included, the same 4 batches for every method); **train s** the "
@@ -654,7 +655,7 @@ def scenario_report(scen: list, args, summary: dict) -> list[str]:
         "as above, from DeMo bf16's compute time in the same scenario); **slept s** the application-level "
         "latency rank 0 slept; **tiers** steps spent in each tier of the policy (0 bf16 top-32, 1 sign, "
         "2 sign top-16, 3 sign top-8, 4/5/6/7 sign top-32/16/8/4 synchronising every 8 steps; "
-        "hf_demo.policy).",
+        "hf_demo.optim.policy).",
         "",
     ]
     names = list(dict.fromkeys(r["scenario"] for r in scen))
@@ -834,7 +835,7 @@ def plot_scenarios(scen: list, path: Path, target: float) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         axt.set_ylabel("tier")
-        axt.set_yticks(range(8))  # hf_demo.policy.tiers: at most 8 tiers
+        axt.set_yticks(range(8))  # hf_demo.optim.policy.tiers: at most 8 tiers
         axt.set_xlabel("wall time since first step, s")
         axt.grid(alpha=0.3)
     fig.tight_layout()

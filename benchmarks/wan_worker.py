@@ -19,7 +19,7 @@ Methods (``--method``):
 - ``demo-sync8``  ``sync_every=8`` (local steps, DeMo on the pseudo-gradient every 8 steps); ``demo-sync8-sign``
   the same with sign values.
 - ``demo-policy``  ``comm_budget=--comm-budget`` (default 0.15): the policy moves between the tiers of
-  ``hf_demo.policy`` (bf16 -> sign -> sign top-k/2, /4 -> sign every 8 steps -> top-k/2, /4, /8 every 8);
+  ``hf_demo.optim.policy`` (bf16 -> sign -> sign top-k/2, /4 -> sign every 8 steps -> top-k/2, /4, /8 every 8);
   ``opt.tier`` is recorded per step.
 - ``demo-hier``  ``hierarchy="node"``: dense mean inside a node of LOCAL_WORLD_SIZE processes (torchrun's
   ``--nproc_per_node``), DeMo between nodes.
@@ -36,7 +36,8 @@ the models are identical on all ranks for all four methods). For DeMo also ``opt
 
 ``--delay-ms D`` emulates latency in the application, since this kernel has no netem: before each collective
 the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before each
-of DeMo's collectives (``hf_demo.comm.register_collective_hook``) and ``2(W-1)·D`` before an all-reduce (DDP:
+of DeMo's collectives (``hf_demo.exchange.transport.register_collective_hook``) and ``2(W-1)·D`` before an
+all-reduce (DDP:
 ``torch.distributed.all_reduce`` wrapped, reached through DDP's Python all-reduce hook; PowerSGD does three
 all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with anything, which is
 pessimistic for DDP (whose all-reduces normally overlap the backward pass).
@@ -218,7 +219,7 @@ def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
     if draw is None or world == 1:
         return
     if demo:
-        from hf_demo.comm import register_collective_hook
+        from hf_demo.exchange.transport import register_collective_hook
 
         def hook(name, nbytes):
             if name in ("node_gradients", "node_parameters"):  # inside a node: the fast local link
@@ -422,7 +423,7 @@ def main(argv=None):
     # not a bare destroy_process_group(): DDP's reducer keeps the group, and freeing it when main() returns
     # joins gloo's worker threads with the interpreter lock held, while a worker may still need that lock
     # to free the barrier's work: one rank of an 8-node run hung there for 300 s (docs/WAN.md §11)
-    from hf_demo.teardown import shutdown
+    from hf_demo.hf.teardown import shutdown
 
     shutdown()
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hf_demo
-from hf_demo.corpus import stdlib_bytes
+from hf_demo.stdlib_corpus import stdlib_bytes
 
 
 def main():

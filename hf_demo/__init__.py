@@ -1,22 +1,22 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
 
-from .accelerate_utils import (
+from hf_demo.errors import DeMoError, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from hf_demo.exchange.transport import CommStats
+from hf_demo.hf.checkpoint import last_complete_checkpoint
+from hf_demo.hf.data_parallel import (
     disable_gradient_allreduce,
     install_step_guard,
     prepare,
 )
-from .checkpoint import last_complete_checkpoint
-from .comm import CommStats
-from .errors import DeMoError, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
-from .optimizer import DeMo
-from .settings import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
-from .teardown import shutdown
+from hf_demo.hf.teardown import shutdown
+from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
+from hf_demo.optim.optimizer import DeMo
 
 install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 
 try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
-    from .trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
-    from .training_args import DeMoArguments, DeMoTrainingArguments
+    from hf_demo.hf.trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
+    from hf_demo.hf.training_args import DeMoArguments, DeMoTrainingArguments
 except ImportError as _exc:  # pragma: no cover - exercised only without transformers
     _MISSING = _exc
 

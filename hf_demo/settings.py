@@ -1,89 +1,258 @@
-"""DeMo's user-facing settings: names, defaults, parsing of ``--optim_args`` strings, the factory."""
+"""Every DeMo setting, once: name, type, default, allowed values and help.
+
+``DeMo(**settings)``, ``--optim_args``, the ``--demo_*`` fields of ``DeMoTrainingArguments`` and the
+settings checksum that ranks compare all read :class:`DeMoSettings`. Allowed values come from the
+registries of the modules that implement them (value formats in :mod:`hf_demo.wire.codec`, exchanges in
+:mod:`hf_demo.exchange.exchanges`, update rules in :mod:`hf_demo.optim.update_rules`), so adding one touches one module.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import math
+from dataclasses import dataclass, field
 
-import torch
+from hf_demo.exchange import exchanges as exchange
+from hf_demo.optim import update_rules
+from hf_demo.wire import codec
 
-from .config import DeMoSettings
-from .optimizer import DeMo
+REDUCE_POSITIONS = exchange.REDUCE_POSITIONS  # the class body below shadows the module name
+NONFINITE_POLICIES = ("skip", "raise")
+DRIFT_POLICIES = ("raise", "resync")
 
-# key -> (type, default, help): derived from DeMoSettings, the one source of truth.
-SETTINGS: dict[str, tuple[type, object, str]] = {
-    name: (kind, default, help) for name, kind, default, help, _ in DeMoSettings.describe()
+
+def _setting(default, help: str, choices=None, per_group: bool = False):
+    meta = {"help": help, "per_group": per_group}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DeMoSettings:
+    """DeMo's settings besides ``lr`` and ``weight_decay`` (keyword arguments of :class:`hf_demo.DeMo`).
+
+    Settings marked per-group may be overridden in a parameter group; the others hold for the optimizer.
+    """
+
+    compression_decay: float = _setting(0.999, "momentum decay in [0, 1]", per_group=True)
+    compression_topk: int = _setting(32, "DCT coefficients sent per block", per_group=True)
+    compression_chunk: int = _setting(
+        64, "block side: chunk x chunk blocks for matrices, chunk for vectors (1..256)", per_group=True
+    )
+    value_format: str = _setting(
+        "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + a bf16 scale per block)", codec.VALUE_FORMATS
+    )
+    index_coding: str = _setting(
+        "elias_fano",
+        "wire format of the positions: uint16 (16 bits each) or elias_fano (each block's sorted positions, "
+        "~log2(block/topk)+2 bits each: 9 for top-32 of 64x64; lossless: training is bitwise the same)",
+        codec.INDEX_CODINGS,
+    )
+    exchange: str = _setting(
+        "all_gather",
+        "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (every rank's values "
+        "summed at agreed positions, see reduce_positions: traffic flat in the number of ranks)",
+        exchange.EXCHANGES,
+    )
+    reduce_positions: str = _setting(
+        "union",
+        "how exchange=all_reduce agrees on positions: union (each of the W ranks nominates its top k/W per "
+        "block, the union is summed) or leader (one rank per step, rotating, picks all k)",
+        REDUCE_POSITIONS,
+    )
+    hierarchy: str = _setting(
+        "flat",
+        "flat (DeMo between every rank) or node (gradients averaged densely inside each node of "
+        "LOCAL_WORLD_SIZE processes, parameters sharded over its ranks, DeMo only between nodes)",
+        ("flat", "node"),
+    )
+    overlap: bool = _setting(
+        False,
+        "run step t's payload exchange in the background while step t+1 computes; its update is applied at "
+        "step t+1 (one step late, as Psyche does). all_gather, flat, every-step synchronisation only. The late "
+        "step costs loss in proportion to the learning rate (0.46M model, 300 steps: +15% at lr 1e-3, +2.6% at "
+        "5e-4; docs/CONVERGENCE.md)",
+    )
+    update_rule: str = _setting(
+        "sign",
+        "how the averaged update becomes a step: sign (the paper's), raw, adam (second-moment "
+        "normalised) or adamw (AdamW's two moments, betas 0.9/0.95); every rule runs identically on every "
+        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
+        "their local steps follow inner_rule",
+        update_rules.UPDATE_RULES,
+    )
+    param_rounding: str = _setting(
+        "nearest",
+        "how a bf16 parameter takes its step: nearest, or stochastic (unbiased rounding, identical noise on "
+        "every rank; no extra memory) so steps below bf16's resolution still move the weights",
+        ("nearest", "stochastic"),
+    )
+    sync_every: int = _setting(
+        1,
+        "synchronise every this many steps (1 = every step); in between each rank takes local steps and "
+        "the accumulated change goes through DeMo at the synchronisation (DiLoCo/SparseLoCo style)",
+    )
+    sync_decay: float = _setting(
+        0.86,
+        "error-feedback decay of synchronisations (sync_every > 1, the policy's local-step tiers) per 1% of "
+        "a block's coefficients sent: a block that sends a fraction f keeps sync_decay**(100 f) of its "
+        "residue (0.70 at top-96 of 64x64, 0.89 at top-32, 0.985 at top-4): what top-k has not sent fades "
+        "as fast as the buffer is drained, instead of piling up behind the agreed model",
+    )
+    inner_rule: str = _setting(
+        "adam",
+        "the local optimizer between synchronisations: an update rule applied to the local momentum (adam: "
+        "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum)",
+        update_rules.UPDATE_RULES,
+    )
+    comm_budget: float = _setting(
+        0.0,
+        "at most this fraction of training time waiting on DeMo's exchange (e.g. 0.15); the policy moves "
+        "between tiers of fewer bytes as the network changes (0 = fixed settings)",
+    )
+    policy_patience: int = _setting(
+        3,
+        "communicating steps over (or well under) budget before the tier changes (a step more than 4x over "
+        "budget moves down at once)",
+    )
+    policy_sync_every: int = _setting(8, "sync_every of the policy's last tier")
+    nonfinite: str = _setting(
+        "skip", "NaN/Inf local gradients: skip the step on every rank, or raise", NONFINITE_POLICIES
+    )
+    nonfinite_patience: int = _setting(10, "warn after this many consecutive skipped (non-finite) steps")
+    comm_timeout: float = _setting(
+        300.0, "seconds DeMo's collectives wait for every rank before raising DeMoSyncError (0 = no limit)"
+    )
+    check_every: int = _setting(
+        100,
+        "every this many steps, and at a process's first exchange, a fingerprint of the parameters is compared "
+        "across ranks (0 = at the first exchange only)",
+    )
+    drift: str = _setting(
+        "resync",
+        "when fingerprints differ: resync (copy rank 0's parameters, logged, counted) or raise",
+        DRIFT_POLICIES,
+    )
+    identical_gradients: str = _setting(
+        "raise",
+        "at a process's first exchange, local gradients bitwise identical on every rank (DDP still averaging "
+        "them, or every rank reading the same batches): raise, or allow (a deliberate set-up)",
+        ("raise", "allow"),
+    )
+    full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
+    end_local_phase: str = _setting(
+        "average",
+        "when training ends inside a local phase (sync_every > 1, a policy's local-step tier), what flush() does: "
+        "average (dense all-reduces, in fp32 or the parameter's dtype where wider, make every rank's parameters "
+        "their mean) or warn (each rank keeps "
+        "its own until the next synchronisation)",
+        ("average", "warn"),
+    )
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected one of {', '.join(choices)}")
+            kind = _TYPES[f.name]
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected True or False")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected an integer")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected a number")
+        for name in ("compression_decay", "sync_decay"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
+        if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
+            raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        if not (math.isfinite(self.comm_budget) and 0 <= self.comm_budget < 1):
+            raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
+        if self.policy_patience < 1 or self.policy_sync_every < 1:
+            raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
+        if self.hierarchy == "node" and (self.sync_every > 1 or self.comm_budget > 0):
+            raise ValueError("DeMo: hierarchy='node' is not combined with sync_every > 1 or comm_budget yet")
+        if self.overlap and (
+            self.exchange != "all_gather" or self.hierarchy != "flat" or self.sync_every > 1 or self.comm_budget > 0
+        ):
+            raise ValueError(
+                "DeMo: overlap=True needs exchange='all_gather', hierarchy='flat', sync_every=1 and no comm_budget"
+            )
+        if self.sync_every < 1:
+            raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
+        for name in ("check_every", "full_sync_every", "nonfinite_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be >= 0")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def per_group_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["per_group"])
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, type, object, str, tuple | None]]:
+        """(name, type, default, help, choices) of every setting, for argument parsers and docs."""
+        return [
+            (f.name, _TYPES[f.name], f.default, f.metadata["help"], f.metadata.get("choices"))
+            for f in dataclasses.fields(cls)
+        ]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def resolve(cls, preset: str | None = None, **chosen) -> DeMoSettings:
+        """The settings of ``preset`` (see :data:`PRESETS`) with ``chosen`` on top; validated."""
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"DeMo: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS.get(preset, {}), **chosen})
+
+
+# Named starting points, ordered by bytes. Where a setting's value comes from, lowest to highest: the
+# default above, the preset, the setting given by name. Bytes/param/step are exact (codec.segment_bytes) on
+# SmolLM2-135M, where 64 divides every dimension, with the default Elias-Fano positions (16-bit positions in
+# brackets); see docs/CONVERGENCE.md for what is measured of their loss.
+PRESETS: dict[str, dict] = {
+    # chosen from the compression sweep's Pareto front (docs/CONVERGENCE.md): at equal bytes, twice the
+    # coefficients with 1-bit values beat bf16 values (the defaults, top-32 bf16: 0.025 [0.032], are off it)
+    "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64: 0.018 [0.034]
+    "lean": {"value_format": "sign"},  # 1-bit values, top-32: 0.010 [0.017]
+    "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting: 0.0021 [0.0026]
+    # many ranks: the union all-reduce at 4x the default top-k. Its bytes per rank stay below 2x those at W=2
+    # for any W (a ring all-reduce), where the all-gather's grow as W-1: on the 3.3M model 0.103 B/param
+    # received per rank at W=2, 0.19 at W=8 (0.84x the default all-gather's there, less still beyond), and it
+    # trained better than the default all-gather at W=2, 4 and 8 (docs/CONVERGENCE.md, tenth session)
+    "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
+}
+
+_TYPES = {
+    f.name: {"float": float, "int": int, "str": str, "bool": bool}[f.type] for f in dataclasses.fields(DeMoSettings)
 }
 
 
-def _convert(key: str, raw: str):
-    if key == "preset":
-        return raw
-    kind = SETTINGS[key][0]
-    try:
-        if kind is bool:
-            low = raw.strip().lower()
-            if low not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return low in ("true", "1", "yes")
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"DeMo setting {key}={raw!r} is not a valid {kind.__name__}") from None
+def markdown_table() -> str:
+    """The settings as a Markdown table (docs/SETTINGS.md is this, checked by the tests)."""
+    rows = ["| setting | default | allowed | per group | what it does |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(DeMoSettings):
+        choices = ", ".join(f.metadata.get("choices") or ()) or _TYPES[f.name].__name__
+        per_group = "yes" if f.metadata["per_group"] else ""
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {choices} | {per_group} | {f.metadata['help']} |")
+    rows += ["", "Presets (`preset=` / `--demo_preset`; settings given by name win over the preset's):", ""]
+    rows += ["| preset | settings |", "|---|---|"]
+    for name, values in PRESETS.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{k}={v!r}`' for k, v in values.items()) or 'the defaults'} |")
+    return "\n".join(rows)
 
 
-def parse_optim_args(text: str | None) -> dict:
-    """``"compression_topk=16,value_format=sign"`` -> ``{"compression_topk": 16, "value_format": "sign"}``.
-
-    Unknown keys and malformed entries raise ``ValueError`` naming them.
-    """
-    out = {}
-    if not text:
-        return out
-    for entry in text.split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        if entry.count("=") != 1:
-            raise ValueError(f"malformed --optim_args entry {entry!r}: expected key=value")
-        key, raw = (s.strip() for s in entry.split("="))
-        if key not in SETTINGS and key != "preset":
-            raise ValueError(
-                f"unknown DeMo setting {key!r} in --optim_args; known settings: preset, {', '.join(SETTINGS)}"
-            )
-        out[key] = _convert(key, raw)
-    return out
-
-
-NO_DECAY_PATTERNS = ("bias", "norm", "layernorm", "rmsnorm")
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Trainer's convention: no weight decay on biases and normalisation weights."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if any(pat in name.lower() for pat in NO_DECAY_PATTERNS) else decay).append(p)
-    return [
-        g
-        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
-    ]
-
-
-def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
-    """``(DeMo, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (Trainer builds the groups)."""
-    unknown = set(settings) - set(SETTINGS) - {"process_group", "preset"}
-    if unknown:
-        raise ValueError(f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(SETTINGS)}")
-    return DeMo, {"lr": lr, "weight_decay": weight_decay, **settings}
-
-
-def create_optimizer(
-    model_or_params: torch.nn.Module | Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **settings
-) -> DeMo:
-    """Build a DeMo optimizer for a model (decay/no-decay groups as Trainer makes them) or parameters."""
-    cls, kwargs = optimizer_cls_and_kwargs(lr=lr, weight_decay=weight_decay, **settings)
-    params = (
-        param_groups(model_or_params, weight_decay) if isinstance(model_or_params, torch.nn.Module) else model_or_params
+if __name__ == "__main__":  # python -m hf_demo.settings > docs/SETTINGS.md
+    print(
+        "# DeMo settings\n\nGenerated from `hf_demo.settings.DeMoSettings` (`python -m hf_demo.settings > "
+        "docs/SETTINGS.md`). Each is a keyword of `hf_demo.DeMo`, a `--demo_<name>` field of "
+        "`DeMoTrainingArguments` and a key of `--optim_args`; `lr` and `weight_decay` come from Trainer.\n"
     )
-    return cls(params, **kwargs)
+    print(markdown_table())

@@ -12,7 +12,7 @@ trainers the same way: ``DeMoDPOTrainer, DeMoDPOConfig = hf_demo.with_demo(DPOTr
 
 from trl import SFTConfig, SFTTrainer
 
-from .trainer import with_demo
+from hf_demo.hf.trainer import with_demo
 
 DeMoSFTTrainer, DeMoSFTConfig = with_demo(SFTTrainer, SFTConfig)
 

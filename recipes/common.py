@@ -40,7 +40,7 @@ from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
 from transformers.trainer_callback import ProgressCallback  # noqa: E402
 
 import hf_demo  # noqa: E402
-from hf_demo.corpus import stdlib_files  # noqa: E402
+from hf_demo.stdlib_corpus import stdlib_files  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

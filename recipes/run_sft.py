@@ -36,7 +36,7 @@ from datasets import Dataset, DatasetDict
 from transformers import set_seed
 
 import common
-from hf_demo.corpus import stdlib_files
+from hf_demo.stdlib_corpus import stdlib_files
 from hf_demo.trl import DeMoSFTConfig, DeMoSFTTrainer
 
 ModelArguments = common.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*

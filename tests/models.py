@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from hf_demo.corpus import stdlib_bytes, stdlib_files  # noqa: F401 - the benchmarks import them from here
+from hf_demo.stdlib_corpus import stdlib_bytes, stdlib_files  # noqa: F401 - the benchmarks import them from here
 
 
 def tiny_mlp(seed: int = 0, hidden: int = 32, inputs: int = 16, outputs: int = 8) -> torch.nn.Sequential:

@@ -13,8 +13,8 @@ from transformers import (
 from transformers.training_args import OptimizerNames
 
 import hf_demo
-from hf_demo.accelerate_utils import check_supported
-from hf_demo.config import DeMoSettings
+from hf_demo.hf.data_parallel import check_supported
+from hf_demo.settings import DeMoSettings
 
 
 def parse(*argv):
@@ -50,7 +50,7 @@ def test_optim_stays_demo_everywhere():
     """'demo' is a registered optimizer name: plain TrainingArguments keep it, no swap, no half-truth."""
     args = TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
     assert args.optim == "demo" and args.optim == OptimizerNames("demo") and args.to_dict()["optim"] == "demo"
-    assert hf_demo.training_args.demo_settings(args) == DeMoSettings().as_dict()
+    assert hf_demo.hf.training_args.demo_settings(args) == DeMoSettings().as_dict()
     cls, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "demo", "--demo_drift", "raise"))
     assert cls is hf_demo.DeMo and kwargs["drift"] == "raise" and kwargs["lr"] == 5e-5
     cls, _ = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "sgd"))
@@ -68,7 +68,7 @@ def test_plain_trainer_refuses_optim_demo():
 
 def test_demo_fields_follow_the_settings_table(monkeypatch):
     """A setting added to DeMoSettings becomes a --demo_ field with its help and choices, without an edit."""
-    fields = {name: f for name, _, f in hf_demo.training_args._demo_fields()}
+    fields = {name: f for name, _, f in hf_demo.hf.training_args._demo_fields()}
     assert set(fields) == {"demo_preset"} | {f"demo_{n}" for n in DeMoSettings.names()}
     described = DeMoSettings.describe()
     monkeypatch.setattr(
@@ -76,7 +76,7 @@ def test_demo_fields_follow_the_settings_table(monkeypatch):
         "describe",
         classmethod(lambda cls: described + [("future_knob", str, "a", "a knob from later", ("a", "b"))]),
     )
-    fields = {name: f for name, _, f in hf_demo.training_args._demo_fields()}
+    fields = {name: f for name, _, f in hf_demo.hf.training_args._demo_fields()}
     assert fields["demo_future_knob"].metadata == {
         "help": "DeMo: a knob from later (default: a)",
         "choices": ["a", "b"],
@@ -133,7 +133,7 @@ def test_help_lists_demo_settings(capsys):
 
 
 def test_cpu_launch_without_the_switch_is_detected(monkeypatch):
-    from hf_demo.launch import launched_on_cpu_without_switch
+    from hf_demo.hf.launch_env import launched_on_cpu_without_switch
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -252,7 +252,7 @@ def test_trainer_with_optimizer_cls_and_kwargs_uses_demo_in_one_process(tmp_path
     trainer = _tiny_trainer(tmp_path, optim="adamw_torch", logging_steps=1)
     trainer.optimizer_cls_and_kwargs = hf_demo.optimizer_cls_and_kwargs(lr=1e-3)
     trainer.train()
-    assert isinstance(hf_demo.accelerate_utils.unwrap_optimizer(trainer.optimizer), hf_demo.DeMo)
+    assert isinstance(hf_demo.hf.data_parallel.unwrap_optimizer(trainer.optimizer), hf_demo.DeMo)
     steps = [row for row in trainer.state.log_history if "loss" in row]  # a row per step: the tier and its moves
     assert len(steps) == 3 and all({"demo/tier", "demo/tier_moves_down", "demo/tier_moves_up"} <= set(r) for r in steps)
     assert any("demo/total_bytes_sent" in row for row in trainer.state.log_history)
@@ -278,7 +278,7 @@ def test_trainer_refuses_fp16_with_demo(tmp_path):
 
 def test_presets_sit_under_settings_given_by_name():
     """default < preset < --demo_<name> < --optim_args, in DeMo, the factory and the training arguments."""
-    from hf_demo.config import PRESETS
+    from hf_demo.settings import PRESETS
 
     model = torch.nn.Linear(8, 8)
     assert hf_demo.DeMo(model.parameters(), preset="extreme").settings.compression_topk == 4

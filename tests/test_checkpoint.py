@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_demo import checkpoint as ckpt
+from hf_demo.hf import checkpoint as ckpt
 
 
 def _fake_checkpoint(folder, world=2, step=10, manifest=True):

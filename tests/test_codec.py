@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from hf_demo import codec
-from hf_demo.blocks import plan
+from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoSyncError
+from hf_demo.wire import codec
 
 
 def _header(**kw):

@@ -16,10 +16,10 @@ from torch.utils._pytree import tree_flatten
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from hf_demo import codec
-from hf_demo import functional as F
-from hf_demo.blocks import plan
-from hf_demo.comm import wire_device
+from hf_demo.compression import functional as F
+from hf_demo.compression.blocks import plan
+from hf_demo.exchange.transport import wire_device
+from hf_demo.wire import codec
 from models import awkward_mlp, loss_and_backward
 
 MODES = {

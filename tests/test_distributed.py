@@ -101,7 +101,7 @@ def test_mismatch_across_ranks_raises_on_every_rank(what, match):
 
 
 def _corrupt_payload(rank, world, what):
-    from hf_demo import codec
+    from hf_demo.wire import codec
 
     model = tiny_mlp()
     opt = _make(model, value_format="fp32")

@@ -8,9 +8,9 @@ import pytest
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from hf_demo.blocks import plan
+from hf_demo.compression.blocks import plan
+from hf_demo.optim.reference import ReferenceDeMo
 from models import awkward_mlp, loss_and_backward, tiny_mlp
-from reference_demo import ReferenceDeMo
 
 SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}

@@ -44,7 +44,7 @@ def _same(a, b) -> bool:
 
 def _fail_on_second_step(rank, world, fault, kw):
     """Step once cleanly, inject ``fault`` into the second step, report (error, state unchanged?, seconds)."""
-    from hf_demo import codec
+    from hf_demo.wire import codec
 
     model = tiny_mlp()
     opt = _make(model, **kw)
@@ -102,7 +102,8 @@ def test_every_error_leaves_the_whole_state_untouched_on_every_rank(fault, kw, m
 
 
 def _flip(rank, world, kw):
-    from hf_demo import codec, comm
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
 
     model = tiny_mlp()
     opt = _make(model, comm_timeout=5.0, **kw)
@@ -299,7 +300,7 @@ def test_a_huge_finite_gradient_is_not_non_finite():
 def test_nonfinite_check_is_element_wise_where_a_sum_overflows(dtype):
     """The check reads a tensor's sum first; finite values whose sum overflows must still count as finite,
     and one NaN/Inf anywhere (also beside values that overflow the sum) as non-finite."""
-    from hf_demo.optimizer import _nonfinite
+    from hf_demo.optim.optimizer import _nonfinite
 
     big = torch.finfo(dtype).max
     overflowing = torch.full((64, 64), big, dtype=dtype)

@@ -198,7 +198,7 @@ def test_torchrun_recovers_a_killed_rank_bitwise(tmp_path, uninterrupted, store)
     """Rank 1 dies after the step-10 checkpoint; torchrun restarts both ranks, they resume from the last complete
     checkpoint, and the result is bitwise the uninterrupted run's (issue 9, item 9).
 
-    shared: torchrun's default, the agent's store outlives the workers; hf_demo.launch initialises the restarted
+    shared: torchrun's default, the agent's store outlives the workers; hf_demo.hf.launch_env initialises the restarted
     group on a per-attempt prefix (without it, restarts read dead workers' gloo addresses: "connectFullMesh
     failed ... Connection refused"). per_attempt: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the launcher setting that
     works for any script: worker rank 0 hosts a fresh store each attempt.

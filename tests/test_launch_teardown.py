@@ -1,4 +1,4 @@
-"""The exit handler and hf_demo.launch's environment checks, on 2 forked gloo ranks (no launcher: fast tier)."""
+"""The exit handler and hf_demo.hf.launch_env's environment checks, on 2 forked gloo ranks (no launcher: fast tier)."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from hf_demo import teardown
+from hf_demo.hf import teardown
 
 
 def _exit_handler(rank, world):
@@ -228,7 +228,7 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_demo.ddp_wrappers import _subclasses
+    from hf_demo.hf.ddp_wrappers import _subclasses
 
     class Wrapped(DistributedDataParallel):
         pass

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hf_demo
-from hf_demo import codec
-from hf_demo import functional as F
-from hf_demo.blocks import encode, plan
+from hf_demo.compression import functional as F
+from hf_demo.compression.blocks import encode, plan
+from hf_demo.wire import codec
 from models import loss_and_backward, tiny_mlp
 
 
@@ -218,7 +218,7 @@ def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes():
 
 
 def test_stochastic_rounding_is_unbiased(device):
-    from hf_demo.functional import stochastic_round
+    from hf_demo.compression.functional import stochastic_round
 
     x = torch.full((200_000,), 1.0 + 2**-10, device=device)  # 1/8 of the way from 1.0 to the next bf16, 1 + 2**-7
     rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0))
@@ -238,10 +238,10 @@ def test_sign_update_is_the_reference_spelling_of_update_rule():
 def test_the_settings_page_is_generated_from_the_one_source_of_truth():
     from pathlib import Path
 
-    from hf_demo.config import markdown_table
+    from hf_demo.settings import markdown_table
 
     page = (Path(__file__).parent.parent / "docs" / "SETTINGS.md").read_text()
-    assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.config > docs/SETTINGS.md"
+    assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.settings > docs/SETTINGS.md"
 
 
 def test_an_all_reduce_checkpoint_from_before_the_union_says_it_ran_with_the_leader():
@@ -283,7 +283,7 @@ def _slow_fingerprint(params):
 def test_parameter_fingerprint_matches_its_slow_spelling():
     """Column sums give the same words as the weighted sum over every element: shorter than one period, an
     exact multiple, a remainder, every element size; a change of one bit or of the order changes the word."""
-    from hf_demo.optimizer import _fingerprint
+    from hf_demo.optim.optimizer import _fingerprint
 
     torch.manual_seed(0)
     params = [

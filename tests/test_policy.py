@@ -5,8 +5,8 @@ import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from hf_demo import codec
-from hf_demo.policy import BudgetPolicy, tiers
+from hf_demo.optim.policy import BudgetPolicy, tiers
+from hf_demo.wire import codec
 from models import loss_and_backward, restart, tiny_mlp
 
 BYTES = [100.0, 50.0, 20.0, 2.5]

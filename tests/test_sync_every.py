@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
+from hf_demo.optim.reference import dct_basis
 from models import batch, loss_and_backward, restart, tiny_mlp
-from reference_demo import dct_basis
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 

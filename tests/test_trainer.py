@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from hf_demo.checkpoint import MANIFEST
+from hf_demo.hf.checkpoint import MANIFEST
 from launch_utils import ROOT, accelerate_launch, load_records
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"

@@ -2,7 +2,7 @@
 
 momentum (kept in the DCT domain) -> select top-k -> error feedback -> [pack, gather, unpack: codec/comm]
 -> mean over the ranks that selected each coefficient -> inverse DCT -> the update rule's direction
-(:mod:`hf_demo.update_rules`) -> decoupled weight decay and the step.
+(:mod:`hf_demo.optim.update_rules`) -> decoupled weight decay and the step.
 
 Momentum lives in the DCT domain: the transform is linear and orthonormal, so
 ``DCT(decay*m + lr*g) == decay*DCT(m) + lr*DCT(g)``, and each step needs one forward transform (of the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import BlockLayout, encode
+from hf_demo.compression.blocks import BlockLayout, encode
 
 
 def accumulate(

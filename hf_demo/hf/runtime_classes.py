@@ -23,6 +23,9 @@ def publish(cls: type) -> type:
     return cls
 
 
+# checkpoints written before this module moved pickled their classes as hf_demo.generated.<name>
+sys.modules.setdefault("hf_demo.generated", sys.modules[__name__])
+
 MADE_ON_IMPORT = {"DeMoSFTTrainer": "hf_demo.trl", "DeMoSFTConfig": "hf_demo.trl"}
 
 

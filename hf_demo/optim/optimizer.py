@@ -3,13 +3,13 @@
 One step, top to bottom; every stage is a function or small object of its own module:
 
 1. local checks: NaN/Inf in gradients and parameters (element-wise), the drift fingerprint when due;
-2. momentum: ``working = decay*momentum + lr*DCT(grad)`` on copies (:mod:`hf_demo.functional`);
-3. the exchange prepares: top-k selection, encoding, error feedback (:mod:`hf_demo.exchange`,
-   :mod:`hf_demo.codec`);
+2. momentum: ``working = decay*momentum + lr*DCT(grad)`` on copies (:mod:`hf_demo.compression.functional`);
+3. the exchange prepares: top-k selection, encoding, error feedback (:mod:`hf_demo.exchange.exchanges`,
+   :mod:`hf_demo.wire.codec`);
 4. headers: every rank learns every rank's step, layout, settings, flags and payload CRC (collective 1,
-   checked by :func:`hf_demo.codec.check_headers`);
+   checked by :func:`hf_demo.wire.codec.check_headers`);
 5. the exchange communicates: payload collectives, validation, the averaged coefficients;
-6. commit: momenta, drift resync, inverse DCT, the update rule's direction (:mod:`hf_demo.update_rules`),
+6. commit: momenta, drift resync, inverse DCT, the update rule's direction (:mod:`hf_demo.optim.update_rules`),
    decoupled weight decay and the step (rounded stochastically for bf16 parameters if asked).
 
 Nothing before step 6 changes the optimizer's state, the parameters or the counters: an error raised by
@@ -34,14 +34,17 @@ from dataclasses import astuple
 import torch
 import torch.distributed as dist
 
-from . import codec, ddp_wrappers, hierarchy, local_steps, update_rules
-from . import exchange as exchanges
-from . import functional as F
-from . import policy as policies
-from .blocks import MAX_BLOCK_SIZE, BlockLayout, decode, encode, plan
-from .comm import CommStats, Transport
-from .config import DeMoSettings
-from .errors import DDP_ALLREDUCES, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from hf_demo.compression import functional as F
+from hf_demo.compression.blocks import MAX_BLOCK_SIZE, BlockLayout, decode, encode, plan
+from hf_demo.errors import DDP_ALLREDUCES, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from hf_demo.exchange import exchanges
+from hf_demo.exchange.transport import CommStats, Transport
+from hf_demo.hf import ddp_wrappers
+from hf_demo.optim import local_steps, update_rules
+from hf_demo.optim import policy as policies
+from hf_demo.settings import DeMoSettings
+from hf_demo.topology import node as hierarchy
+from hf_demo.wire import codec
 
 logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
@@ -61,9 +64,9 @@ class DeMo(torch.optim.Optimizer):
             initialised, otherwise a world of one.
         sign_update: the reference's switch, kept for compatibility: ``False`` means
             ``update_rule="raw"``.
-        preset: a named starting point (``balanced``, ``lean``, ``extreme``: :data:`hf_demo.config.PRESETS`);
+        preset: a named starting point (``balanced``, ``lean``, ``extreme``: :data:`hf_demo.settings.PRESETS`);
             settings given by name win over it.
-        **settings: every other setting, by name: see :class:`hf_demo.config.DeMoSettings`
+        **settings: every other setting, by name: see :class:`hf_demo.settings.DeMoSettings`
             (``compression_decay``, ``compression_topk``, ``compression_chunk``, ``value_format``,
             ``exchange``, ``update_rule``, ``nonfinite``, ``comm_timeout``, ``check_every``, ``drift``, ...).
 
@@ -128,7 +131,7 @@ class DeMo(torch.optim.Optimizer):
         exchanges.build(self.settings.exchange, self._exchange_spec([], self.settings.value_format))  # refusals now
 
     def _exchange_spec(self, layouts, value_format: str, world: int = 1, average=None, index_coding=None):
-        """This step's :class:`~hf_demo.exchange.ExchangeSpec` from the settings (the tier's value format)."""
+        """This step's :class:`~hf_demo.exchange.exchanges.ExchangeSpec` from the settings (the tier's value format)."""
         return exchanges.ExchangeSpec(
             layouts,
             value_format,
@@ -145,7 +148,7 @@ class DeMo(torch.optim.Optimizer):
 
     @property
     def tier(self) -> int:
-        """The communication tier in use (0 = the configured settings; see :mod:`hf_demo.policy`)."""
+        """The communication tier in use (0 = the configured settings; see :mod:`hf_demo.optim.policy`)."""
         return self.policy.tier
 
     @property
@@ -1056,7 +1059,7 @@ def _layouts_state(layouts: list[BlockLayout], value_format: str) -> dict:
 
 
 def _layout(saved) -> BlockLayout:
-    """A :class:`~hf_demo.blocks.BlockLayout` from its saved fields (shape, rows, cols, b0, b1, k)."""
+    """A :class:`~hf_demo.compression.blocks.BlockLayout` from its saved fields (shape, rows, cols, b0, b1, k)."""
     shape, *rest = saved
     return BlockLayout(tuple(int(x) for x in shape), *(int(x) for x in rest))
 

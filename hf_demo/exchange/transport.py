@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import DeMoSyncError
+from hf_demo.errors import DeMoSyncError
 
 
 @dataclass

@@ -35,10 +35,10 @@ import dataclasses
 
 import torch
 
-from . import codec
-from . import functional as F
-from .blocks import BlockLayout
-from .errors import DeMoSyncError, lookup
+from hf_demo.compression import functional as F
+from hf_demo.compression.blocks import BlockLayout
+from hf_demo.errors import DeMoSyncError, lookup
+from hf_demo.wire import codec
 
 REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on positions (see above)
 

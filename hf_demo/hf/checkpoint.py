@@ -19,7 +19,7 @@ import os
 import re
 import warnings
 
-from .errors import DeMoStateError
+from hf_demo.errors import DeMoStateError
 
 MANIFEST = "hf_demo_manifest.json"
 FORMAT = 1
@@ -104,7 +104,7 @@ def verify_checkpoint(folder: str, world_size: int | None = None) -> dict:
             f"checkpoint {folder} is incomplete: it has no {MANIFEST}, which DeMoTrainer writes last, once every "
             "process has saved its files (the run stopped while saving?). Resume from an earlier checkpoint, "
             "or, if you know the files are whole, vouch for them with "
-            f"hf_demo.checkpoint.write_manifest({folder!r}, world_size)."
+            f"hf_demo.hf.checkpoint.write_manifest({folder!r}, world_size)."
         )
     problems = []
     for rel, meta in sorted(manifest["files"].items()):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from . import functional as F
-from .update_rules import STATE_KEYS
+from hf_demo.compression import functional as F
+from hf_demo.optim.update_rules import STATE_KEYS
 
 INNER_BETA = 0.9
 

@@ -69,7 +69,7 @@ def check_agreement(transport) -> None:
     world (``transport``, under ``comm_timeout``; a set-up check, not counted)."""
     import torch
 
-    from .errors import DeMoSyncError
+    from hf_demo.errors import DeMoSyncError
 
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     mine = AGREEMENT_MAGIC + bytes([raw is not None]) + (raw or "").encode()[:11].ljust(11, b"\0")
@@ -101,8 +101,8 @@ def check_node(transport, header, device, node: int, secret: bytes | None = None
     on the node's link, before any dense collective): the headers between nodes compare only one local rank of
     each node, and a single node has no other. Raises :class:`~hf_demo.errors.DeMoSyncError` on every local
     rank alike."""
-    from . import codec
-    from .errors import DeMoSyncError
+    from hf_demo.errors import DeMoSyncError
+    from hf_demo.wire import codec
 
     header = codec.sign(header, torch.empty(0, dtype=torch.uint8), secret)  # with HF_DEMO_SECRET: its tag
     rows = transport.all_gather(header.to_bytes().to(device), "node_header")
@@ -169,7 +169,7 @@ def share(
 
 def groups(topo: Topology, timeout: float, backend: str | None = None):
     """(node group, inter-node group) of this rank. Every rank creates every group, in the same order."""
-    from .comm import timed_group
+    from hf_demo.exchange.transport import timed_group
 
     node_groups = [
         timed_group([n * topo.local_size + j for j in range(topo.local_size)], timeout, backend)

@@ -14,10 +14,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from . import ddp_wrappers
-from .errors import DDP_ALLREDUCES, DeMoSetupError
-from .optimizer import DeMo, _gradient_fingerprint
-from .teardown import install_exit_handler, track
+from hf_demo.errors import DDP_ALLREDUCES, DeMoSetupError
+from hf_demo.hf import ddp_wrappers
+from hf_demo.hf.teardown import install_exit_handler, track
+from hf_demo.optim.optimizer import DeMo, _gradient_fingerprint
 
 
 def unwrap_optimizer(optimizer):

@@ -3,7 +3,7 @@
 Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
 bitwise identical and no rule costs communication. A rule is a small object whose ``direction(param, update, state)``
 returns the step direction (``param <- param - lr * direction``, applied by
-:func:`hf_demo.functional.apply_step`); its per-parameter state (if any) lives in the optimizer's
+:func:`hf_demo.compression.functional.apply_step`); its per-parameter state (if any) lives in the optimizer's
 ``state[param]`` and is saved and resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import lookup
+from hf_demo.errors import lookup
 
 
 def sign_step(update: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ With DeMo it (1) builds the optimizer through Trainer's own extension point
 all-reducing gradients (a no-op comm hook, registered before the first backward), (3) saves and restores
 every rank's own optimizer state with each checkpoint, (4) logs the communication figures, and (5) refuses
 set-ups that cannot work. With any optimizer it also writes a manifest into each checkpoint and checks it
-on resume (:mod:`hf_demo.checkpoint`), stops when the launcher started more processes than Trainer sees,
-and tears the process group down at exit (:mod:`hf_demo.teardown`). With another optimizer it is Trainer.
+on resume (:mod:`hf_demo.hf.checkpoint`), stops when the launcher started more processes than Trainer sees,
+and tears the process group down at exit (:mod:`hf_demo.hf.teardown`). With another optimizer it is Trainer.
 
 ``DeMoTrainerMixin`` brings the same to any Trainer subclass: put it first,
 ``class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer)`` (ready-made in :mod:`hf_demo.trl`).
@@ -31,18 +31,18 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
     SCHEDULER_NAME,
 )
 
-from . import checkpoint as ckpt
-from . import generated
-from .accelerate_utils import (
+from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.hf import checkpoint as ckpt
+from hf_demo.hf import runtime_classes
+from hf_demo.hf.data_parallel import (
     check_supported,
     disable_gradient_allreduce,
     unwrap_optimizer,
 )
-from .errors import DeMoSetupError, DeMoStateError
-from .optimizer import DeMo
-from .settings import optimizer_cls_and_kwargs
-from .teardown import install_exit_handler
-from .training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
+from hf_demo.hf.teardown import install_exit_handler
+from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
+from hf_demo.optim.factory import optimizer_cls_and_kwargs
+from hf_demo.optim.optimizer import DeMo
 
 
 def rank_state_file(rank: int) -> str:
@@ -375,7 +375,7 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
 
     The trainer class is ``trainer_cls`` with :class:`DeMoTrainerMixin` first; the config class is
     ``config_cls`` first (its own defaults hold: SFTConfig's learning rate, bf16, logging) plus the
-    ``--demo_*`` fields. The classes are made once per pair and live in :mod:`hf_demo.generated`, so
+    ``--demo_*`` fields. The classes are made once per pair and live in :mod:`hf_demo.hf.runtime_classes`, so
     Trainer can pickle the arguments with each checkpoint.
     """
     from transformers import TrainingArguments
@@ -388,7 +388,7 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
     if key not in _MADE:
         trainer, config = trainer_cls, config_cls  # already DeMo-aware: as they are
         if not issubclass(trainer_cls, DeMoTrainerMixin):
-            trainer = generated.publish(
+            trainer = runtime_classes.publish(
                 type(
                     f"DeMo{trainer_cls.__name__}",
                     (DeMoTrainerMixin, trainer_cls),
@@ -396,6 +396,6 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
                 )
             )
         if not issubclass(config_cls, DeMoArguments):
-            config = generated.publish(with_demo_arguments(config_cls))
+            config = runtime_classes.publish(with_demo_arguments(config_cls))
         _MADE[key] = (trainer, config)
     return _MADE[key]

@@ -33,8 +33,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .blocks import BlockLayout
-from .errors import DeMoSyncError, lookup
+from hf_demo.compression.blocks import BlockLayout
+from hf_demo.errors import DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
 FORMAT_VERSION = 3
@@ -197,7 +197,7 @@ class EliasFanoIndices:
     per position instead of 16), top-4 is 10*4 + 7 = 47 bits, 6 bytes (12). Blocks of the same (size,
     k) in all parameters are coded at once, with integer arithmetic on (blocks, k) arrays (a handful of
     tensor operations per step, not per parameter, and no array of single bits for the low parts).
-    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.functional.select` returns them),
+    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.compression.functional.select` returns them),
     so training is bitwise what the 16-bit code gives. A corrupted record (an upper vector without exactly
     k ones, or positions not strictly increasing) decodes to an out-of-range position, which the payload
     check reports.

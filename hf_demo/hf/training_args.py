@@ -1,4 +1,4 @@
-"""``--optim demo`` and DeMo's settings as training arguments, generated from :class:`hf_demo.config.DeMoSettings`.
+"""``--optim demo`` and DeMo's settings as training arguments, generated from :class:`hf_demo.settings.DeMoSettings`.
 
 * ``"demo"`` is registered as a value of transformers' ``OptimizerNames`` (:func:`register_optimizer_name`,
   done on import), so ``TrainingArguments(optim="demo")``, ``SFTConfig(optim="demo")`` and ``--optim demo``
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .config import PRESETS, DeMoSettings
-from .launch import prepare_launch
-from .settings import parse_optim_args
+from hf_demo.hf.launch_env import prepare_launch
+from hf_demo.optim.factory import parse_optim_args
+from hf_demo.settings import PRESETS, DeMoSettings
 
 DEMO = "demo"  # the one spelling of DeMo's optimizer name
 
@@ -177,7 +177,8 @@ DeMoArguments.__doc__ = (
 class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
     """TrainingArguments plus DeMo: ``--optim demo`` and one ``--demo_<name>`` per setting.
 
-    Every built-in ``--optim`` still works. Before Trainer sets up the devices, :func:`hf_demo.launch.prepare_launch`
+    Every built-in ``--optim`` still works. Before Trainer sets up the devices,
+    :func:`hf_demo.hf.launch_env.prepare_launch`
     fixes two launch pitfalls: processes launched without the CPU switch on a machine without GPU get
     ``use_cpu=True`` (they train together, world size N, instead of each alone), and workers restarted by
     ``torchrun --max-restarts`` rendezvous on a fresh store prefix.
@@ -192,7 +193,7 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
     )
 
     def __post_init__(self):
-        prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.launch)
+        prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.hf.launch_env)
         super().__post_init__()
         self._check_demo_arguments()
 

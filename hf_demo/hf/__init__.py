@@ -1,0 +1,1 @@
+"""The Hugging Face integration: Trainer, training arguments, Accelerate, DDP, checkpoints, launch and exit."""

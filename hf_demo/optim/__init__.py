@@ -1,0 +1,1 @@
+"""The optimizer and its step: :class:`DeMo`, the staged step's parts, update rules, local steps, the policy."""

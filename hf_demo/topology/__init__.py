@@ -1,0 +1,1 @@
+"""Which ranks exchange with which, and which parameters and gradients each rank handles."""
