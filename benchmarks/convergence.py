@@ -309,7 +309,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     if out is not None:
         queue.put((rank, out))
     try:
-        from hf_demo.hf.teardown import shutdown
+        from hf_demo.exchange.teardown import shutdown
 
         shutdown()  # waits for gloo's workers first (a bare destroy can deadlock at exit: see wan_worker.py)
     except Exception:

@@ -423,7 +423,7 @@ def main(argv=None):
     # not a bare destroy_process_group(): DDP's reducer keeps the group, and freeing it when main() returns
     # joins gloo's worker threads with the interpreter lock held, while a worker may still need that lock
     # to free the barrier's work: one rank of an 8-node run hung there for 300 s (docs/WAN.md §11)
-    from hf_demo.hf.teardown import shutdown
+    from hf_demo.exchange.teardown import shutdown
 
     shutdown()
 

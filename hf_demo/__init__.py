@@ -1,6 +1,7 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
 
 from hf_demo.errors import DeMoError, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from hf_demo.exchange.teardown import shutdown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.hf.checkpoint import last_complete_checkpoint
 from hf_demo.hf.data_parallel import (
@@ -8,11 +9,8 @@ from hf_demo.hf.data_parallel import (
     install_step_guard,
     prepare,
 )
-from hf_demo.hf.teardown import shutdown
 from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
 from hf_demo.optim.optimizer import DeMo
-
-install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 
 try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
     from hf_demo.hf.trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
@@ -43,6 +41,7 @@ __all__ = [
     "DeMoTrainingArguments",
     "create_optimizer",
     "disable_gradient_allreduce",
+    "install_step_guard",
     "last_complete_checkpoint",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",

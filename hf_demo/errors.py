@@ -12,6 +12,11 @@ class DeMoSyncError(DeMoError):
     """
 
 
+class DeMoPayloadError(DeMoSyncError):
+    """What this rank received failed its checks (CRC32, HMAC, positions in range, finite values). Found on
+    the receiving rank only; the ranks vote before they commit, so every rank refuses the step alike."""
+
+
 class DeMoNonFiniteError(DeMoError):
     """A rank's local gradients hold NaN or Inf and the policy is ``nonfinite="raise"``."""
 
@@ -29,7 +34,8 @@ DDP_ALLREDUCES = (
     "DeMo's parameters are inside a DistributedDataParallel model that still all-reduces gradients "
     "(a plain Trainer/SFTTrainer given optimizers=(DeMo, ...), or accelerator.prepare without hf_demo): "
     "every rank would step on the averaged gradient. Use hf_demo.DeMoTrainer (--optim demo), a trainer "
-    "class with hf_demo.DeMoTrainerMixin first (hf_demo.trl.DeMoSFTTrainer for TRL), "
+    "class with hf_demo.DeMoTrainerMixin first (hf_demo.with_demo(TrainerClass, ConfigClass) makes one for any "
+    "trainer; hf_demo.trl.DeMoSFTTrainer for TRL's SFT), "
     "hf_demo.prepare(accelerator, model, optimizer) in a custom loop, or call "
     "hf_demo.disable_gradient_allreduce(ddp_model) before the first backward (or `del` a wrapper no longer used)."
 )

@@ -12,11 +12,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hf_demo.exchange import exchanges as exchange
+from hf_demo.compression import transforms
+from hf_demo.exchange import exchanges
 from hf_demo.optim import update_rules
 from hf_demo.wire import codec
 
-REDUCE_POSITIONS = exchange.REDUCE_POSITIONS  # the class body below shadows the module name
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_POLICIES = ("raise", "resync")
 
@@ -53,13 +53,13 @@ class DeMoSettings:
         "all_gather",
         "how coefficients move: all_gather (each rank picks its own top-k) or all_reduce (every rank's values "
         "summed at agreed positions, see reduce_positions: traffic flat in the number of ranks)",
-        exchange.EXCHANGES,
+        exchanges.EXCHANGES,
     )
     reduce_positions: str = _setting(
         "union",
         "how exchange=all_reduce agrees on positions: union (each of the W ranks nominates its top k/W per "
         "block, the union is summed) or leader (one rank per step, rotating, picks all k)",
-        REDUCE_POSITIONS,
+        exchanges.REDUCE_POSITIONS,
     )
     hierarchy: str = _setting(
         "flat",
@@ -69,10 +69,20 @@ class DeMoSettings:
     )
     overlap: bool = _setting(
         False,
-        "run step t's payload exchange in the background while step t+1 computes; its update is applied at "
-        "step t+1 (one step late, as Psyche does). all_gather, flat, every-step synchronisation only. The late "
-        "step costs loss in proportion to the learning rate (0.46M model, 300 steps: +15% at lr 1e-3, +2.6% at "
-        "5e-4; docs/CONVERGENCE.md)",
+        "run step t's exchange in the background while step t+1 computes; its update is applied at step t+1 "
+        "(one step late, as Psyche does). Flat hierarchy, every-step synchronisation, no comm_budget",
+    )
+    transform: str = _setting(
+        "dct",
+        "what top-k selects from: dct (the blockwise DCT-II, DeMo's) or identity (the raw blocks: an ablation)",
+        transforms.TRANSFORM_NAMES,
+    )
+    commit_vote: str = _setting(
+        "on",
+        "on: before a step commits, every rank says whether what it received passed its checks (one 8-byte "
+        "all-gather per rank), and a refusal on any rank stops the step on every rank, so the replicas stay "
+        "identical; off: a refusal raises on the refusing rank only and the drift check finds the replicas apart",
+        ("on", "off"),
     )
     update_rule: str = _setting(
         "sign",
@@ -172,14 +182,8 @@ class DeMoSettings:
             raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
         if self.policy_patience < 1 or self.policy_sync_every < 1:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
-        if self.hierarchy == "node" and (self.sync_every > 1 or self.comm_budget > 0):
-            raise ValueError("DeMo: hierarchy='node' is not combined with sync_every > 1 or comm_budget yet")
-        if self.overlap and (
-            self.exchange != "all_gather" or self.hierarchy != "flat" or self.sync_every > 1 or self.comm_budget > 0
-        ):
-            raise ValueError(
-                "DeMo: overlap=True needs exchange='all_gather', hierarchy='flat', sync_every=1 and no comm_budget"
-            )
+        for reason in refusals(self):
+            raise ValueError(f"DeMo: {reason}")
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):
@@ -211,6 +215,27 @@ class DeMoSettings:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"DeMo: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS.get(preset, {}), **chosen})
+
+
+def refusals(s: DeMoSettings) -> list[str]:
+    """The combinations of settings DeMo refuses, each with its reason (every other pair composes)."""
+    out = []
+    if s.hierarchy == "node" and s.comm_budget > 0:
+        # the policy decides from the inter-node headers, but the node's ranks must take the same tier: their
+        # shards share every step inside the node, so a tier chosen per peer group would split a node
+        out.append("hierarchy='node' is not combined with comm_budget: the ranks of a node would choose tiers apart")
+    if s.overlap and s.hierarchy != "flat":
+        # the late update lands on the shard owner one step later, after the node has already shared that step's
+        # values: every late update would need a second dense share inside the node per step
+        out.append("overlap=True needs hierarchy='flat': under 'node' a late update would need a second share")
+    if s.overlap and (s.sync_every > 1 or s.comm_budget > 0):
+        # a synchronisation resets every rank to anchor - mean change; landing that one step late would move the
+        # anchor after a local step already left it, so the ranks would apply it to different parameters
+        out.append(
+            "overlap=True needs sync_every=1 and no comm_budget (whose tiers have local steps): a synchronisation "
+            "that lands one step late would apply the mean change after a local step moved each rank apart"
+        )
+    return out
 
 
 # Named starting points, ordered by bytes. Where a setting's value comes from, lowest to highest: the

@@ -44,7 +44,7 @@ def test_ranks_end_bitwise_identical(world, fmt):
         assert not all(torch.equal(a, b) for a, b in zip(momenta0, momenta))  # each rank its own momentum
     assert sum(losses0[-10:]) < sum(losses0[:10])
     # two collectives a step, bytes counted from the buffers handed to torch.distributed
-    assert stats0["collectives"] == 2 and stats0["total_collectives"] == 200
+    assert stats0["collectives"] == 3 and stats0["total_collectives"] == 300  # header, payload, vote
     assert stats0["bytes_received"] == (world - 1) * stats0["bytes_sent"]
     assert 0 < stats0["ratio_to_dense"] < 1
 
@@ -131,7 +131,7 @@ def _corrupt_payload(rank, world, what):
 def test_corrupted_payload_raises_on_every_rank(what, match):
     started = time.monotonic()
     results = run_ranks(_corrupt_payload, 4, what)
-    _expect_error_everywhere(results, "DeMoSyncError", match, started)
+    _expect_error_everywhere(results, "DeMoPayloadError", match, started)  # a DeMoSyncError
     assert "rank(s) [3]" in results[0].message
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from hf_demo.hf import teardown
+from hf_demo.exchange import teardown
 
 
 def _exit_handler(rank, world):
@@ -228,7 +228,7 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_demo.hf.ddp_wrappers import _subclasses
+    from hf_demo.guards.ddp import _subclasses
 
     class Wrapped(DistributedDataParallel):
         pass

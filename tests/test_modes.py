@@ -9,7 +9,9 @@ import torch
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
+from hf_demo.exchange.transport import Traffic
 from hf_demo.wire import codec
+from hf_demo.wire.agreement import VOTE_BYTES
 from models import loss_and_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -82,8 +84,8 @@ def test_all_reduce_traffic_is_flat_in_the_number_of_ranks(positions, growth):
     for world in (2, 4):
         stats = expect_ok(run_ranks(_train, world, kw, 2))
         # the headers are all-gathered in every mode: count the exchange itself
-        received[world] = stats[0][1]["bytes_received"] - (world - 1) * codec.HEADER_BYTES
-        assert stats[0][1]["collectives"] == 3  # header, positions, values
+        received[world] = stats[0][1]["bytes_received"] - (world - 1) * (codec.HEADER_BYTES + VOTE_BYTES)
+        assert stats[0][1]["collectives"] == 4  # header, positions, values, vote
     gathered = expect_ok(run_ranks(_train, 4, {**kw, "exchange": "all_gather"}, 2))[0][1]["bytes_received"]
     # a ring all-reduce: 2 (W-1)/W of the values each way (1.5x from W=2 to W=4); leader: the positions once;
     # union: (W-1) ranks' k/W nominations each, a few more bits per position as k/W halves
@@ -170,7 +172,7 @@ def test_overlap_keeps_replicas_identical_and_trains(world):
         assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
     losses = results[0][1]
     assert sum(losses[-5:]) < 0.98 * sum(losses[:5])  # it trains (one step late)
-    assert results[0][2] == 2 * 40  # the header now, the payload in the background
+    assert results[0][2] == 2 * 40 + 1  # the header now, the payload in the background; flush()'s vote
 
 
 def test_overlap_resumes_exactly_with_an_exchange_in_flight():
@@ -295,9 +297,10 @@ def test_overlap_refuses_to_checkpoint_an_exchange_that_arrived_corrupted():
     for step in range(2):
         loss_and_backward(model, 0, step)
         opt.step()
-    rows = opt._pending["rows"].wait().clone()
+    in_flight = opt.pending.in_flight
+    rows = in_flight.wait(Traffic()).clone()
     rows[0, 3] ^= 0x01  # one bit flipped on the wire
-    opt._pending["rows"] = rows
+    in_flight.data = rows
     before = [p.detach().clone() for p in model.parameters()]
     loss_and_backward(model, 0, 2)
     with pytest.raises(hf_demo.DeMoSyncError, match="CRC32.*in flight.*Resume every rank from the last checkpoint"):

@@ -219,7 +219,7 @@ def test_a_move_down_applies_to_the_step_whose_headers_called_for_it():
     assert seen0 == seen1 and all(torch.equal(a, b) for a, b in zip(params0, params1))
     tiers_seen, collectives, sent = zip(*seen0)
     assert tiers_seen == (0, 0, 0, 1, 0, 0)  # back up at step 4 (1 ms), from step 5 on
-    assert collectives == (2, 2, 2, 3, 2, 2)
+    assert collectives == (3, 3, 3, 4, 3, 3)  # header, payload, vote; step 3 one header more
     assert sent[3] - sent[4] == codec.HEADER_BYTES  # step 3: one header more, tier 1's payload (as step 4)
     header = codec.HEADER_BYTES
     assert sent[4] - header < 0.5 * (sent[2] - header) and sent[5] == sent[2]

@@ -17,13 +17,14 @@ from hf_demo.compression.blocks import BlockLayout, encode
 
 
 def accumulate(
-    momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout, decay: float, lr: float
+    momentum: torch.Tensor, grad: torch.Tensor | None, layout: BlockLayout, decay: float, lr: float, transform=None
 ) -> torch.Tensor:
-    """``decay*momentum + lr*DCT(grad)`` as a new tensor (fp32; ``momentum`` is left as it is, so a step
-    that fails commits nothing). A missing grad counts as zero."""
+    """``decay*momentum + lr*T(grad)`` as a new tensor (fp32; ``momentum`` is left as it is, so a step
+    that fails commits nothing), ``T`` the transform (:mod:`hf_demo.compression.transforms`, default the DCT).
+    A missing grad counts as zero."""
     out = momentum.mul(decay)
     if grad is not None:
-        out.add_(encode(grad, layout), alpha=lr)
+        out.add_((transform.encode if transform is not None else encode)(grad, layout), alpha=lr)
     return out
 
 

@@ -6,8 +6,12 @@ step succeeded) in two phases:
 - ``prepare(working)``: local work before the headers travel; subtracts what will be sent from the working
   momenta (error feedback) where the choice is local, and returns the payload whose CRC32/HMAC the header
   carries (empty when nothing is known yet);
-- ``communicate(transport, headers, payload, working)``: the collectives, validation of everything
-  received, and the averaged DCT-domain coefficients per parameter, dense ``(nblocks, bsize)``.
+- ``start(transport, headers, payload, working)``: the collectives (the last one may still be running when it
+  returns: overlap), as an :class:`InFlight`; ``finish(in_flight, traffic)``: waits for it, validates
+  everything received (raising :class:`~hf_demo.errors.DeMoPayloadError` on this rank) and returns the averaged
+  coefficients per parameter, dense ``(nblocks, bsize)``. ``communicate`` is both at once.
+
+An :class:`InFlight` is what a checkpoint keeps of an exchange still running: :meth:`InFlight.to_state`.
 
 Exchanges (:data:`EXCHANGES`):
 
@@ -37,7 +41,8 @@ import torch
 
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import BlockLayout
-from hf_demo.errors import DeMoSyncError, lookup
+from hf_demo.errors import DeMoPayloadError, lookup
+from hf_demo.exchange.transport import Pending, Traffic
 from hf_demo.wire import codec
 
 REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on positions (see above)
@@ -54,6 +59,53 @@ class ExchangeSpec:
     average: str | None = None  # "pickers" or "world" (functional.WEIGHTS); None: the exchange's own rule
     world: int = 1
     positions: str = REDUCE_POSITIONS[0]  # exchange="all_reduce"; the optimizer passes the setting
+
+
+@dataclasses.dataclass
+class InFlight:
+    """An exchange whose collectives have started: ``data`` is the last collective (a running :class:`Pending`
+    or its result); ``positions`` the agreed positions' rows (all_reduce). Validated by ``finish``."""
+
+    step: int
+    rank: int
+    world: int
+    headers: list
+    data: Pending | torch.Tensor
+    positions: torch.Tensor | None = None
+    refused: DeMoPayloadError | None = None  # what this rank found wrong while starting it (raised by finish)
+    agreed: list | None = dataclasses.field(default=None, repr=False)  # the decoded positions (not saved)
+
+    collective: Pending | None = dataclasses.field(default=None, repr=False)  # what data was, once waited for
+
+    def wait(self, traffic: Traffic) -> torch.Tensor:
+        if isinstance(self.data, Pending):
+            self.collective = self.data
+            self.data = self.data.wait(traffic)  # done: a failure after this does not wait twice
+        return self.data
+
+    @property
+    def arrived(self) -> Pending | None:
+        """The background collective, once it has been waited for (its traffic then happened)."""
+        return self.collective
+
+    def to_state(self, traffic: Traffic) -> dict:
+        rows = self.wait(traffic)
+        state = {"rows": rows.clone(), "headers": torch.stack([h.to_bytes() for h in self.headers])}
+        if self.positions is not None:
+            state["positions"] = self.positions.clone()
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict, step: int, rank: int, world: int, device) -> InFlight:
+        positions = state.get("positions")
+        return cls(
+            step,
+            rank,
+            world,
+            [codec.Header.from_bytes(row) for row in state["headers"]],
+            state["rows"].to(device, copy=True),
+            None if positions is None else positions.to(device, copy=True),
+        )
 
 
 class AllGatherExchange:
@@ -74,16 +126,24 @@ class AllGatherExchange:
             F.feedback(m, idx, values)
         return payload
 
-    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
-        return self.finish(transport.all_gather(payload, "payload"), headers, transport.rank, transport.step)
+    def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
+        if background:
+            rows = transport.start_all_gather(payload, "payload")
+        else:
+            rows = transport.all_gather(payload, "payload")
+        return InFlight(transport.step, transport.rank, transport.world, headers, rows)
 
-    def finish(self, received: torch.Tensor, headers, rank: int, step: int) -> list[torch.Tensor]:
+    def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
-        codec.verify_rows(headers, received, self.secret, rank, step)
+        received = in_flight.wait(traffic)
+        codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         return [
             F.densify(*self.weights(idx, values, layout), layout)
             for (idx, values), layout in zip(self.codec.decode(received), self.layouts)
         ]
+
+    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
+        return self.finish(self.start(transport, headers, payload, working), transport.traffic)
 
 
 class AllReduceExchange:
@@ -132,54 +192,89 @@ class AllReduceExchange:
             return self._positions(working, device)
         return torch.empty(0, dtype=torch.uint8, device=device)
 
-    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
+    def _agreed_rows(self, transport, headers, payload, working) -> torch.Tensor:
+        """Every rank's nominations (union, under the headers' CRC32/HMAC) or the leader's positions."""
         device = working[0].device if working else torch.device("cpu")
         if self.union:
-            rows = transport.all_gather(payload, "positions")
-            codec.verify_rows(headers, rows, self.secret, transport.rank, transport.step)
+            return transport.all_gather(payload, "positions")  # checked by start against the headers
+        leader = transport.step % transport.world
+        if transport.rank == leader:
+            buf = self._positions(working, device)
         else:
-            leader = transport.step % transport.world
-            if transport.rank == leader:
-                buf = self._positions(working, device)
-            else:
-                buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
-            rows = transport.broadcast(buf, leader, "positions")[None]  # after the headers: not under their CRC
-        chosen, keep = [], []
+            buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
+        return transport.broadcast(buf, leader, "positions")[None]  # after the headers: not under their CRC
+
+    def _chosen(self, rows: torch.Tensor, rank: int, step: int, world: int) -> list[tuple]:
+        """Per parameter (positions (nblocks, W*k_nominated), first-occurrence mask or None), validated."""
+        chosen = []
         for i, (layout, idx) in enumerate(zip(self.layouts, self._unpack(rows))):
             bad = (idx >= layout.bsize).flatten(1).any(1)
             if bool(bad.any()):
                 source = (
                     f"nominated by rank(s) {bad.nonzero().flatten().tolist()}"
                     if self.union
-                    else f"broadcast by rank {transport.step % transport.world}"
+                    else f"broadcast by rank {step % world}"
                 )
-                raise DeMoSyncError(
-                    f"rank {transport.rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
-                    f"block of {layout.bsize}) {source} at optimizer step {transport.step}: corrupted payload"
+                raise DeMoPayloadError(
+                    f"rank {rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
+                    f"block of {layout.bsize}) {source} at optimizer step {step}: corrupted payload"
                 )
             # every rank's nominations one after the other: (nblocks, W * k_nominated)
-            chosen.append(idx.permute(1, 0, 2).reshape(layout.nblocks, -1))
-            keep.append(F.first_occurrences(idx, layout) if self.union else None)
+            positions = idx.permute(1, 0, 2).reshape(layout.nblocks, -1)
+            chosen.append((positions, F.first_occurrences(idx, layout) if self.union else None))
+        return chosen
+
+    def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
+        rows = self._agreed_rows(transport, headers, payload, working)
+        try:
+            if self.union:
+                codec.verify_rows(headers, rows, self.secret, transport.rank, transport.step)
+            chosen = self._chosen(rows, transport.rank, transport.step, transport.world)
+            refused = None
+        except DeMoPayloadError as exc:  # still take part in the sum (zeros), so no rank waits: finish raises
+            chosen, refused = None, exc
         # every rank contributes its own values at the agreed positions (once each), exactly as they travel
         contributions = []
-        for m, idx, first in zip(working, chosen, keep):
+        for i, m in enumerate(working):
+            if chosen is None:
+                size = self.nominated[i].nblocks * self.nominated[i].k * transport.world
+                contributions.append(torch.zeros(size, dtype=self.dtype, device=m.device))
+                continue
+            idx, first = chosen[i]
             mine = m.gather(1, idx)
-            contributions.append((mine if first is None else mine * first).to(self.dtype))
-        if not contributions:  # nothing to send (every parameter frozen, or a hierarchy shard without one):
-            return []  # the same on every rank of the group, whose layouts the headers proved equal
-        sums = transport.all_reduce(torch.cat([c.reshape(-1) for c in contributions]), "values")
+            mine = (mine if first is None else mine * first).to(self.dtype)
+            F.feedback(m, idx, mine.float())
+            contributions.append(mine.reshape(-1))
+        flat = torch.cat(contributions) if contributions else torch.empty(0, dtype=self.dtype)
+        # nothing to send (every parameter frozen, or a hierarchy shard without one): the same on every rank of
+        # the group, whose layouts the headers proved equal
+        if not contributions:
+            sums = flat
+        elif background:
+            sums = transport.start_all_reduce(flat, "values")
+        else:
+            sums = transport.all_reduce(flat, "values")
+        return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows, refused, chosen)
+
+    def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
+        sums = in_flight.wait(traffic)
+        if in_flight.refused is not None:
+            raise in_flight.refused
         if not bool(sums.isfinite().all()):
-            raise DeMoSyncError(
-                f"rank {transport.rank}: the summed values of optimizer step {transport.step} hold NaN/Inf"
+            raise DeMoPayloadError(
+                f"rank {in_flight.rank}: the summed values of optimizer step {in_flight.step} hold NaN/Inf"
             )
         out, start = [], 0
-        for m, idx, mine, nominated in zip(working, chosen, contributions, self.nominated):
-            F.feedback(m, idx, mine.float())
-            n = mine.numel()
-            mean = sums[start : start + n].float().view_as(idx) / transport.world
+        chosen = in_flight.agreed or self._chosen(in_flight.positions, in_flight.rank, in_flight.step, in_flight.world)
+        for (idx, _), nominated in zip(chosen, self.nominated):
+            n = idx.numel()
+            mean = sums[start : start + n].float().view_as(idx) / in_flight.world
             out.append(F.densify(idx, mean, nominated))  # runs of one rank's nominations: no repeats within
             start += n
         return out
+
+    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
+        return self.finish(self.start(transport, headers, payload, working), transport.traffic)
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """(senders, index_nbytes) -> per parameter (senders, nblocks, k_nominated) positions."""

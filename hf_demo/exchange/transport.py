@@ -29,6 +29,22 @@ from hf_demo.errors import DeMoSyncError
 
 
 @dataclass
+class Traffic:
+    """What one step's collectives moved, kept apart until the step commits (:meth:`CommStats.commit_step`)."""
+
+    sent: int = 0
+    received: int = 0
+    collectives: int = 0
+    seconds: float = 0.0
+
+    def record(self, sent: int, received: int, seconds: float) -> None:
+        self.sent += sent
+        self.received += received
+        self.collectives += 1
+        self.seconds += seconds
+
+
+@dataclass
 class CommStats:
     """Traffic of this rank: the last step and the running totals (``total_*``).
 
@@ -74,6 +90,21 @@ class CommStats:
         d = asdict(self)
         d["ratio_to_dense"] = self.ratio_to_dense
         return d
+
+    def commit_step(self, dense_bytes: int, traffic: Traffic) -> None:
+        """A committed step: its own figures become the last step's, and count in the totals."""
+        self.start_step(dense_bytes)
+        self.add(traffic)
+
+    def add(self, traffic: Traffic) -> None:
+        self.bytes_sent += traffic.sent
+        self.bytes_received += traffic.received
+        self.collectives += traffic.collectives
+        self.seconds += traffic.seconds
+        self.total_bytes_sent += traffic.sent
+        self.total_bytes_received += traffic.received
+        self.total_collectives += traffic.collectives
+        self.total_seconds += traffic.seconds
 
     def load(self, d: dict) -> None:
         for k, v in d.items():
@@ -139,17 +170,21 @@ class Pending:
         self.waited = 0.0  # seconds wait() spent, once it has
         self.device = rows.device if device is None else device  # where the caller wants the rows
 
-    def wait(self) -> torch.Tensor:
+    @property
+    def done(self) -> bool:
+        return self.work is None
+
+    def wait(self, traffic: Traffic) -> torch.Tensor:
+        """The rows, once every rank's have arrived; the wait counts into ``traffic`` (the waiting step's)."""
         if self.work is not None:
             t0 = time.perf_counter()
             try:
                 self.work.wait()
                 _synchronize(self.rows.device)
             except (RuntimeError, dist.DistError) as exc:
-                self.transport.step = self.step
-                raise self.transport._failure(self.name, time.perf_counter() - t0, exc) from exc
+                raise self.transport._failure(self.name, time.perf_counter() - t0, exc, self.step) from exc
             self.waited = time.perf_counter() - t0
-            self.transport.stats.record(self.sent, self.received, self.waited)
+            traffic.record(self.sent, self.received, self.waited)
             self.work = None
             self.rows = self.rows.to(self.device)
         return self.rows
@@ -174,17 +209,16 @@ def timed_group(ranks: list[int], timeout: float, backend: str | None = None):
 
 
 class Transport:
-    """DeMo's collectives over one process group, with a timeout and counters.
+    """DeMo's collectives over one process group, with a timeout and named failures.
 
     With ``timeout`` > 0, DeMo communicates in a group of its own created with that timeout (same ranks,
     same backend), so a frozen or vanished peer makes every surviving rank raise instead of blocking for
-    the backend's default 30 minutes.
+    the backend's default 30 minutes. Every collective names the optimizer step it belongs to and the
+    :class:`Traffic` it counts into (``None``: a set-up check, not counted); :meth:`at` binds both for a step.
     """
 
-    def __init__(self, group, timeout: float, stats: CommStats):
-        self.stats = stats
+    def __init__(self, group, timeout: float):
         self.timeout = timeout
-        self.step = 0
         self.failures = 0
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -202,6 +236,10 @@ class Transport:
                     f"a peer is missing (not started, crashed, or already finished). Backend said: {exc}"
                 ) from exc
 
+    def at(self, step: int, traffic: Traffic | None = None) -> StepTransport:
+        """This transport for the collectives of optimizer step ``step``, counting into ``traffic``."""
+        return StepTransport(self, step, traffic)
+
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank
 
@@ -211,24 +249,23 @@ class Transport:
         return buf if device == buf.device else buf.to(device)
 
     # ------------------------------------------------------------ collectives
-    def all_gather(self, buf: torch.Tensor, name: str, count: bool = True) -> torch.Tensor:
-        """Gather a uint8 buffer of equal length from every rank: returns (world, len). ``count=False``: a set-up
-        check once per process (as creating the groups), left out of the counters, so that a resumed run's
-        counters are the uninterrupted run's."""
+    def all_gather(self, buf: torch.Tensor, name: str, step: int, traffic: Traffic | None) -> torch.Tensor:
+        """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
         if self.world == 1:
             return buf.view(1, -1)
         wire = self._to_wire(buf)
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        self._run(name, sent, received, lambda: _all_gather(out, wire, group=self.group), wire.device, count)
+        op = lambda: _all_gather(out, wire, group=self.group)  # noqa: E731
+        self._run(name, sent, received, op, wire.device, step, traffic)
         return out.view(self.world, -1).to(buf.device)
 
-    def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
+    def start_all_gather(self, buf: torch.Tensor, name: str, step: int) -> Pending:
         """:meth:`all_gather` started in the background (overlap): :meth:`Pending.wait` returns the rows."""
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=buf.device)
         if self.world == 1:
             out.copy_(buf)
-            return Pending(self, name, None, out.view(1, -1), 0, 0, self.step)
+            return Pending(self, name, None, out.view(1, -1), 0, 0, step)
         for hook in list(_HOOKS.values()):
             hook(name, buf.numel())
         wire = self._to_wire(buf)
@@ -236,36 +273,50 @@ class Transport:
         try:
             work = _all_gather(out, wire, group=self.group, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
-            raise self._failure(name, 0.0, exc) from exc
+            raise self._failure(name, 0.0, exc, step) from exc
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        return Pending(self, name, work, out.view(self.world, -1), sent, received, self.step, buf.device)
+        return Pending(self, name, work, out.view(self.world, -1), sent, received, step, buf.device)
 
-    def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+    def start_all_reduce(self, buf: torch.Tensor, name: str, step: int) -> Pending:
+        """A sum over every rank started in the background (overlap): :meth:`Pending.wait` returns the sum."""
+        if self.world == 1:
+            return Pending(self, name, None, buf, 0, 0, step)
+        for hook in list(_HOOKS.values()):
+            hook(name, buf.numel() * buf.element_size())
+        ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
+        wire = self._to_wire(buf)
+        try:
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failure(name, 0.0, exc, step) from exc
+        return Pending(self, name, work, wire, ring, ring, step, buf.device)
+
+    def all_reduce(self, buf: torch.Tensor, name: str, step: int, traffic: Traffic | None) -> torch.Tensor:
         """Sum a tensor over every rank, in place (every rank gets the same bits)."""
         if self.world == 1:
             return buf
         ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
         wire = self._to_wire(buf)
-        self._run(name, ring, ring, lambda: dist.all_reduce(wire, group=self.group), wire.device)
+        op = lambda: dist.all_reduce(wire, group=self.group)  # noqa: E731
+        self._run(name, ring, ring, op, wire.device, step, traffic)
         if wire is not buf:
             buf.copy_(wire)
         return buf
 
-    def broadcast(self, buf: torch.Tensor, src: int, name: str) -> torch.Tensor:
+    def broadcast(self, buf: torch.Tensor, src: int, name: str, step: int, traffic: Traffic | None) -> torch.Tensor:
         """Rank ``src``'s (group rank) tensor to every rank, in place."""
         if self.world == 1:
             return buf
         n = buf.numel() * buf.element_size()
         sent, received = (n * (self.world - 1), 0) if self.rank == src else (0, n)
         wire = self._to_wire(buf)
-        self._run(
-            name, sent, received, lambda: dist.broadcast(wire, src=self.global_rank(src), group=self.group), wire.device
-        )
+        op = lambda: dist.broadcast(wire, src=self.global_rank(src), group=self.group)  # noqa: E731
+        self._run(name, sent, received, op, wire.device, step, traffic)
         if wire is not buf:
             buf.copy_(wire)
         return buf
 
-    def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device=None, count=True) -> None:
+    def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device, step, traffic) -> None:
         for hook in list(_HOOKS.values()):
             hook(name, sent)
         _synchronize(device)  # work queued before the collective is not counted as communication
@@ -274,27 +325,29 @@ class Transport:
             op()
             _synchronize(device)  # a CUDA collective returns once queued: count it until it is done
         except (RuntimeError, dist.DistError) as exc:
-            raise self._failure(name, time.perf_counter() - t0, exc) from exc
-        if count:
-            self.stats.record(sent, received, time.perf_counter() - t0)
+            raise self._failure(name, time.perf_counter() - t0, exc, step) from exc
+        if traffic is not None:
+            traffic.record(sent, received, time.perf_counter() - t0)
 
-    def _failure(self, name: str, waited: float, exc: BaseException) -> DeMoSyncError:
-        silent = self._unanswered_ranks()
+    def _failure(self, name: str, waited: float, exc: BaseException, step: int) -> DeMoSyncError:
+        silent = [self.global_rank(r) for r in self._unanswered_ranks(step)]
         who = f"rank(s) {silent} did not answer" if silent else "a peer is missing or out of step"
         timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
         why = f"no answer within comm_timeout={self.timeout:g}s" if timed_out else "the connection failed"
         return DeMoSyncError(
-            f"rank {self.rank}: DeMo's {name} exchange of optimizer step {self.step} failed after {waited:.1f}s "
-            f"({why}): {who} (frozen, killed, cut off, or a rank called optimizer.step() a different number "
-            f"of times). No state was changed. Backend said: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+            f"rank {self.global_rank(self.rank)}: DeMo's {name} exchange of optimizer step {step} failed after "
+            f"{waited:.1f}s ({why}): {who} (frozen, killed, cut off, or a rank called optimizer.step() a different "
+            f"number of times). No state was changed. Backend said: "
+            f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
         )
 
-    def _unanswered_ranks(self) -> list[int]:
+    def _unanswered_ranks(self, step: int) -> list[int]:
         """Ask the rendezvous store which ranks are alive: each survivor writes a key, waits briefly, reads."""
         try:
             store = dist.distributed_c10d._get_default_store()
             self.failures += 1
-            prefix = f"hf_demo/alive/{self.global_rank(0)}-{self.world}/{self.step}/{self.failures}/"
+            ranks = "-".join(str(self.global_rank(r)) for r in range(self.world))  # unique per group
+            prefix = f"hf_demo/alive/{ranks}/{step}/{self.failures}/"
             store.set(prefix + str(self.rank), "1")
             deadline = time.monotonic() + min(5.0, max(self.timeout, 1.0))
             while True:
@@ -304,3 +357,32 @@ class Transport:
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the store itself may be gone with the failed peer
             return []
+
+
+class StepTransport:
+    """A :class:`Transport` bound to one optimizer step: its collectives name that step (in messages, for the
+    all-reduce leader's rotation and the liveness probe) and count into that step's :class:`Traffic`, which the
+    optimizer commits with the step (or drops with it)."""
+
+    def __init__(self, transport: Transport, step: int, traffic: Traffic | None = None):
+        self.transport, self.step = transport, step
+        self.traffic = Traffic() if traffic is None else traffic
+        self.world, self.rank, self.backend = transport.world, transport.rank, transport.backend
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.transport.global_rank(group_rank)
+
+    def all_gather(self, buf: torch.Tensor, name: str, count: bool = True) -> torch.Tensor:
+        return self.transport.all_gather(buf, name, self.step, self.traffic if count else None)
+
+    def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
+        return self.transport.start_all_gather(buf, name, self.step)
+
+    def start_all_reduce(self, buf: torch.Tensor, name: str) -> Pending:
+        return self.transport.start_all_reduce(buf, name, self.step)
+
+    def all_reduce(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        return self.transport.all_reduce(buf, name, self.step, self.traffic)
+
+    def broadcast(self, buf: torch.Tensor, src: int, name: str) -> torch.Tensor:
+        return self.transport.broadcast(buf, src, name, self.step, self.traffic)

@@ -4,20 +4,21 @@
 does the same through :func:`disable_gradient_allreduce` and :func:`check_supported`.
 
 A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo(...), None)``, or
-``accelerator.prepare`` instead of ``hf_demo.prepare``) is stopped at DeMo's first step by
-:func:`check_local_gradients`, run from a step pre-hook that :func:`install_step_guard` registers.
+``accelerator.prepare`` instead of ``hf_demo.prepare``) is stopped at DeMo's first step by DeMo's own guard
+(:func:`hf_demo.guards.ddp.first_step_check`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_demo.errors import DDP_ALLREDUCES, DeMoSetupError
-from hf_demo.hf import ddp_wrappers
-from hf_demo.hf.teardown import install_exit_handler, track
-from hf_demo.optim.optimizer import DeMo, _gradient_fingerprint
+from hf_demo.exchange.teardown import install_exit_handler
+from hf_demo.guards import ddp as ddp_wrappers
+from hf_demo.optim.optimizer import DeMo
 
 
 def unwrap_optimizer(optimizer):
@@ -83,62 +84,12 @@ def prepare(accelerator, model, optimizer, *others):
     return prepared
 
 
-def check_local_gradients(optimizer: DeMo) -> None:
-    """Stop DeMo when DDP all-reduces the gradients of its parameters (run at DeMo's first step, every rank).
-
-    DeMo needs each rank's own gradient; DDP's mean would make every rank's momentum the same and DeMo's
-    exchange redundant: a different, silently slower optimizer. A live wrapper that holds DeMo's parameters is
-    only a suspicion (an earlier baseline's may be alive and unused), settled by the gradients: every rank sends
-    (holds a wrapper, fingerprint of the wrapped gradients) in one 16-byte all-gather (a set-up check, left out
-    of ``comm_stats``), and every rank raises
-    :class:`DeMoSetupError` before any state changed when two ranks' wrapped gradients are bitwise the same
-    (a wrapper averaged them, over the world or a subgroup). Otherwise the wrappers are taken for unused ones:
-    a warning, and the optimizer checks them again at every ``check_every`` step. With no other rank in DeMo's
-    group to compare with, a wrapper raises at once.
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    wrappers = ddp_wrappers.live_wrappers(params)
-    transport = optimizer._transport_now()
-    if transport.world <= 1:
-        if wrappers:
-            raise DeMoSetupError(DDP_ALLREDUCES)
-        return
-    held = ddp_wrappers.held_params(wrappers, params)
-    mine = torch.tensor([int(bool(held)), _gradient_fingerprint([p.grad for p in held]) if held else 0])
-    device = params[0].device if params else torch.device("cpu")
-    transport.step = optimizer.steps
-    rows = transport.all_gather(mine.view(torch.uint8).to(device), "ddp_check", count=False).cpu().view(torch.int64)
-    flags, prints = zip(*rows.tolist())
-    averaged = ddp_wrappers.averaging_ranks([bool(f) for f in flags], list(prints))
-    if averaged:
-        raise DeMoSetupError(
-            f"{DDP_ALLREDUCES} Found at optimizer step {optimizer.steps}: the gradients of the parameters such a "
-            f"wrapper holds are bitwise identical on ranks {averaged} (it averages them; or those ranks read the "
-            "same batches). No state was changed."
-        )
-    optimizer.watch_ddp_wrappers(wrappers)
-
-
-def _first_step(optimizer, args, kwargs) -> None:
-    if not isinstance(optimizer, DeMo) or getattr(optimizer, "_hf_demo_checked", False):
-        return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        install_exit_handler()
-        track(optimizer)
-        check_local_gradients(optimizer)
-    optimizer._hf_demo_checked = True
-
-
-_guard = None
-
-
 def install_step_guard() -> None:
-    """Register (once) a global optimizer step pre-hook that runs the checks above at DeMo's first step.
-
-    Other optimizers pay one ``isinstance`` per step; a DeMo pays one scan of the live objects, once.
-    """
-    global _guard
-    if _guard is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _guard = register_optimizer_step_pre_hook(_first_step)
+    """Kept for scripts that call it: DeMo runs its first-step guard itself (exit handler, the DDP check) in
+    :meth:`hf_demo.DeMo.step`, for itself only; no hook on other optimizers is installed."""
+    warnings.warn(
+        "hf_demo.install_step_guard() does nothing: DeMo checks for DDP and installs its exit handler at its own "
+        "first step. Remove the call.",
+        DeprecationWarning,
+        stacklevel=2,
+    )

@@ -6,7 +6,7 @@ all-reducing gradients (a no-op comm hook, registered before the first backward)
 every rank's own optimizer state with each checkpoint, (4) logs the communication figures, and (5) refuses
 set-ups that cannot work. With any optimizer it also writes a manifest into each checkpoint and checks it
 on resume (:mod:`hf_demo.hf.checkpoint`), stops when the launcher started more processes than Trainer sees,
-and tears the process group down at exit (:mod:`hf_demo.hf.teardown`). With another optimizer it is Trainer.
+and tears the process group down at exit (:mod:`hf_demo.exchange.teardown`). With another optimizer it is Trainer.
 
 ``DeMoTrainerMixin`` brings the same to any Trainer subclass: put it first,
 ``class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer)`` (ready-made in :mod:`hf_demo.trl`).
@@ -32,6 +32,7 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
 )
 
 from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf import runtime_classes
 from hf_demo.hf.data_parallel import (
@@ -39,7 +40,6 @@ from hf_demo.hf.data_parallel import (
     disable_gradient_allreduce,
     unwrap_optimizer,
 )
-from hf_demo.hf.teardown import install_exit_handler
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo

@@ -52,9 +52,12 @@ def anchor(state: dict, param: torch.Tensor) -> torch.Tensor:
 INNER = "inner_"  # the inner rule's state keys: inner_exp_avg_sq, inner_rule_step, ...
 
 
+LOCAL_KEYS = ("anchor", "inner_momentum", *(INNER + k for k in STATE_KEYS))  # a local phase's state
+
+
 def forget(state: dict) -> None:
     """Drop the local phase's state (anchor, inner momentum, inner rule state): the next one starts afresh."""
-    for key in ("anchor", "inner_momentum", *(INNER + k for k in STATE_KEYS)):
+    for key in LOCAL_KEYS:
         state.pop(key, None)
 
 
@@ -85,8 +88,13 @@ def pseudo_gradient(anchor_value: torch.Tensor, after: torch.Tensor) -> torch.Te
     return anchor_value.float() - after.float()
 
 
+def synchronised(anchor: torch.Tensor, update: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``anchor - update`` in the parameter's dtype: the parameters of every rank after a synchronisation."""
+    return (anchor.float() - update).to(dtype)
+
+
 def commit_sync(param, state: dict, update: torch.Tensor, m_in, rule_state) -> None:
     """``param = anchor - update`` (identical on every rank), and the anchor moves there."""
-    state["anchor"].copy_((state["anchor"].float() - update).to(param.dtype))
+    state["anchor"].copy_(synchronised(state["anchor"], update, param.dtype))
     param.copy_(state["anchor"])
     _keep(state, m_in, rule_state)

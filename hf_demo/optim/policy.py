@@ -121,3 +121,17 @@ class BudgetPolicy:
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, int(v))
+
+
+@dataclass
+class Clock:
+    """The figures a rank's header carries for the policy: its last exchange's time, the time since its last
+    exchange started, and the tier that exchange ran in (the policy scales its predictions from it)."""
+
+    last_exchange_ms: float = 0.0
+    last_comm_start: float | None = None
+    last_exchange_tier: int | None = None
+
+    def header_fields(self, started: float) -> dict:
+        elapsed = (started - self.last_comm_start) * 1000.0 if self.last_comm_start is not None else 0.0
+        return {"exchange_ms": round(self.last_exchange_ms), "elapsed_ms": round(elapsed)}

@@ -11,7 +11,9 @@ The topology is the one the launcher already knows: ``LOCAL_WORLD_SIZE`` process
    (its *inter-node group*), so each node sends one DeMo payload per step over the slow link, not ``L``;
 3. each owner broadcasts its shard's new values inside the node (dense, fast link), and every rank commits.
 
-Momentum memory per rank is divided by ``L``. Not combined with ``sync_every > 1`` or ``comm_budget``.
+Momentum memory per rank is divided by ``L``. With ``sync_every > 1`` the local steps run on the node's mean
+gradient for each rank's shard, shared inside the node at every step, and DeMo moves the shard's change between
+nodes at each synchronisation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -180,3 +183,71 @@ def groups(topo: Topology, timeout: float, backend: str | None = None):
         for j in range(topo.local_size)
     ]
     return node_groups[topo.node], peer_groups[topo.local_rank]
+
+
+class NodeTopology:
+    """The pipeline's part for ``hierarchy="node"``: :meth:`select` averages the gradients inside the node and
+    keeps this rank's shard; :meth:`share` gives every rank of the node the shard owners' new values."""
+
+    name = "node"
+    needs_values = True  # the new values travel inside the node before anything is committed
+
+    def __init__(self, topo: Topology, node, transport):
+        self.topo, self.node, self.transport = topo, node, transport  # node: the node's group; transport: peers
+
+    @classmethod
+    def build(cls, opt, initialised: bool, timeout: float):
+        from hf_demo.exchange.transport import Transport
+        from hf_demo.topology.flat import FlatTopology
+
+        if not initialised:  # one process: the node is the world
+            return FlatTopology(Transport(None, 0))
+        if opt.process_group is not None:
+            raise ValueError("hierarchy='node' builds its groups from the whole world: pass no process_group")
+        check_agreement(Transport(None, timeout).at(0))  # the same LOCAL_WORLD_SIZE everywhere, first
+        topo = topology(dist.get_world_size(), dist.get_rank())
+        node_group, peer_group = groups(topo, timeout, dist.get_backend())
+        return cls(topo, Transport(node_group, timeout), Transport(peer_group, timeout))
+
+    def _node_at(self, ctx):
+        return self.node.at(ctx.transport.step, ctx.transport.traffic)
+
+    def select(self, ctx) -> None:
+        from hf_demo.wire import codec
+
+        node = self._node_at(ctx)
+        here = codec.Header(ctx.transport.step, ctx.layout_ck, ctx.settings_ck, 0, node.world, 0)
+        device = ctx.all_items[0][0].device if ctx.all_items else torch.device("cpu")
+        check_node(node, here, device, self.topo.node, ctx.opt.secret)
+        params = [p for p, _, _ in ctx.all_items]
+        every = node_mean([p.grad for p in params], params, node)
+        ctx.owner_of = owners(ctx.opt.positions(params), self.topo)
+        mine = [j for j, owner in enumerate(ctx.owner_of) if owner == self.topo.local_rank]
+        ctx.items = [ctx.all_items[j] for j in mine]
+        ctx.grads = [every[j] for j in mine]
+        # every node-mean gradient is checked, not only this rank's shard: they are the same on every local rank of
+        # a node (one all-reduce), so all local ranks raise the same flag and every inter-node group skips alike
+        ctx.checked_grads = every
+
+    def share(self, ctx) -> None:
+        params = [p for p, _, _ in ctx.all_items]
+        shared = share(ctx.values, params, ctx.owner_of, self.topo, self._node_at(ctx))
+        for p, value in zip(params, shared):
+            ctx.tx.copy(p, value)
+
+    def owners_of(self, opt, params) -> list[int]:
+        return owners(opt.positions(params), self.topo)
+
+    def identity(self) -> tuple[int, int, str]:
+        """(rank, world size, scope): the rank in the whole world (two local ranks share their peer-group rank)."""
+        return dist.get_rank(), dist.get_world_size(), "world"
+
+    def mean_over_ranks(self, params, transport, name: str, every, owner_of) -> dict:
+        """The mean over every rank of the anchored ``params`` this rank owns (over the peers), shared inside the
+        node: {param: mean} for ``every`` trainable parameter (``owner_of`` each)."""
+        from hf_demo.topology.flat import dense_mean
+
+        means = dense_mean(params, transport, name)
+        values = {j: means[p] for j, p in enumerate(every) if p in means}
+        shared = share(values, every, owner_of, self.topo, self.node.at(transport.step, transport.traffic))
+        return dict(zip(every, shared))

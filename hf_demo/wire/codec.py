@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from hf_demo.compression.blocks import BlockLayout
-from hf_demo.errors import DeMoSyncError, lookup
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
 FORMAT_VERSION = 3
@@ -49,6 +49,7 @@ FLAG_AUTH = 8  # the tag is an HMAC over header and payload
 FLAG_GRAD_FINGERPRINT = 16  # the grad_fingerprint word holds this rank's local-gradient fingerprint
 FLAG_DDP_SUSPECT = 32  # a DDP wrapper that all-reduces holds some of DeMo's parameters here: grad_fingerprint is
 # the fingerprint of those parameters' gradients, which tells whether the wrapper really averaged them
+FLAG_REFUSED = 64  # this rank refused the exchange the last step started (overlap): no rank applies it
 
 
 def _align(n: int) -> int:
@@ -351,13 +352,13 @@ class PayloadCodec:
             values = self.format.decode(received[:, off + ib : end], layout.nblocks, layout.k)
             bad_idx = (idx >= layout.bsize).flatten(1).any(1)
             if bool(bad_idx.any()):
-                raise DeMoSyncError(
+                raise DeMoPayloadError(
                     f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
                     f"{layout.bsize}) from rank(s) {bad_idx.nonzero().flatten().tolist()}: corrupted payload"
                 )
             bad_val = (~values.isfinite()).flatten(1).any(1)
             if bool(bad_val.any()):
-                raise DeMoSyncError(
+                raise DeMoPayloadError(
                     f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) from rank(s) "
                     f"{bad_val.nonzero().flatten().tolist()}"
                 )
@@ -441,12 +442,12 @@ def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | N
     received = received.detach().cpu()  # one copy from the device for every row's CRC32 and HMAC
     for r, (h, row) in enumerate(zip(headers, received)):
         if crc32(row) != h.payload_crc:
-            raise DeMoSyncError(
+            raise DeMoPayloadError(
                 f"rank {rank}: the payload from rank {r} at optimizer step {step} fails its CRC32 check "
                 "(corrupted on the way: a faulty link, NIC or memory); nothing was applied"
             )
         if secret is not None and not hmac.compare_digest(_tag(h, row, secret), h.tag[TAG_BYTES // 2 :]):
-            raise DeMoSyncError(
+            raise DeMoPayloadError(
                 f"rank {rank}: the payload from rank {r} at optimizer step {step} carries no valid "
                 "HMAC-SHA256 tag for this HF_DEMO_SECRET: refused (a different secret, or injected traffic)"
             )

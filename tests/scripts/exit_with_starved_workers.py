@@ -20,7 +20,7 @@ dist.init_process_group("gloo")
 held = dist.group.WORLD  # as DistributedDataParallel's reducer holds the default group
 for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
-        if f.read().strip() == hf_demo.hf.teardown.WORKER_THREAD:
+        if f.read().strip() == hf_demo.exchange.teardown.WORKER_THREAD:
             os.sched_setaffinity(int(tid), {0})
             os.setpriority(os.PRIO_PROCESS, int(tid), 19)
 os.sched_setaffinity(0, {1})

@@ -22,6 +22,6 @@ for _ in range(20):
     out = torch.empty(2 * x.numel())
     dist.all_gather_into_tensor(out, x, group=group)
 if "--handler" in sys.argv:
-    from hf_demo.hf import teardown
+    from hf_demo.exchange import teardown
 
     teardown.install_exit_handler()

@@ -1,0 +1,98 @@
+"""Parameter groups: their validation, the step's plan (every trainable parameter's blocks) and its checksums."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_demo.compression.blocks import MAX_BLOCK_SIZE, plan
+from hf_demo.errors import DeMoStateError
+from hf_demo.settings import DeMoSettings
+from hf_demo.wire import codec
+
+GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
+
+
+def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier):
+    """([(param, group, layout)] of every trainable parameter, layout checksum, settings checksum) for a tier."""
+    items, layout_key = [], []
+    settings_key = [sorted(settings.as_dict().items()), secret is not None, tier]
+    for group in param_groups:
+        validate_group(group)
+        settings_key.append(tuple(float(group[k]) for k in GROUP_KEYS))
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            layout = plan(
+                tuple(p.shape), group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor)
+            )
+            items.append((p, group, layout))
+            layout_key.append((layout, str(p.dtype)))
+    return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(settings_key))
+
+
+def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:
+    """Payload bytes per step of every tier (amortised over its sync_every), for the policy's predictions."""
+    return [
+        sum(
+            codec.segment_bytes(
+                plan(tuple(p.shape), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
+                t.value_format,
+                index_coding,
+            )
+            for p, g, _ in items
+        )
+        / t.sync_every
+        for t in tiers
+    ]
+
+
+def check_param(p: torch.Tensor) -> None:
+    if p.is_complex():
+        raise ValueError(
+            f"DeMo does not support complex parameters (shape {tuple(p.shape)}): "
+            "view them as real (torch.view_as_real) or optimise them with another optimizer"
+        )
+    if p.numel() == 0:
+        raise ValueError(
+            f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: leave it out of the optimizer"
+        )
+
+
+def replan_momentum(
+    pid, momentum: torch.Tensor, p: torch.Tensor, saved_chunk: int, chunk: int, transform
+) -> torch.Tensor:
+    shape = tuple(p.shape)
+    old, new = plan(shape, saved_chunk, 1), plan(shape, chunk, 1)
+    if tuple(momentum.shape) != (old.nblocks, old.bsize):
+        raise DeMoStateError(
+            f"saved momentum of parameter {pid} has shape {tuple(momentum.shape)}, this model "
+            f"needs {(old.nblocks, old.bsize)} (parameter shape {shape}, chunk {saved_chunk}): "
+            "a different model?"
+        )
+    if saved_chunk == chunk:
+        return momentum
+    return transform.encode(transform.decode(momentum, old), new)
+
+
+def validate_group(group: dict) -> None:
+    def bad(name, why):
+        raise ValueError(f"DeMo: invalid {name}={group[name]!r}: {why}")
+
+    lr, wd, decay = group["lr"], group["weight_decay"], group["compression_decay"]
+    chunk, topk = group["compression_chunk"], group["compression_topk"]
+    if isinstance(lr, torch.Tensor):
+        bad("lr", "a tensor learning rate is not supported; pass a float")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        bad("lr", "must be a finite number >= 0")
+    if not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
+        bad("weight_decay", "must be a finite number >= 0")
+    if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
+        bad("compression_decay", "must be in [0, 1]")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk * chunk <= MAX_BLOCK_SIZE:
+        bad("compression_chunk", "must be an integer in [1, 256] (positions inside a block fit 16 bits)")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        bad("compression_topk", "must be an integer >= 1")
+    if topk > chunk * chunk:
+        bad("compression_topk", f"cannot exceed the block size chunk*chunk = {chunk * chunk}")

@@ -1,0 +1,122 @@
+"""``overlap=True``: the exchange a step starts runs while the next step computes; its update lands one step late.
+
+The exchange in flight is a :class:`~hf_demo.optim.state.PendingExchange`. The next step finishes it in its
+``inspect`` part (:func:`finish`): a rank that refuses what it received says so in that step's header, so every
+rank refuses it alike; otherwise its update lands in that step's transaction (:func:`stage_late`), decoded with
+the coding it was sent with and applied to the parameters it was computed for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_demo.compression import functional as F
+from hf_demo.errors import DeMoPayloadError, DeMoStateError
+from hf_demo.exchange import exchanges
+from hf_demo.exchange.transport import Traffic
+from hf_demo.optim.state import PendingExchange
+from hf_demo.optim.transaction import Transaction
+from hf_demo.wire import agreement
+
+PARAM_NOISE_SEED = 0x5EED0000  # stochastic rounding: the same noise on every rank, a new draw every step
+
+
+def pending_from(ctx, in_flight) -> PendingExchange | None:
+    """The exchange this step started, with what it takes to apply it later."""
+    if in_flight is None:
+        return None
+    return PendingExchange(
+        in_flight,
+        ctx.settings.exchange,
+        ctx.settings.reduce_positions,
+        ctx.settings.index_coding,
+        ctx.tier.value_format,
+        ctx.layouts,
+        [(g["lr"], g["weight_decay"]) for _, g, _ in ctx.items],
+        ctx.opt.positions(ctx.params),
+    )
+
+
+def targets(opt, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
+    """(parameter, layout) of each coefficient set of the exchange in flight: the parameters it was computed for
+    (by position among all parameters, so freezing or unfreezing one since changes nothing)."""
+    everything = [p for g in opt.param_groups for p in g["params"]]
+    chosen = [everything[i] for i in pending.params] if max(pending.params, default=-1) < len(everything) else []
+    shapes = [tuple(p.shape) for p in chosen]
+    if len(chosen) != len(pending.params) or [layout.shape for layout in pending.layouts] != shapes:
+        raise DeMoStateError(
+            f"the exchange in flight (overlap=True, optimizer step {pending.step}) updates parameters of shapes "
+            f"{[layout.shape for layout in pending.layouts]}, this optimizer has {shapes}: the model or its "
+            "trainable parameters changed since the checkpoint; resume with the same ones"
+        )
+    return list(zip(chosen, pending.layouts))
+
+
+def finish(opt, traffic: Traffic) -> list[torch.Tensor]:
+    """Wait for the exchange in flight, validate it and average it (nothing committed); raises
+    :class:`DeMoPayloadError` where what this rank received fails its checks."""
+    pending = opt.pending
+    targets(opt, pending)  # the parameters are still there
+    spec = opt.exchange_spec(
+        pending.layouts,
+        pending.value_format,
+        pending.in_flight.world,
+        index_coding=pending.index_coding,
+        positions=pending.reduce_positions,
+    )
+    return exchanges.build(pending.exchange, spec).finish(pending.in_flight, traffic)
+
+
+def stage_late(opt, tx: Transaction, updates) -> None:
+    """The update of the exchange in flight, applied at the commit with the learning rates it was computed with
+    (stochastic rounding seeded by the step that started it)."""
+    if updates is None:
+        return
+    pending = opt.pending
+    pairs = targets(opt, pending)
+
+    def land() -> None:
+        generator = None
+        if opt.settings.param_rounding == "stochastic":
+            generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + pending.step)
+        for (p, layout), update, (lr, wd) in zip(pairs, updates, pending.lr):
+            direction = opt.update_rule.direction(p, opt.transform.decode(update, layout), opt.state[p])
+            F.apply_step(p, direction, lr, wd, generator)
+
+    tx.stage(land)
+
+
+def flush(opt) -> None:
+    """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied."""
+    transport = opt.transport.at(opt.steps)
+    try:
+        updates, refusal = finish(opt, transport.traffic), None
+    except DeMoPayloadError as exc:
+        updates, refusal = None, exc
+    if transport.world > 1 and opt.settings.commit_vote == "on":
+        agreement.vote(transport, refusal, opt.device())
+    elif refusal is not None:
+        raise refusal
+    tx = Transaction()
+    stage_late(opt, tx, updates)
+    tx.stage(lambda: opt.land_in_flight(None))
+    tx.commit()
+    opt.comm_stats.add(transport.traffic)
+
+
+def to_state(opt) -> dict | None:
+    """The exchange in flight for a checkpoint: finished here (every rank started it: no new collective) and
+    checked, so that no checkpoint keeps rows that can never be applied."""
+    if opt.pending is None:
+        return None
+    traffic = Traffic()
+    try:
+        finish(opt, traffic)
+    except DeMoPayloadError as exc:
+        raise DeMoPayloadError(
+            f"{exc}. This is the exchange in flight (overlap=True): a checkpoint of this state could never be "
+            "resumed, so none is written; resume every rank from the last checkpoint"
+        ) from exc
+    finally:
+        opt.comm_stats.add(traffic)
+    return opt.pending.to_state(Traffic())

@@ -1,0 +1,114 @@
+"""What enters DeMo's momentum, and how the averaged result becomes the new parameters: the ``signal`` part.
+
+- :class:`GradientSignal` (every-step DeMo): the gradient goes in, scaled by the learning rate, into a momentum
+  that decays by ``compression_decay``; the update rule turns the averaged update into a step.
+- :class:`LocalSignal` (``sync_every = H > 1``, :mod:`hf_demo.optim.local_steps`): every rank takes local steps
+  on its own; every H-th step the change since the last synchronisation goes in, into an error feedback that
+  decays with what top-k sends, and the mean change moves every rank's anchor (and parameters) alike.
+
+Chosen per step by the tier's ``sync_every`` (the budget policy's tiers switch between both).
+"""
+
+from __future__ import annotations
+
+from hf_demo.compression import functional as F
+from hf_demo.guards.checks import any_nonfinite
+from hf_demo.optim import local_steps, update_rules
+
+
+class GradientSignal:
+    name = "gradient"
+
+    def select(self, ctx) -> None:
+        ctx.local = False
+        for p in ctx.params:  # a tier without local steps: a later local phase starts afresh
+            if any(k in ctx.opt.state[p] for k in local_steps.LOCAL_KEYS):
+                ctx.tx.stage(lambda state=ctx.opt.state[p]: local_steps.forget(state))
+        ctx.signals, ctx.replicas = list(ctx.grads), ctx.params
+
+    @staticmethod
+    def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
+        return group["compression_decay"], group["lr"]
+
+    def update(self, ctx, needs_values: bool) -> None:
+        """Stage the momenta and the rule's step: in place at the commit, or into ``ctx.values`` (a copy)."""
+        opt, rule = ctx.opt, ctx.opt.update_rule
+        where = _positions(ctx)
+        for (p, g, layout), m, update, j in zip(ctx.items, ctx.working, ctx.updates, where):
+            ctx.tx.set(opt.state[p], "momentum", m)
+            if not needs_values:
+                ctx.tx.stage(lambda p=p, g=g, layout=layout, u=update: _apply(opt, rule, p, g, layout, u, ctx))
+                continue
+            rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
+            direction = rule.direction(p, opt.transform.decode(update, layout), rule_state)
+            value = ctx.values.get(j, p.detach()).clone()
+            F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
+            ctx.values[j] = value
+            ctx.tx.update(opt.state[p], rule_state)
+
+
+def _apply(opt, rule, p, group, layout, update, ctx) -> None:
+    direction = rule.direction(p, opt.transform.decode(update, layout), opt.state[p])
+    F.apply_step(p, direction, group["lr"], group["weight_decay"], ctx.generator)
+
+
+def _positions(ctx) -> list[int]:
+    """Each item's position in ``ctx.all_items`` (where the topology shares values from)."""
+    where = {id(p): j for j, (p, _, _) in enumerate(ctx.all_items)}
+    return [where[id(p)] for p in ctx.params]
+
+
+class LocalSignal:
+    name = "local"
+
+    def select(self, ctx) -> None:
+        """The inner step of every item on copies; at a synchronisation the pseudo-gradient goes on."""
+        opt, tier = ctx.opt, ctx.tier
+        ctx.local = True
+        ctx.anchors = []
+        for p in ctx.params:
+            anchor = opt.state[p].get("anchor")
+            if anchor is None:  # the parameters at the last synchronisation: here, the first local step
+                anchor = p.detach().clone()
+                ctx.tx.set(opt.state[p], "anchor", anchor)
+            ctx.anchors.append(anchor)
+        ctx.inner = [
+            local_steps.inner_step(p, grad, opt.state[p], opt.inner_rule, g["lr"], g["weight_decay"], ctx.generator)
+            for (p, g, _), grad in zip(ctx.items, ctx.grads)
+        ]
+        ctx.replicas = ctx.anchors
+        if local_steps.is_sync_step(tier.sync_every, ctx.transport.step):
+            ctx.signals = [local_steps.pseudo_gradient(a, after) for a, (after, _, _) in zip(ctx.anchors, ctx.inner)]
+            return
+        ctx.communicates = False  # a local step: every rank on its own until the next synchronisation
+        afters = [after for after, _, _ in ctx.inner]
+        checked = ctx.checked_grads  # a topology's gradients that every rank of a node holds alike
+        ctx.skip = any_nonfinite(afters if checked is None else [g for g in checked if g is not None])
+        if ctx.skip:
+            return
+        for (p, _, _), (after, m_in, rule_state), j in zip(ctx.items, ctx.inner, _positions(ctx)):
+            ctx.tx.stage(lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(p, opt.state[p], a, m, r))
+            ctx.values[j] = after
+
+    @staticmethod
+    def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
+        # the pseudo-gradient, into an error feedback that fades as fast as top-k drains it
+        return local_steps.feedback_decay(ctx.settings.sync_decay, layout), 1.0
+
+    def update(self, ctx, needs_values: bool) -> None:
+        """Every rank sets ``param = anchor - mean change`` and the anchor moves there."""
+        opt = ctx.opt
+        rows = zip(ctx.items, ctx.working, ctx.updates, ctx.inner, ctx.anchors, _positions(ctx))
+        for (p, _, layout), m, update, inner, anchor, j in rows:
+            ctx.tx.set(opt.state[p], "momentum", m)
+            change = opt.transform.decode(update, layout)
+            ctx.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(p, opt.state[p], c, *i[1:]))
+            if needs_values:
+                ctx.values[j] = local_steps.synchronised(anchor, change, p.dtype)
+
+
+SIGNALS = {cls.name: cls for cls in (GradientSignal, LocalSignal)}
+
+
+def for_tier(tier):
+    return SIGNALS["local" if tier.sync_every > 1 else "gradient"]()

@@ -1,0 +1,299 @@
+"""The parts of a step (:mod:`hf_demo.optim.pipeline`), each one job. A part is an object with a ``name`` and
+``run(ctx)``; it reads the context, adds its results to it and stages its writes in ``ctx.tx``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+
+import torch
+
+from hf_demo.compression import functional as F
+from hf_demo.errors import DeMoPayloadError
+from hf_demo.exchange import exchanges
+from hf_demo.guards import verdicts
+from hf_demo.optim import overlap
+from hf_demo.optim import policy as policies
+from hf_demo.optim.pipeline import StepContext
+from hf_demo.wire import agreement, codec
+
+logger = logging.getLogger("hf_demo.optim.optimizer")
+PARAM_NOISE_SEED = overlap.PARAM_NOISE_SEED  # stochastic rounding: the same noise on every rank, every step
+
+
+class Plan:
+    """The step's tier, every trainable parameter's block layout, and the checksums the ranks compare."""
+
+    name = "plan"
+    exchanging = False
+
+    def run(self, ctx: StepContext) -> None:
+        opt = ctx.opt
+        ctx.tier_index = (ctx.decided or opt.policy).tier
+        ctx.tier = opt.tiers[ctx.tier_index]
+        ctx.all_items, ctx.layout_ck, ctx.settings_ck = opt.plan(ctx.tier)
+        if ctx.settings.param_rounding == "stochastic":
+            ctx.generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + ctx.transport.step)
+
+
+class Select:
+    """The topology's choice: which parameters this rank steps and with which gradient."""
+
+    name = "topology"
+    exchanging = False
+
+    def run(self, ctx: StepContext) -> None:
+        ctx.opt.topology.select(ctx)
+
+
+class Signal:
+    """What enters the momentum: the gradient, or at a synchronisation the change since the last one (local
+    steps). A local step that does not synchronise ends the exchange here (``ctx.communicates`` False)."""
+
+    name = "signal"
+    exchanging = False
+
+    def run(self, ctx: StepContext) -> None:
+        ctx.opt.signal_for(ctx.tier).select(ctx)
+
+
+class Inspect:
+    """Local checks, as header flags: non-finite gradients and replicas; the replicas' fingerprint when due (and
+    at this process's first exchange); the gradient fingerprint for the DDP guard. Overlap: the exchange the last
+    step started is finished here, and a refusal of it rides in the header."""
+
+    name = "inspect"
+
+    def run(self, ctx: StepContext) -> None:
+        opt = ctx.opt
+        if opt.in_flight:
+            try:
+                ctx.late = opt.finish_in_flight(ctx.transport.traffic)
+            except DeMoPayloadError as exc:
+                ctx.late_refusal = exc
+        ctx.started = time.monotonic()
+        verdicts.inspect(ctx, opt.first_checked, opt.ddp_suspects)
+
+
+class Momentum:
+    """``working = decay * momentum + scale * T(signal)``, on copies (the momenta are committed with the step)."""
+
+    name = "momentum"
+
+    def run(self, ctx: StepContext) -> None:
+        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+            return
+        opt = ctx.opt
+        for (p, g, layout), signal in zip(ctx.items, ctx.signals):
+            decay, scale = opt.signal_for(ctx.tier).decay_and_scale(ctx, g, layout)
+            m = F.accumulate(opt.momentum(p, layout), signal, layout, decay, scale, opt.transform)
+            ctx.working.append(m)
+
+
+class Prepare:
+    """The exchange's local part: top-k, encoding and error feedback on the working momenta; the payload."""
+
+    name = "prepare"
+
+    def run(self, ctx: StepContext) -> None:
+        average = "world" if ctx.local else None  # a synchronisation averages over every rank
+        spec = ctx.opt.exchange_spec(ctx.layouts, ctx.tier.value_format, ctx.transport.world, average)
+        ctx.exchange = exchanges.build(ctx.settings.exchange, spec)
+        if ctx.working or not ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+            ctx.payload = ctx.exchange.prepare(ctx.working)
+        else:
+            ctx.payload = torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
+class Agreement:
+    """Every rank's header (step, layout, settings, flags, payload CRC, fingerprints, timings): built, signed,
+    all-gathered and checked, so every rank knows what every other rank is about to do."""
+
+    name = "agreement"
+
+    def run(self, ctx: StepContext) -> None:
+        opt = ctx.opt
+        header = codec.Header(
+            step=ctx.transport.step,
+            layout_checksum=ctx.layout_ck,
+            settings_checksum=ctx.settings_ck,
+            flags=ctx.flags,
+            world_size=ctx.transport.world,
+            payload_bytes=ctx.exchange.payload_nbytes,
+            fingerprint=ctx.replica_print if ctx.check_drift else 0,
+            grad_fingerprint=ctx.grad_print,
+            **opt.clock.header_fields(ctx.started),
+        )
+        ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device)
+
+
+class Policy:
+    """The budget policy's decision from the headers: a move down makes this step go again in the lower tier."""
+
+    name = "policy"
+
+    def run(self, ctx: StepContext) -> None:
+        opt = ctx.opt
+        ctx.policy = ctx.decided or opt.policy
+        if not ctx.settings.comm_budget or ctx.decided is not None:
+            return
+        ctx.policy = opt.policy.decide(
+            max(h.exchange_ms for h in ctx.headers),
+            max(h.elapsed_ms for h in ctx.headers),
+            opt.bytes_by_tier(ctx.items),
+            opt.clock.last_exchange_tier,
+        )
+        if ctx.policy.tier > opt.policy.tier:
+            ctx.retry = ctx.policy
+
+
+class Judge:
+    """What the headers say about this step, the same on every rank: raise, resync from rank 0, or skip."""
+
+    name = "judge"
+
+    def run(self, ctx: StepContext) -> None:
+        verdicts.judge(ctx)
+        if not ctx.resync:
+            return
+        ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport)
+        for r, value in zip(ctx.replicas, ctx.fresh):
+            ctx.tx.copy(r, value)
+        cause = "drift" if ctx.drifted else "non-finite parameters" if ctx.bad_param_ranks else "full_sync_every"
+        if ctx.first and ctx.drifted:
+            cause = f"the replicas differed at this process's first exchange. {verdicts.UNSYNCED_START}"
+        message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {ctx.transport.step} ({cause})"
+        ctx.tx.stage(lambda: _warn(message))
+        ctx.resynced = True
+
+
+class Communicate:
+    """The exchange's collectives: finished now, or (overlap) started and finished by the next step."""
+
+    name = "communicate"
+
+    def run(self, ctx: StepContext) -> None:
+        if ctx.skip:
+            return
+        transport = ctx.transport
+        if ctx.settings.overlap:
+            ctx.in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, background=True)
+            return
+        try:
+            in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working)
+            ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
+        except DeMoPayloadError as exc:
+            ctx.refusal = exc
+
+
+class Vote:
+    """All ranks commit the step, or none: every rank says whether what it received passed its checks (one
+    small all-gather), and a refusal anywhere raises the same error on every rank (``commit_vote``)."""
+
+    name = "vote"
+
+    def run(self, ctx: StepContext) -> None:
+        if ctx.skip or ctx.settings.overlap or ctx.transport.world == 1:
+            if ctx.refusal is not None:
+                raise ctx.refusal
+            return
+        if ctx.settings.commit_vote == "off":
+            if ctx.refusal is not None:
+                raise ctx.refusal
+            return
+        agreement.vote(ctx.transport, ctx.refusal, ctx.device)
+
+
+class Update:
+    """The update rule on the averaged update (or, at a synchronisation, the mean change from the anchor):
+    deferred to the commit where the topology needs no values, else computed on copies into ``ctx.values``."""
+
+    name = "update"
+
+    def run(self, ctx: StepContext) -> None:
+        if ctx.skip:
+            return
+        opt = ctx.opt
+        if ctx.settings.overlap:
+            for (p, _, _), m in zip(ctx.items, ctx.working):
+                ctx.tx.set(opt.state[p], "momentum", m)
+            return
+        opt.signal_for(ctx.tier).update(ctx, opt.topology.needs_values)
+
+
+class LandLate:
+    """Overlap: the update of the exchange the last step started lands (after a resync's copies, before this
+    step's own writes); the exchange this step started becomes the one in flight."""
+
+    name = "land"
+
+    def run(self, ctx: StepContext) -> None:
+        opt = ctx.opt
+        if ctx.settings.overlap or ctx.late is not None:
+            overlap.stage_late(opt, ctx.tx, ctx.late)
+            ctx.tx.stage(lambda: opt.land_in_flight(overlap.pending_from(ctx, ctx.in_flight)))
+
+
+class Share:
+    """The topology's share: every rank of a node gets the new values of the parameters other ranks own."""
+
+    name = "share"
+    exchanging = False
+
+    def run(self, ctx: StepContext) -> None:
+        if not ctx.skip and ctx.values:
+            ctx.opt.topology.share(ctx)
+
+
+class Conclude:
+    """The step's counters, policy, clock and traffic, staged last (they change whatever the step did)."""
+
+    name = "commit"
+    exchanging = False
+
+    def run(self, ctx: StepContext) -> None:
+        opt, tx = ctx.opt, ctx.tx
+        dense = 4 * sum(layout.numel for layout in ctx.layouts)
+        tx.stage(lambda: opt.comm_stats.commit_step(dense, ctx.transport.traffic))
+        counters = opt.counters
+        if ctx.resynced:
+            counters = dataclasses.replace(counters, resyncs=counters.resyncs + 1)
+        if not ctx.communicates:  # a local step: the ranks stay apart until a synchronisation commits
+            counters = dataclasses.replace(counters, unsynced=True)
+            if ctx.decided is not None:  # moved down into a local phase: this step communicates no more
+                tx.stage(lambda: setattr(opt, "policy", ctx.decided))
+        else:
+            tx.stage(lambda: _conclude_exchange(ctx))
+        if ctx.skip:
+            counters = counters.skipped()
+            tx.stage(lambda: _warn_skips(opt, counters))
+        else:
+            counters = dataclasses.replace(counters, steps=counters.steps + 1)
+            if ctx.communicates:  # a synchronisation: the replicas agree
+                counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
+        tx.stage(lambda: setattr(opt, "counters", counters))
+
+
+def _conclude_exchange(ctx: StepContext) -> None:
+    opt, policy = ctx.opt, ctx.policy
+    opt.first_checked = True
+    if not ctx.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget: the settings
+        policy = dataclasses.replace(policy, tier=0, over=0, under=0)
+    opt.policy = policy
+    opt.clock = policies.Clock(opt.comm_stats.seconds * 1000.0, ctx.started, ctx.tier_index)
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, stacklevel=5)
+
+
+def _warn_skips(opt, counters) -> None:
+    if counters.consecutive_skips == opt.settings.nonfinite_patience:
+        warnings.warn(
+            f"DeMo skipped the last {counters.consecutive_skips} optimizer steps for NaN/Inf "
+            "gradients: the loss has likely diverged (lower the learning rate, check the data)",
+            stacklevel=5,
+        )

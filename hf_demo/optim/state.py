@@ -1,0 +1,154 @@
+"""The optimizer's own state as types: the counters, the exchange in flight, and the ``"demo"`` entry of
+``state_dict()`` with its one versioned serialisation (:class:`SavedState`).
+
+Format 3 is what this release writes and reads. A state missing any of its fields comes from a pre-release build:
+it is refused with the version and the missing field named (start the optimizer afresh, or resume with the
+build that wrote it, flush and save again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import astuple, dataclass, field
+
+import torch
+
+from hf_demo.compression.blocks import BlockLayout
+from hf_demo.errors import DeMoStateError
+from hf_demo.exchange.exchanges import InFlight
+from hf_demo.exchange.transport import Traffic
+
+STATE_VERSION = 3
+
+
+@dataclass
+class Counters:
+    """Optimizer steps taken in lockstep (skipped ones included) and what happened to them."""
+
+    steps: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    resyncs: int = 0
+    unsynced: bool = False  # a local step since the last committed synchronisation (the same on every rank)
+
+    def skipped(self) -> Counters:
+        skips = self.consecutive_skips + 1
+        return dataclasses.replace(
+            self, steps=self.steps + 1, skipped_steps=self.skipped_steps + 1, consecutive_skips=skips
+        )
+
+
+@dataclass
+class PendingExchange:
+    """Overlap: the exchange a step started, with what it takes to apply it one step later (whatever the
+    settings or the trainable parameters are by then): the coding it was sent with, each update's learning rate
+    and weight decay, and the positions, among all of the optimizer's parameters, of those it updates."""
+
+    in_flight: InFlight
+    exchange: str
+    reduce_positions: str
+    index_coding: str
+    value_format: str
+    layouts: list[BlockLayout]
+    lr: list[tuple[float, float]]
+    params: list[int]
+    counted: bool = False  # its arrival is in comm_stats already (a step that waited for it failed)
+
+    @property
+    def step(self) -> int:
+        return self.in_flight.step
+
+    def to_state(self, traffic: Traffic) -> dict:
+        return {
+            **self.in_flight.to_state(traffic),
+            "step": self.step,
+            "exchange": self.exchange,
+            "reduce_positions": self.reduce_positions,
+            "lr": [list(x) for x in self.lr],
+            "index_coding": self.index_coding,
+            "layouts": [list(astuple(x)) for x in self.layouts],
+            "value_format": self.value_format,
+            "params": list(self.params),
+        }
+
+    @classmethod
+    def from_state(cls, saved: dict, rank: int, world: int, device) -> PendingExchange:
+        keys = ("rows", "step", "lr", "index_coding", "headers", "layouts", "value_format", "params")
+        _require(saved, keys, "pending")
+        return cls(
+            InFlight.from_state(saved, int(saved["step"]), rank, world, device),
+            saved.get("exchange", "all_gather"),  # written by overlap's first release: all_gather only
+            saved.get("reduce_positions", "union"),
+            saved["index_coding"],
+            saved["value_format"],
+            [_layout(x) for x in saved["layouts"]],
+            [tuple(x) for x in saved["lr"]],
+            [int(i) for i in saved["params"]],
+        )
+
+
+@dataclass
+class SavedState:
+    """The ``"demo"`` entry of the optimizer's ``state_dict()``."""
+
+    counters: Counters
+    rank: int
+    world_size: int
+    rank_scope: str  # "group": the rank in the optimizer's group; "world": in the whole world (hierarchy)
+    settings: dict
+    policy: dict  # BudgetPolicy.state_dict() and the tier's (value_format, topk_divisor, sync_every)
+    comm: dict
+    pending: dict | None = None
+    local_params: dict = field(default_factory=dict)  # inside a local phase: this rank's own parameters
+    shards: str | None = None
+
+    FIELDS = ("steps", "skipped_steps", "consecutive_skips", "resyncs", "unsynced", "rank", "world_size")
+    FIELDS += ("rank_scope", "settings", "policy", "pending", "comm", "local_params")
+
+    def to_dict(self) -> dict:
+        out = {"format_version": STATE_VERSION, **dataclasses.asdict(self.counters)}
+        out.update({k: getattr(self, k) for k in self.FIELDS if not hasattr(self.counters, k)})
+        if self.shards is not None:
+            out["shards"] = self.shards
+        return out
+
+    @classmethod
+    def from_dict(cls, saved: dict | None) -> SavedState:
+        if saved is None:
+            raise DeMoStateError("this optimizer state was not saved by hf_demo.DeMo (no 'demo' entry)")
+        if saved.get("format_version") != STATE_VERSION:
+            raise DeMoStateError(
+                f"optimizer state has format version {saved.get('format_version')}, this hf_demo reads "
+                f"{STATE_VERSION}: start the optimizer afresh, or resume with the hf_demo that wrote it"
+            )
+        _require(saved, cls.FIELDS, "demo")
+        _require(saved["policy"], ("tier_spec",), "demo.policy")
+        counters = Counters(*(type(getattr(Counters(), k))(saved[k]) for k in dataclasses.asdict(Counters())))
+        rest = {k: saved[k] for k in cls.FIELDS if not hasattr(counters, k)}
+        return cls(counters=counters, shards=saved.get("shards"), **rest)
+
+    @property
+    def tier_spec(self) -> tuple:
+        spec = self.policy["tier_spec"]
+        return spec[0], int(spec[1]), int(spec[2])
+
+
+def _require(saved: dict, keys, where: str) -> None:
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise DeMoStateError(
+            f"optimizer state format {STATE_VERSION} without {', '.join(missing)} in '{where}': written by a "
+            "pre-release hf_demo. Start the optimizer afresh, or resume with the build that wrote it"
+        )
+
+
+def _layout(saved) -> BlockLayout:
+    """A :class:`BlockLayout` from its saved fields (shape, rows, cols, b0, b1, k)."""
+    shape, *rest = saved
+    return BlockLayout(tuple(int(x) for x in shape), *(int(x) for x in rest))
+
+
+def saved_tensors(state_dict: dict) -> dict:
+    """{saved id: {key: tensor}}: torch casts floating state to the parameter's dtype when it loads (and integer
+    state too: a bf16 step counter stops at 256), so the optimizer restores its own tensors from these."""
+    return {pid: {k: v for k, v in s.items() if torch.is_tensor(v)} for pid, s in state_dict.get("state", {}).items()}

@@ -1,0 +1,55 @@
+"""``hierarchy="flat"``: every rank steps every parameter with its own gradient, DeMo between all ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_demo.exchange.transport import Transport
+from hf_demo.topology.node import wide_dtype
+
+
+class FlatTopology:
+    name = "flat"
+    needs_values = False  # the update rule writes the parameters in place at the commit
+
+    def __init__(self, transport: Transport):
+        self.transport = transport  # the optimizer's exchange group
+
+    @classmethod
+    def build(cls, opt, initialised: bool, timeout: float) -> FlatTopology:
+        return cls(Transport(opt.process_group if initialised else None, timeout))
+
+    def select(self, ctx) -> None:
+        ctx.items = ctx.all_items
+        ctx.grads = [p.grad for p in ctx.params]
+
+    def share(self, ctx) -> None:
+        for j, value in ctx.values.items():
+            ctx.tx.copy(ctx.all_items[j][0], value)
+
+    def owners_of(self, opt, params) -> None:
+        return None  # every rank steps every parameter
+
+    def identity(self) -> tuple[int, int, str]:
+        """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
+        return self.transport.rank, self.transport.world, "group"
+
+    def mean_over_ranks(self, params, transport, name: str, every=None, owner_of=None) -> dict:
+        """Every rank's mean of ``params`` (dense all-reduces by device and dtype, fp32 or wider)."""
+        return dense_mean(params, transport, name)
+
+
+def dense_mean(params, transport, name: str) -> dict:
+    """{param: its mean over the ranks of ``transport``}: one all-reduce per (device, dtype), in the same order on
+    every rank, in fp32 or the parameters' wider dtype."""
+    means = {}
+    for key in sorted({(str(p.device), str(p.dtype)) for p in params}):
+        part = [p for p in params if (str(p.device), str(p.dtype)) == key]
+        flat = torch.cat([p.detach().reshape(-1).to(wide_dtype(part)) for p in part])
+        transport.all_reduce(flat, name)
+        flat /= transport.world
+        start = 0
+        for p in part:
+            means[p] = flat[start : start + p.numel()].view(p.shape)
+            start += p.numel()
+    return {p: means[p] for p in params}
