@@ -229,7 +229,7 @@ def test_an_exchange_in_flight_resumes_onto_the_parameters_device(device):
     model2.load_state_dict(saved["model"])
     opt2 = make(model2)
     opt2.load_state_dict(saved["opt"])
-    assert opt2._pending["rows"].device == device
+    assert opt2.pending.in_flight.data.device == device
     opt2.flush()
     assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(straight, model2.parameters()))
 

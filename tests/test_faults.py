@@ -106,11 +106,11 @@ def _flip(rank, world, kw):
     from hf_demo.wire import codec
 
     model = tiny_mlp()
-    opt = _make(model, comm_timeout=5.0, **kw)
+    opt = _make(model, **{"comm_timeout": 5.0, **kw})
     loss_and_backward(model, rank, 0)
     opt.step()
+    real_gather = comm._all_gather
     if rank == 1:  # one byte of rank 0's payload flipped on its way to rank 1
-        real_gather = comm._all_gather
 
         def flipping_gather(out, buf, group=None):
             real_gather(out, buf, group=group)
@@ -118,30 +118,43 @@ def _flip(rank, world, kw):
                 out[buf.numel() // 2] ^= 0x01
 
         comm._all_gather = flipping_gather
-    for step in (1, 2):
-        loss_and_backward(model, rank, step)
-        before = _snapshot(model, opt)
-        started = time.monotonic()
-        try:
-            opt.step()
-        except Exception as exc:  # noqa: BLE001
-            return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started, step
-    return "no error", True, 0.0, step
+    loss_and_backward(model, rank, 1)
+    before = _snapshot(model, opt)
+    started = time.monotonic()
+    try:
+        opt.step()
+        return "no error", True, 0.0, None
+    except Exception as exc:  # noqa: BLE001
+        error, unchanged, secs = RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started
+    if kw.get("commit_vote") == "off":
+        return error, unchanged, secs, None  # rank 0 committed the step: the ranks are apart
+    if rank == 1:
+        comm._all_gather = real_gather  # the link is whole again: the same step, retried, commits everywhere
+    opt.step()
+    return error, unchanged, secs, [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("kw", [{}, {"exchange": "all_reduce"}], ids=["payload", "all_reduce nominations"])
-def test_a_byte_flipped_on_the_wire_is_caught_by_the_receiver_and_the_sender_stops_within_the_timeout(kw):
-    (err0, unchanged0, secs0, step0), (err1, unchanged1, _, step1) = expect_ok(run_ranks(_flip, 2, kw, timeout=90))
-    # all_gather: rank 0 finishes step 1 and waits alone at step 2; all_reduce: the values' all-reduce of
-    # step 1 follows the nominations rank 1 refused, so rank 0 waits alone in step 1
-    assert (step0, step1) == ((1, 1) if kw else (2, 1))
-    assert isinstance(err1, RankError) and err1.type == "DeMoSyncError", err1
+def test_a_byte_flipped_on_the_way_to_one_rank_stops_that_step_on_every_rank_and_the_retry_commits(kw):
+    """Rank 1 refuses rank 0's payload (CRC32); rank 0 received everything intact. The vote makes both refuse
+    the step at once (no timeout), nothing is applied on either, and retrying the step keeps them identical."""
+    (err0, unchanged0, secs0, after0), (err1, unchanged1, _, after1) = expect_ok(run_ranks(_flip, 2, kw, timeout=90))
+    assert isinstance(err1, RankError) and err1.type == "DeMoPayloadError", err1
     assert "the payload from rank 0 at optimizer step 1 fails its CRC32 check" in err1.message, err1.message
-    assert unchanged1
-    # rank 0's next step has no partner any more: a named error within the timeout, state untouched
-    assert isinstance(err0, RankError) and err0.type == "DeMoSyncError", err0
-    assert "optimizer step" in err0.message and secs0 < 5.0 + 10, (err0.message, secs0)
-    assert unchanged0
+    assert isinstance(err0, RankError) and err0.type == "DeMoPayloadError", err0
+    assert "every rank refused optimizer step 1 because rank(s) [1]" in err0.message, err0.message
+    assert secs0 < 5.0, secs0  # the vote answers at once: nobody waits for comm_timeout (5 s)
+    assert unchanged0 and unchanged1
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+
+
+@pytest.mark.parametrize("vote", ["on", "off"])
+def test_without_the_vote_the_ranks_commit_apart(vote):
+    """What the vote prevents: with commit_vote='off' the rank whose payload arrived intact commits the step."""
+    results = expect_ok(run_ranks(_flip, 2, {"commit_vote": vote, "comm_timeout": 5.0}, timeout=90))
+    (err0, unchanged0, _, _), (err1, unchanged1, _, _) = results
+    assert isinstance(err1, RankError) and unchanged1
+    assert (isinstance(err0, RankError) and unchanged0) == (vote == "on")
 
 
 def test_a_frozen_peer_makes_the_survivor_raise_within_comm_timeout_naming_it():
@@ -300,7 +313,7 @@ def test_a_huge_finite_gradient_is_not_non_finite():
 def test_nonfinite_check_is_element_wise_where_a_sum_overflows(dtype):
     """The check reads a tensor's sum first; finite values whose sum overflows must still count as finite,
     and one NaN/Inf anywhere (also beside values that overflow the sum) as non-finite."""
-    from hf_demo.optim.optimizer import _nonfinite
+    from hf_demo.guards.checks import any_nonfinite as _nonfinite
 
     big = torch.finfo(dtype).max
     overflowing = torch.full((64, 64), big, dtype=dtype)

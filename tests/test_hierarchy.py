@@ -75,11 +75,13 @@ def test_node_hierarchy_without_a_topology_says_so():
 
 
 def test_node_hierarchy_refuses_what_it_does_not_combine_with():
-    with pytest.raises(ValueError, match="hierarchy='node'"):
-        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node", sync_every=4)
+    with pytest.raises(ValueError, match="hierarchy='node' is not combined with comm_budget"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node", comm_budget=0.2)
+    with pytest.raises(ValueError, match="overlap=True needs hierarchy='flat'"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node", overlap=True)
 
 
-# ---------------------------------------------------------------- faults and checks (tenth session's fault hunt)
+# ---------------------------------------------------------------- faults and checks
 def _apart_then_checked(rank, world):
     """Nodes start from different weights (an un-broadcast model); a drift check, then full_sync_every."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"

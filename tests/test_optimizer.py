@@ -244,28 +244,28 @@ def test_the_settings_page_is_generated_from_the_one_source_of_truth():
     assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.settings > docs/SETTINGS.md"
 
 
-def test_an_all_reduce_checkpoint_from_before_the_union_says_it_ran_with_the_leader():
-    """A checkpoint saved before ``reduce_positions`` existed ran the rotating leader: resuming it under the
-    union default is a change of settings, and is reported as one."""
+def test_a_pre_release_state_is_refused_naming_its_version_or_its_missing_field():
+    """States of format 3 written by this release load; older formats, and format 3 without one of its fields
+    (pre-release builds), are refused with what differs, before anything is loaded."""
     p = torch.nn.Parameter(torch.zeros(8, 8))
     opt = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
     p.grad = torch.randn(8, 8)
     opt.step()
-    saved = opt.state_dict()
-    del saved["demo"]["settings"]["reduce_positions"]
-    again = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
-    with pytest.warns(UserWarning, match="reduce_positions: saved 'leader', requested 'union'"):
-        again.load_state_dict(saved)
-    current = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        current.load_state_dict(opt.state_dict())  # saved with the setting: no warning
-    gathered = hf_demo.DeMo([p], compression_topk=4, compression_chunk=8)
-    old_gather = gathered.state_dict()
-    del old_gather["demo"]["settings"]["reduce_positions"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an all_gather checkpoint never used the setting: nothing changed
-        hf_demo.DeMo([p], compression_topk=4, compression_chunk=8).load_state_dict(old_gather)
+        hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8).load_state_dict(
+            opt.state_dict()
+        )
+    old = opt.state_dict()
+    old["demo"]["format_version"] = 2
+    fresh = hf_demo.DeMo([p], exchange="all_reduce", compression_topk=4, compression_chunk=8)
+    with pytest.raises(hf_demo.DeMoStateError, match="format version 2, this hf_demo reads 3"):
+        fresh.load_state_dict(old)
+    partial = opt.state_dict()
+    del partial["demo"]["unsynced"]
+    with pytest.raises(hf_demo.DeMoStateError, match="without unsynced in 'demo': written by a pre-release"):
+        fresh.load_state_dict(partial)
+    assert fresh.steps == 0 and not fresh.state  # nothing was loaded
 
 
 def _slow_fingerprint(params):
@@ -283,7 +283,7 @@ def _slow_fingerprint(params):
 def test_parameter_fingerprint_matches_its_slow_spelling():
     """Column sums give the same words as the weighted sum over every element: shorter than one period, an
     exact multiple, a remainder, every element size; a change of one bit or of the order changes the word."""
-    from hf_demo.optim.optimizer import _fingerprint
+    from hf_demo.guards.checks import fingerprint as _fingerprint
 
     torch.manual_seed(0)
     params = [

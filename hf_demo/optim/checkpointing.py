@@ -112,7 +112,7 @@ def _load_policy(opt, saved: SavedState) -> None:
         return
     tier = min(opt.policy.tier, len(opt.tiers) - 1)
     warnings.warn(
-        f"DeMo: the checkpoint's communication tier ({saved.tier_spec}) is not among this run's tiers (other "
+        f"DeMo: the checkpoint's communication tier ({list(saved.tier_spec)}) is not among this run's tiers (other "
         f"settings); continuing in tier {tier} {astuple(opt.tiers[tier])}",
         stacklevel=4,
     )

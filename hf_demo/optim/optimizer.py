@@ -159,6 +159,10 @@ class DeMo(torch.optim.Optimizer):
     def bytes_by_tier(self, items) -> list[float]:
         return groups.bytes_by_tier(items, self.tiers, self.settings.index_coding)
 
+    def header_timings(self, started: float) -> dict:
+        """This rank's figures for the policy, as its header carries them (exchange_ms, elapsed_ms)."""
+        return self.clock.header_fields(started)
+
     def signal_for(self, tier: policies.Tier):
         return signals.for_tier(tier)
 

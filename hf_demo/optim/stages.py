@@ -124,7 +124,7 @@ class Agreement:
             payload_bytes=ctx.exchange.payload_nbytes,
             fingerprint=ctx.replica_print if ctx.check_drift else 0,
             grad_fingerprint=ctx.grad_print,
-            **opt.clock.header_fields(ctx.started),
+            **opt.header_timings(ctx.started),
         )
         ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device)
 
@@ -161,6 +161,9 @@ class Judge:
         ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport)
         for r, value in zip(ctx.replicas, ctx.fresh):
             ctx.tx.copy(r, value)
+        if ctx.opt.topology.needs_values and not ctx.local:  # the step starts from rank 0's values
+            where = {id(p): j for j, (p, _, _) in enumerate(ctx.all_items)}
+            ctx.values.update({where[id(r)]: value for r, value in zip(ctx.replicas, ctx.fresh)})
         cause = "drift" if ctx.drifted else "non-finite parameters" if ctx.bad_param_ranks else "full_sync_every"
         if ctx.first and ctx.drifted:
             cause = f"the replicas differed at this process's first exchange. {verdicts.UNSYNCED_START}"
@@ -243,7 +246,7 @@ class Share:
     exchanging = False
 
     def run(self, ctx: StepContext) -> None:
-        if not ctx.skip and ctx.values:
+        if not ctx.skip and ctx.opt.topology.needs_values:  # every rank of the node, owner of a shard or not
             ctx.opt.topology.share(ctx)
 
 
