@@ -36,9 +36,8 @@ def live_wrappers(params) -> list[DistributedDataParallel]:
     """Every live DDP wrapper that holds any of ``params`` and would all-reduce their gradients."""
     ids = {id(p) for p in params}
     objects = gc.get_objects()
-    # DDP's classes from the class tree, then the objects of those classes, picked out in C: the Python loop over
-    # every object this replaced (~4*10^5 in a transformers process) took 0.53 s of a first step on 4 ranks sharing
-    # 2 cores, a pass over the objects' types with issubclass 0.32 s, this ~0.2 s (docs/WAN.md, §10 and §12)
+    # DDP's classes from the class tree, then the objects of those classes, picked out in C: a transformers
+    # process holds ~4*10^5 objects, and a Python loop (or issubclass) over each of them is slower
     ddp_types = _subclasses(DistributedDataParallel)
     wrappers = compress(objects, map(ddp_types.__contains__, map(type, objects)))
     return [w for w in wrappers if allreducing(w) and any(id(p) in ids for p in w.module.parameters())]
