@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import re
 import shlex
+import textwrap
 from functools import cache
 from pathlib import Path
 
@@ -30,7 +31,7 @@ SOURCE_DIRS = ("hf_demo", "recipes", "benchmarks", "examples", "scripts", "tests
 OPTIMIZER_KWARGS = {"params", "lr", "weight_decay", "process_group", "preset", "sign_update"}
 OPTIMIZER_CALLS = {"DeMo", "create_optimizer", "optimizer_cls_and_kwargs"}
 
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 DEMO_FLAG = re.compile(r"(?<![\w./-])-{0,2}demo_([a-z0-9_]+)")
@@ -158,7 +159,7 @@ def optim_args_problems(words: list[str]) -> list[str]:
 def python_problems(body: str) -> list[str]:
     """Keywords of DeMo's constructors must be settings; a python block must parse."""
     try:
-        tree = ast.parse(body)
+        tree = ast.parse(textwrap.dedent(body))
     except SyntaxError as exc:
         return [f"python block does not parse: {exc.msg} (line {exc.lineno})"]
     problems = []
