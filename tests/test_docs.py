@@ -126,22 +126,20 @@ def commands(body: str) -> list[list[str]]:
 
 
 def flag_problems(words: list[str]) -> list[str]:
+    """The flags after the first repository script of a command that the script does not take."""
+    i = next((i for i, word in enumerate(words) if SCRIPT.match(word)), None)
+    if i is None:
+        return []
+    script = words[i]
+    if not (ROOT / script).is_file():
+        return [f"script {script} does not exist"]
     problems = []
-    for i, word in enumerate(words):
-        script = next((s for s in [word] if SCRIPT.match(s)), None)
-        if script is None:
-            continue
-        if not (ROOT / script).is_file():
-            return [f"script {script} does not exist"]
-        known = script_flags(script)
-        for arg in words[i + 1 :]:
-            if arg == "--" or arg in ("|", ";", "&&", ">"):
-                break  # what follows goes to another program
-            if arg.startswith("--"):
-                name = arg[2:].split("=", 1)[0].replace("-", "_")
-                if name not in known:
-                    problems.append(f"{script} has no flag --{arg[2:].split('=', 1)[0]}")
-        break
+    for arg in words[i + 1 :]:
+        if arg in ("--", "|", ";", "&&", ">"):
+            break  # what follows goes to another program
+        flag = arg[2:].split("=", 1)[0]
+        if arg.startswith("--") and flag.replace("-", "_") not in script_flags(script):
+            problems.append(f"{script} has no flag --{flag}")
     return problems
 
 
