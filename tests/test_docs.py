@@ -24,8 +24,10 @@ from hf_demo.settings import DeMoSettings
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
-# the top-level entries of the repository a path in the docs may start with
-TOP_LEVEL = tuple(sorted(p.name for p in ROOT.iterdir() if not p.name.startswith(".")))
+# the top-level entries of the repository a path in the docs may start with (not what .gitignore leaves out,
+# such as outputs/: the docs name the files a clean clone has)
+IGNORED = {line.strip("/") for line in (ROOT / ".gitignore").read_text().split() if "*" not in line}
+TOP_LEVEL = tuple(sorted(p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in IGNORED))
 SOURCE_DIRS = ("hf_demo", "recipes", "benchmarks", "examples", "scripts", "tests")
 # keyword arguments of hf_demo.DeMo and its factories besides the settings
 OPTIMIZER_KWARGS = {"params", "lr", "weight_decay", "process_group", "preset", "sign_update"}
