@@ -73,7 +73,7 @@ METHODS = (
 )
 
 # methods whose top-k grows with the world: --topk x max(1, W // 2), the union all-reduce's top-k that trained
-# level with the all-gather's --topk at W = 4 and 8 (docs/CONVERGENCE.md, eighth session)
+# level with the all-gather's --topk at W = 4 and 8 (benchmarks/reports/2026-11-30-convergence.md)
 TOPK_PER_HALF_WORLD = ("demo-allreduce-wide",)
 
 # DeMo keywords of each demo-* method (besides lr, topk, chunk)
@@ -422,7 +422,8 @@ def main(argv=None):
     dist.barrier()
     # not a bare destroy_process_group(): DDP's reducer keeps the group, and freeing it when main() returns
     # joins gloo's worker threads with the interpreter lock held, while a worker may still need that lock
-    # to free the barrier's work: one rank of an 8-node run hung there for 300 s (docs/WAN.md §11)
+    # to free the barrier's work: one rank of an 8-node run hung there for 300 s
+    # (benchmarks/reports/2026-11-30-wan-and-scaling.md)
     from hf_demo.exchange.teardown import shutdown
 
     shutdown()

@@ -70,7 +70,7 @@ class DeMoSettings:
     overlap: bool = _setting(
         False,
         "run step t's exchange in the background while step t+1 computes; its update is applied at step t+1 "
-        "(one step late, as Psyche does). Flat hierarchy, every-step synchronisation, no comm_budget",
+        "(one step late, as Psyche does; the late step costs loss, more at larger learning rates: docs/guides/choosing-settings.md). Flat hierarchy, every-step synchronisation, no comm_budget",
     )
     transform: str = _setting(
         "dct",
@@ -241,17 +241,13 @@ def refusals(s: DeMoSettings) -> list[str]:
 # Named starting points, ordered by bytes. Where a setting's value comes from, lowest to highest: the
 # default above, the preset, the setting given by name. Bytes/param/step are exact (codec.segment_bytes) on
 # SmolLM2-135M, where 64 divides every dimension, with the default Elias-Fano positions (16-bit positions in
-# brackets); see docs/CONVERGENCE.md for what is measured of their loss.
+# brackets). Which to choose, and what each costs in loss: docs/guides/choosing-settings.md.
 PRESETS: dict[str, dict] = {
-    # chosen from the compression sweep's Pareto front (docs/CONVERGENCE.md): at equal bytes, twice the
-    # coefficients with 1-bit values beat bf16 values (the defaults, top-32 bf16: 0.025 [0.032], are off it)
     "balanced": {"value_format": "sign", "compression_topk": 64},  # 1-bit values, top-64: 0.018 [0.034]
     "lean": {"value_format": "sign"},  # 1-bit values, top-32: 0.010 [0.017]
     "extreme": {"value_format": "sign", "compression_topk": 4},  # Psyche's production setting: 0.0021 [0.0026]
-    # many ranks: the union all-reduce at 4x the default top-k. Its bytes per rank stay below 2x those at W=2
-    # for any W (a ring all-reduce), where the all-gather's grow as W-1: on the 3.3M model 0.103 B/param
-    # received per rank at W=2, 0.19 at W=8 (0.84x the default all-gather's there, less still beyond), and it
-    # trained better than the default all-gather at W=2, 4 and 8 (docs/CONVERGENCE.md, tenth session)
+    # many ranks: the union all-reduce at 4x the default top-k; its bytes per rank stay below 2x those at W=2
+    # for any W (a ring all-reduce), where the all-gather's grow as W-1
     "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
 }
 
@@ -261,7 +257,7 @@ _TYPES = {
 
 
 def markdown_table() -> str:
-    """The settings as a Markdown table (docs/SETTINGS.md is this, checked by the tests)."""
+    """The settings as a Markdown table (docs/reference/settings.md is this, checked by the tests)."""
     rows = ["| setting | default | allowed | per group | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(DeMoSettings):
         choices = ", ".join(f.metadata.get("choices") or ()) or _TYPES[f.name].__name__
@@ -274,10 +270,10 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m hf_demo.settings > docs/SETTINGS.md
+if __name__ == "__main__":  # python -m hf_demo.settings > docs/reference/settings.md
     print(
         "# DeMo settings\n\nGenerated from `hf_demo.settings.DeMoSettings` (`python -m hf_demo.settings > "
-        "docs/SETTINGS.md`). Each is a keyword of `hf_demo.DeMo`, a `--demo_<name>` field of "
+        "docs/reference/settings.md`). Each is a keyword of `hf_demo.DeMo`, a `--demo_<name>` field of "
         "`DeMoTrainingArguments` and a key of `--optim_args`; `lr` and `weight_decay` come from Trainer.\n"
     )
     print(markdown_table())

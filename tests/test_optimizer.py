@@ -240,8 +240,10 @@ def test_the_settings_page_is_generated_from_the_one_source_of_truth():
 
     from hf_demo.settings import markdown_table
 
-    page = (Path(__file__).parent.parent / "docs" / "SETTINGS.md").read_text()
-    assert markdown_table() in page, "docs/SETTINGS.md is stale: python -m hf_demo.settings > docs/SETTINGS.md"
+    page = (Path(__file__).parent.parent / "docs" / "reference" / "settings.md").read_text()
+    assert markdown_table() in page, (
+        "docs/reference/settings.md is stale: python -m hf_demo.settings > docs/reference/settings.md"
+    )
 
 
 def test_a_pre_release_state_is_refused_naming_its_version_or_its_missing_field():

@@ -7,7 +7,7 @@ than the chunk is one block (a tensor smaller than a block is sent whole: its bl
 ``[chunk/2, chunk]`` (688 -> 16 blocks of 43, as the DeMo reference does), and only a dimension without
 such a divisor is zero-padded up to a multiple of the chunk (a 50257 vocabulary: 786 blocks of 64, not
 29-long ones). Cutting 688 into 43s instead of padding to 704 sends 45% more coefficients at the same top-k,
-which is what the reference sends (docs/CONVERGENCE.md: the gap to pytorch-optimizer's DeMo).
+which is what the reference sends.
 
 Each block is transformed with the orthonormal DCT-II along both axes: ``C = D0 @ X @ D1.T``. Being
 orthonormal, the transform preserves energy and its inverse is the transpose.

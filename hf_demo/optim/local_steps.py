@@ -31,9 +31,8 @@ def feedback_decay(sync_decay: float, layout) -> float:
 
     A block that sends few coefficients drains its buffer slowly and must keep its residue longer (top-4 of
     4096 keeps 0.985 of it per synchronisation with the default 0.86), one that sends many can forget it
-    sooner (top-96: 0.70). Measured, sign values every 8 steps, 300 steps (docs/CONVERGENCE.md, seventh
-    session): top-96 trains best near 0.7, top-32 near 0.9, top-4 between 0.95 and 0.985, and 0.7 at top-4
-    all but stops training.
+    sooner (top-96: 0.70). The per-block decays that train well (sign values every 8 steps) are about 0.7 at
+    top-96, 0.9 at top-32 and 0.95-0.985 at top-4; 0.7 at top-4 all but stops training.
     """
     return sync_decay ** (100.0 * layout.k / layout.bsize)
 

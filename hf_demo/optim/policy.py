@@ -18,10 +18,9 @@ tier  exchange="all_gather"                            exchange="all_reduce"
 
 Each tier roughly halves the bytes of the one above it (tier 4 sends ~0.4x tier 3's), so a link that slows
 down is met by the smallest cut that fits. Below top-k / 4 every step, local steps cost less loss than
-fewer coefficients: at about the same bytes, sign top-96 of 64x64 every 8 steps trains within 0.3% of
-every-step DeMo where sign top-4 every step is +18%, and top-32 every 8 steps beats top-4 every 2 steps
-(docs/CONVERGENCE.md, seventh session), so the local-step tiers keep ``policy_sync_every`` and halve
-their coefficients instead. Tiers that repeat the configured settings (e.g. sign values already, or
+fewer coefficients at about the same bytes (sign top-96 of 64x64 every 8 steps against sign top-4 every
+step; top-32 every 8 steps against top-4 every 2), so the local-step tiers keep ``policy_sync_every`` and
+halve their coefficients instead. Tiers that repeat the configured settings (e.g. sign values already, or
 ``sync_every`` already 8) are left out.
 
 Every rank takes the same decision at the same step: the figures come from the headers (each rank's
