@@ -70,7 +70,8 @@ class DeMoSettings:
     overlap: bool = _setting(
         False,
         "run step t's exchange in the background while step t+1 computes; its update is applied at step t+1 "
-        "(one step late, as Psyche does; the late step costs loss, more at larger learning rates: docs/guides/choosing-settings.md). Flat hierarchy, every-step synchronisation, no comm_budget",
+        "(one step late, as Psyche does; the late step costs loss, more at larger learning rates: "
+        "docs/guides/choosing-settings.md). Flat hierarchy, every-step synchronisation, no comm_budget",
     )
     transform: str = _setting(
         "dct",
