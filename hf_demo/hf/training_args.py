@@ -106,11 +106,10 @@ def _preset_field() -> dataclasses.Field:
 def _setting_field(name: str) -> dataclasses.Field:
     """The ``demo_<name>`` field of DeMo's setting ``name``: None (the setting's default, or the preset's) unless
     given; help and choices read from :class:`DeMoSettings`, the one place they are written."""
-    for setting, kind, default, help, choices in DeMoSettings.describe():
-        if setting == name:
-            break
-    else:
+    described = {row[0]: row[1:] for row in DeMoSettings.describe()}
+    if name not in described:
         raise KeyError(f"DeMoSettings has no setting {name!r}")
+    kind, default, help, choices = described[name]
     meta = {"help": f"DeMo: {help} (default: {default})".replace("%", "%%")}  # argparse %-formats help
     if choices is not None:
         meta["choices"] = list(choices)
