@@ -11,7 +11,7 @@
     # redraw tables and plots from the JSON without training
     python benchmarks/convergence.py --tag short --report-only
 
-The job is ``wan_worker.py``'s (reused, not copied): a byte-level ``LlamaForCausalLM`` (vocab 256, hidden 256,
+The job is ``benchlib.toy``'s (the WAN benchmark's too): a byte-level ``LlamaForCausalLM`` (vocab 256, hidden 256,
 4 layers, intermediate 688: 3.3M parameters, random init from the seed) on the Python standard library's
 sources; the last 2% of the bytes are held out; rank r draws its windows from its own shard with a generator
 seeded by (seed, rank), so every method sees the same batches. ``--world`` gloo ranks (default 2) are forked
@@ -22,8 +22,8 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
 - ``adamw``     ``torch.optim.AdamW`` (betas 0.9/0.95, no weight decay) on ``DistributedDataParallel``: a dense
                 fp32 gradient all-reduce, counted as 4 bytes/param/step (what the rank hands in).
 - ``powersgd``  the same with DDP's ``powerSGD_hook`` (rank ``--powersgd-rank``, plain all-reduce for the
-                first 2 steps, one DDP bucket); bytes from the shapes with torch's rule
-                (``recipes/compare.py:powersgd_bytes_per_step``).
+                first 2 steps, one DDP bucket: ``benchlib.baselines.ddp_baseline``); bytes from the shapes with
+                torch's rule (``benchlib.baselines.powersgd_bytes``).
 - ``peer``      ``pytorch_optimizer.DeMo`` (``--topk``, ``--chunk``); bytes = its ``data_transmit``.
 - ``demo``      ``hf_demo.DeMo``, once per configuration in ``--demo-configs``: ``;`` separates
                 configurations, ``,`` separates ``key=value`` overrides of DeMo's keyword arguments. Short keys:
@@ -31,9 +31,6 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 compression_decay, value_format). Any other key goes to ``DeMo(...)`` as is (e.g.
                 ``update_rule=adam``, ``sign_update=false``); a keyword this hf_demo does not know fails that
                 configuration with the error, the rest still run. Values: int, float, true/false or text.
-                ``blocking=divisor`` is not a DeMo keyword: it replaces ``hf_demo.compression.blocks.plan``
-                in the worker by
-                the peer's blocking rule (see ``reference_gap.py``), to measure that fix before it lands;
                 ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
                 ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
                 and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
@@ -60,14 +57,12 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -75,7 +70,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
 
-from common import ALIASES, parse_overrides  # noqa: E402
+from benchlib import toy  # noqa: E402
+from benchlib.baselines import POWERSGD_START_ITER, ddp_baseline, powersgd_bytes  # noqa: E402
+from benchlib.overrides import ALIASES, parse_overrides  # noqa: E402
+from benchlib.ranks import free_port  # noqa: E402
 
 BASE_METHODS = ("adamw", "powersgd", "peer", "demo")
 
@@ -172,9 +170,7 @@ _CORPUS = None
 def _corpus():
     global _CORPUS
     if _CORPUS is None:
-        import wan_worker
-
-        _CORPUS = wan_worker.stdlib_bytes()
+        _CORPUS = toy.stdlib_bytes()
     return _CORPUS
 
 
@@ -188,13 +184,6 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
 
         kw = dict(compression_topk=cfg.topk, compression_chunk=cfg.chunk)
         kw.update(m.overrides)
-        blocking = kw.pop("blocking", "pad")
-        if blocking == "divisor":
-            from reference_gap import use_divisor_blocking
-
-            use_divisor_blocking()
-        elif blocking != "pad":
-            raise ValueError(f"blocking must be pad or divisor, got {blocking!r}")
         mlp_topk = kw.pop("mlp_topk", None)
         param_dtype = kw.pop("params", "fp32")
         if param_dtype == "bf16":  # benchmark-only: bf16 parameters, no fp32 master copy (issue 10, item 4)
@@ -217,27 +206,17 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
             model.parameters(), lr=cfg.lr, compression_top_k=cfg.topk, compression_chunk=cfg.chunk, **m.overrides
         )
         return model, opt, lambda: opt.data_transmit
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     dense = 4 * n_params
+    net = ddp_baseline(model, m.kind, powersgd_rank=cfg.powersgd_rank)
     if m.kind == "adamw":
-        net = DDP(model)
         sent = lambda: dense  # noqa: E731
     else:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-        from recipes.compare import powersgd_bytes_per_step
-
-        # one bucket: with several, gloo ranks can order PowerSGD's chained all-reduces differently
-        net = DDP(model, bucket_cap_mb=1024)
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2)
-        net.register_comm_hook(state, ps.powerSGD_hook)
-        compressed = powersgd_bytes_per_step([tuple(p.shape) for p in model.parameters()], cfg.powersgd_rank)
+        compressed = powersgd_bytes([tuple(p.shape) for p in model.parameters()], cfg.powersgd_rank)
         counter = {"n": 0}
 
         def sent():
             counter["n"] += 1
-            return dense if counter["n"] <= 2 else compressed
+            return dense if counter["n"] <= POWERSGD_START_ITER else compressed
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return net, opt, sent
@@ -251,23 +230,17 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     out = None
     try:
-        import wan_worker
-
         dist.init_process_group(
             "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-        data = wan_worker.Data(
-            _corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches
-        )
-        model = wan_worker.build_model(
-            SimpleNamespace(
-                hidden=cfg.hidden,
-                intermediate=cfg.intermediate,
-                layers=cfg.layers,
-                heads=cfg.heads,
-                seq_len=cfg.seq_len,
-                seed=cfg.seed,
-            )
+        data = toy.Data(_corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches)
+        model = toy.byte_llama(
+            hidden=cfg.hidden,
+            intermediate=cfg.intermediate,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
         )
         for p in model.parameters():
             dist.broadcast(p.data, 0)
@@ -277,7 +250,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
 
         def do_eval(step):
             if rank == 0:
-                evals.append((step, wan_worker.evaluate(model, data.eval)))
+                evals.append((step, toy.evaluate(model, data.eval)))
             dist.barrier()
 
         t0 = time.perf_counter()
@@ -316,12 +289,6 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cfg: RunConfig) -> dict:
     """Train one configuration on ``cfg.world`` forked gloo ranks; rank 0's measurements as a dict."""
     import torch.multiprocessing as mp
@@ -329,7 +296,7 @@ def run(cfg: RunConfig) -> dict:
     _corpus()  # read once in the parent, shared by the forked ranks
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue), daemon=True) for r in range(cfg.world)]
     started = time.perf_counter()
     for p in procs:

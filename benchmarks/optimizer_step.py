@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import expect_ok, run_ranks
+from benchlib.ranks import expect_ok, run_ranks
 
 OPTIMIZERS = {  # name -> label in the table
     "demo-bf16": "hf_demo.DeMo (bf16, default)",

@@ -31,22 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
+from benchlib.baselines import powersgd_bytes
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-
-def powersgd_bytes(shapes, rank: int) -> int:
-    total = 0
-    for s in shapes:
-        if len(s) >= 2:
-            n, m = s[0], math.prod(s[1:])
-            total += 4 * rank * (n + m) if rank * (n + m) * 2 < n * m else 4 * n * m  # min_compression_rate 2
-        else:
-            total += 4 * math.prod(s)
-    return total
 
 
 def main(argv=None):

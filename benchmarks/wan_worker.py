@@ -1,10 +1,11 @@
 """One rank of the emulated multi-node training job (started by ``wan.py`` through ``torchrun``).
 
-The job: a byte-level ``LlamaForCausalLM`` (vocab 256, random init from a fixed seed) trained on the Python
-standard library's own ``.py`` sources (``sysconfig.get_paths()["stdlib"]``, without site-packages and test
-directories, files in sorted order). The last ``--heldout`` fraction of the bytes is the held-out set; the
-rest is cut into ``world`` contiguous shards, and rank r draws its training windows only from shard r, at
-offsets from a generator seeded with (seed, rank): every method sees exactly the same data in the same order.
+The job (``benchlib.toy``): a byte-level ``LlamaForCausalLM`` (vocab 256, random init from a fixed seed) trained
+on the Python standard library's own ``.py`` sources (``sysconfig.get_paths()["stdlib"]``, without
+site-packages and test directories, files in sorted order). The last ``--heldout`` fraction of the bytes is the
+held-out set; the rest is cut into ``world`` contiguous shards, and rank r draws its training windows only from
+shard r, at offsets from a generator seeded with (seed, rank): every method sees exactly the same data in the
+same order.
 
 Methods (``--method``):
 
@@ -55,7 +56,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import parse_overrides, stdlib_bytes
+from benchlib.baselines import ddp_baseline
+from benchlib.overrides import parse_overrides
+from benchlib.toy import Data, byte_llama, evaluate, stdlib_bytes
 
 METHODS = (
     "demo-bf16",
@@ -143,39 +146,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# ------------------------------------------------------------------ data
-class Data:
-    def __init__(
-        self,
-        corpus: torch.Tensor,
-        rank: int,
-        world: int,
-        seq_len: int,
-        batch: int,
-        seed: int,
-        heldout: float,
-        eval_batches: int,
-    ):
-        n = corpus.numel()
-        cut = int(n * (1 - heldout))
-        shard = cut // world
-        self.train = corpus[rank * shard : (rank + 1) * shard]
-        held = corpus[cut:]
-        self.seq_len, self.batch = seq_len, batch
-        self.gen = torch.Generator().manual_seed(seed * 1000003 + rank)
-        n_eval = eval_batches * batch
-        starts = torch.linspace(0, held.numel() - seq_len - 1, n_eval).long()
-        windows = torch.stack([held[s : s + seq_len] for s in starts.tolist()]).long()
-        self.eval = windows.split(batch)
-        self.sizes = dict(
-            corpus_bytes=n, train_bytes=cut, shard_bytes=shard, heldout_bytes=n - cut, eval_windows=n_eval
-        )
-
-    def next_batch(self) -> torch.Tensor:
-        starts = torch.randint(0, self.train.numel() - self.seq_len, (self.batch,), generator=self.gen)
-        return torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()]).long()
-
-
 # ------------------------------------------------------------------ helpers
 def wire_counters() -> tuple[int, int]:
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -241,36 +211,6 @@ def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
     dist.all_reduce = delayed_all_reduce
 
 
-def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq_len,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg)
-    model.config.use_cache = False
-    return model
-
-
-@torch.no_grad()
-def evaluate(model, batches) -> float:
-    model.eval()
-    losses = [float(model(input_ids=b, labels=b).loss) for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 # ------------------------------------------------------------------ main
 def main(argv=None):
     args = parse_args(argv)
@@ -287,7 +227,14 @@ def main(argv=None):
     load_start = open("/proc/loadavg").read().split()[:3]
 
     data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout, args.eval_batches)
-    model = build_model(args)
+    model = byte_llama(
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        seed=args.seed,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     for p in model.parameters():  # identical start on every rank (same seed anyway)
         dist.broadcast(p.data, 0)
@@ -308,21 +255,9 @@ def main(argv=None):
         kw.update(parse_overrides(args.demo_settings))  # --demo-settings win, e.g. topk=64 over --topk
         opt = DeMo(model.parameters(), lr=lr, **kw)
     else:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # PowerSGD's hook launches its P and Q all-reduces from future callbacks; with more than one DDP bucket
-        # on gloo their order can differ between ranks (seen with 4 ranks: "Received data size doesn't match
-        # expected size"), so PowerSGD gets one bucket holding every gradient. AdamW keeps DDP's default.
-        cap = args.bucket_cap_mb if args.bucket_cap_mb is not None else (1024 if args.method == "powersgd" else None)
-        net = DDP(model, bucket_cap_mb=cap)
-        if args.method == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-            state = ps.PowerSGDState(
-                process_group=None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2
-            )
-            net.register_comm_hook(state, ps.powerSGD_hook)
-        elif args.delay_ms > 0 or args.delay_dist:  # the Python all-reduce hook: the delay wrapper sees them
+        net = ddp_baseline(model, args.method, powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb)
+        if args.method == "adamw" and (args.delay_ms > 0 or args.delay_dist):
+            # DDP's all-reduce through the Python hook, so that the delay wrapper sees it
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.allreduce_hook)

@@ -5,7 +5,7 @@
 
 Each method runs a recipe (default recipes/run_clm.py) through `accelerate launch` (on a CPU-only machine
 with accelerate_configs/cpu_multiprocess.yaml and ACCELERATE_USE_CPU=1) and reads its results.json (the
-layout of recipes/common.py). Writes compare.png (eval loss against steps and against bytes communicated)
+layout of recipes/recipelib/results.py). Writes compare.png (eval loss against steps and against bytes communicated)
 and compare.md (final eval loss, the recipe's first metric, bytes per step, total bytes, wall time).
 Bytes are per rank: DeMo's are measured by its counters; AdamW's are a dense fp32 all-reduce
 (4 bytes/parameter/step); PowerSGD's are computed from the parameter shapes with torch's PowerSGD rule
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from recipelib.baselines import powersgd_bytes_per_step
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -50,20 +51,6 @@ def methods(args) -> dict[str, list[str]]:
             "1024",
         ],
     }
-
-
-def powersgd_bytes_per_step(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
-    """Floats PowerSGD all-reduces per step (×4 bytes), from the parameter shapes (torch's rule)."""
-    floats = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        if len(shape) <= 1:
-            floats += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        floats += (n + m) * r if (n + m) * r * min_compression_rate < n * m else numel
-    return 4 * floats
 
 
 def recipe_args(extra, args, out_dir) -> list[str]:

@@ -27,7 +27,7 @@ of the training data is held out. ``--lora_r 8`` trains PEFT LoRA adapters (ever
 
 The model is evaluated (accuracy and F1: binary for two classes, macro otherwise, from the local metric
 scripts in recipes/metrics) at the start of training and after it. Writes results.json (layout:
-recipes/common.py), training.png and the model into --output_dir.
+recipes/recipelib/results.py), training.png and the model into --output_dir.
 """
 
 from __future__ import annotations
@@ -45,21 +45,22 @@ from transformers import (
     set_seed,
 )
 
-import common
 import hf_demo
+from recipelib import arguments, data, models, training
+from recipelib.baselines import BaselineArguments, use_ddp_comm_hook
 
 VADER_LABELS = ["negative", "positive"]
 
 
 @dataclass
-class ModelArguments(common.ModelArguments):
+class ModelArguments(arguments.ModelArguments):
     ignore_mismatched_sizes: bool = field(
         default=False, metadata={"help": "Re-initialise a classification head whose number of labels differs."}
     )
 
 
 @dataclass
-class DataTrainingArguments(common.DataTrainingArguments):
+class DataTrainingArguments(arguments.DataTrainingArguments):
     text_pair_column: str | None = field(
         default=None, metadata={"help": "Optional second text column (sentence pairs)."}
     )
@@ -115,6 +116,43 @@ def load_vader(min_abs_rating: float = 0.5) -> Dataset:
     return Dataset.from_dict({"text": texts, "label": labels, "mean_rating": means}, features=features)
 
 
+# ---------------------------------------------------------------------------------------------- data
+def load_labelled_data(data_args, cache_dir) -> tuple[DatasetDict, str, str]:
+    """``(raw data, description, text column)``: the hub, the files or VADER; the text, pair and label columns
+    checked in every split."""
+    raw, data_desc = data.load_raw(
+        data_args,
+        (
+            lambda: DatasetDict({"train": load_vader(data_args.vader_min_abs_rating)}),
+            f"VADER sentiment lexicon (|mean rating| >= {data_args.vader_min_abs_rating})",
+        ),
+        cache_dir,
+    )
+    text_column = data.resolve_text_column(raw, data_args.text_column, data_desc)
+    columns = {"--label_column": data_args.label_column, "--text_pair_column": data_args.text_pair_column}
+    for flag, column in columns.items():
+        for split, ds in raw.items():
+            if column:
+                data.check_column(ds.column_names, column, flag, f"the {split} data ({data_desc})")
+    return raw, data_desc, text_column
+
+
+def tokenize(dataset: Dataset, tokenizer, text_column: str, data_args) -> Dataset:
+    """Texts (and pairs) as token ids, truncated to ``--max_seq_length``; the labels kept."""
+    max_length = min(data_args.max_seq_length, tokenizer.model_max_length or data_args.max_seq_length)
+
+    def encode(batch):
+        texts = ["" if t is None else str(t) for t in batch[text_column]]
+        pairs = None
+        if data_args.text_pair_column:
+            pairs = ["" if t is None else str(t) for t in batch[data_args.text_pair_column]]
+        encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+        encoded["labels"] = batch["labels"]
+        return encoded
+
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenize")
+
+
 # ---------------------------------------------------------------------------------------------- labels
 def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str]]:
     """Put the labels, as ids, in a ClassLabel column ``labels``; returns the label names (id order)."""
@@ -122,7 +160,7 @@ def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, lis
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
         if "validation" in raw and min(raw["validation"][label_column]) < 0:
-            common.logger.warning("the validation split has no labels (-1): holding out part of train instead")
+            arguments.logger.warning("the validation split has no labels (-1): holding out part of train instead")
             del raw["validation"]
         mapping = None
     else:
@@ -170,7 +208,7 @@ def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, lis
 
 # ---------------------------------------------------------------------------------------------- metrics
 def make_compute_metrics(num_labels: int):
-    accuracy, f1 = common.load_metric("accuracy"), common.load_metric("f1")
+    accuracy, f1 = training.load_metric("accuracy"), training.load_metric("f1")
     average = "binary" if num_labels == 2 else "macro"
 
     def compute_metrics(eval_pred):
@@ -188,8 +226,8 @@ def make_compute_metrics(num_labels: int):
 def main(argv: list[str] | None = None) -> dict:
     # recipe defaults: a learning rate that suits short fine-tunes (0.48 -> 0.90 accuracy in 30 steps), a short
     # logging interval (DeMo's figures reach the logs), bigger batches
-    model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments),
+    model_args, data_args, training_args, baseline_args = arguments.parse_args(
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments, BaselineArguments),
         argv,
         description=__doc__,
         learning_rate=3e-4,
@@ -199,57 +237,26 @@ def main(argv: list[str] | None = None) -> dict:
         per_device_eval_batch_size=64,
         validation_split_percentage=10.0,
     )
-    common.setup_logging(training_args)
+    arguments.setup_logging(training_args)
     # fail fast, on every rank, before anything is loaded
-    common.check_data_files(data_args)
-    model_path = common.check_model(model_args.model_name_or_path or default_model_path(), model_args.cache_dir)
+    data.check_data_files(data_args)
+    model_path = models.check_model(model_args.model_name_or_path or default_model_path(), model_args.cache_dir)
     set_seed(training_args.seed)
     trainer = None
     try:
         with training_args.main_process_first(desc="load and prepare the data"):
-            raw, data_desc = common.load_raw(
-                data_args,
-                (
-                    lambda: DatasetDict({"train": load_vader(data_args.vader_min_abs_rating)}),
-                    f"VADER sentiment lexicon (|mean rating| >= {data_args.vader_min_abs_rating})",
-                ),
-                model_args.cache_dir,
-            )
-            text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
-            for flag, column in (
-                ("--label_column", data_args.label_column),
-                ("--text_pair_column", data_args.text_pair_column),
-            ):
-                for split, ds in raw.items():
-                    if column:
-                        common.check_column(ds.column_names, column, flag, f"the {split} data ({data_desc})")
+            raw, data_desc, text_column = load_labelled_data(data_args, model_args.cache_dir)
             raw, label_names = encode_labels(raw, data_args.label_column)
-            raw = common.split_off_validation(
+            raw = data.split_off_validation(
                 raw, data_args.validation_split_percentage, data_args.split_seed, stratify_by_column="labels"
             )
-            train_dataset = common.take(raw["train"], data_args.max_train_samples, data_args.split_seed)
-            eval_dataset = common.take(raw["validation"], data_args.max_eval_samples, data_args.split_seed)
-
+            train_dataset = data.take(raw["train"], data_args.max_train_samples, data_args.split_seed)
+            eval_dataset = data.take(raw["validation"], data_args.max_eval_samples, data_args.split_seed)
             tokenizer = AutoTokenizer.from_pretrained(
                 model_args.tokenizer_name or model_path, cache_dir=model_args.cache_dir
             )
-            max_length = min(data_args.max_seq_length, tokenizer.model_max_length or data_args.max_seq_length)
-
-            def tokenize(batch):
-                texts = ["" if t is None else str(t) for t in batch[text_column]]
-                pairs = None
-                if data_args.text_pair_column:
-                    pairs = ["" if t is None else str(t) for t in batch[data_args.text_pair_column]]
-                encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
-                encoded["labels"] = batch["labels"]
-                return encoded
-
-            train_dataset = train_dataset.map(
-                tokenize, batched=True, remove_columns=train_dataset.column_names, desc="tokenize train"
-            )
-            eval_dataset = eval_dataset.map(
-                tokenize, batched=True, remove_columns=eval_dataset.column_names, desc="tokenize eval"
-            )
+            train_dataset = tokenize(train_dataset, tokenizer, text_column, data_args)
+            eval_dataset = tokenize(eval_dataset, tokenizer, text_column, data_args)
             compute_metrics, f1_average = make_compute_metrics(len(label_names))
 
         id2label = dict(enumerate(label_names))
@@ -268,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
         # divided by the global label count and multiply it by the world size (2x loss and gradients on 2
         # processes) and skip the division by gradient_accumulation_steps. False: Trainer averages the usual way.
         model.accepts_loss_kwargs = False
-        model = common.apply_lora(model, model_args, "SEQ_CLS")  # --lora_r N: adapters plus the (new) head
+        model = models.apply_lora(model, model_args, "SEQ_CLS")  # --lora_r N: adapters plus the (new) head
 
         trainer = hf_demo.DeMoTrainer(
             model=model,
@@ -279,11 +286,12 @@ def main(argv: list[str] | None = None) -> dict:
             data_collator=DataCollatorWithPadding(tokenizer),
             compute_metrics=compute_metrics,
         )
-        return common.train_and_report(
+        use_ddp_comm_hook(trainer, baseline_args)  # --ddp_comm_hook: recipes/compare.py's PowerSGD baseline
+        return training.train_and_report(
             "run_classification", trainer, model=model_path, data=data_desc, labels=label_names, f1_average=f1_average
         )
     finally:
-        common.end(trainer)
+        training.end(trainer)
 
 
 if __name__ == "__main__":

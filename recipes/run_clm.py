@@ -18,7 +18,7 @@ trains PEFT LoRA adapters (``--lora_alpha``, ``--lora_dropout``, ``--lora_target
 
 Perplexity and next-token accuracy are computed at the start of training and after it, with the metric
 scripts in recipes/metrics/. Training losses are logged every step (``--logging_steps 1`` unless given).
-Writes results.json (layout: recipes/common.py), training.png (the per-step and smoothed training loss with
+Writes results.json (layout: recipes/recipelib/results.py), training.png (the per-step and smoothed training loss with
 every evaluation; bytes sent against a dense all-reduce) and the model into --output_dir.
 """
 
@@ -31,14 +31,15 @@ import numpy as np
 import torch
 from transformers import default_data_collator, set_seed
 
-import common
 import hf_demo
+from recipelib import arguments, data, models, training
+from recipelib.baselines import BaselineArguments, use_ddp_comm_hook
 
-ModelArguments = common.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*
+ModelArguments = arguments.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*
 
 
 @dataclass
-class DataTrainingArguments(common.DataTrainingArguments):
+class DataTrainingArguments(arguments.DataTrainingArguments):
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
 
 
@@ -73,7 +74,7 @@ def next_token_scores(logits, labels):
 
 
 def make_compute_metrics():
-    accuracy, perplexity = common.load_metric("accuracy"), common.load_metric("perplexity")
+    accuracy, perplexity = training.load_metric("accuracy"), training.load_metric("perplexity")
 
     def compute_metrics(eval_pred):
         scores, labels = eval_pred.predictions, eval_pred.label_ids
@@ -89,39 +90,39 @@ def make_compute_metrics():
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
-    model_args, data_args, training_args = common.parse_args(
-        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments),
+    model_args, data_args, training_args, baseline_args = arguments.parse_args(
+        (ModelArguments, DataTrainingArguments, hf_demo.DeMoTrainingArguments, BaselineArguments),
         argv,
         description=__doc__,
         validation_split_percentage=5.0,
         max_eval_samples=64,
-        logging_steps=1,  # every step's loss for training.png (printed as one short line: common.ConciseProgress)
+        logging_steps=1,  # every step's loss for training.png (printed as one short line: training.ConciseProgress)
     )
-    common.setup_logging(training_args)
-    common.check_data_files(data_args)  # on every rank, before anything is loaded
+    arguments.setup_logging(training_args)
+    data.check_data_files(data_args)  # on every rank, before anything is loaded
     set_seed(training_args.seed)
     trainer = None
     try:
         with training_args.main_process_first(desc="load the data"):
-            raw, data_desc = common.load_raw(
-                data_args, (common.load_stdlib_corpus, "python stdlib sources"), model_args.cache_dir
+            raw, data_desc = data.load_raw(
+                data_args, (data.load_stdlib_corpus, "python stdlib sources"), model_args.cache_dir
             )
-            text_column = common.resolve_text_column(raw, data_args.text_column, data_desc)
-            raw = common.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed)
-        model, tokenizer = common.load_causal_lm(model_args)
+            text_column = data.resolve_text_column(raw, data_args.text_column, data_desc)
+            raw = data.split_off_validation(raw, data_args.validation_split_percentage, data_args.split_seed)
+        model, tokenizer = models.load_causal_lm(model_args)
         with training_args.main_process_first(desc="tokenise"):
             blocks = tokenize_and_pack(
                 raw, tokenizer, text_column, data_args.block_size, data_args.preprocessing_num_workers
             )
-        train_dataset = common.take(blocks["train"], data_args.max_train_samples)
-        eval_dataset = common.take(blocks["validation"], data_args.max_eval_samples)
+        train_dataset = data.take(blocks["train"], data_args.max_train_samples)
+        eval_dataset = data.take(blocks["validation"], data_args.max_eval_samples)
         if len(train_dataset) == 0 or len(eval_dataset) == 0:
             raise ValueError(
                 f"not enough text for one block of {data_args.block_size} tokens "
                 f"(train blocks: {len(train_dataset)}, validation blocks: {len(eval_dataset)})"
             )
 
-        model = common.apply_lora(model, model_args, "CAUSAL_LM")  # --lora_r N: train adapters only
+        model = models.apply_lora(model, model_args, "CAUSAL_LM")  # --lora_r N: train adapters only
 
         trainer = hf_demo.DeMoTrainer(
             model=model,
@@ -133,14 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
             compute_metrics=make_compute_metrics(),
             preprocess_logits_for_metrics=next_token_scores,
         )
-        return common.train_and_report(
+        use_ddp_comm_hook(trainer, baseline_args)  # --ddp_comm_hook: recipes/compare.py's PowerSGD baseline
+        return training.train_and_report(
             "run_clm",
             trainer,
-            model=common.causal_lm_name(model_args),
+            model=models.causal_lm_name(model_args),
             data=data_desc,
         )
     finally:
-        common.end(trainer)
+        training.end(trainer)
 
 
 if __name__ == "__main__":

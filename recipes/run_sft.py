@@ -21,7 +21,7 @@ gradient checkpointing, bf16 where available), plus the ``--demo_*`` settings; `
 any of TRL's formats (``messages``, ``prompt``/``completion``, ``text``).
 
 The model is evaluated (loss on the answers, mean token accuracy, entropy) at the start of training and after
-it. Writes results.json (layout: recipes/common.py), training.png and the model into --output_dir.
+it. Writes results.json (layout: recipes/recipelib/results.py), training.png and the model into --output_dir.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict
 from transformers import set_seed
 
-import common
 from hf_demo.stdlib_corpus import stdlib_files
 from hf_demo.trl import DeMoSFTConfig, DeMoSFTTrainer
+from recipelib import arguments, data, models, training
 
-ModelArguments = common.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*
+ModelArguments = arguments.CausalLMModelArguments  # --model_name_or_path, --gguf_file, --lora_*
 
 
 @dataclass
-class DataTrainingArguments(common.DataTrainingArguments):
+class DataTrainingArguments(arguments.DataTrainingArguments):
     max_function_lines: int = field(
         default=12, metadata={"help": "Default data set: functions whose source is at most this many lines."}
     )
@@ -117,7 +117,7 @@ def stdlib_instructions(max_function_lines: int = 12) -> Dataset:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
-    model_args, data_args, training_args = common.parse_args(
+    model_args, data_args, training_args = arguments.parse_args(
         (ModelArguments, DataTrainingArguments, DeMoSFTConfig),
         argv,
         description=__doc__,
@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
         validation_split_percentage=10.0,
         max_eval_samples=64,
     )
-    common.setup_logging(training_args)
-    common.check_data_files(data_args)  # on every rank, before anything is loaded
+    arguments.setup_logging(training_args)
+    data.check_data_files(data_args)  # on every rank, before anything is loaded
     set_seed(training_args.seed)
     trainer = None
     try:
         with training_args.main_process_first(desc="load the data"):
-            dataset, data_desc = common.load_raw(
+            dataset, data_desc = data.load_raw(
                 data_args,
                 (
                     lambda: DatasetDict({"train": stdlib_instructions(data_args.max_function_lines)}),
@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ),
                 model_args.cache_dir,
             )
-            dataset = common.split_off_validation(dataset, data_args.validation_split_percentage, data_args.split_seed)
-        train_dataset = common.take(dataset["train"], data_args.max_train_samples, data_args.split_seed)
-        eval_dataset = common.take(dataset["validation"], data_args.max_eval_samples, data_args.split_seed)
+            dataset = data.split_off_validation(dataset, data_args.validation_split_percentage, data_args.split_seed)
+        train_dataset = data.take(dataset["train"], data_args.max_train_samples, data_args.split_seed)
+        eval_dataset = data.take(dataset["validation"], data_args.max_eval_samples, data_args.split_seed)
 
-        model, tokenizer = common.load_causal_lm(model_args)
+        model, tokenizer = models.load_causal_lm(model_args)
 
         trainer = DeMoSFTTrainer(
             model=model,
@@ -152,16 +152,16 @@ def main(argv: list[str] | None = None) -> dict:
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            peft_config=common.lora_config(model_args, "CAUSAL_LM"),
+            peft_config=models.lora_config(model_args, "CAUSAL_LM"),
         )
-        return common.train_and_report(
+        return training.train_and_report(
             "run_sft",
             trainer,
-            model=common.causal_lm_name(model_args),
+            model=models.causal_lm_name(model_args),
             data=data_desc,
         )
     finally:
-        common.end(trainer)
+        training.end(trainer)
 
 
 if __name__ == "__main__":

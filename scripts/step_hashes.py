@@ -16,6 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # benchlib: the gloo launcher
 
 import hf_demo  # noqa: E402
 from dist_utils import expect_ok, run_ranks  # noqa: E402

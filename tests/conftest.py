@@ -1,10 +1,11 @@
 """Test tiers and shared fixtures (tiny real models saved to disk, so recipes load them as a user's folder).
 
-``pytest -m "not launch"`` runs the fast tier: everything except the tests that start processes through
-``accelerate launch`` (``launch_utils.accelerate_launch``, or ``recipes/compare.py``, which runs it itself).
-A test is a launch test if it carries ``@pytest.mark.launch`` or is listed in ``LAUNCH_TESTS`` below (the
-place for them until the test files carry the marker); ``accelerate_launch`` refuses to run inside a test that
-is neither, so the fast tier does not silently grow.
+Markers are given where the test is written: ``@pytest.mark.launch`` / ``ranks`` / ``slow`` on the test, or
+``pytestmark`` for a whole file. ``launch``: the test starts processes through ``accelerate launch``
+(``launch_utils.accelerate_launch``, or ``recipes/compare.py``, which runs it itself). ``ranks``: it forks
+real gloo ranks; a test takes the ``gloo`` fixture for that, which marks it. ``accelerate_launch`` and
+``dist_utils.run_ranks`` refuse to run inside a test without the marker, so the fast tier
+(``-m "not launch and not ranks"``) does not silently grow.
 
 ``device``: the single-process tests that take it run on every device: ``"cpu"``, and ``"cuda"`` (marked
 ``cuda``, skipped with the reason where torch sees no GPU). ``pytest -m cuda`` is the GPU subset that
@@ -16,6 +17,7 @@ import os
 import pytest
 import torch
 
+from dist_utils import RANKS_ALLOWED, run_ranks
 from launch_utils import LAUNCH_ALLOWED
 
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False): the cuda tests need a GPU (scripts/gpu_check.sh)"
@@ -28,32 +30,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# test file -> the names of its launch tests (None: all of them)
-LAUNCH_TESTS = {
-    "test_trainer.py": None,
-    "test_recipe_clm.py": {
-        "test_clm_smoke_two_processes",
-        "test_compare_three_methods",
-        "test_compare_methods_are_what_they_claim",
-        "test_real_smollm2_two_steps_two_processes",
-    },
-    "test_recipe_classification.py": {
-        "test_two_process_demo_run_writes_metrics_before_and_after",
-        "test_two_process_run_logged_demo_communication",
-    },
-}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        names = LAUNCH_TESTS.get(item.path.name, ())
-        if names is None or item.originalname in names:
-            item.add_marker(pytest.mark.launch)
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     os.environ[LAUNCH_ALLOWED] = "1" if item.get_closest_marker("launch") else "0"
+    os.environ[RANKS_ALLOWED] = "1" if item.get_closest_marker("ranks") or item.get_closest_marker("launch") else "0"
+
+
+@pytest.fixture(params=[pytest.param(run_ranks, marks=pytest.mark.ranks, id="gloo")])
+def gloo(request):
+    """``run_ranks`` (tests/dist_utils.py) for a test that forks gloo ranks: taking this fixture marks it ``ranks``."""
+    return request.param
 
 
 @pytest.fixture(params=DEVICES)

@@ -1,4 +1,4 @@
-"""Small models and data shared by the tests (and, through ``benchmarks/common.py``, the benchmarks)."""
+"""Small models, data and optimizers shared by the tests."""
 
 from __future__ import annotations
 
@@ -6,12 +6,19 @@ import io
 
 import torch
 
-from hf_demo.stdlib_corpus import stdlib_bytes, stdlib_files  # noqa: F401 - the benchmarks import them from here
+import hf_demo
+
+SMALL_DEMO = {"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8}  # blocks a tiny_mlp is cut into
 
 
 def tiny_mlp(seed: int = 0, hidden: int = 32, inputs: int = 16, outputs: int = 8) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, outputs))
+
+
+def small_demo(model, **settings) -> hf_demo.DeMo:
+    """DeMo on ``model``'s parameters with :data:`SMALL_DEMO` (top-4 of 8-wide blocks) and ``settings`` on top."""
+    return hf_demo.DeMo(model.parameters(), **{**SMALL_DEMO, **settings})
 
 
 def awkward_mlp(seed: int = 0) -> torch.nn.Sequential:

@@ -60,27 +60,62 @@ def test_optim_stays_demo_everywhere():
 def test_plain_trainer_refuses_optim_demo():
     from transformers import Trainer
 
-    with pytest.raises(ValueError, match="needs a DeMo-aware trainer: use hf_demo.DeMoTrainer"):
+    with pytest.raises(ValueError, match="needs a DeMo-aware trainer: use hf_demo.DeMoTrainer instead of Trainer"):
         Trainer.get_optimizer_cls_and_kwargs(
             TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
         )
 
 
-def test_demo_fields_follow_the_settings_table(monkeypatch):
-    """A setting added to DeMoSettings becomes a --demo_ field with its help and choices, without an edit."""
-    fields = {name: f for name, _, f in hf_demo.hf.training_args._demo_fields()}
+def test_the_refusal_names_the_fix_for_the_trainer_at_hand():
+    """A DPOTrainer user was sent to the SFT class: the fix is with_demo of the user's own pair."""
+    import trl
+
+    from hf_demo.hf.training_args import plain_trainer_fix
+    from hf_demo.trl import DeMoSFTConfig
+
+    dpo = trl.DPOConfig(output_dir="out-never-written", use_cpu=True, optim="demo")
+    with pytest.raises(ValueError, match=r"hf_demo\.with_demo\(DPOTrainer, DPOConfig\)") as refused:
+        trl.DPOTrainer.get_optimizer_cls_and_kwargs(dpo)
+    assert "SFT" not in str(refused.value)
+    sft = plain_trainer_fix(trl.SFTConfig)
+    assert "hf_demo.with_demo(SFTTrainer, SFTConfig)" in sft and "hf_demo.trl.DeMoSFTTrainer" in sft
+    assert plain_trainer_fix(DeMoSFTConfig) == sft  # hf_demo's fields given to plain SFTTrainer: the same fix
+    assert "use hf_demo.DeMoTrainer instead of Trainer" in plain_trainer_fix(hf_demo.DeMoTrainingArguments)
+
+    class RunArguments(TrainingArguments):
+        pass
+
+    assert "hf_demo.with_demo(YourTrainer, RunArguments)" in plain_trainer_fix(RunArguments)
+
+
+def test_demo_fields_are_the_settings_table():
+    """DeMoArguments is written out; its demo_* fields are DeMoSettings' settings: names, types, help, choices."""
+    import dataclasses
+    import typing
+
+    from hf_demo.hf.training_args import DeMoArguments
+    from hf_demo.settings import PRESETS
+
+    fields = {f.name: f for f in dataclasses.fields(DeMoArguments)}
+    hints = typing.get_type_hints(DeMoArguments)
+    assert list(fields) == ["demo_preset", *(f"demo_{n}" for n in _grouped(DeMoArguments.__doc__))]
     assert set(fields) == {"demo_preset"} | {f"demo_{n}" for n in DeMoSettings.names()}
-    described = DeMoSettings.describe()
-    monkeypatch.setattr(
-        DeMoSettings,
-        "describe",
-        classmethod(lambda cls: described + [("future_knob", str, "a", "a knob from later", ("a", "b"))]),
-    )
-    fields = {name: f for name, _, f in hf_demo.hf.training_args._demo_fields()}
-    assert fields["demo_future_knob"].metadata == {
-        "help": "DeMo: a knob from later (default: a)",
-        "choices": ["a", "b"],
-    }
+    assert fields["demo_preset"].metadata["choices"] == list(PRESETS) and hints["demo_preset"] == str | None
+    for name, kind, default, help, choices in DeMoSettings.describe():
+        f = fields[f"demo_{name}"]
+        assert f.default is None and hints[f.name] == kind | None, name
+        assert f.metadata["help"] == f"DeMo: {help} (default: {default})".replace("%", "%%"), name
+        assert f.metadata.get("choices") == (list(choices) if choices is not None else None), name
+        assert (f.metadata.get("nargs"), f.metadata.get("const")) == (("?", True) if kind is bool else (None, None))
+
+
+def _grouped(doc: str) -> list[str]:
+    """The setting names in the order DeMoArguments' docstring groups them (each once)."""
+    import re
+
+    names = [n for n in re.findall(r"\bdemo_(\w+)", doc) if n != "preset"]
+    assert len(names) == len(set(names)), names
+    return names
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "rmsprop"])
@@ -300,8 +335,7 @@ def test_presets_sit_under_settings_given_by_name():
 
 
 def test_settings_that_do_not_reach_the_optimizer_are_named(tmp_path):
-    """--demo_* flags without --optim demo, or beside an optimizer given to the trainer, were dropped silently;
-    a DDP comm hook beside a DeMo given as an optimizer failed at the first step with torch's error."""
+    """--demo_* flags without --optim demo, or beside an optimizer given to the trainer, were dropped silently."""
     with pytest.warns(
         UserWarning, match=r"--demo_compression_topk set, but the optimizer is 'adamw_torch'.*--optim demo"
     ):
@@ -309,8 +343,6 @@ def test_settings_that_do_not_reach_the_optimizer_are_named(tmp_path):
     given = {"optimizer_cls_and_kwargs": hf_demo.optimizer_cls_and_kwargs(lr=1e-3, compression_topk=8)}
     with pytest.warns(UserWarning, match=r"an optimizer was given.*--demo_sync_every, --optim demo are not used"):
         _tiny_trainer(tmp_path, given, optim="demo", demo_sync_every=4)
-    with pytest.raises(ValueError, match=r"--ddp_comm_hook fp16 .* with DeMo as the optimizer .* drop it"):
-        _tiny_trainer(tmp_path, given, optim="adamw_torch", ddp_comm_hook="fp16")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one source of settings: nothing to say
         _tiny_trainer(tmp_path, optim="demo", demo_compression_topk=16)

@@ -1,6 +1,5 @@
 """The benchmark scripts still run end to end (a tiny model, two steps): their figures come from long runs,
-but a refactor must not leave them broken. Each runs in its own interpreter: the benchmarks' ``common``
-module must not shadow the recipes' in this one."""
+but a refactor must not leave them broken. Each runs in its own interpreter, as a user runs it."""
 
 import json
 import os

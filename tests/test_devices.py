@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import hf_demo
-from dist_utils import expect_ok, run_ranks
+from dist_utils import expect_ok
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import plan
 from hf_demo.exchange.transport import wire_device
@@ -117,8 +117,8 @@ def _two_ranks(rank, world, mode):
 
 
 @pytest.mark.parametrize("mode", ["default", "all_reduce", "overlap"])
-def test_no_tensor_lands_on_the_default_device_two_ranks(mode):
-    (made0, params0), (made1, params1) = expect_ok(run_ranks(_two_ranks, 2, mode))
+def test_no_tensor_lands_on_the_default_device_two_ranks(mode, gloo):
+    (made0, params0), (made1, params1) = expect_ok(gloo(_two_ranks, 2, mode))
     assert made0 == made1 == []
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 

@@ -9,16 +9,14 @@ import torch
 
 import hf_demo
 from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, small_demo, tiny_mlp
 
-
-def _make(model, **kw):
-    return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
 
 def _hundred_steps(rank, world, fmt):
     model = tiny_mlp()
-    opt = _make(model, value_format=fmt)
+    opt = small_demo(model, value_format=fmt)
     losses = []
     for step in range(100):
         losses.append(loss_and_backward(model, rank, step % 10))
@@ -51,7 +49,7 @@ def test_ranks_end_bitwise_identical(world, fmt):
 
 def _missing_grad_on_one_rank(rank, world):
     model = tiny_mlp()
-    opt = _make(model)
+    opt = small_demo(model)
     for step in range(10):
         loss_and_backward(model, rank, step)
         if rank == 1:
@@ -76,7 +74,7 @@ def _expect_error_everywhere(results, type_name, match, started):
 def _mismatch(rank, world, what):
     hidden = 32 if (what != "layout" or rank == 0) else 40
     model = tiny_mlp(hidden=hidden)
-    opt = _make(model, lr=3e-3 if (what != "settings" or rank == 0) else 1e-3)
+    opt = small_demo(model, lr=3e-3 if (what != "settings" or rank == 0) else 1e-3)
     loss_and_backward(model, rank, 0)
     if what == "step":
         opt.step()
@@ -104,7 +102,7 @@ def _corrupt_payload(rank, world, what):
     from hf_demo.wire import codec
 
     model = tiny_mlp()
-    opt = _make(model, value_format="fp32")
+    opt = small_demo(model, value_format="fp32")
     if rank == world - 1:
         if what == "index":
             corrupt_indices(codec.index_coding(opt.settings.index_coding))
@@ -137,7 +135,7 @@ def test_corrupted_payload_raises_on_every_rank(what, match):
 
 def _nan_gradient(rank, world, policy):
     model = tiny_mlp()
-    opt = _make(model, nonfinite=policy)
+    opt = small_demo(model, nonfinite=policy)
     loss_and_backward(model, rank, 0)
     opt.step()
     before = [p.detach().clone() for p in model.parameters()]
@@ -167,7 +165,7 @@ def test_nonfinite_gradient_raises_on_every_rank_with_policy_raise():
 
 def _save_state(rank, world, folder):
     model = tiny_mlp()
-    opt = _make(model)
+    opt = small_demo(model)
     loss_and_backward(model, rank, 0)
     opt.step()
     torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pt"))  # no collective inside
@@ -176,7 +174,7 @@ def _save_state(rank, world, folder):
 
 def _load_state(rank, world, folder):
     model = tiny_mlp()
-    opt = _make(model)
+    opt = small_demo(model)
     opt.load_state_dict(torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True))
     return "no error"
 
@@ -193,7 +191,7 @@ def test_resume_on_a_different_world_size_is_detected(tmp_path):
     )
     # a single process (torch.distributed not initialised) is caught at its first step
     model = tiny_mlp()
-    opt = _make(model)
+    opt = small_demo(model)
     opt.load_state_dict(torch.load(tmp_path / "rank0.pt", weights_only=True))
     loss_and_backward(model, 0, 0)
     with pytest.raises(hf_demo.DeMoStateError, match="saved with 2 process"):
@@ -202,7 +200,7 @@ def test_resume_on_a_different_world_size_is_detected(tmp_path):
 
 def _state_dict_on_rank0_only(rank, world):
     model = tiny_mlp()
-    opt = _make(model)
+    opt = small_demo(model)
     loss_and_backward(model, rank, 0)
     opt.step()
     if rank == 0:

@@ -7,7 +7,7 @@ zero-padded blocks where there is none).
 import pytest
 
 import hf_demo
-from dist_utils import expect_ok, run_ranks
+from dist_utils import expect_ok
 from hf_demo.compression.blocks import plan
 from hf_demo.optim.reference import ReferenceDeMo
 from models import awkward_mlp, loss_and_backward, tiny_mlp
@@ -73,8 +73,8 @@ def test_matches_reference_single_process(rule, model, device):
 # padding is a per-rank matter: 2 ranks cover it; averaging over 4 ranks is the same code whatever the shapes
 @pytest.mark.parametrize("world,model", [(2, "divisible"), (4, "divisible"), (2, "padded")])
 @pytest.mark.parametrize("rule", ["sign", "raw", "adam", "adamw"])
-def test_matches_reference_distributed(world, rule, model):
-    results = expect_ok(run_ranks(_train_both, world, rule, model))
+def test_matches_reference_distributed(world, rule, model, gloo):
+    results = expect_ok(gloo(_train_both, world, rule, model))
     for fast, ref in results:
         assert _max_diff(fast, ref) <= 1e-5
     # and the training really moved the parameters
@@ -83,11 +83,11 @@ def test_matches_reference_distributed(world, rule, model):
 
 
 @pytest.mark.parametrize("rule", ["sign", "adam"])
-def test_overlap_matches_the_reference_applied_one_step_late(rule):
+def test_overlap_matches_the_reference_applied_one_step_late(rule, gloo):
     """overlap=True is DeMo with every update (and its weight decay) applied one step late, nothing else."""
-    results = expect_ok(run_ranks(_train_both, 2, rule, "padded", "cpu", True))
+    results = expect_ok(gloo(_train_both, 2, rule, "padded", "cpu", True))
     for fast, ref in results:
         assert _max_diff(fast, ref) <= 1e-5
     # and it is not the plain algorithm: one step late changes where the gradients are taken
-    plain = expect_ok(run_ranks(_train_both, 2, rule, "padded"))
+    plain = expect_ok(gloo(_train_both, 2, rule, "padded"))
     assert _max_diff(results[0][0], plain[0][0]) > 1e-4

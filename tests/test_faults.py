@@ -12,13 +12,9 @@ import torch
 
 import hf_demo
 from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, small_demo, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
-
-
-def _make(model, **kw):
-    return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
 
 
 def _snapshot(model, opt):
@@ -47,7 +43,7 @@ def _fail_on_second_step(rank, world, fault, kw):
     from hf_demo.wire import codec
 
     model = tiny_mlp()
-    opt = _make(model, **kw)
+    opt = small_demo(model, **kw)
     loss_and_backward(model, rank, 0)
     opt.step()
     loss_and_backward(model, rank, 1)
@@ -106,7 +102,7 @@ def _flip(rank, world, kw):
     from hf_demo.wire import codec
 
     model = tiny_mlp()
-    opt = _make(model, **{"comm_timeout": 5.0, **kw})
+    opt = small_demo(model, **{"comm_timeout": 5.0, **kw})
     loss_and_backward(model, rank, 0)
     opt.step()
     real_gather = comm._all_gather
@@ -172,7 +168,7 @@ def test_a_frozen_peer_makes_the_survivor_raise_within_comm_timeout_naming_it():
 
 def _extra_step(rank, world):
     model = tiny_mlp()
-    opt = _make(model, comm_timeout=20.0)
+    opt = small_demo(model, comm_timeout=20.0)
     for step in range(3 + (rank == 1)):  # rank 1 calls step() one time more than rank 0
         loss_and_backward(model, rank, step)
         before = _snapshot(model, opt)
@@ -196,7 +192,7 @@ def test_a_rank_stepping_once_more_gets_a_named_error_not_a_raw_gloo_one():
 
 def _settings(rank, world, name, values):
     model = tiny_mlp()
-    opt = _make(model, **{name: values[rank]})
+    opt = small_demo(model, **{name: values[rank]})
     loss_and_backward(model, rank, 0)
     opt.step()
 
@@ -227,7 +223,7 @@ def _secret(rank, world, secrets, kw=None):
     else:
         os.environ["HF_DEMO_SECRET"] = secrets[rank]
     model = tiny_mlp()
-    opt = _make(model, **(kw or {}))
+    opt = small_demo(model, **(kw or {}))
     for step in range(3):
         loss_and_backward(model, rank, step)
         opt.step()
@@ -249,7 +245,7 @@ def test_authenticated_payloads():
 
 def _drift(rank, world, policy, full_sync_every):
     model = tiny_mlp()
-    opt = _make(model, check_every=5, drift=policy, full_sync_every=full_sync_every)
+    opt = small_demo(model, check_every=5, drift=policy, full_sync_every=full_sync_every)
     for step in range(12):
         loss_and_backward(model, rank, step)
         if step == 2 and rank == 1:
@@ -282,7 +278,7 @@ def _frozen_param(rank, world):
     frozen = model[0].bias
     frozen.requires_grad_(False)
     value = frozen.detach().clone()
-    opt = _make(model, weight_decay=0.1)
+    opt = small_demo(model, weight_decay=0.1)
     for step in range(5):
         loss_and_backward(model, rank, step)
         opt.step()
@@ -338,7 +334,7 @@ def test_warns_after_patience_consecutive_skipped_steps():
 
 def _inf_param(rank, world, policy):
     model = tiny_mlp()
-    opt = _make(model, drift=policy)
+    opt = small_demo(model, drift=policy)
     for step in range(4):
         loss_and_backward(model, rank, step)
         if step == 1 and rank == 1:

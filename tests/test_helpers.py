@@ -1,12 +1,14 @@
-"""The helpers the tests and the benchmarks share: the gloo launcher in both start methods, the stdlib corpus."""
+"""The helpers the tests and the benchmarks share: the gloo launcher (benchlib.ranks) in both start methods, the
+stdlib corpus, and the guard that keeps forked ranks out of unmarked tests."""
 
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
-from dist_utils import RankError, run_ranks
-from models import stdlib_bytes, stdlib_files
+from dist_utils import RANKS_ALLOWED, RankError, run_ranks
+from hf_demo.stdlib_corpus import stdlib_bytes, stdlib_files
 
 
 def _where(rank, world, fail_on):
@@ -15,8 +17,8 @@ def _where(rank, world, fail_on):
     return rank, world, dist.get_world_size()
 
 
-def test_spawned_ranks_report_results_and_errors():  # the benchmarks' way: fresh interpreters
-    ok, failed = run_ranks(_where, 2, 1, start_method="spawn")
+def test_spawned_ranks_report_results_and_errors(gloo):  # the benchmarks' way: fresh interpreters
+    ok, failed = gloo(_where, 2, 1, start_method="spawn")
     assert ok == (0, 2, 2)
     assert isinstance(failed, RankError) and failed.type == "ValueError" and "on purpose" in failed.message
 
@@ -28,3 +30,26 @@ def test_stdlib_corpus_is_the_library_without_tests():
     assert not any({"site-packages", "test", "tests"} & set(f.relative_to(root).parts) for f in files)
     data = stdlib_bytes()
     assert data.numel() == sum(f.stat().st_size + 1 for f in files) > 5_000_000
+
+
+def test_forking_ranks_needs_the_ranks_marker(monkeypatch):
+    """A test that forks gloo ranks without the marker would grow the fast tier unseen: run_ranks refuses."""
+    monkeypatch.setenv(RANKS_ALLOWED, "0")  # what conftest.py sets for a test without the marker
+    with pytest.raises(AssertionError, match="take the gloo fixture or mark it ranks"):
+        run_ranks(_where, 2, 1)
+
+
+def test_one_powersgd_byte_model_for_the_benchmarks_and_compare_py():
+    """The benchmarks and recipes/compare.py count PowerSGD's bytes by the same rule (each tree self-contained)."""
+    import importlib
+
+    from benchlib.baselines import powersgd_bytes
+    from launch_utils import ROOT
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "recipes"))
+        recipes = importlib.import_module("recipelib.baselines")
+    shapes = [(49152, 576), (576,), (1536, 576), (576, 1536), (8, 4, 3, 3), (3, 2), ()]
+    for rank in (1, 4, 32):
+        assert powersgd_bytes(shapes, rank) == recipes.powersgd_bytes_per_step(shapes, rank)
+    assert powersgd_bytes([(1000, 1000)], 4) == 4 * 2000 * 4 and powersgd_bytes([(3, 2)], 4) == 4 * 6

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import hf_demo
-from dist_utils import expect_ok, run_ranks
+from dist_utils import expect_ok
 from hf_demo.exchange import teardown
 
 
@@ -26,10 +26,8 @@ def _exit_handler(rank, world):
     return installed_again, kept_while_in_flight, dist.is_initialized(), hf_demo.shutdown()
 
 
-def test_exit_handler_destroys_the_group_once_and_only_when_safe():
-    for installed_again, kept_while_in_flight, still_initialised, shutdown_again in expect_ok(
-        run_ranks(_exit_handler, 2)
-    ):
+def test_exit_handler_destroys_the_group_once_and_only_when_safe(gloo):
+    for installed_again, kept_while_in_flight, still_initialised, shutdown_again in expect_ok(gloo(_exit_handler, 2)):
         assert not installed_again  # DeMo's first step already installed it
         assert kept_while_in_flight and not still_initialised and not shutdown_again
 
@@ -51,8 +49,8 @@ def _step_guard(rank, world):
     return refused, opt.steps
 
 
-def test_demo_under_an_allreducing_ddp_stops_at_the_first_step():
-    for refused, steps in expect_ok(run_ranks(_step_guard, 2)):
+def test_demo_under_an_allreducing_ddp_stops_at_the_first_step(gloo):
+    for refused, steps in expect_ok(gloo(_step_guard, 2)):
         assert "still all-reduces gradients" in refused and "hf_demo.DeMoTrainer" in refused
         assert steps == 1  # the refused step changed nothing; the fixed one ran
 
@@ -76,10 +74,10 @@ def _nested_ddp(rank, world):
     return registered, hf_demo.disable_gradient_allreduce(outer), grads, [str(w.message) for w in caught]
 
 
-def test_every_wrapper_of_a_nested_ddp_model_keeps_the_local_gradient():
+def test_every_wrapper_of_a_nested_ddp_model_keeps_the_local_gradient(gloo):
     """The inner wrapper of DDP(DDP(model)) all-reduced every gradient densely, uncounted, before the outer
     one's no-op hook, and DeMo called it a wrapper "no longer in use"."""
-    results = expect_ok(run_ranks(_nested_ddp, 2))
+    results = expect_ok(gloo(_nested_ddp, 2))
     for registered, again, _, caught in results:
         assert registered and not again
         assert not any("DistributedDataParallel" in message for message in caught)
@@ -115,8 +113,8 @@ def _stale_wrapper(rank, world):
     return [str(w.message) for w in caught], opt.steps, refused, torch.equal(weights, model.weight)
 
 
-def test_a_stale_ddp_wrapper_is_cleared_by_the_gradients_and_caught_when_it_averages_again():
-    results = expect_ok(run_ranks(_stale_wrapper, 2))
+def test_a_stale_ddp_wrapper_is_cleared_by_the_gradients_and_caught_when_it_averages_again(gloo):
+    results = expect_ok(gloo(_stale_wrapper, 2))
     for caught, steps, refused, unchanged in results:
         assert any("no longer in use" in w for w in caught), caught  # step 1 ran, with a warning, not an error
         assert steps == 1 and unchanged  # step 2 changed nothing
@@ -140,8 +138,8 @@ def _partial_wrapper(rank, world):
     return None, opt.steps
 
 
-def test_a_ddp_wrapper_averaging_some_of_demos_parameters_is_caught():
-    for refused, steps in expect_ok(run_ranks(_partial_wrapper, 2)):
+def test_a_ddp_wrapper_averaging_some_of_demos_parameters_is_caught(gloo):
+    for refused, steps in expect_ok(gloo(_partial_wrapper, 2)):
         assert refused and "still all-reduces gradients" in refused and "bitwise identical" in refused
         assert steps == 0
 
@@ -180,9 +178,9 @@ def _odd_wrappers(rank, world, case):
     return refused, opt.steps, [str(w.message) for w in caught], body.weight.detach().clone()
 
 
-def test_ddp_wrappers_that_average_nothing_across_ranks_do_not_stop_demo():
+def test_ddp_wrappers_that_average_nothing_across_ranks_do_not_stop_demo(gloo):
     for case in ("one_rank", "no_gradient", "local_first"):
-        results = expect_ok(run_ranks(_odd_wrappers, 2, case))
+        results = expect_ok(gloo(_odd_wrappers, 2, case))
         for rank, (refused, steps, caught, _) in enumerate(results):
             assert refused is None and steps == 1, (case, refused)
             warned = any("no longer in use" in w for w in caught)
@@ -191,8 +189,8 @@ def test_ddp_wrappers_that_average_nothing_across_ranks_do_not_stop_demo():
             assert torch.equal(results[0][3], results[1][3]), case
 
 
-def test_a_ddp_wrapper_averaging_within_subgroups_stops_every_rank():
-    for refused, steps, _, _ in expect_ok(run_ranks(_odd_wrappers, 4, "pairs")):
+def test_a_ddp_wrapper_averaging_within_subgroups_stops_every_rank(gloo):
+    for refused, steps, _, _ in expect_ok(gloo(_odd_wrappers, 4, "pairs")):
         assert refused and "bitwise identical on ranks [0, 1, 2, 3]" in refused and steps == 0
 
 

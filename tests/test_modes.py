@@ -12,7 +12,7 @@ from dist_utils import expect_ok, run_ranks
 from hf_demo.exchange.transport import Traffic
 from hf_demo.wire import codec
 from hf_demo.wire.agreement import VOTE_BYTES
-from models import loss_and_backward, restart, tiny_mlp
+from models import loss_and_backward, restart, small_demo, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -27,16 +27,12 @@ MODES = {
 }
 
 
-def _make(model, **kw):
-    return hf_demo.DeMo(model.parameters(), **{"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, **kw})
-
-
 def _train(rank, world, kw, steps, resume_at=None):
     model = tiny_mlp()
-    opt = _make(model, **kw)
+    opt = small_demo(model, **kw)
     for step in range(steps):
         if step == resume_at:  # a fresh process would do exactly this: new model and optimizer, load both
-            model, opt = restart(model, opt, lambda m: _make(m, **kw))
+            model, opt = restart(model, opt, lambda m: small_demo(m, **kw))
         loss_and_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.comm_stats.as_dict()
@@ -150,14 +146,14 @@ def test_all_reduce_refuses_the_sign_format():
 def _overlap(rank, world, steps, resume_at=None, flush=True, coding=None, resumed_coding=None):
     model = tiny_mlp()
     kw = {"overlap": True, **({"index_coding": coding} if coding else {})}
-    opt = _make(model, **kw)
+    opt = small_demo(model, **kw)
     losses = []
     for step in range(steps):
         if step == resume_at:
             # state_dict() finishes the exchange in flight: it travels in the state
             if resumed_coding:
                 kw["index_coding"] = resumed_coding
-            model, opt = restart(model, opt, lambda m: _make(m, **kw))
+            model, opt = restart(model, opt, lambda m: small_demo(m, **kw))
         losses.append(loss_and_backward(model, rank, step % 5))
         opt.step()
     if flush:
@@ -233,7 +229,7 @@ def test_overlap_applies_the_update_in_flight_to_the_parameter_it_was_computed_f
 def _in_flight(**kw):
     """A one-process overlap run with an exchange in flight, its saved state, and the update it carries."""
     model = tiny_mlp()
-    opt = _make(model, overlap=True, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
+    opt = small_demo(model, overlap=True, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
     for step in range(3):
         loss_and_backward(model, 0, step)
         opt.step()
@@ -247,7 +243,7 @@ def _in_flight(**kw):
 
 def _resumed(state, **kw):
     model = tiny_mlp(seed=7)
-    opt = _make(model, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
+    opt = small_demo(model, value_format="fp32", update_rule="raw", lr=1e-2, **kw)
     model.load_state_dict(state["model"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "resuming with settings that differ from the checkpoint's"
@@ -293,7 +289,7 @@ def test_overlap_checkpoint_resumed_without_overlap_applies_the_update_in_flight
 
 def test_overlap_refuses_to_checkpoint_an_exchange_that_arrived_corrupted():
     model = tiny_mlp()
-    opt = _make(model, overlap=True)
+    opt = small_demo(model, overlap=True)
     for step in range(2):
         loss_and_backward(model, 0, step)
         opt.step()
@@ -316,7 +312,7 @@ def test_an_exchange_in_flight_is_not_resumed_where_it_cannot_be_applied(setting
     the way out, instead of losing the update silently."""
     state, _ = _in_flight()
     model = tiny_mlp(seed=7)
-    opt = _make(model, value_format="fp32", update_rule="raw", lr=1e-2, **settings)
+    opt = small_demo(model, value_format="fp32", update_rule="raw", lr=1e-2, **settings)
     with pytest.raises(hf_demo.DeMoStateError, match="exchange still in flight.*flush"):
         opt.load_state_dict(state["opt"])
     assert opt.steps == 0 and not opt.in_flight and not opt.state  # refused before anything was loaded

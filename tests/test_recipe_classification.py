@@ -13,7 +13,7 @@ QUICK = ["--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true", "
 
 @pytest.fixture(scope="module")
 def recipe():
-    """The script as a module, imported as it runs: its folder (recipes/, with common.py) on sys.path."""
+    """The script as a module, imported as it runs: its folder (recipes/, with recipelib/) on sys.path."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(ROOT / "recipes"))
         return importlib.import_module("run_classification")
@@ -194,10 +194,10 @@ def test_missing_model(recipe, tmp_path):
     with pytest.raises(FileNotFoundError, match="model path .*no_such_model does not exist"):
         recipe.main(["--model_name_or_path", missing, "--output_dir", tmp_path / "out", *QUICK])
     with pytest.raises(FileNotFoundError, match="'nobody/no-such-model'"):
-        recipe.common.check_model("nobody/no-such-model")
+        recipe.models.check_model("nobody/no-such-model")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        recipe.common.check_model(str(tmp_path / "empty"))
+        recipe.models.check_model(str(tmp_path / "empty"))
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -225,7 +225,7 @@ def test_label_encoding_and_local_metric_scripts(recipe):
     raw = DatasetDict({"train": Dataset.from_dict({"label": [3, 1, 3]})})
     out, names = recipe.encode_labels(raw, "label")
     assert names == ["1", "3"] and out["train"]["labels"] == [1, 0, 1]
-    accuracy, f1 = recipe.common.load_metric("accuracy"), recipe.common.load_metric("f1")
+    accuracy, f1 = recipe.training.load_metric("accuracy"), recipe.training.load_metric("f1")
     assert accuracy.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0]) == {"accuracy": 0.75}
     assert f1.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0])["f1"] == pytest.approx(2 / 3)
     assert f1.compute(predictions=[0, 2, 1], references=[0, 1, 1], average="macro")["f1"] == pytest.approx(5 / 9)

@@ -1,4 +1,4 @@
-"""recipes/run_clm.py, recipes/compare.py and recipes/common.py: launches on a tiny model and the real SmolLM2,
+"""recipes/run_clm.py, recipes/compare.py and recipes/recipelib: launches on a tiny model and the real SmolLM2,
 clear errors, the shared arguments, results layout and exit."""
 
 import argparse
@@ -6,10 +6,12 @@ import importlib
 import json
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import hf_demo
 from dist_utils import free_port
 from launch_utils import ROOT, accelerate_launch, load_records
 
@@ -48,8 +50,10 @@ def run_clm():
 
 
 @pytest.fixture(scope="module")
-def common():
-    return import_recipe("common")
+def recipelib():
+    """The recipes' shared package (recipes/recipelib), imported as the scripts import it."""
+    modules = ("arguments", "baselines", "data", "models", "plots", "results", "training")
+    return SimpleNamespace(**{name: import_recipe(f"recipelib.{name}") for name in modules})
 
 
 # ------------------------------------------------------------------------------------------- launches
@@ -287,38 +291,43 @@ def test_missing_train_file_and_missing_model(run_clm, tmp_path, tiny_llama_dir)
         )
 
 
-# ------------------------------------------------------------------------------------------- common
-def test_one_way_to_default_to_demo(run_clm, common, tmp_path):
-    types = (run_clm.ModelArguments, run_clm.DataTrainingArguments, common.hf_demo.DeMoTrainingArguments)
-    _, data, args = common.parse_args(types, ["--output_dir", tmp_path, "--use_cpu", "true"], max_eval_samples=64)
+# ------------------------------------------------------------------------------------------- recipelib
+def test_one_way_to_default_to_demo(run_clm, recipelib, tmp_path):
+    types = (run_clm.ModelArguments, run_clm.DataTrainingArguments, hf_demo.DeMoTrainingArguments)
+    _, data, args = recipelib.arguments.parse_args(
+        types, ["--output_dir", tmp_path, "--use_cpu", "true"], max_eval_samples=64
+    )
     assert args.optim == "demo" and args.eval_on_start and data.max_eval_samples == 64
-    _, _, args = common.parse_args(
+    _, _, args = recipelib.arguments.parse_args(
         types, ["--output_dir", tmp_path, "--optim", "adamw_torch", "--use_cpu", "true", "--eval_on_start", "false"]
     )
-    assert common.optim_name(args) == "adamw_torch" and not args.eval_on_start
+    assert recipelib.arguments.optim_name(args) == "adamw_torch" and not args.eval_on_start
     config = tmp_path / "args.json"  # a config file gets the same defaults
     config.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True, "block_size": 32}))
-    _, data, args = common.parse_args(types, [config])
+    _, data, args = recipelib.arguments.parse_args(types, [config])
     assert args.optim == "demo" and args.eval_on_start and data.block_size == 32
     assert isinstance(data.validation_split_percentage, float)
 
 
-def test_split_take_and_text_column(common):
+def test_split_take_and_text_column(recipelib):
     from datasets import Dataset, DatasetDict
 
     raw = DatasetDict(train=Dataset.from_dict({"content": [f"doc {i}" for i in range(20)]}))
-    assert common.resolve_text_column(raw, None, "x") == "content"
-    split = common.split_off_validation(raw, 10.0, seed=0)
+    assert recipelib.data.resolve_text_column(raw, None, "x") == "content"
+    split = recipelib.data.split_off_validation(raw, 10.0, seed=0)
     assert (len(split["train"]), len(split["validation"])) == (18, 2)
-    assert common.take(split["train"], 5)["content"] == split["train"]["content"][:5]
-    assert len(common.take(split["train"], 5, seed=1)) == 5 and common.take(split["train"], None) is split["train"]
+    assert recipelib.data.take(split["train"], 5)["content"] == split["train"]["content"][:5]
+    assert (
+        len(recipelib.data.take(split["train"], 5, seed=1)) == 5
+        and recipelib.data.take(split["train"], None) is split["train"]
+    )
     with pytest.raises(ValueError, match="too few"):
-        common.split_off_validation(DatasetDict(train=raw["train"].select([0])), 10.0, seed=0)
+        recipelib.data.split_off_validation(DatasetDict(train=raw["train"].select([0])), 10.0, seed=0)
     with pytest.raises(ValueError, match="must be in"):
-        common.split_off_validation(raw, 100.0, seed=0)
+        recipelib.data.split_off_validation(raw, 100.0, seed=0)
 
 
-def test_summary_and_compare_read_one_layout(common):
+def test_summary_and_compare_read_one_layout(recipelib):
     compare = import_recipe("compare")
     log = [
         {"step": 0, "eval_loss": 3.0},
@@ -342,9 +351,9 @@ def test_summary_and_compare_read_one_layout(common):
         "optim": "demo",
         "before": {"loss": 3.0, "perplexity": 20.0, "next_token_accuracy": 0.1},
         "after": {"loss": 2.0, "perplexity": 7.389, "next_token_accuracy": 0.5},
-        "communication": common.communication(log, 1000, 2),
+        "communication": recipelib.results.communication(log, 1000, 2),
     }
-    text = common.summary(clm, "out", "out/results.json")
+    text = recipelib.results.summary(clm, "out", "out/results.json")
     assert "demo fine-tune of m on d (2 processes, 2 steps)" in text
     assert "  perplexity              20.000 -> 7.389" in text
     assert "  next-token accuracy     0.1000 -> 0.5000" in text and "80x less" in text
@@ -353,9 +362,9 @@ def test_summary_and_compare_read_one_layout(common):
         "optim": "adamw_torch",
         "before": None,
         "after": {"loss": 0.5, "accuracy": 0.9, "f1": 0.8},
-        "communication": common.communication([], 1000, 2),
+        "communication": recipelib.results.communication([], 1000, 2),
     }
-    assert "  accuracy            0.9000" in common.summary(cls, "out", "out/results.json")
+    assert "  accuracy            0.9000" in recipelib.results.summary(cls, "out", "out/results.json")
     for name, results in (("DeMo", clm), ("DDP-AdamW", cls)):
         points, total = compare.curves(name, results, _Args())
         row = compare.row(name, results, total, wall=1.0)
@@ -367,7 +376,7 @@ class _Args:
     powersgd_rank = 4
 
 
-def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, tmp_path):
+def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(recipelib, tmp_path):
     losses = [3.0, 2.6, 2.9, 2.4, 2.5, 2.2]
     log = [{"step": 0, "eval_loss": 3.1}]
     for step, loss in enumerate(losses, start=1):
@@ -383,11 +392,11 @@ def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, 
         "global_step": 6,
         "parameters": 1000,
         "log_history": log,
-        "communication": common.communication(log, 1000, 6),
+        "communication": recipelib.results.communication(log, 1000, 6),
     }
-    d = common.plot_data(results)
+    d = recipelib.plots.plot_data(results)
     assert d["train_steps"] == [1, 2, 3, 4, 5, 6] and d["train_loss"] == losses
-    assert common.loss_curve(log) == [[s, v] for s, v in zip(d["train_steps"], losses)]
+    assert recipelib.results.loss_curve(log) == [[s, v] for s, v in zip(d["train_steps"], losses)]
     smoothed = d["train_smoothed"]  # bias-corrected EMA: starts at the first loss, moves less than the raw curve
     assert smoothed[0] == pytest.approx(3.0) and len(smoothed) == 6
     assert max(smoothed) - min(smoothed) < max(losses) - min(losses) and smoothed[-1] < smoothed[0]
@@ -397,27 +406,57 @@ def test_plot_data_draws_every_step_smoothed_evaluations_and_the_saving(common, 
     assert d["demo_mb"] == pytest.approx([10 * s / 1e6 for s in range(1, 7)]) and d["saving"] == pytest.approx(400)
     assert "DeMo fine-tune of m on d" in d["title"] and "6 steps" in d["title"]
     assert d["loss_title"] == "it learns: held-out loss 3.100 -> 2.300"
-    common.report({**results, "before": None, "after": {"loss": 2.3}, "plot": None}, str(tmp_path))
+    recipelib.training.report({**results, "before": None, "after": {"loss": 2.3}, "plot": None}, str(tmp_path))
     assert (tmp_path / "training.png").stat().st_size > 1000
     assert json.loads((tmp_path / "results.json").read_text())["plot"].endswith("training.png")
 
-    dense = common.plot_data({**results, "optim": "adamw_torch", "communication": common.communication([], 1000, 6)})
+    dense = recipelib.plots.plot_data(
+        {**results, "optim": "adamw_torch", "communication": recipelib.results.communication([], 1000, 6)}
+    )
     assert dense["demo_mb"] is None and dense["saving"] is None and dense["comm_steps"] == [1, 2, 3, 4, 5, 6]
 
 
-def test_log_line_is_short(common):
+def test_log_line_is_short(recipelib):
     row = {"loss": 2.3114, "grad_norm": 1.25, "learning_rate": 9.5e-05, "epoch": 0.05, "demo/total_bytes_sent": 9e6}
     row.update({"demo/bytes_sent_per_step": 4.27e6, "demo/ratio_to_dense": 1 / 126})
-    assert common.log_line(3, 20, row) == (
+    assert recipelib.training.log_line(3, 20, row) == (
         "step 3/20  loss 2.311  grad_norm 1.25  learning_rate 9.5e-05  sent 4.27 MB/step (126x less than dense)"
     )
     evaluation = {"eval_loss": 2.4, "eval_perplexity": 11.0873, "eval_runtime": 3.2, "eval_samples_per_second": 5.0}
-    assert common.log_line(0, 20, evaluation) == "step 0/20  eval_loss 2.4  eval_perplexity 11.09"
+    assert recipelib.training.log_line(0, 20, evaluation) == "step 0/20  eval_loss 2.4  eval_perplexity 11.09"
 
 
-def test_end_tears_the_process_group_down(common):
+def test_end_tears_the_process_group_down(recipelib):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    common.end()
+    recipelib.training.end()
     assert not dist.is_initialized()
+
+
+def test_the_comm_hook_of_the_baselines_is_the_recipes_not_the_librarys(recipelib, tmp_path):
+    """--ddp_comm_hook is parsed by the recipes compare.py runs and set on their trainer's DDP kwargs; DeMo refuses
+    it (there is no gradient all-reduce to compress)."""
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    baselines = recipelib.baselines
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8})
+
+    def trainer(optim):
+        args = hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", optim=optim)
+        return hf_demo.DeMoTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=data)
+
+    power_sgd = baselines.BaselineArguments(ddp_comm_hook="power_sgd", powersgd_rank=4)
+    with pytest.raises(ValueError, match=r"--ddp_comm_hook power_sgd .* with DeMo as the optimizer .* drop it"):
+        baselines.use_ddp_comm_hook(trainer("demo"), power_sgd)
+    adamw = trainer("adamw_torch")
+    baselines.use_ddp_comm_hook(adamw, power_sgd)
+    handler = adamw.accelerator.ddp_handler
+    assert handler.comm_hook.value == "power_sgd" and handler.comm_state_option["matrix_approximation_rank"] == 4
+    assert any(isinstance(cb, baselines.PowerSGDOwnGroup) for cb in adamw.callback_handler.callbacks)
+    assert baselines.powersgd_bytes_per_step([(100, 100), (100,)], rank=4) == 4 * (800 + 100)
+    assert not hasattr(hf_demo.DeMoTrainingArguments, "ddp_comm_hook")  # the library has no baseline fields

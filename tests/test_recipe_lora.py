@@ -1,4 +1,4 @@
-"""PEFT LoRA under DeMo through the recipes' ``--lora_*`` arguments (recipes/common.py ``apply_lora``): the
+"""PEFT LoRA under DeMo through the recipes' ``--lora_*`` arguments (recipes/recipelib/models.py ``apply_lora``): the
 adapters end bitwise identical on both ranks, and a resume from a checkpoint is bitwise the uninterrupted run."""
 
 import json
@@ -15,8 +15,8 @@ SAVE = ["--save_strategy", "steps", "--save_steps", "3"]
 
 
 @pytest.fixture(scope="module")
-def common():
-    return import_recipe("common")
+def models():
+    return import_recipe("recipelib.models")
 
 
 def _clm(tiny_llama_dir, out, *extra):
@@ -27,32 +27,32 @@ def _clm(tiny_llama_dir, out, *extra):
 
 
 # ------------------------------------------------------------------------------------------- the helper
-def _model_args(common, argv=()):
+def _model_args(models, argv=()):
     from transformers import HfArgumentParser
 
-    return HfArgumentParser(common.ModelArguments).parse_args_into_dataclasses(args=list(argv))
+    return HfArgumentParser(models.ModelArguments).parse_args_into_dataclasses(args=list(argv))
 
 
-def test_lora_off_by_default_and_all_linear_on_llama(common, tiny_llama_dir):
+def test_lora_off_by_default_and_all_linear_on_llama(models, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    (args,) = _model_args(common)
+    (args,) = _model_args(models)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    assert args.lora_r == 0 and common.apply_lora(model, args, "CAUSAL_LM") is model
-    (args,) = _model_args(common, ["--lora_r", "4"])
-    peft_model = common.apply_lora(model, args, "CAUSAL_LM")
+    assert args.lora_r == 0 and models.apply_lora(model, args, "CAUSAL_LM") is model
+    (args,) = _model_args(models, ["--lora_r", "4"])
+    peft_model = models.apply_lora(model, args, "CAUSAL_LM")
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
     assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # not lm_head
-    (args,) = _model_args(common, ["--lora_r", "2", "--lora_target_modules", "q_proj", "v_proj"])
-    assert common.lora_config(args, "CAUSAL_LM").target_modules == {"q_proj", "v_proj"}
-    (args,) = _model_args(common, ["--lora_r", "-1"])
+    (args,) = _model_args(models, ["--lora_r", "2", "--lora_target_modules", "q_proj", "v_proj"])
+    assert models.lora_config(args, "CAUSAL_LM").target_modules == {"q_proj", "v_proj"}
+    (args,) = _model_args(models, ["--lora_r", "-1"])
     with pytest.raises(ValueError, match="--lora_r must be 0"):
-        common.lora_config(args, "CAUSAL_LM")
+        models.lora_config(args, "CAUSAL_LM")
 
 
-def test_lora_on_a_classifier_trains_the_new_head_in_full(common):
+def test_lora_on_a_classifier_trains_the_new_head_in_full(models):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -60,8 +60,8 @@ def test_lora_on_a_classifier_trains_the_new_head_in_full(common):
     config = BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
     )
-    (args,) = _model_args(common, ["--lora_r", "4"])
-    model = common.apply_lora(BertForSequenceClassification(config), args, "SEQ_CLS")
+    (args,) = _model_args(models, ["--lora_r", "4"])
+    model = models.apply_lora(BertForSequenceClassification(config), args, "SEQ_CLS")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("classifier" in n and "lora" not in n for n in trainable)  # the head: peft's modules_to_save
     assert any("query.lora_A" in n for n in trainable) and any("output.dense.lora_B" in n for n in trainable)

@@ -10,6 +10,8 @@ import torch
 from hf_demo.hf.checkpoint import MANIFEST
 from launch_utils import ROOT, accelerate_launch, load_records
 
+pytestmark = pytest.mark.launch
+
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
 COMMON = [
     "--per_device_train_batch_size",

@@ -81,8 +81,7 @@ class DeMoTrainerMixin:
             )
 
     def _check_settings_reach_the_optimizer(self) -> None:
-        """Say so when DeMo settings given in the arguments are not the ones that train (one source of truth),
-        and refuse a DDP comm hook beside a DeMo given as an optimizer (``--optim demo`` refuses it already)."""
+        """Say so when DeMo settings given in the arguments are not the ones that train (one source of truth)."""
         given = given_demo_fields(self.args)
         passed = self.optimizer is not None or self.optimizer_cls_and_kwargs is not None
         if passed and (given or selects_demo(self.args.optim)):
@@ -99,12 +98,6 @@ class DeMoTrainerMixin:
                 f"{getattr(self.args.optim, 'value', self.args.optim)!r}, not "
                 "DeMo: they are not used. Add --optim demo to train with DeMo",
                 stacklevel=3,
-            )
-        hook = getattr(self.args, "ddp_comm_hook", "no")
-        if self.uses_demo and hook != "no":
-            raise ValueError(
-                f"--ddp_comm_hook {hook} compresses DDP's gradient all-reduce; with DeMo as the optimizer there is "
-                "none (DeMo moves the momentum): drop it"
             )
 
     @property
@@ -125,38 +118,20 @@ class DeMoTrainerMixin:
         return super().get_optimizer_cls_and_kwargs(args, model)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
-        """Trainer's accelerator arguments, plus the DDP comm hook of ``--ddp_comm_hook`` (baselines)."""
+        """Trainer's accelerator arguments, without DDP's search for unused parameters unless asked for (Trainer's
+        default for a PreTrainedModel makes DDP warn on every run)."""
         args = super()._build_accelerator_args(**kwargs)
         from accelerate.utils import DistributedDataParallelKwargs
 
-        if self.args.ddp_find_unused_parameters is None:  # Trainer's True makes DDP warn on every run
+        if self.args.ddp_find_unused_parameters is None:
             for h in args.get("kwargs_handlers", []):
                 if isinstance(h, DistributedDataParallelKwargs):
                     h.find_unused_parameters = False
-        hook = getattr(self.args, "ddp_comm_hook", "no")
-        if hook != "no":
-            from accelerate.utils import DDPCommunicationHookType
-
-            state = {}
-            if "power_sgd" in hook:
-                state = {
-                    "matrix_approximation_rank": self.args.powersgd_rank,
-                    "start_powerSGD_iter": self.args.powersgd_start_iter,
-                }
-            handlers = []
-            for h in args.get("kwargs_handlers", []):
-                if isinstance(h, DistributedDataParallelKwargs):
-                    h.comm_hook = DDPCommunicationHookType(hook)
-                    h.comm_state_option = state
-                handlers.append(h)
-            args["kwargs_handlers"] = handlers
         return args
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
-        elif getattr(self.args, "ddp_comm_hook", "no") != "no":
-            give_powersgd_its_own_group(model)  # before the first backward; once
         return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ metrics
@@ -348,23 +323,6 @@ class DeMoTrainer(DeMoTrainerMixin, Trainer):
 
 
 _MADE: dict = {}
-
-
-def give_powersgd_its_own_group(model) -> None:
-    """Give a DDP model's PowerSGD hook state a process group of its own (once, on every rank, before a backward).
-
-    torch's PowerSGD hook issues its P and Q all-reduces from future callbacks on gloo's worker threads, on
-    ``state.process_group``, which Accelerate leaves ``None`` (the default group). Every other collective of a
-    training run (Trainer's gathers of the loss and token counts, evaluation's gathers, DDP's buffer broadcasts)
-    runs on the default group from the main thread; sharing the group's collective sequence with another thread
-    lets the ranks disagree on which collective comes next (``gloo::EnforceNotMet ... Received data size doesn't
-    match expected size`` mid-run). A group of the hook's own keeps its collectives in one sequence of their own.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
-    for _, state in getattr(model, "_comm_hooks", []):
-        if isinstance(state, PowerSGDState) and state.process_group is None:
-            state.process_group = dist.new_group(backend=dist.get_backend())
 
 
 def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:

@@ -1,4 +1,4 @@
-"""``--optim demo`` and DeMo's settings as training arguments, generated from :class:`hf_demo.settings.DeMoSettings`.
+"""``--optim demo`` and DeMo's settings as training arguments (:class:`DeMoArguments`, :class:`DeMoTrainingArguments`).
 
 * ``"demo"`` is registered as a value of transformers' ``OptimizerNames`` (:func:`register_optimizer_name`,
   done on import), so ``TrainingArguments(optim="demo")``, ``SFTConfig(optim="demo")`` and ``--optim demo``
@@ -6,10 +6,10 @@
   Only a DeMo-aware trainer (:class:`hf_demo.DeMoTrainer`, or any trainer class with
   :class:`hf_demo.DeMoTrainerMixin`) builds DeMo from it, through Trainer's own extension point
   ``get_optimizer_cls_and_kwargs``; a plain Trainer refuses it at start-up (it would all-reduce gradients).
-* :class:`DeMoArguments` holds one optional ``demo_<name>`` field per DeMo setting, generated from
-  ``DeMoSettings.describe()`` (type, help, choices), so ``--help`` shows every setting and a setting added
-  to ``DeMoSettings`` appears here without an edit. :func:`with_demo_arguments` combines it with any
-  TrainingArguments subclass, that class first (its defaults must win), and adds the start-up checks
+* :class:`DeMoArguments` holds one optional ``demo_<name>`` field per DeMo setting, written out and grouped;
+  each field's help and choices are read from :class:`hf_demo.settings.DeMoSettings` (a test checks that the
+  fields and the settings are the same). :func:`with_demo_arguments` combines it with any TrainingArguments
+  subclass, that class first (its defaults must win), and adds the start-up checks
   (``hf_demo.trl.DeMoSFTConfig = with_demo_arguments(SFTConfig)``).
 * :class:`DeMoTrainingArguments` is ``TrainingArguments`` + :class:`DeMoArguments`.
 
@@ -58,10 +58,31 @@ def register_optimizer_name() -> None:
 
 
 def _refuse_plain_trainer(ctx):
-    raise ValueError(
-        "optim='demo' needs a DeMo-aware trainer: use hf_demo.DeMoTrainer instead of Trainer, or for another "
-        "trainer class (TRL's SFTTrainer, ...) a subclass with hf_demo.DeMoTrainerMixin first, e.g. "
-        "hf_demo.trl.DeMoSFTTrainer. A plain Trainer would keep DDP's gradient all-reduce under DeMo."
+    raise ValueError(plain_trainer_fix(type(ctx.args)))
+
+
+def plain_trainer_fix(config_cls: type) -> str:
+    """What a trainer that is not DeMo-aware says when its arguments (of class ``config_cls``) ask for DeMo.
+
+    Trainer builds the optimizer in a static method that gets the arguments, not the trainer: the fix is
+    named after the arguments' class (without hf_demo's fields), by TRL's convention ``XConfig`` for ``XTrainer``.
+    """
+    base = next(c for c in config_cls.__mro__ if not issubclass(c, DeMoArguments))
+    name = base.__name__
+    if base is TrainingArguments:
+        fix = (
+            "use hf_demo.DeMoTrainer instead of Trainer (hf_demo.DeMoTrainingArguments add the --demo_* settings); "
+            "for a subclass of Trainer: DeMoMyTrainer, DeMoArgs = hf_demo.with_demo(MyTrainer, TrainingArguments)"
+        )
+    else:
+        trainer = name[: -len("Config")] + "Trainer" if name.endswith("Config") and name != "Config" else "YourTrainer"
+        fix = f"DeMo{trainer}, DeMo{name} = hf_demo.with_demo({trainer}, {name}), and train with those two"
+        if name == "SFTConfig":
+            fix += " (ready-made: hf_demo.trl.DeMoSFTTrainer and hf_demo.trl.DeMoSFTConfig)"
+    return (
+        f"optim='demo' needs a DeMo-aware trainer: {fix}. hf_demo.with_demo(TrainerClass, ConfigClass) makes any "
+        "trainer class DeMo-aware (so does a subclass with hf_demo.DeMoTrainerMixin first); one that is not "
+        "would keep DDP's gradient all-reduce under DeMo."
     )
 
 
@@ -74,22 +95,27 @@ def selects_demo(optim) -> bool:
 
 
 # ---------------------------------------------------------------------- the settings as fields
-def _demo_fields() -> list[tuple[str, object, dataclasses.Field]]:
-    preset_help = "DeMo: a named starting point, " + "; ".join(
+def _preset_field() -> dataclasses.Field:
+    presets = "; ".join(
         f"{name}: {', '.join(f'{k}={v}' for k, v in values.items()) or 'the defaults'}"
         for name, values in PRESETS.items()
     )
-    fields = [
-        ("demo_preset", str | None, field(default=None, metadata={"help": preset_help, "choices": list(PRESETS)}))
-    ]
-    for name, kind, default, help, choices in DeMoSettings.describe():
-        meta = {"help": f"DeMo: {help} (default: {default})".replace("%", "%%")}  # argparse %-formats help
-        if choices is not None:
-            meta["choices"] = list(choices)
-        if kind is bool:  # a bare --demo_overlap means true, as Trainer's own switches (--do_train) do
-            meta.update(nargs="?", const=True)
-        fields.append((f"demo_{name}", kind | None, field(default=None, metadata=meta)))
-    return fields
+    return field(default=None, metadata={"help": f"DeMo: a named starting point, {presets}", "choices": list(PRESETS)})
+
+
+def _setting_field(name: str) -> dataclasses.Field:
+    """The ``demo_<name>`` field of DeMo's setting ``name``: None (the setting's default, or the preset's) unless
+    given; help and choices read from :class:`DeMoSettings`, the one place they are written."""
+    described = {row[0]: row[1:] for row in DeMoSettings.describe()}
+    if name not in described:
+        raise KeyError(f"DeMoSettings has no setting {name!r}")
+    kind, default, help, choices = described[name]
+    meta = {"help": f"DeMo: {help} (default: {default})".replace("%", "%%")}  # argparse %-formats help
+    if choices is not None:
+        meta["choices"] = list(choices)
+    if kind is bool:  # a bare --demo_overlap means true, as Trainer's own switches (--do_train) do
+        meta.update(nargs="?", const=True)
+    return field(default=None, metadata=meta)
 
 
 def given_demo_fields(args) -> list[str]:
@@ -114,7 +140,68 @@ def demo_settings(args) -> dict:
     return DeMoSettings.resolve(preset, **chosen).as_dict()  # defaults filled in; invalid values fail here
 
 
-class _DeMoArgumentsMethods:
+@dataclass
+class DeMoArguments:
+    """DeMo's settings as optional ``demo_<name>`` fields, one per :class:`hf_demo.settings.DeMoSettings` setting.
+
+    None (the default of every field) leaves the setting at the preset's value, or DeMoSettings' default; the
+    help and choices of each field are DeMoSettings' own. Put this class after a TrainingArguments class in the
+    bases, ``@dataclass class MyConfig(SFTConfig, DeMoArguments)``, or use :func:`with_demo_arguments`.
+
+    Starting point:
+        demo_preset: a named set of settings (:data:`hf_demo.settings.PRESETS`).
+    Compression (what each block of a parameter sends):
+        demo_compression_decay, demo_compression_topk, demo_compression_chunk.
+    Wire format:
+        demo_value_format, demo_index_coding.
+    Exchange (how the coefficients move between ranks):
+        demo_exchange, demo_reduce_positions, demo_hierarchy, demo_overlap.
+    Update (how the averaged coefficients become a step):
+        demo_update_rule, demo_param_rounding.
+    Local steps between synchronisations:
+        demo_sync_every, demo_sync_decay, demo_inner_rule, demo_end_local_phase.
+    Communication budget (tiers chosen as the network changes):
+        demo_comm_budget, demo_policy_patience, demo_policy_sync_every.
+    Faults and guards:
+        demo_nonfinite, demo_nonfinite_patience, demo_comm_timeout, demo_check_every, demo_drift,
+        demo_identical_gradients, demo_full_sync_every.
+    """
+
+    # starting point
+    demo_preset: str | None = _preset_field()
+    # compression
+    demo_compression_decay: float | None = _setting_field("compression_decay")
+    demo_compression_topk: int | None = _setting_field("compression_topk")
+    demo_compression_chunk: int | None = _setting_field("compression_chunk")
+    # wire format
+    demo_value_format: str | None = _setting_field("value_format")
+    demo_index_coding: str | None = _setting_field("index_coding")
+    # exchange
+    demo_exchange: str | None = _setting_field("exchange")
+    demo_reduce_positions: str | None = _setting_field("reduce_positions")
+    demo_hierarchy: str | None = _setting_field("hierarchy")
+    demo_overlap: bool | None = _setting_field("overlap")
+    # update
+    demo_update_rule: str | None = _setting_field("update_rule")
+    demo_param_rounding: str | None = _setting_field("param_rounding")
+    # local steps
+    demo_sync_every: int | None = _setting_field("sync_every")
+    demo_sync_decay: float | None = _setting_field("sync_decay")
+    demo_inner_rule: str | None = _setting_field("inner_rule")
+    demo_end_local_phase: str | None = _setting_field("end_local_phase")
+    # communication budget
+    demo_comm_budget: float | None = _setting_field("comm_budget")
+    demo_policy_patience: int | None = _setting_field("policy_patience")
+    demo_policy_sync_every: int | None = _setting_field("policy_sync_every")
+    # faults and guards
+    demo_nonfinite: str | None = _setting_field("nonfinite")
+    demo_nonfinite_patience: int | None = _setting_field("nonfinite_patience")
+    demo_comm_timeout: float | None = _setting_field("comm_timeout")
+    demo_check_every: int | None = _setting_field("check_every")
+    demo_drift: str | None = _setting_field("drift")
+    demo_identical_gradients: str | None = _setting_field("identical_gradients")
+    demo_full_sync_every: int | None = _setting_field("full_sync_every")
+
     @property
     def uses_demo(self) -> bool:
         """``--optim demo`` was chosen."""
@@ -125,57 +212,16 @@ class _DeMoArgumentsMethods:
         return demo_settings(self)
 
     def _check_demo_arguments(self) -> None:
-        """Start-up checks; called by ``__post_init__`` of the classes defined here."""
-        if not self.uses_demo:
-            return
-        self.demo_settings()  # unknown, malformed or invalid settings fail at start-up
-        if self.ddp_comm_hook != "no":
-            raise ValueError(
-                f"--ddp_comm_hook {self.ddp_comm_hook} compresses DDP's gradient all-reduce; with --optim demo "
-                "there is none (DeMo moves the momentum): drop it"
-            )
-
-
-_BASELINE_FIELDS = [
-    (
-        "ddp_comm_hook",
-        str,
-        field(
-            default="no",
-            metadata={
-                "help": "DDP gradient compression for non-DeMo optimizers (the baselines): no, fp16, bf16, power_sgd, "
-                "batched_power_sgd (Accelerate's DDPCommunicationHookType).",
-                "choices": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"],
-            },
-        ),
-    ),
-    ("powersgd_rank", int, field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})),
-    (
-        "powersgd_start_iter",
-        int,
-        field(
-            default=2,
-            metadata={
-                "help": "PowerSGD: plain all-reduce for the first iterations (torch's default is 1000; must be >= 2)."
-            },
-        ),
-    ),
-]
-
-DeMoArguments = dataclasses.make_dataclass(
-    "DeMoArguments", _demo_fields() + _BASELINE_FIELDS, bases=(_DeMoArgumentsMethods,)
-)
-DeMoArguments.__module__ = __name__
-DeMoArguments.__doc__ = (
-    "DeMo's settings as optional ``demo_<name>`` fields (None: the default), generated from DeMoSettings, "
-    "plus the baselines' DDP comm-hook fields. Put it after a TrainingArguments class in the bases: "
-    "``@dataclass class MyConfig(SFTConfig, DeMoArguments)``."
-)
+        """Start-up checks (unknown, malformed or invalid settings); called by ``__post_init__`` of the
+        classes defined here."""
+        if self.uses_demo:
+            self.demo_settings()
 
 
 @dataclass
 class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
-    """TrainingArguments plus DeMo: ``--optim demo`` and one ``--demo_<name>`` per setting.
+    """TrainingArguments plus DeMo: ``--optim demo`` and one ``--demo_<name>`` per setting (see
+    :class:`DeMoArguments`).
 
     Every built-in ``--optim`` still works. Before Trainer sets up the devices,
     :func:`hf_demo.hf.launch_env.prepare_launch`
@@ -223,6 +269,7 @@ __all__ = [
     "DeMoArguments",
     "DeMoTrainingArguments",
     "demo_settings",
+    "plain_trainer_fix",
     "register_optimizer_name",
     "selects_demo",
     "with_demo_arguments",

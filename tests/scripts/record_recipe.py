@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
-import common  # noqa: E402
 import run_clm  # noqa: E402
+from recipelib import training  # noqa: E402
 
 
 class Recorder(TrainerCallback):
@@ -92,7 +92,7 @@ def main():
     argv = sys.argv[1:]
     record_dir = _pop(argv, "--record_dir", None)
     steps = {int(s) for s in _pop(argv, "--record_steps", "1").split(",")}
-    original = common.train_and_report
+    original = training.train_and_report
 
     def train_and_report(recipe, trainer, **kwargs):
         recorder = Recorder(trainer, steps)
@@ -103,7 +103,7 @@ def main():
         torch.save(record, os.path.join(record_dir, f"rank{trainer.args.process_index}.pt"))
         return results
 
-    common.train_and_report = train_and_report
+    training.train_and_report = train_and_report
     run_clm.main(argv)
 
 

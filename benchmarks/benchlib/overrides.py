@@ -1,21 +1,5 @@
-"""What the benchmarks share: the gloo-world launcher and the stdlib corpus, and how DeMo settings are written
-on a command line.
-
-The launcher and the corpus live in ``tests/`` (``dist_utils.py``, ``models.py``), where every CI run exercises
-them; this module puts that folder on the import path, so a benchmark writes
-``from common import run_ranks, stdlib_bytes``. :func:`parse_overrides` reads ``key=value,...`` DeMo keywords
-(``convergence.py --demo-configs``, ``wan_worker.py --demo-settings``).
-"""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from dist_utils import RankError, expect_ok, free_port, run_ranks  # noqa: E402
-from models import stdlib_bytes, stdlib_files  # noqa: E402
-
-__all__ = ["RankError", "expect_ok", "free_port", "run_ranks", "stdlib_bytes", "stdlib_files", "parse_overrides"]
+"""DeMo keywords as a command line writes them: ``key=value,...`` (``convergence.py --demo-configs``,
+``wan_worker.py --demo-settings``), with short keys for the compression settings."""
 
 ALIASES = {  # short keys of the command lines
     "topk": "compression_topk",

@@ -1,0 +1,50 @@
+"""The dense baselines DeMo is measured against: DDP-AdamW and DDP-AdamW with torch's PowerSGD hook, and the
+bytes PowerSGD hands to its all-reduces, from the parameter shapes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+POWERSGD_START_ITER = 2  # plain all-reduces before PowerSGD starts (torch's default is 1000)
+
+
+def ddp_baseline(model: torch.nn.Module, method: str, *, powersgd_rank: int = 4, bucket_cap_mb: float | None = None):
+    """``model`` in DistributedDataParallel: ``adamw`` with DDP's own fp32 all-reduce, ``powersgd`` with torch's
+    ``powerSGD_hook`` (rank ``powersgd_rank``, plain all-reduce for the first :data:`POWERSGD_START_ITER` steps).
+
+    PowerSGD's hook launches its P and Q all-reduces from future callbacks; with more than one DDP bucket on gloo
+    their order can differ between ranks ("Received data size doesn't match expected size"), so PowerSGD gets one
+    bucket holding every gradient unless ``bucket_cap_mb`` says otherwise. AdamW keeps DDP's default.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if method not in ("adamw", "powersgd"):
+        raise ValueError(f"a DDP baseline is adamw or powersgd, not {method!r}")
+    cap = bucket_cap_mb if bucket_cap_mb is not None else (1024 if method == "powersgd" else None)
+    net = DDP(model, bucket_cap_mb=cap)
+    if method == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        state = ps.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=POWERSGD_START_ITER
+        )
+        net.register_comm_hook(state, ps.powerSGD_hook)
+    return net
+
+
+def powersgd_bytes(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank hands to PowerSGD's all-reduces per step once it has started (fp32; torch's rule,
+    ``_should_compress``): a tensor viewed as (shape[0], -1) whose rank-r factors are smaller than
+    1/min_compression_rate of it sends P (n x r) and Q (m x r); 1-D tensors and the other matrices go whole."""
+    floats = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) <= 1:
+            floats += numel
+            continue
+        n, m = shape[0], numel // shape[0]
+        r = min(n, m, rank)
+        floats += (n + m) * r if (n + m) * r * min_compression_rate < n * m else numel
+    return 4 * floats
