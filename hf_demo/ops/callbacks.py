@@ -113,6 +113,12 @@ class DeMoOpsCallback(TrainerCallback):
         if self.prometheus is not None and self.settings.prometheus_mode == "per_rank":
             self.prometheus.update(self.rank, self._snapshot(state.global_step))
 
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Rank 0 appends every log row to ``ops/log_history.jsonl`` (what ``hf-demo report`` reads while the run
+        is still going: trainer_state.json is written with checkpoints only)."""
+        if logs and state.is_world_process_zero and self.monitor is not None:
+            exporters.append_jsonl(self.folder / "log_history.jsonl", {**logs, "step": state.global_step})
+
     def record_loss(self, loss) -> None:
         if self.monitor is not None:
             self.monitor.record_loss(loss)
@@ -124,7 +130,7 @@ class DeMoOpsCallback(TrainerCallback):
         if self.monitor is not None:
             self.monitor.totals.alerts[alert.kind] = self.monitor.totals.alerts.get(alert.kind, 0) + 1
         self.window_alerts[alert.kind] = self.window_alerts.get(alert.kind, 0) + 1
-        exporters.append_alert(self.folder, alert.rank, alert.as_dict())
+        exporters.append_jsonl(self.folder / f"alerts-rank{alert.rank}.jsonl", alert.as_dict())
 
     # ---------------------------------------------------------------- log rows
     def log_metrics(self, global_step: int) -> dict:

@@ -159,7 +159,7 @@ class TableLog:
         self.rows = []
 
 
-def append_alert(folder: Path, rank: int, alert: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"alerts-rank{rank}.jsonl", "a") as f:
-        f.write(json.dumps(alert) + "\n")
+def append_jsonl(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=float) + "\n")
