@@ -11,15 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import expect_ok, free_port, run_ranks
-from hf_demo.ops import HealthSettings, OpsSettings, cli, planner, prices, settings as ops_settings, shapes
-from hf_demo.ops.links import Link
-from hf_demo.ops.methods import Cluster, Workload
+from hf_demo.ops import HealthSettings, OpsSettings, cli, prices, shapes
+from hf_demo.ops import settings as ops_settings
 from hf_demo.ops.traffic import demo_collectives
 from launch_utils import ROOT
 from models import loss_and_backward, tiny_mlp
@@ -64,7 +62,7 @@ def test_shapes_and_prices_read_what_they_document(tmp_path):
     assert shapes.from_count(70, (4, 8)) == [(4, 8), (4, 8), (6,)]
     table = prices.load(PRICES)
     assert table.per_device_hour(1) == 0.08 and table.per_gb == 0.02
-    (tmp_path / "p.toml").write_text('[compute]\nnode_per_hour = 8.0\n[traffic]\nper_gb = 0.05\n')
+    (tmp_path / "p.toml").write_text("[compute]\nnode_per_hour = 8.0\n[traffic]\nper_gb = 0.05\n")
     assert prices.load(tmp_path / "p.toml").per_device_hour(8) == 1.0
     (tmp_path / "bad.toml").write_text("[traffic]\nper_gb = 0.05\n")
     with pytest.raises(ValueError, match="device_per_hour or node_per_hour"):
@@ -286,8 +284,9 @@ def test_the_report_renders_in_headless_chromium(trainer_run, tmp_path):
         pytest.skip("no chromium: scripts/setup.sh installs it where apt-get is available (it was not here)")
     shot = tmp_path / "out.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-             f"--screenshot={shot}", "--window-size=1200,2000", page.as_uri()]  # fmt: skip
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
+             page.as_uri()]  # fmt: skip
     subprocess.run([browser, *flags], capture_output=True, timeout=120, check=False)
     assert shot.is_file(), "chromium wrote no screenshot"
     image = Image.open(shot).convert("L")

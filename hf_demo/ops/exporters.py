@@ -23,8 +23,11 @@ from hf_demo.ops.monitor import PARTS, StepSample, Totals
 # name -> (type, help); "_total" counters are exposed as <name> (prometheus_client adds nothing to custom ones)
 METRICS = {
     "hf_demo_steps_total": ("counter", "optimizer steps this rank has taken"),
-    "hf_demo_step_seconds_total": ("counter", "seconds by part of the step: step (all), forward_backward, "
-                                   "demo_compute, exchange (waiting on DeMo's collectives), other (outside steps)"),
+    "hf_demo_step_seconds_total": (
+        "counter",
+        "seconds by part of the step: step (all), forward_backward, "
+        "demo_compute, exchange (waiting on DeMo's collectives), other (outside steps)",
+    ),
     "hf_demo_last_step_seconds": ("gauge", "the last step's seconds by part (as above)"),
     "hf_demo_global_step": ("gauge", "Trainer's global step"),
     "hf_demo_bytes_sent_total": ("counter", "bytes this rank handed to DeMo's collectives"),
@@ -40,6 +43,14 @@ METRICS = {
     "hf_demo_drift_checks_total": ("counter", "parameter fingerprint comparisons across ranks"),
     "hf_demo_alerts_total": ("counter", "DeMoHealthCallback alerts, by kind"),
     "hf_demo_cost": ("gauge", "running cost estimate of this rank (device-hours and traffic between nodes)"),
+}
+
+
+EXTRA_LABELS = {
+    "hf_demo_step_seconds_total": ("part",),
+    "hf_demo_last_step_seconds": ("part",),
+    "hf_demo_alerts_total": ("kind",),
+    "hf_demo_cost": ("currency",),
 }
 
 
@@ -59,8 +70,7 @@ def _families(snapshots: dict[int, Snapshot], run: str):
         cls = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
         return cls(name.removesuffix("_total") if kind == "counter" else name, help, labels=labels + list(extra))
 
-    fams = {name: family(name, ("part",) if "step_seconds" in name else ("kind",) if "alerts" in name else
-                         ("currency",) if name == "hf_demo_cost" else ()) for name in METRICS}  # fmt: skip
+    fams = {name: family(name, EXTRA_LABELS.get(name, ())) for name in METRICS}
     for rank, snap in sorted(snapshots.items()):
         t, last = snap.totals, snap.last
         base = [str(rank), str(last.node if last else 0), run]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 from transformers import TrainerCallback
 
-from hf_demo.ops.links import Link, parse_rate, parse_time
+from hf_demo.ops.links import Link, format_rate, parse_rate, parse_time
 from hf_demo.ops.monitor import StepMonitor, StepSample
 from hf_demo.ops.settings import HealthSettings
 
@@ -109,13 +109,16 @@ class HealthRules:
         out = []
         base = self._above(self.step_times, s.step_s, self.s.step_time_factor)
         if base is not None:
-            out.append(self._alert(s, "step_time", f"step took {s.step_s:.3g} s, {s.step_s / base:.1f}x its "
-                                   f"baseline {base:.3g} s (forward+backward {s.forward_backward_s:.3g} s, exchange "
-                                   f"{s.exchange_s:.3g} s, DeMo compute {s.demo_compute_s:.3g} s)", s.step_s, base))  # fmt: skip
+            split = (
+                f"forward+backward {s.forward_backward_s:.3g} s, exchange {s.exchange_s:.3g} s, "
+                f"DeMo compute {s.demo_compute_s:.3g} s"
+            )
+            why = f"step took {s.step_s:.3g} s, {s.step_s / base:.1f}x its baseline {base:.3g} s ({split})"
+            out.append(self._alert(s, "step_time", why, s.step_s, base))
         base = self._above(self.exchange_times, s.exchange_s, self.s.exchange_time_factor)
         if base is not None and s.bytes_received > 0:
-            out.append(self._alert(s, "exchange_time", f"waited {s.exchange_s:.3g} s on the exchange, "
-                                   f"{s.exchange_s / base:.1f}x its baseline {base:.3g} s", s.exchange_s, base))  # fmt: skip
+            why = f"waited {s.exchange_s:.3g} s on the exchange, {s.exchange_s / base:.1f}x its baseline {base:.3g} s"
+            out.append(self._alert(s, "exchange_time", why, s.exchange_s, base))
         return out
 
     def _link(self, s: StepSample) -> list[Alert]:
@@ -125,25 +128,28 @@ class HealthRules:
         if s.exchange_s <= self.s.slow_link_factor * expected + self.s.min_excess_s:
             return []
         rate = s.bytes_received / s.exchange_s
-        return [
-            self._alert(s, "slow_link", f"the exchange took {s.exchange_s:.3g} s where the planned link "
-                        f"({self.link.bandwidth * 8 / 1e6:.4g} Mbit/s) carries its {s.bytes_received:.0f} bytes in "
-                        f"{expected:.3g} s: effective {rate * 8 / 1e6:.4g} Mbit/s", s.exchange_s, expected)  # fmt: skip
-        ]
+        why = (
+            f"the exchange took {s.exchange_s:.3g} s where the planned link ({format_rate(self.link.bandwidth)}) "
+            f"carries its {s.bytes_received:.0f} bytes in {expected:.3g} s: effective {format_rate(rate)}"
+        )
+        return [self._alert(s, "slow_link", why, s.exchange_s, expected)]
 
     def _loss(self, s: StepSample, judged: bool) -> list[Alert]:
         bad = s.skipped > 0 or (s.loss is not None and not math.isfinite(s.loss))
         self.streak = self.streak + 1 if bad else 0
         out = []
         if self.streak == self.s.nonfinite_patience:
-            out.append(self._alert(s, "nonfinite_streak", f"{self.streak} steps in a row with NaN/Inf gradients or "
-                                   "loss (skipped by DeMo): lower the learning rate, check the data", self.streak, 0))  # fmt: skip
+            why = (
+                f"{self.streak} steps in a row with NaN/Inf gradients or loss (skipped by DeMo): lower the learning "
+                "rate, check the data"
+            )
+            out.append(self._alert(s, "nonfinite_streak", why, self.streak, 0))
         if s.loss is None or not math.isfinite(s.loss):
             return out
         base = self._above(self.losses, s.loss, self.s.loss_spike_factor) if judged else None
         if base is not None:
-            out.append(self._alert(s, "loss_spike", f"loss {s.loss:.4g}, {s.loss / base:.1f}x its baseline "
-                                   f"{base:.4g}", s.loss, base))  # fmt: skip
+            why = f"loss {s.loss:.4g}, {s.loss / base:.1f}x its baseline {base:.4g}"
+            out.append(self._alert(s, "loss_spike", why, s.loss, base))
         self.losses.append(s.loss)
         return out
 
@@ -153,15 +159,15 @@ class HealthRules:
         out = []
         scheduled = full_sync_every > 0 and s.optimizer_steps % full_sync_every == 0  # the optimizer's own rule
         if not scheduled:
-            out.append(self._alert(s, "drift", "rank 0's parameters were copied to every rank: the replicas had "
-                                   "drifted apart (or held NaN/Inf)", s.resyncs, 0))  # fmt: skip
+            why = "rank 0's parameters were copied to every rank: the replicas had drifted apart (or held NaN/Inf)"
+            out.append(self._alert(s, "drift", why, s.resyncs, 0))
         self.resync_steps.append(s.step)
         while self.resync_steps and self.resync_steps[0] <= s.step - self.s.resync_window:
             self.resync_steps.popleft()
-        if len(self.resync_steps) >= self.s.resync_limit:
-            out.append(self._alert(s, "repeated_resyncs", f"{len(self.resync_steps)} resyncs in the last "
-                                   f"{self.s.resync_window} steps (each a dense broadcast of the parameters)",
-                                   len(self.resync_steps), self.s.resync_limit))  # fmt: skip
+        n = len(self.resync_steps)
+        if n >= self.s.resync_limit:
+            why = f"{n} resyncs in the last {self.s.resync_window} steps (each a dense broadcast of the parameters)"
+            out.append(self._alert(s, "repeated_resyncs", why, n, self.s.resync_limit))
         return out
 
     def _tier(self, s: StepSample) -> list[Alert]:
@@ -169,8 +175,8 @@ class HealthRules:
         if before is None or before == s.tier:
             return []
         way = "down to fewer bytes" if s.tier > before else "back up to more bytes"
-        return [self._alert(s, "tier_change", f"the budget policy moved {way}: tier {before} -> {s.tier}",
-                            s.tier, before, "info")]  # fmt: skip
+        why = f"the budget policy moved {way}: tier {before} -> {s.tier}"
+        return [self._alert(s, "tier_change", why, s.tier, before, "info")]
 
 
 class DeMoHealthCallback(TrainerCallback):
@@ -233,8 +239,14 @@ class DeMoHealthCallback(TrainerCallback):
     def emit(self, alert: Alert, args=None, state=None, control=None) -> None:
         self.alerts.append(alert)
         log = logger.info if alert.severity == "info" else logger.warning
-        log("DeMo health [%s] step %d, rank %d (node %d): %s", alert.kind, alert.step, alert.rank, alert.node,
-            alert.message)  # fmt: skip
+        log(
+            "DeMo health [%s] step %d, rank %d (node %d): %s",
+            alert.kind,
+            alert.step,
+            alert.rank,
+            alert.node,
+            alert.message,
+        )
         for sink in self.sinks:
             sink(alert)
         for cb in self.handler.callbacks if self.handler is not None else ():

@@ -199,11 +199,12 @@ def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work
     """The tier the budget policy settles in on this link: the first (most bytes) whose predicted time on the
     exchange is within the budget, the last tier when none is (the policy's own tiers, hf_demo.optim.policy)."""
     tiers = policies.tiers(settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every)
-    for index, tier in enumerate(tiers):
+    index, tier = 0, tiers[0]
+    for index, tier in enumerate(tiers):  # noqa: B007 - the tier it stops at is the answer
+        tier_settings = (tier.value_format, tier.topk_divisor, tier.sync_every)
         est.collectives = demo_collectives(
-            work.shapes, settings, cluster.nodes, cluster.devices_per_node, tier.value_format, tier.topk_divisor,
-            tier.sync_every,
-        )  # fmt: skip
+            work.shapes, settings, cluster.nodes, cluster.devices_per_node, *tier_settings
+        )
         if est.exchange_s(cluster) <= settings.comm_budget * est.step_s(cluster):
             break
     est.note = (

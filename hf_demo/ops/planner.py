@@ -40,7 +40,7 @@ class Row:
 
 def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: Prices | None = None) -> list[Row]:
     rows = []
-    for name, method in METHODS.items():
+    for method in METHODS.values():
         est = method(cluster, work)
         if est is not None:
             rows.append(_row(est, cluster, steps_per_epoch, prices))

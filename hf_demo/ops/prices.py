@@ -11,9 +11,10 @@ The planner prices an epoch and the training monitor a running run with the same
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,9 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
         fig, ax = plt.subplots(figsize=(9, 3.2))
         for label, (xs, ys) in series:
             if xs:
-                (ax.step if kind == "step" else ax.plot)(xs, ys, label=label, **({"where": "post"} if kind == "step" else {}))
+                (ax.step if kind == "step" else ax.plot)(
+                    xs, ys, label=label, **({"where": "post"} if kind == "step" else {})
+                )
         for step in marks:
             ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1)
         ax.set_xlabel("step")
@@ -123,9 +125,12 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
     marks = sorted({a["step"] for a in found})
     plot("Loss", [("train", _series(rows, "loss")), ("held-out", _series(rows, "eval_loss"))], "loss", marks=marks)
     dense = _series(rows, "demo/dense_allreduce_bytes_per_step")
-    plot("Bytes per step and rank", [("DeMo sent", _series(rows, "demo/bytes_sent_per_step")),
-                                     ("DeMo received", _series(rows, "demo/bytes_received_per_step")),
-                                     ("dense fp32 all-reduce", dense)], "bytes", logy=True)  # fmt: skip
+    traffic = [
+        ("DeMo sent", _series(rows, "demo/bytes_sent_per_step")),
+        ("DeMo received", _series(rows, "demo/bytes_received_per_step")),
+        ("dense fp32 all-reduce", dense),
+    ]
+    plot("Bytes per step and rank", traffic, "bytes", logy=True)
     if steps:
         split = [(label, _per_step_mean(steps, column)) for _, column, label in PARTS]
     else:
@@ -178,7 +183,9 @@ def render(folder: str | Path) -> str:
     folder = Path(folder)
     rows, source = log_rows(folder)
     steps, found = step_rows(folder), alerts(folder)
-    summary = "".join(f"<tr><td class='k'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(rows, found))
+    summary = "".join(
+        f"<tr><td class='k'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(rows, found)
+    )
     plots = "".join(
         f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
         for title, png in figures(rows, steps, found)

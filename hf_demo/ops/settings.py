@@ -55,8 +55,11 @@ class OpsSettings:
     run: str = _opt("", "the run label of the exported metrics (default: the output_dir's name)")
     prometheus_port: int = _opt(0, "serve Prometheus metrics on this port (0 = off); per_rank: port + local rank")
     prometheus_addr: str = _opt("127.0.0.1", "the address the endpoint listens on (0.0.0.0: every interface)")
-    prometheus_mode: str = _opt("per_rank", "per_rank (every rank serves its own, each step) or rank0 (rank 0 "
-                                "serves every rank's, gathered at each logging step)")  # fmt: skip
+    prometheus_mode: str = _opt(
+        "per_rank",
+        "per_rank (every rank serves its own, each step) or rank0 (rank 0 serves every rank's, gathered at each "
+        "logging step)",
+    )
     table_log: str = _opt("none", "a per-step, per-rank table under output_dir/ops: csv, parquet or none")
     table_flush_steps: int = _opt(20, "rows buffered before they are written (parquet: one file per flush)")
     prices: str = _opt("", "a price table (TOML, as benchmarks/prices.toml) for the running cost estimate")

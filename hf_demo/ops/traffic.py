@@ -134,4 +134,7 @@ def powersgd_collectives(shapes: list[Shape], world: int, scope: str, rank: int 
         else:
             plain += 4 * n * m
     out = [Collective("uncompressed", "all_reduce", plain, world, scope)] if plain else []
-    return out + [Collective("P", "all_reduce", p_bytes, world, scope), Collective("Q", "all_reduce", q_bytes, world, scope)]
+    return out + [
+        Collective("P", "all_reduce", p_bytes, world, scope),
+        Collective("Q", "all_reduce", q_bytes, world, scope),
+    ]
