@@ -295,6 +295,16 @@ def test_the_report_renders_in_headless_chromium(trainer_run, tmp_path):
     assert high - low > 100 and colours > 20, "the screenshot is blank"  # plots, text and tables were drawn
 
 
+def test_the_grafana_dashboard_queries_only_documented_metrics():
+    import re
+
+    from hf_demo.ops.exporters import METRICS
+
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "hf-demo.json").read_text())
+    queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"hf_demo_\w+", t["expr"])}
+    assert queried and queried <= set(METRICS), queried - set(METRICS)
+
+
 # ---------------------------------------------------------------- Prometheus, rank 0 serving every rank
 def test_rank0_endpoint_serves_every_ranks_series_over_http():
     from prometheus_client.parser import text_string_to_metric_families
