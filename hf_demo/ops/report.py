@@ -123,7 +123,10 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
         plt.close(fig)
 
     marks = sorted({a["step"] for a in found})
-    plot("Loss", [("train", _series(rows, "loss")), ("held-out", _series(rows, "eval_loss"))], "loss", marks=marks)
+    losses = [("train", _series(rows, "loss")), ("held-out", _series(rows, "eval_loss"))]
+    values = [v for _, (_, ys) in losses for v in ys if v > 0]
+    spread = bool(values) and max(values) > 100 * min(values)  # a spike: on a log scale the rest stays readable
+    plot("Loss", losses, "loss", logy=spread, marks=marks)
     dense = _series(rows, "demo/dense_allreduce_bytes_per_step")
     traffic = [
         ("DeMo sent", _series(rows, "demo/bytes_sent_per_step")),
