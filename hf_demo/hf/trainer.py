@@ -41,6 +41,7 @@ from hf_demo.hf.data_parallel import (
     unwrap_optimizer,
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
+from hf_demo.ops import callbacks as ops_callbacks
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 
@@ -57,7 +58,8 @@ def _distributed() -> bool:
 class DeMoTrainerMixin:
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, demo_ops=None, **kwargs):
+        self.demo_ops = None  # the ops callbacks (hf_demo.ops): demo_ops=OpsSettings(...), or False for none
         super().__init__(*args, **kwargs)
         self._demo_last_log = None
         if _distributed() and dist.get_world_size() != self.args.world_size:
@@ -79,6 +81,7 @@ class DeMoTrainerMixin:
                 deepspeed=self.is_deepspeed_enabled,
                 fsdp=self.is_fsdp_enabled,
             )
+        self.demo_ops = ops_callbacks.for_trainer(self, demo_ops)
 
     def _check_settings_reach_the_optimizer(self) -> None:
         """Say so when DeMo settings given in the arguments are not the ones that train (one source of truth)."""
@@ -132,13 +135,18 @@ class DeMoTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.demo_ops is not None:
+            self.demo_ops.record_loss(loss)
+        return loss
 
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict, start_time: float | None = None) -> None:
         opt = unwrap_optimizer(self.optimizer)
         if opt is not None and "loss" in logs:  # a training log row
             logs.update(self._demo_metrics(opt))
+            if self.demo_ops is not None:  # every rank's step split, alerts, cost (gathered on every rank)
+                logs.update(self.demo_ops.log_metrics(self.state.global_step))
         elif opt is not None and "train_loss" in logs:  # the end-of-training summary: totals only
             logs.update({k: v for k, v in self._demo_metrics(opt).items() if "total" in k or "skipped" in k})
         super().log(logs, start_time)

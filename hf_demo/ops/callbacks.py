@@ -1,0 +1,219 @@
+"""The ops callbacks of a Trainer: :class:`DeMoOpsCallback` (measures every step, exports, adds the ``ops/*``
+figures to Trainer's log rows) and :class:`~hf_demo.ops.health.DeMoHealthCallback` (alerts), wired by
+:func:`attach`. ``DeMoTrainer`` attaches them when it trains with DeMo (``demo_ops=False`` turns them off).
+
+The log rows (every ``report_to`` backend, ``trainer_state.json``) get, over the steps since the last row and
+gathered from every rank at that row (one small all-gather of Python objects on the default group, on every
+rank, where Trainer logs):
+
+=============================  ==========================================================================
+``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the slowest rank's, which is
+                               ``ops/slowest_rank``
+``ops/forward_backward_s``     forward+backward per step (mean over ranks)
+``ops/demo_compute_s``         DeMo's own computation per step (mean over ranks)
+``ops/exchange_wait_s``        the wait on DeMo's exchange per step (mean over ranks; max: ``_max``)
+``ops/other_s``                time outside the steps (data, logging, evaluation, checkpoints) per step
+``ops/effective_bandwidth``    bytes received per second of waiting (mean over ranks)
+``ops/bytes_saved_per_step``   dense fp32 all-reduce bytes minus DeMo's, per step and rank
+``ops/bytes_saved_total``      the same since the start, summed over ranks
+``ops/drift_checks``           fingerprint comparisons so far
+``ops/cost``                   running cost estimate of every rank together (with a price table)
+``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts/<kind>`` by kind
+=============================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hf_demo.hf.data_parallel import unwrap_optimizer
+from hf_demo.ops import exporters
+from hf_demo.ops.health import Alert, DeMoHealthCallback
+from hf_demo.ops.monitor import StepMonitor, StepSample
+from hf_demo.ops.prices import load as load_prices
+from hf_demo.ops.settings import OpsSettings
+
+
+def rank_and_node(args) -> tuple[int, int, int]:
+    """(rank, node, processes per node) from the arguments and the launcher's LOCAL_WORLD_SIZE."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    rank = int(getattr(args, "process_index", 0))
+    return rank, rank // max(local, 1), local
+
+
+class DeMoOpsCallback(TrainerCallback):
+    def __init__(self, settings: OpsSettings | None = None, health: DeMoHealthCallback | None = None):
+        self.settings = settings or OpsSettings()
+        self.health = health
+        if health is not None:
+            health.fed = True
+            health.sinks.append(self._count_alert)
+        self.monitor: StepMonitor | None = None
+        self.prometheus: exporters.PrometheusExporter | None = None
+        self.table: exporters.TableLog | None = None
+        self.window: list[StepSample] = []
+        self.window_alerts: dict[str, int] = {}
+        self.last: StepSample | None = None
+        self.run, self.folder, self.rank, self.currency = "", Path("."), 0, ""
+
+    # ---------------------------------------------------------------- lifecycle
+    def on_train_begin(self, args, state, control, **kwargs):
+        s = self.settings
+        self.rank, node, local = rank_and_node(args)
+        self.folder = Path(args.output_dir) / "ops"
+        self.run = s.run or Path(args.output_dir).resolve().name
+        prices = load_prices(s.prices) if s.prices else None
+        self.currency = prices.currency if prices else ""
+        self.monitor = StepMonitor(self.rank, node, local, prices, s.sync_cuda)
+        if s.prometheus_port and (s.prometheus_mode == "per_rank" or self.rank == 0):
+            port = s.prometheus_port + (self.rank % local if s.prometheus_mode == "per_rank" else 0)
+            self.prometheus = exporters.PrometheusExporter(port, s.prometheus_addr, self.run)
+        if s.table_log != "none":
+            self.table = exporters.TableLog(self.folder, self.rank, s.table_log, s.table_flush_steps)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.table is not None:
+            self.table.flush()
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ---------------------------------------------------------------- the step
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.monitor is not None:
+            self.monitor.step_begin(unwrap_optimizer(optimizer))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.pre_optimizer()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.optimizer_done()
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self.monitor is None:
+            return
+        opt = unwrap_optimizer(optimizer)
+        sample = self.monitor.step_end(state.global_step, opt)
+        self.last = sample
+        self.window.append(sample)
+        if self.health is not None:
+            self.health.observe(sample, opt, args, state, control)
+        if self.table is not None:
+            self.table.add(sample.row(self.run))
+        if self.prometheus is not None and self.settings.prometheus_mode == "per_rank":
+            self.prometheus.update(self.rank, self._snapshot(state.global_step))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Rank 0 appends every log row to ``ops/log_history.jsonl`` (what ``hf-demo report`` reads while the run
+        is still going: trainer_state.json is written with checkpoints only)."""
+        if logs and state.is_world_process_zero and self.monitor is not None:
+            exporters.append_jsonl(self.folder / "log_history.jsonl", {**logs, "step": state.global_step})
+
+    def record_loss(self, loss) -> None:
+        if self.monitor is not None:
+            self.monitor.record_loss(loss)
+
+    def _snapshot(self, global_step: int) -> exporters.Snapshot:
+        return exporters.Snapshot(self.monitor.totals, self.last, global_step, self.currency)
+
+    def _count_alert(self, alert: Alert) -> None:
+        if self.monitor is not None:
+            self.monitor.totals.alerts[alert.kind] = self.monitor.totals.alerts.get(alert.kind, 0) + 1
+        self.window_alerts[alert.kind] = self.window_alerts.get(alert.kind, 0) + 1
+        exporters.append_jsonl(self.folder / f"alerts-rank{alert.rank}.jsonl", alert.as_dict())
+
+    # ---------------------------------------------------------------- log rows
+    def log_metrics(self, global_step: int) -> dict:
+        """The ``ops/*`` figures of a training log row; called on every rank (it gathers from every rank)."""
+        if self.monitor is None:
+            return {}
+        mine = (self.rank, _window_summary(self.window), self._snapshot(global_step), dict(self.window_alerts))
+        self.window, self.window_alerts = [], {}
+        everyone = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        if self.prometheus is not None and self.settings.prometheus_mode == "rank0":
+            for rank, _, snapshot, _ in everyone:
+                self.prometheus.update(rank, snapshot)
+        return _log_row(everyone)
+
+
+def _window_summary(samples: list[StepSample]) -> dict:
+    def mean(key):
+        values = [getattr(s, key) for s in samples if not math.isnan(getattr(s, key))]
+        return statistics.fmean(values) if values else math.nan
+
+    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s")}
+    out["bandwidth"] = mean("bandwidth")
+    out["saved"] = mean("bytes_saved") if samples else math.nan
+    return out
+
+
+def _log_row(everyone: list) -> dict:
+    summaries = [(rank, w) for rank, w, _, _ in everyone if not math.isnan(w["step_s"])]
+    if not summaries:
+        return {}
+
+    def mean(key):
+        values = [w[key] for _, w in summaries if not math.isnan(w[key])]
+        return statistics.fmean(values) if values else math.nan
+
+    slowest = max(summaries, key=lambda rw: rw[1]["step_s"])
+    row = {
+        "ops/step_s": mean("step_s"),
+        "ops/step_s_max": slowest[1]["step_s"],
+        "ops/slowest_rank": float(slowest[0]),
+        "ops/forward_backward_s": mean("forward_backward_s"),
+        "ops/demo_compute_s": mean("demo_compute_s"),
+        "ops/exchange_wait_s": mean("exchange_s"),
+        "ops/exchange_wait_s_max": max(w["exchange_s"] for _, w in summaries),
+        "ops/other_s": mean("other_s"),
+        "ops/effective_bandwidth": mean("bandwidth"),
+        "ops/bytes_saved_per_step": mean("saved"),
+        "ops/bytes_saved_total": float(sum(s.totals.dense_bytes - s.totals.bytes_sent for _, _, s, _ in everyone)),
+        "ops/drift_checks": float(max(s.totals.drift_checks for _, _, s, _ in everyone)),
+    }
+    costs = [s.last.cost for _, _, s, _ in everyone if s.last is not None and not math.isnan(s.last.cost)]
+    if costs:
+        row["ops/cost"] = float(sum(costs))
+    alerts: dict[str, int] = {}
+    for _, _, _, counts in everyone:
+        for kind, n in counts.items():
+            alerts[kind] = alerts.get(kind, 0) + n
+    row["ops/alerts"] = float(sum(alerts.values()))
+    row.update({f"ops/alerts/{kind}": float(n) for kind, n in sorted(alerts.items())})
+    return {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
+def attach(trainer, settings: OpsSettings | None = None) -> DeMoOpsCallback:
+    """Add the ops callbacks to any Trainer: :class:`DeMoOpsCallback` and (``settings.health.enabled``) a
+    :class:`~hf_demo.ops.health.DeMoHealthCallback` whose alerts reach the trainer's other callbacks."""
+    settings = settings or OpsSettings.from_env()
+    health = DeMoHealthCallback(settings.health) if settings.health.enabled else None
+    ops = DeMoOpsCallback(settings, health)
+    trainer.add_callback(ops)
+    if health is not None:
+        health.handler = trainer.callback_handler
+        trainer.add_callback(health)
+    return ops
+
+
+def for_trainer(trainer, demo_ops) -> DeMoOpsCallback | None:
+    """What ``DeMoTrainer`` attaches: nothing with ``demo_ops=False`` or without DeMo; the given
+    :class:`OpsSettings`; else the settings of the environment (:meth:`OpsSettings.from_env`)."""
+    if demo_ops is False or not trainer.uses_demo:
+        return None
+    if demo_ops is not None and not isinstance(demo_ops, OpsSettings):
+        raise TypeError(f"demo_ops must be an hf_demo.ops.OpsSettings or False, not {type(demo_ops).__name__}")
+    return attach(trainer, demo_ops)

@@ -1,0 +1,100 @@
+"""Links and the time a collective takes on them (ring algorithms, the ones gloo and NCCL use for these sizes).
+
+A link is its bandwidth (bytes per second, each direction) and its one-way latency. Over ``W`` ranks:
+
+- all-gather of ``s`` bytes per rank: ``W - 1`` ring hops, each edge carries ``(W - 1) s`` bytes;
+- all-reduce of ``n`` bytes: a reduce-scatter then an all-gather, ``2 (W - 1)`` hops, each edge carries
+  ``2 (W - 1) / W * n`` bytes (what :class:`hf_demo.exchange.transport.Transport` counts for an all-reduce);
+- broadcast of ``n`` bytes: pipelined along the ring, ``n`` bytes per edge and ``W - 1`` hops.
+
+Ranks spread over several nodes are limited by the link between nodes (a ring ordered by node crosses each
+node's link once each way); ranks of one node by the link inside it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RATE_UNITS = {"": 1.0, "bit": 1.0, "k": 1e3, "kbit": 1e3, "m": 1e6, "mbit": 1e6, "g": 1e9, "gbit": 1e9, "t": 1e12}
+_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text: str) -> float:
+    """``"100mbit"``, ``"10gbit"``, ``"400g"`` -> bytes per second (the units of tc: bits per second)."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower().removesuffix("ps").removesuffix("/s") if m else None
+    if not m or unit not in _RATE_UNITS:
+        raise ValueError(f"cannot read the rate {text!r}: write it like 100mbit, 10gbit or 400g (bits per second)")
+    return float(m.group(1)) * _RATE_UNITS[unit] / 8
+
+
+def parse_time(text: str) -> float:
+    """``"20ms"``, ``"5us"``, ``"0.1"`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _TIME_UNITS:
+        raise ValueError(f"cannot read the time {text!r}: write it like 20ms, 5us or 0.1 (seconds)")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
+
+
+def format_rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    for unit, mult in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= mult:
+            return f"{bits / mult:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes per second, each direction
+    latency: float = 0.0  # seconds, one way
+
+    @classmethod
+    def parse(cls, rate: str, latency: str = "0") -> Link:
+        return cls(parse_rate(rate), parse_time(latency))
+
+    def seconds(self, edge_bytes: float, hops: int) -> float:
+        return edge_bytes / self.bandwidth + hops * self.latency
+
+
+def all_gather_edge_bytes(nbytes: float, world: int) -> float:
+    return (world - 1) * nbytes
+
+
+def all_reduce_edge_bytes(nbytes: float, world: int) -> float:
+    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def collective_seconds(kind: str, nbytes: float, world: int, link: Link) -> float:
+    """Seconds of one collective of ``kind`` (all_gather, all_reduce, broadcast) handing ``nbytes`` per rank."""
+    if world <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return link.seconds(all_gather_edge_bytes(nbytes, world), world - 1)
+    if kind == "all_reduce":
+        return link.seconds(all_reduce_edge_bytes(nbytes, world), 2 * (world - 1))
+    if kind == "broadcast":
+        return link.seconds(nbytes, world - 1)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def edge_bytes(kind: str, nbytes: float, world: int) -> float:
+    """Bytes one ring edge carries (each direction) for a collective of ``kind``."""
+    if world <= 1:
+        return 0.0
+    return {"all_gather": all_gather_edge_bytes, "all_reduce": all_reduce_edge_bytes}.get(kind, lambda n, w: n)(
+        nbytes, world
+    )
+
+
+def sent_bytes(kind: str, nbytes: float, world: int) -> float:
+    """What a rank's ``CommStats.bytes_sent`` counts for a collective (mean over the ranks): an all-gather its
+    own row, an all-reduce what a ring moves, a broadcast ``(W - 1) n`` on its source."""
+    if world <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return all_reduce_edge_bytes(nbytes, world)
+    if kind == "broadcast":
+        return nbytes * (world - 1) / world
+    return nbytes

@@ -1,0 +1,217 @@
+"""The methods the planner compares, in a registry: DDP-AdamW, DDP-PowerSGD and DeMo's layouts and presets.
+
+Each method turns a :class:`Cluster` and a :class:`Workload` into an :class:`Estimate`: its collectives
+(:mod:`hf_demo.ops.traffic`), its computation, the memory per device, and how close it trains to dense
+AdamW at equal steps (``quality``, lower is closer: the order measured in docs/CONVERGENCE.md and
+docs/WAN.md). Add a method by writing one function here and listing it in :data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hf_demo.ops.links import Link, collective_seconds, edge_bytes, sent_bytes
+from hf_demo.ops.shapes import Shape
+from hf_demo.ops.traffic import Collective, ddp_collectives, demo_collectives, demo_layouts, powersgd_collectives
+from hf_demo.optim import policy as policies
+from hf_demo.settings import PRESETS, DeMoSettings
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    devices_per_node: int
+    intra: Link
+    inter: Link
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, scope: str) -> Link:
+        return self.inter if scope == "inter" else self.intra
+
+    @property
+    def flat_scope(self) -> str:
+        """Where a collective over every rank is limited: between nodes as soon as there are two."""
+        return "inter" if self.nodes > 1 else "intra"
+
+
+@dataclass(frozen=True)
+class Workload:
+    shapes: list[Shape]
+    compute_s: float  # forward + backward of one step on one device (given or measured)
+    demo_overhead: float = 0.1  # DeMo's own computation (DCT, top-k, coding) per step, as a fraction of compute_s
+    powersgd_overhead: float = 0.15  # PowerSGD's factorisation per step, as a fraction of compute_s
+    adamw_s: float = 0.0  # AdamW's own step
+    param_bytes: int = 4  # bytes per parameter (fp32 4, bf16 2)
+    backward_fraction: float = 2 / 3  # the part of compute_s a DDP all-reduce can hide under
+    powersgd_rank: int = 4
+    demo_settings: dict = field(default_factory=dict)  # settings every DeMo variant starts from
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@dataclass
+class Estimate:
+    method: str
+    label: str
+    collectives: list[Collective]
+    compute_s: float  # this method's computation per step (forward, backward, optimizer)
+    hide_window_s: float  # computation that hideable collectives can run under
+    memory_bytes: float  # parameters, gradients and optimizer state per device (activations excluded)
+    quality: int
+    settings: dict | None = None  # DeMo's settings (None: not DeMo)
+    note: str = ""
+
+    def exchange_s(self, cluster: Cluster) -> float:
+        """Seconds per step (amortised over ``every``) that the step waits on the network."""
+        fixed = hidden = 0.0
+        for c in self.collectives:
+            t = collective_seconds(c.kind, c.nbytes, c.world, cluster.link(c.scope)) / c.every
+            if c.hideable:
+                hidden += t
+            else:
+                fixed += t
+        return fixed + max(0.0, hidden - self.hide_window_s)
+
+    def step_s(self, cluster: Cluster) -> float:
+        return self.compute_s + self.exchange_s(cluster)
+
+    def link_bytes(self, scope: str, cluster: Cluster) -> float:
+        """Bytes per step (amortised) one ring edge carries on the ``scope`` link, each direction (a ring over
+        the ranks of several nodes runs on the links inside the nodes too)."""
+        scopes = {scope, "inter"} if scope == "intra" and cluster.devices_per_node > 1 else {scope}
+        return sum(edge_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives if c.scope in scopes)
+
+    def rank_bytes(self) -> float:
+        """Bytes per step (amortised, mean over ranks) each rank hands to the collectives, counted as
+        :class:`~hf_demo.exchange.transport.CommStats` counts ``bytes_sent``."""
+        return sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives)
+
+
+# ---------------------------------------------------------------- the methods
+def ddp_adamw(cluster: Cluster, work: Workload) -> Estimate:
+    n, pb = work.n_params, work.param_bytes
+    return Estimate(
+        "ddp-adamw",
+        "DDP AdamW",
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        work.compute_s + work.adamw_s,
+        work.backward_fraction * work.compute_s,
+        memory_bytes=2 * pb * n + 4 * n + 8 * n,  # parameters, gradients, DDP's buckets, AdamW's two moments
+        quality=0,
+    )
+
+
+def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
+    n, pb, r = work.n_params, work.param_bytes, work.powersgd_rank
+    factors = sum(4 * r * (s[0] + math.prod(s[1:])) for s in work.shapes if len(s) >= 2)
+    return Estimate(
+        "ddp-powersgd",
+        f"DDP PowerSGD r{r}",
+        powersgd_collectives(work.shapes, cluster.world, cluster.flat_scope, r),
+        work.compute_s * (1 + work.powersgd_overhead) + work.adamw_s,
+        0.0,  # the hook's P and Q all-reduces run one after the other at the end of the backward pass
+        memory_bytes=2 * pb * n + 4 * n + 8 * n + 4 * n + factors,  # + error feedback and the factors
+        quality=1,
+    )
+
+
+def _demo_memory(shapes, settings: DeMoSettings, work: Workload, devices_per_node: int) -> float:
+    """Parameters, gradients, the blocked fp32 momentum (twice at the step's peak: the working copy) and the
+    rules' state; hierarchy='node' keeps 1/devices of the momentum and a node-mean gradient."""
+    n, pb = work.n_params, work.param_bytes
+    momentum = sum(layout.nblocks * layout.bsize * 4 for layout in demo_layouts(shapes, settings))
+    rule = {"adam": 4, "adamw": 8}.get(settings.update_rule, 0) * n
+    local = 0
+    if settings.sync_every > 1 or settings.comm_budget > 0:  # anchor, inner momentum, inner rule state
+        local = pb * n + 4 * n + {"adam": 4, "adamw": 8}.get(settings.inner_rule, 0) * n
+    if settings.hierarchy == "node" and devices_per_node > 1:
+        return 2 * pb * n + 2 * momentum / devices_per_node + rule / devices_per_node + 4 * n
+    return 2 * pb * n + 2 * momentum + rule + local
+
+
+PRESET_QUALITY = {"balanced": 3, "many_nodes": 3, "lean": 5, "extreme": 7}  # docs/CONVERGENCE.md's order
+
+DEMO_VARIANTS = {  # name -> (label, settings on top of the workload's, quality)
+    "demo": ("DeMo (defaults: all_gather)", {}, 2),
+    "demo-node": ("DeMo hierarchy=node", {"hierarchy": "node"}, 2),
+    "demo-all_reduce": ("DeMo exchange=all_reduce", {"exchange": "all_reduce"}, 4),
+    "demo-overlap": ("DeMo overlap", {"overlap": True}, 5),
+    "demo-sync8": ("DeMo sync_every=8", {"sync_every": 8}, 6),
+    "demo-budget": ("DeMo budget policy (comm_budget=0.15)", {"comm_budget": 0.15}, 6),
+    **{
+        f"demo-{name}": (f"DeMo preset {name}", {"preset": name}, PRESET_QUALITY.get(name, 4))
+        for name in PRESETS  # every preset of hf_demo.settings
+    },
+}
+
+
+def demo_settings(variant: str, work: Workload) -> DeMoSettings:
+    chosen = {**work.demo_settings, **DEMO_VARIANTS[variant][1]}
+    return DeMoSettings.resolve(chosen.pop("preset", None), **chosen)
+
+
+def demo_method(variant: str):
+    label, _, quality = DEMO_VARIANTS[variant]
+
+    def estimate(cluster: Cluster, work: Workload) -> Estimate | None:
+        try:
+            settings = demo_settings(variant, work)
+        except ValueError as exc:  # a combination DeMo refuses (e.g. overlap with the workload's settings)
+            return _refused(variant, label, quality, str(exc))
+        if settings.hierarchy == "node" and cluster.devices_per_node < 2:
+            return None  # one device per node: the same as the flat layout
+        return demo_estimate(variant, label, quality, settings, cluster, work)
+
+    return estimate
+
+
+def demo_estimate(
+    variant: str, label: str, quality: int, settings: DeMoSettings, cluster: Cluster, work: Workload
+) -> Estimate:
+    """DeMo with ``settings`` on this cluster (the budget policy: in the tier it settles in)."""
+    compute = work.compute_s * (1 + work.demo_overhead)
+    est = Estimate(
+        variant,
+        label,
+        demo_collectives(work.shapes, settings, cluster.nodes, cluster.devices_per_node),
+        compute,
+        compute if settings.overlap else 0.0,  # the payload of step t moves during step t+1's computation
+        _demo_memory(work.shapes, settings, work, cluster.devices_per_node),
+        quality,
+        settings.as_dict(),
+    )
+    if settings.comm_budget > 0:
+        return _settle_budget(est, settings, cluster, work)
+    return est
+
+
+def _refused(variant, label, quality, why) -> Estimate:
+    return Estimate(variant, label, [], math.inf, 0.0, math.inf, quality, None, f"refused: {why}")
+
+
+def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work: Workload) -> Estimate:
+    """The tier the budget policy settles in on this link: the first (most bytes) whose predicted time on the
+    exchange is within the budget, the last tier when none is (the policy's own tiers, hf_demo.optim.policy)."""
+    tiers = policies.tiers(settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every)
+    index, tier = 0, tiers[0]
+    for index, tier in enumerate(tiers):  # noqa: B007 - the tier it stops at is the answer
+        tier_settings = (tier.value_format, tier.topk_divisor, tier.sync_every)
+        est.collectives = demo_collectives(
+            work.shapes, settings, cluster.nodes, cluster.devices_per_node, *tier_settings
+        )
+        if est.exchange_s(cluster) <= settings.comm_budget * est.step_s(cluster):
+            break
+    est.note = (
+        f"settles in tier {index} of {len(tiers) - 1} ({tier.value_format} values, top-k/{tier.topk_divisor}, "
+        f"sync every {tier.sync_every})"
+    )
+    return est
+
+
+METHODS = {"ddp-adamw": ddp_adamw, "ddp-powersgd": ddp_powersgd, **{v: demo_method(v) for v in DEMO_VARIANTS}}

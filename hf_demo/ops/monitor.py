@@ -1,0 +1,231 @@
+"""One rank's training step, measured: the time split, DeMo's traffic, and the optimizer's counters.
+
+:class:`StepMonitor` is told where a step's phases begin and end (the Trainer callbacks of
+:mod:`hf_demo.ops.callbacks` call it, or a custom loop does) and returns a :class:`StepSample` per step:
+
+- ``forward_backward_s``: from the step's start to the optimizer step (forward, backward, clipping);
+- ``exchange_s``: the wait on DeMo's collectives inside the optimizer step (``CommStats`` seconds);
+- ``demo_compute_s``: the rest of the optimizer step (DCT, top-k, coding, the update);
+- ``other_s``: the time since the previous step outside any step (data, logging, evaluation, checkpoints);
+- bytes this rank handed to DeMo's collectives and got back, the dense fp32 all-reduce they replace, the
+  bytes on collectives inside a node (``hierarchy='node'``: names starting ``node_``; what is left crossed
+  nodes), the effective bandwidth (bytes received over the wait), and the tier, skips, resyncs and drift
+  checks (fingerprint comparisons, counted from ``check_every`` at each communicating step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hf_demo.exchange.transport import register_collective_hook
+from hf_demo.ops.prices import Prices
+
+
+@dataclass
+class StepSample:
+    step: int
+    rank: int
+    node: int
+    wall_s: float  # since the monitor started
+    step_s: float
+    forward_backward_s: float
+    demo_compute_s: float
+    exchange_s: float
+    other_s: float
+    bytes_sent: float
+    bytes_received: float
+    dense_bytes: float
+    bytes_between_nodes: float
+    bandwidth: float  # bytes received per second of waiting (nan without traffic)
+    tier: int
+    skipped: int  # this step
+    resyncs: int  # this step
+    drift_checks: int  # this step
+    collectives: int  # DeMo's collectives this step
+    world: int  # ranks DeMo exchanges with
+    optimizer_steps: int  # DeMo's own step count after this step (skipped steps included)
+    loss: float | None  # the step's training loss as the trainer sums it (None: none recorded)
+    cost: float  # this rank's running cost estimate (nan without a price table)
+
+    @property
+    def bytes_saved(self) -> float:
+        return self.dense_bytes - self.bytes_sent
+
+    def row(self, run: str) -> dict:
+        return {"run": run, **asdict(self), "bytes_saved": self.bytes_saved}
+
+
+@dataclass
+class Totals:
+    """A rank's running totals (what the Prometheus counters and the log rows read)."""
+
+    steps: int = 0
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    bytes_sent: float = 0.0
+    bytes_received: float = 0.0
+    dense_bytes: float = 0.0
+    bytes_between_nodes: float = 0.0
+    skipped: int = 0
+    resyncs: int = 0
+    drift_checks: int = 0
+    alerts: dict = field(default_factory=dict)
+
+    def add(self, s: StepSample) -> None:
+        self.steps += 1
+        for part in PARTS:
+            self.seconds[part] += getattr(s, f"{part}_s")
+        self.bytes_sent += s.bytes_sent
+        self.bytes_received += s.bytes_received
+        self.dense_bytes += s.dense_bytes
+        self.bytes_between_nodes += s.bytes_between_nodes
+        self.skipped += s.skipped
+        self.resyncs += s.resyncs
+        self.drift_checks += s.drift_checks
+
+
+PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
+
+
+class _NodeBytes:
+    """Bytes handed to collectives inside a node (``node_*``), from the transport's public hook."""
+
+    def __init__(self):
+        self.count = 0
+        self.handle = register_collective_hook(self)
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        if name.startswith("node_"):
+            self.count += nbytes
+
+    def take(self) -> int:
+        out, self.count = self.count, 0
+        return out
+
+
+class StepMonitor:
+    """Turns one rank's step boundaries and DeMo's counters into :class:`StepSample` objects."""
+
+    def __init__(self, rank: int, node: int, devices_per_node: int, prices: Prices | None, sync_cuda=True):
+        self.rank, self.node, self.devices_per_node, self.prices = rank, node, devices_per_node, prices
+        self.sync_cuda = sync_cuda and torch.cuda.is_available()
+        self.start = time.perf_counter()
+        self.totals = Totals()
+        self._marks: dict[str, float] = {}
+        self._last_end = self.start
+        self._before = None
+        self._losses: list = []
+        self._node_bytes = _NodeBytes()
+        self._first_exchange = True
+
+    def close(self) -> None:
+        self._node_bytes.handle.remove()
+
+    def _now(self) -> float:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def step_begin(self, opt=None) -> None:
+        self._marks = {"begin": self._now()}
+        self._before = _counters(opt)
+        self._losses = []
+
+    def pre_optimizer(self) -> None:
+        self._marks["pre_optimizer"] = self._now()
+
+    def optimizer_done(self) -> None:
+        self._marks["optimizer"] = self._now()
+
+    def record_loss(self, loss) -> None:
+        """A micro-batch's loss as the trainer sums it (a tensor is read at the step's end, once)."""
+        self._losses.append(loss.detach() if torch.is_tensor(loss) else float(loss))
+
+    def step_end(self, step: int, opt=None) -> StepSample:
+        end = self._now()
+        m = self._marks
+        begin = m.get("begin", self._last_end)
+        pre = m.get("pre_optimizer", end)
+        after = _counters(opt)
+        before = self._before or after
+        exchange = after["seconds"] - before["seconds"]
+        received = after["received"] - before["received"]
+        node_bytes = self._node_bytes.take()
+        communicated = after["collectives"] > before["collectives"]
+        sample = StepSample(
+            step=step,
+            rank=self.rank,
+            node=self.node,
+            wall_s=end - self.start,
+            step_s=end - begin,
+            forward_backward_s=pre - begin,
+            demo_compute_s=max(0.0, m.get("optimizer", end) - pre - exchange),
+            exchange_s=exchange,
+            other_s=max(0.0, begin - self._last_end),
+            bytes_sent=after["sent"] - before["sent"],
+            bytes_received=received,
+            dense_bytes=after["dense"] if after["steps"] > before["steps"] else 0.0,
+            bytes_between_nodes=max(0.0, received - node_bytes),
+            bandwidth=received / exchange if exchange > 0 and received > 0 else math.nan,
+            tier=after["tier"],
+            skipped=after["skipped"] - before["skipped"],
+            resyncs=after["resyncs"] - before["resyncs"],
+            drift_checks=self._drift_checks(opt, after["steps_taken"], communicated),
+            collectives=after["collectives"] - before["collectives"],
+            world=_world(opt) if opt is not None else 1,
+            optimizer_steps=after["steps_taken"],
+            loss=self._loss(),
+            cost=math.nan,
+        )
+        self.totals.add(sample)
+        sample.cost = self.cost(sample.wall_s)
+        self._last_end = end
+        return sample
+
+    def cost(self, wall_s: float) -> float:
+        if self.prices is None:
+            return math.nan
+        return self.prices.cost(wall_s / 3600, self.totals.bytes_between_nodes / 1e9, self.devices_per_node)
+
+    def _loss(self) -> float | None:
+        if not self._losses:
+            return None
+        return float(sum(x.float().item() if torch.is_tensor(x) else x for x in self._losses))
+
+    def _drift_checks(self, opt, steps_taken: int, communicated: bool) -> int:
+        """1 when this step compared fingerprints: DeMo's first exchange in this process, then every
+        ``check_every`` steps (the optimizer's rule), at communicating steps with more than one rank."""
+        if opt is None or not communicated or _world(opt) < 2:
+            return 0
+        first, self._first_exchange = self._first_exchange, False
+        every = opt.settings.check_every
+        return int(first or (every > 0 and steps_taken % every == 0))
+
+
+def _world(opt) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(opt.process_group)
+
+
+def _counters(opt) -> dict:
+    if opt is None:
+        keys = ("seconds", "sent", "received", "collectives", "steps", "dense", "skipped", "resyncs", "steps_taken")
+        return {**dict.fromkeys(keys, 0), "tier": 0}
+    s = opt.comm_stats
+    return {
+        "seconds": s.total_seconds,
+        "sent": s.total_bytes_sent,
+        "received": s.total_bytes_received,
+        "collectives": s.total_collectives,
+        "steps": s.steps,
+        "dense": s.dense_bytes,
+        "skipped": opt.skipped_steps,
+        "resyncs": opt.resyncs,
+        "tier": opt.tier,
+        "steps_taken": opt.steps,
+    }
