@@ -135,6 +135,7 @@ class DeMoTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
+            unwrap_optimizer(self.optimizer).context = "trainer"  # its errors name Trainer's switches
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.demo_ops is not None:
             self.demo_ops.record_loss(loss)
