@@ -37,6 +37,11 @@ FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 DEMO_FLAG = re.compile(r"(?<![\w./-])-{0,2}demo_([a-z0-9_]+)")
+NOT_SETTINGS = {
+    "ops",
+    "compute",
+    "compute_s",
+}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s
 MODULE = re.compile(r"(?<![\w.])hf_demo(?:\.[A-Za-z_]\w*)+")
 MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
 SCRIPT = re.compile(r"^((?:recipes|benchmarks|examples|scripts)/[\w/]+\.py)$")
@@ -97,9 +102,14 @@ def script_flags(script: str) -> frozenset[str]:
     path = ROOT / script
     flags = declared_flags(path.read_text())
     siblings = {p.stem: p for p in path.parent.glob("*.py")}
+    siblings.update({p.name: p for p in path.parent.iterdir() if (p / "__init__.py").exists()})  # recipelib
     for name in re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.M):
-        if name in siblings and siblings[name] != path:
-            flags |= declared_flags(siblings[name].read_text())
+        sibling = siblings.get(name)
+        if sibling is None or sibling == path:
+            continue
+        sources = sorted(sibling.glob("*.py")) if sibling.is_dir() else [sibling]
+        for source in sources:
+            flags |= declared_flags(source.read_text())
     if script.startswith("recipes/"):
         flags |= trainer_fields()
     return frozenset(flags | {"help"})
@@ -227,7 +237,7 @@ def problems(text: str, doc: Path) -> list[str]:
     found = []
     settings = setting_names()
     for name in DEMO_FLAG.findall(text):
-        if name not in settings | {"preset"}:
+        if name not in settings | {"preset"} | NOT_SETTINGS:
             found.append(f"no setting demo_{name}")
     for name in sorted(set(MODULE.findall(text))):
         problem = module_problem(name)

@@ -34,7 +34,7 @@ def save(opt, sd: dict) -> dict:
         policy={**opt.policy.state_dict(), "tier_spec": list(astuple(opt.tiers[opt.policy.tier]))},
         comm={k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         pending=overlap.to_state(opt),
-        local_params={ids[i]: p.detach().clone() for i, p in moved_from_anchor(opt)},
+        local_params={ids[i]: p.detach().clone() for i, p in own_parameters(opt)},
         shards="all_parameters" if opt.topology.name == "node" else None,
     )
     sd["demo"] = saved.to_dict()
@@ -145,10 +145,16 @@ def _restore_tensors(opt, p, tensors: dict, saved_chunk, group, pid) -> None:
         opt.state[p][key] = value
 
 
-def moved_from_anchor(opt):
-    """(position, parameter) of each parameter a local phase has moved away from its anchor (the parameters at
-    the last synchronisation): this rank's own, which a checkpoint's model file (rank 0's) does not hold."""
-    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+def own_parameters(opt):
+    """(position, parameter) of each parameter whose value is this rank's own, which a checkpoint's model file
+    (rank 0's) does not hold: inside a local phase, those moved away from their anchor (the parameters at the
+    last synchronisation); under a topology that shares values, every trainable one (a node's values are not
+    rank 0's node's)."""
+    everything = enumerate(p for g in opt.param_groups for p in g["params"])
+    if opt.unsynced and opt.topology.needs_values:
+        yield from ((i, p) for i, p in everything if p.requires_grad)
+        return
+    for i, p in everything:
         anchor = opt.state[p].get("anchor") if p in opt.state else None
         if anchor is not None and not torch.equal(p.detach(), anchor):
             yield i, p

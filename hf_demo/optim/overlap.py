@@ -14,6 +14,7 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic
+from hf_demo.optim.signals import rule_direction
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.wire import agreement
@@ -73,17 +74,13 @@ def stage_late(opt, tx: Transaction, updates) -> None:
     if updates is None:
         return
     pending = opt.pending
-    pairs = targets(opt, pending)
-
-    def land() -> None:
-        generator = None
-        if opt.settings.param_rounding == "stochastic":
-            generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + pending.step)
-        for (p, layout), update, (lr, wd) in zip(pairs, updates, pending.lr):
-            direction = opt.update_rule.direction(p, opt.transform.decode(update, layout), opt.state[p])
-            F.apply_step(p, direction, lr, wd, generator)
-
-    tx.stage(land)
+    generator = None
+    if opt.settings.param_rounding == "stochastic":
+        generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + pending.step)
+    for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
+        direction, rule_state = rule_direction(opt, p, update, layout)
+        tx.update(opt.state[p], rule_state)
+        tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, generator))
 
 
 def flush(opt) -> None:

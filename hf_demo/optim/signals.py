@@ -31,25 +31,26 @@ class GradientSignal:
         return group["compression_decay"], group["lr"]
 
     def update(self, ctx, needs_values: bool) -> None:
-        """Stage the momenta and the rule's step: in place at the commit, or into ``ctx.values`` (a copy)."""
-        opt, rule = ctx.opt, ctx.opt.update_rule
-        where = _positions(ctx)
-        for (p, g, layout), m, update, j in zip(ctx.items, ctx.working, ctx.updates, where):
+        """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
+        in a rule); the step is staged in place, or computed into ``ctx.values`` where the topology shares it."""
+        opt = ctx.opt
+        for (p, g, layout), m, update, j in zip(ctx.items, ctx.working, ctx.updates, _positions(ctx)):
             ctx.tx.set(opt.state[p], "momentum", m)
-            if not needs_values:
-                ctx.tx.stage(lambda p=p, g=g, layout=layout, u=update: _apply(opt, rule, p, g, layout, u, ctx))
-                continue
-            rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
-            direction = rule.direction(p, opt.transform.decode(update, layout), rule_state)
-            value = ctx.values.get(j, p.detach()).clone()
-            F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
-            ctx.values[j] = value
+            direction, rule_state = rule_direction(opt, p, update, layout)
             ctx.tx.update(opt.state[p], rule_state)
+            if needs_values:
+                value = ctx.values.get(j, p.detach()).clone()
+                F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
+                ctx.values[j] = value
+            else:
+                lr, wd = g["lr"], g["weight_decay"]
+                ctx.tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, ctx.generator))
 
 
-def _apply(opt, rule, p, group, layout, update, ctx) -> None:
-    direction = rule.direction(p, opt.transform.decode(update, layout), opt.state[p])
-    F.apply_step(p, direction, group["lr"], group["weight_decay"], ctx.generator)
+def rule_direction(opt, p, update, layout):
+    """(the update rule's direction for the decoded ``update``, the rule's new state for ``p``), nothing written."""
+    rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
+    return opt.update_rule.direction(p, opt.transform.decode(update, layout), rule_state), rule_state
 
 
 def _positions(ctx) -> list[int]:
