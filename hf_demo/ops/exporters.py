@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from hf_demo.ops._deps import require
+from hf_demo.ops.optional import require
 from hf_demo.ops.monitor import PARTS, StepSample, Totals
 
 # name -> (type, help); "_total" counters are exposed as <name> (prometheus_client adds nothing to custom ones)

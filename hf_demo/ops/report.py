@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from hf_demo.ops._deps import require
+from hf_demo.ops.optional import require
 
 PARTS = (  # (log-row key, per-step column, label)
     ("ops/forward_backward_s", "forward_backward_s", "forward+backward"),

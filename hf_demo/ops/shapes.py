@@ -42,7 +42,7 @@ def from_count(params: float, layer_shape: Shape) -> list[Shape]:
 
 def from_config(path: str | Path) -> list[Shape]:
     """The trainable parameter shapes of the model a ``config.json`` (or a folder holding one) describes."""
-    from hf_demo.ops._deps import require
+    from hf_demo.ops.optional import require
 
     transformers = require("transformers", "reading a model's config.json")
     import torch

@@ -1,0 +1,75 @@
+"""What the commit vote costs: DeMo's optimizer step with ``commit_vote`` on and off, side by side, on 2 gloo
+ranks over links of growing latency.
+
+    python benchmarks/commit_vote.py [--delays-ms 0 5 20 50] [--steps 30]
+
+Latency is emulated in the application, as ``wan.py`` does (this kernel has no netem): before each of DeMo's
+collectives every rank sleeps ``(W-1) * D`` ms, the sequential hops of a ring (``register_collective_hook``).
+The vote is one more collective of 8 bytes per rank, so it costs one more latency per step and no bandwidth.
+Prints the mean optimizer-step time of each setting, the ratio on/off, and the vote's share of a step; writes the
+table to ``--out`` (Markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchlib.ranks import expect_ok, run_ranks
+
+
+def _steps(rank, world, vote: str, delay_ms: float, steps: int, size: int) -> list[float]:
+    import hf_demo
+    from hf_demo.exchange.transport import register_collective_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(size, size), torch.nn.Linear(size, size))
+    opt = hf_demo.DeMo(model.parameters(), lr=1e-3, commit_vote=vote)
+    handle = register_collective_hook(lambda name, n: time.sleep((world - 1) * delay_ms / 1000.0))
+    seconds = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        started = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - started)
+    handle.remove()
+    return seconds[3:]  # past the first steps (groups, the DDP guard, caches)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0, 50.0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--size", type=int, default=512, help="the side of the two square layers (2 x size^2)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/commit_vote.md"))
+    args = parser.parse_args(argv)
+    rows = ["| one-way latency per hop | step, vote on | step, vote off | on / off | the vote's share of a step |"]
+    rows.append("|---:|---:|---:|---:|---:|")
+    for delay in args.delays_ms:
+        mean = {}
+        for vote in ("on", "off"):
+            per_rank = expect_ok(run_ranks(_steps, 2, vote, delay, args.steps, args.size, timeout=600))
+            mean[vote] = statistics.mean(max(s) for s in zip(*per_rank))  # a step ends when its slowest rank's does
+        share = 1 - mean["off"] / mean["on"]
+        rows.append(
+            f"| {delay:g} ms | {mean['on'] * 1000:.1f} ms | {mean['off'] * 1000:.1f} ms | "
+            f"{mean['on'] / mean['off']:.3f}x | {share:.1%} |"
+        )
+        print(rows[-1], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    params = 2 * (args.size * args.size + args.size)
+    args.out.write_text(
+        f"# The commit vote's cost\n\n2 gloo ranks, {params:,} parameters (two {args.size}x{args.size} layers), DeMo's "
+        f"defaults, {args.steps} steps (the first 3 left out), latency emulated before each collective.\n"
+        f"Command: `python benchmarks/commit_vote.py`\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
