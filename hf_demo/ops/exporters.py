@@ -17,8 +17,8 @@ import json
 import math
 from pathlib import Path
 
-from hf_demo.ops.optional import require
 from hf_demo.ops.monitor import PARTS, StepSample, Totals
+from hf_demo.ops.optional import require
 
 # name -> (type, help); "_total" counters are exposed as <name> (prometheus_client adds nothing to custom ones)
 METRICS = {

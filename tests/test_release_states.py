@@ -1,0 +1,46 @@
+"""Checkpoints written by the release before the staged step keep working: each state (saved after 6 steps by
+that release, tests/data/release_states/make_states.py) loads into today's DeMo, and 3 more steps give what that
+release's own 3 more steps gave, bit for bit (one process: the same CPU kernels run both)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_demo
+from models import loss_and_backward, tiny_mlp
+
+STATES = Path(__file__).parent / "data" / "release_states"
+DETERMINISTIC = ["default", "adam_fp32", "all_reduce", "overlap_in_flight", "sync_every_mid_phase"]
+
+
+def _resumed(name):
+    saved = torch.load(STATES / f"{name}.pt", weights_only=True)
+    model = tiny_mlp(seed=7)
+    model.load_state_dict(saved["model"])
+    opt = hf_demo.DeMo(model.parameters(), **saved["kw"])
+    opt.load_state_dict(saved["opt"])
+    return saved, model, opt
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_a_state_of_the_last_release_resumes_bit_for_bit(name):
+    saved, model, opt = _resumed(name)
+    assert opt.steps == 6
+    for step in range(6, 9):
+        loss_and_backward(model, 0, step)
+        opt.step()
+    opt.flush()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved["after"]))
+
+
+def test_a_budget_tier_of_the_last_release_is_found_again():
+    _, _, opt = _resumed("budget_tier")
+    assert (
+        opt.tier == 2
+        and opt.tiers[2]
+        == hf_demo.DeMo(
+            [torch.nn.Parameter(torch.zeros(2))],
+            **{k: v for k, v in torch.load(STATES / "budget_tier.pt", weights_only=True)["kw"].items()},
+        ).tiers[2]
+    )
