@@ -40,6 +40,11 @@ class DeMoSettings:
     compression_chunk: int = _setting(
         64, "block side: chunk x chunk blocks for matrices, chunk for vectors (1..256)", per_group=True
     )
+    transform: str = _setting(
+        "dct",
+        "what top-k selects from: dct (the blockwise DCT-II, DeMo's) or identity (the raw blocks: an ablation)",
+        transforms.TRANSFORM_NAMES,
+    )
     value_format: str = _setting(
         "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + a bf16 scale per block)", codec.VALUE_FORMATS
     )
@@ -72,18 +77,6 @@ class DeMoSettings:
         "run step t's exchange in the background while step t+1 computes; its update is applied at step t+1 "
         "(one step late, as Psyche does; the late step costs loss, more at larger learning rates: "
         "docs/guides/choosing-settings.md). Flat hierarchy, every-step synchronisation, no comm_budget",
-    )
-    transform: str = _setting(
-        "dct",
-        "what top-k selects from: dct (the blockwise DCT-II, DeMo's) or identity (the raw blocks: an ablation)",
-        transforms.TRANSFORM_NAMES,
-    )
-    commit_vote: str = _setting(
-        "on",
-        "on: before a step commits, every rank says whether what it received passed its checks (one 8-byte "
-        "all-gather per rank), and a refusal on any rank stops the step on every rank, so the replicas stay "
-        "identical; off: a refusal raises on the refusing rank only and the drift check finds the replicas apart",
-        ("on", "off"),
     )
     update_rule: str = _setting(
         "sign",
@@ -152,6 +145,13 @@ class DeMoSettings:
         ("raise", "allow"),
     )
     full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
+    commit_vote: str = _setting(
+        "on",
+        "on: before a step commits, every rank says whether what it received passed its checks (one 8-byte "
+        "all-gather per rank), and a refusal on any rank stops the step on every rank, so the replicas stay "
+        "identical; off: a refusal raises on the refusing rank only and the drift check finds the replicas apart",
+        ("on", "off"),
+    )
     end_local_phase: str = _setting(
         "average",
         "when training ends inside a local phase (sync_every > 1, a policy's local-step tier), what flush() does: "

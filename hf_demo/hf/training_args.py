@@ -151,7 +151,7 @@ class DeMoArguments:
     Starting point:
         demo_preset: a named set of settings (:data:`hf_demo.settings.PRESETS`).
     Compression (what each block of a parameter sends):
-        demo_compression_decay, demo_compression_topk, demo_compression_chunk.
+        demo_compression_decay, demo_compression_topk, demo_compression_chunk, demo_transform.
     Wire format:
         demo_value_format, demo_index_coding.
     Exchange (how the coefficients move between ranks):
@@ -164,7 +164,7 @@ class DeMoArguments:
         demo_comm_budget, demo_policy_patience, demo_policy_sync_every.
     Faults and guards:
         demo_nonfinite, demo_nonfinite_patience, demo_comm_timeout, demo_check_every, demo_drift,
-        demo_identical_gradients, demo_full_sync_every.
+        demo_identical_gradients, demo_full_sync_every, demo_commit_vote.
     """
 
     # starting point
@@ -173,6 +173,7 @@ class DeMoArguments:
     demo_compression_decay: float | None = _setting_field("compression_decay")
     demo_compression_topk: int | None = _setting_field("compression_topk")
     demo_compression_chunk: int | None = _setting_field("compression_chunk")
+    demo_transform: str | None = _setting_field("transform")
     # wire format
     demo_value_format: str | None = _setting_field("value_format")
     demo_index_coding: str | None = _setting_field("index_coding")
@@ -201,6 +202,7 @@ class DeMoArguments:
     demo_drift: str | None = _setting_field("drift")
     demo_identical_gradients: str | None = _setting_field("identical_gradients")
     demo_full_sync_every: int | None = _setting_field("full_sync_every")
+    demo_commit_vote: str | None = _setting_field("commit_vote")
 
     @property
     def uses_demo(self) -> bool:

@@ -17,7 +17,7 @@ from hf_demo.compression.blocks import plan
 from hf_demo.exchange import exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
-from hf_demo.wire import codec
+from hf_demo.wire import agreement, codec
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # and its first, smaller bucket
@@ -61,8 +61,15 @@ def _exchange_collectives(shapes, settings, world, scope, every, value_format, t
     """The collectives of one DeMo exchange among ``world`` ranks (header first, as the optimizer does)."""
     ex = demo_payload(shapes, settings, world, value_format, topk_divisor)
     out = [Collective("header", "all_gather", codec.HEADER_BYTES, world, scope, every)]
+    # the commit vote after the exchange (overlap's verdict rides in the next header instead)
+    vote = (
+        []
+        if overlap or settings.commit_vote == "off" or world <= 1
+        else [Collective("vote", "all_gather", agreement.VOTE_BYTES, world, scope, every)]
+    )
     if settings.exchange == "all_gather":
-        return out + [Collective("payload", "all_gather", ex.payload_nbytes, world, scope, every, hideable=overlap)]
+        payload = Collective("payload", "all_gather", ex.payload_nbytes, world, scope, every, hideable=overlap)
+        return out + [payload] + vote
     value_bytes = ex.dtype.itemsize
     if ex.union:  # every rank's nominations all-gathered, then the values at their union all-reduced
         slots = sum(layout.nblocks * world * nominated.k for layout, nominated in zip(ex.layouts, ex.nominated))
@@ -70,7 +77,8 @@ def _exchange_collectives(shapes, settings, world, scope, every, value_format, t
     else:  # the step's leader broadcasts its positions
         slots = sum(layout.nblocks * layout.k for layout in ex.layouts)
         out.append(Collective("positions", "broadcast", ex.index_nbytes, world, scope, every))
-    return out + [Collective("values", "all_reduce", slots * value_bytes, world, scope, every)]
+    values = Collective("values", "all_reduce", slots * value_bytes, world, scope, every, hideable=overlap)
+    return out + [values] + vote
 
 
 def demo_collectives(
