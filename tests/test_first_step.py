@@ -80,6 +80,8 @@ def test_identical_gradients_on_every_rank_stop_the_first_step_naming_both_cause
         assert "bitwise identical on all 2 ranks at optimizer step 0" in message
         assert "DDP still averages" in message and "same batches" in message
         assert "hf_demo.prepare" in message and "ACCELERATE_USE_CPU=1" in message
+        # a custom loop, not Trainer: the fix there is Accelerate's switch, not Trainer's --use_cpu
+        assert "Accelerator(cpu=True)" in message and "--use_cpu" not in message
 
 
 def test_identical_gradients_allowed_when_asked():
