@@ -11,6 +11,7 @@ from hf_demo.hf.data_parallel import (
 from hf_demo.hf.teardown import shutdown
 from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.optim.param_groups import muon_style_groups
 
 install_step_guard()  # DeMo's first step: exit handler, and a loud error if DDP still averages gradients
 
@@ -44,6 +45,7 @@ __all__ = [
     "create_optimizer",
     "disable_gradient_allreduce",
     "last_complete_checkpoint",
+    "muon_style_groups",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",
     "prepare",

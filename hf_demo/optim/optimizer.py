@@ -98,8 +98,6 @@ class DeMo(torch.optim.Optimizer):
             )
         self.settings = DeMoSettings.resolve(preset, **settings)
         self.process_group = process_group
-        self.update_rule = update_rules.get(self.settings.update_rule)
-        self.inner_rule = update_rules.get(self.settings.inner_rule)
         secret = os.environ.get(SECRET_ENV)
         self.secret = secret.encode() if secret else None
         self.comm_stats = CommStats()
@@ -165,6 +163,7 @@ class DeMo(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _validate_group(group)
+        self.settings.check_group(group)
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(
@@ -218,7 +217,7 @@ class DeMo(torch.optim.Optimizer):
         settings_key = [sorted(self.settings.as_dict().items()), self.secret is not None, tier]
         for group in self.param_groups:
             _validate_group(group)
-            settings_key.append(tuple(float(group[k]) for k in GROUP_KEYS))
+            settings_key.append(tuple(group[k] if isinstance(group[k], str) else float(group[k]) for k in GROUP_KEYS))
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
@@ -291,7 +290,9 @@ class DeMo(torch.optim.Optimizer):
         if local:
             anchors = [local_steps.anchor(self.state[p], p) for p in params]  # the parameters at the last sync
             inner = [
-                local_steps.inner_step(p, p.grad, self.state[p], self.inner_rule, g["lr"], g["weight_decay"], generator)
+                local_steps.inner_step(
+                    p, p.grad, self.state[p], update_rules.get(g["inner_rule"]), g["lr"], g["weight_decay"], generator
+                )
                 for p, g, _ in items
             ]
             if not local_steps.is_sync_step(tier.sync_every, self.steps):
@@ -472,7 +473,7 @@ class DeMo(torch.optim.Optimizer):
             if local:
                 local_steps.commit_sync(p, self.state[p], decode(update, layout), *inner[i][1:])
                 continue
-            direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
+            direction = update_rules.get(g["update_rule"]).direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, g["lr"], g["weight_decay"], generator)
 
     @torch.no_grad()
@@ -622,8 +623,9 @@ class DeMo(torch.optim.Optimizer):
         generator = None
         if self.settings.param_rounding == "stochastic":
             generator = torch.Generator().manual_seed(0x5EED0000 + pending["step"])
+        rule_of = {id(q): g["update_rule"] for g in self.param_groups for q in g["params"]}
         for (p, layout), update, (lr, wd) in zip(self._pending_targets(items), updates, pending["lr"]):
-            direction = self.update_rule.direction(p, decode(update, layout), self.state[p])
+            direction = update_rules.get(rule_of[id(p)]).direction(p, decode(update, layout), self.state[p])
             F.apply_step(p, direction, lr, wd, generator)
 
     def _share_in_node(self, items, all_items, owner_of, updates, generator, bases):
@@ -635,7 +637,7 @@ class DeMo(torch.optim.Optimizer):
         values, rule_states = {}, []
         for j, ((p, g, layout), update) in zip(mine, zip(items, updates)):
             rule_state = {k: v.clone() for k, v in self.state[p].items() if k in update_rules.STATE_KEYS}
-            direction = self.update_rule.direction(p, decode(update, layout), rule_state)
+            direction = update_rules.get(g["update_rule"]).direction(p, decode(update, layout), rule_state)
             value = bases.get(id(p), p.detach()).clone()
             F.apply_step(value, direction, g["lr"], g["weight_decay"], generator)
             values[j] = value
