@@ -42,8 +42,8 @@ from hf_demo.hf.data_parallel import (
 from hf_demo.hf.teardown import install_exit_handler
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
-from hf_demo.optim.param_groups import model_groups
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.optim.param_groups import model_groups
 
 
 def rank_state_file(rank: int) -> str:
