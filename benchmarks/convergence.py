@@ -24,6 +24,10 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
 - ``powersgd``  the same with DDP's ``powerSGD_hook`` (rank ``--powersgd-rank``, plain all-reduce for the
                 first 2 steps, one DDP bucket: ``benchlib.baselines.ddp_baseline``); bytes from the shapes with
                 torch's rule (``benchlib.baselines.powersgd_bytes``).
+- ``muon``      ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``, momentum 0.95, Nesterov) for the hidden
+                matrices and AdamW for the embeddings, head and norms (``hf_demo.muon_style_groups``), on
+                ``DistributedDataParallel``: 4 bytes/param/step. Its Newton-Schulz iteration runs in fp32
+                (hf_demo's, replaced in the run's process: torch's bf16 one is ~20x slower on a CPU).
 - ``peer``      ``pytorch_optimizer.DeMo`` (``--topk``, ``--chunk``); bytes = its ``data_transmit``.
 - ``demo``      ``hf_demo.DeMo``, once per configuration in ``--demo-configs``: ``;`` separates
                 configurations, ``,`` separates ``key=value`` overrides of DeMo's keyword arguments. Short keys:
@@ -34,6 +38,9 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
                 ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
                 and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
+                ``update_rule=orthogonal`` trains ``hf_demo.muon_style_groups(model)`` (hidden matrices
+                orthogonalised, the rest ``sign``); benchmark-only with it: ``others=RULE`` (the rest's rule),
+                ``others_lr=X`` (the rest's lr is X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS).
                 Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
@@ -75,13 +82,13 @@ from benchlib.baselines import POWERSGD_START_ITER, ddp_baseline, powersgd_bytes
 from benchlib.overrides import ALIASES, parse_overrides  # noqa: E402
 from benchlib.ranks import free_port  # noqa: E402
 
-BASE_METHODS = ("adamw", "powersgd", "peer", "demo")
+BASE_METHODS = ("adamw", "powersgd", "muon", "peer", "demo")
 
 
 # ------------------------------------------------------------------ methods
 @dataclass
 class Method:
-    kind: str  # adamw | powersgd | peer | demo
+    kind: str  # adamw | powersgd | muon | peer | demo
     label: str
     overrides: dict = field(default_factory=dict)  # DeMo keywords (kind demo)
 
@@ -94,12 +101,17 @@ def demo_label(overrides: dict) -> str:
 
 
 def parse_method(spec: str, label: str | None = None) -> Method:
-    """``adamw`` | ``powersgd`` | ``peer`` | ``demo`` | ``demo:key=value,...``."""
+    """``adamw`` | ``powersgd`` | ``muon`` | ``peer`` | ``demo`` | ``demo:key=value,...``."""
     kind, _, rest = spec.partition(":")
     if kind not in BASE_METHODS:
         raise SystemExit(f"unknown method {kind!r}; expected one of {BASE_METHODS}")
     overrides = parse_overrides(rest) if kind == "demo" else {}
-    default = {"adamw": "DDP-AdamW", "powersgd": "DDP-AdamW+PowerSGD", "peer": "pytorch-optimizer DeMo"}
+    default = {
+        "adamw": "DDP-AdamW",
+        "powersgd": "DDP-AdamW+PowerSGD",
+        "muon": "DDP-Muon",
+        "peer": "pytorch-optimizer DeMo",
+    }
     return Method(kind, label or default.get(kind) or demo_label(overrides), overrides)
 
 
@@ -185,19 +197,21 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         kw = dict(compression_topk=cfg.topk, compression_chunk=cfg.chunk)
         kw.update(m.overrides)
         mlp_topk = kw.pop("mlp_topk", None)
+        params = _orthogonal_groups(model, kw)
         param_dtype = kw.pop("params", "fp32")
         if param_dtype == "bf16":  # benchmark-only: bf16 parameters, no fp32 master copy (issue 10, item 4)
             model.to(torch.bfloat16)
         elif param_dtype != "fp32":
             raise ValueError(f"params must be fp32 or bf16, got {param_dtype!r}")
-        params = model.parameters()
         if mlp_topk is not None:  # benchmark-only: another top-k for the MLP matrices (a parameter group)
+            if params is not None:
+                raise ValueError("mlp_topk does not combine with the orthogonal rule's groups")
             named = list(model.named_parameters())
             params = [
                 {"params": [p for n, p in named if "mlp" not in n]},
                 {"params": [p for n, p in named if "mlp" in n], "compression_topk": int(mlp_topk)},
             ]
-        opt = hf_demo.DeMo(params, lr=cfg.lr, **kw)
+        opt = hf_demo.DeMo(model.parameters() if params is None else params, lr=cfg.lr, **kw)
         return model, opt, lambda: opt.comm_stats.bytes_sent
     if m.kind == "peer":
         import pytorch_optimizer
@@ -207,6 +221,10 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         )
         return model, opt, lambda: opt.data_transmit
     dense = 4 * n_params
+    if m.kind == "muon":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model), ddp_muon(model, cfg.lr), lambda: dense
     net = ddp_baseline(model, m.kind, powersgd_rank=cfg.powersgd_rank)
     if m.kind == "adamw":
         sent = lambda: dense  # noqa: E731
@@ -220,6 +238,60 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return net, opt, sent
+
+
+def _orthogonal_groups(model, kw: dict):
+    """DeMo's parameter groups for ``update_rule=orthogonal`` (``muon_style_groups``: what ``create_optimizer``
+    and DeMoTrainer build), else None. Benchmark-only keys, taken out of ``kw``: ``others=RULE`` (the rule of the
+    embeddings, head, norms; default sign), ``others_lr=X`` (their lr is X times the hidden matrices'; applied by
+    the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2)."""
+    from hf_demo.optim import update_rules
+    from hf_demo.optim.param_groups import muon_style_groups
+
+    others = {"update_rule": kw.pop("others", "sign")}
+    if "others_lr" in kw:
+        others["lr_scale"] = float(kw.pop("others_lr"))
+    if "ortho_rms" in kw:
+        update_rules.OrthogonalRule.rms = float(kw.pop("ortho_rms"))  # this forked run's process only
+    if kw.get("update_rule") == "orthogonal":
+        return muon_style_groups(model, others=others)
+    if len(others) > 1 or others["update_rule"] != "sign":
+        raise ValueError("others and others_lr are settings of update_rule=orthogonal's groups")
+    return None
+
+
+class _Optimizers:
+    """Several optimizers stepped as one (DDP-Muon: Muon for the hidden matrices, AdamW for the rest)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def ddp_muon(model, lr: float) -> _Optimizers:
+    """``torch.optim.Muon`` (momentum 0.95, Nesterov, 5 Newton-Schulz steps, ``adjust_lr_fn="match_rms_adamw"``:
+    AdamW's lr carries over) on the hidden matrices of ``muon_style_groups``, AdamW (0.9/0.95) on the rest; no
+    weight decay. torch's Newton-Schulz runs in bf16, ~20x slower on a CPU: it is replaced here, in this run's
+    process, by hf_demo's fp32 iteration (the one ``update_rule="orthogonal"`` uses)."""
+    import torch
+    from torch.optim import _muon
+
+    from hf_demo.optim.param_groups import muon_style_groups
+    from hf_demo.optim.update_rules import newton_schulz
+
+    _muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(grad, steps, coefficients)
+    hidden, others = muon_style_groups(model, hidden={}, others={})
+    muon = torch.optim.Muon(hidden["params"], lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(others["params"], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return _Optimizers(muon, adamw)
 
 
 def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
@@ -258,7 +330,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         for step in range(cfg.steps):
             lr = lr_at(cfg, step)
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("lr_scale", 1.0)
             batch = data.next_batch()
             loss = net(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -367,7 +439,7 @@ def _ms(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def summarise(runs: list[dict], target: float | None):
+def summarise(runs: list[dict], target: float | None, target_ratio: float = 1.03):
     ok = [r for r in runs if r.get("ok")]
     groups: dict[tuple[str, float], list[dict]] = {}
     for r in ok:
@@ -395,7 +467,7 @@ def summarise(runs: list[dict], target: float | None):
             best[row["method"]] = row
     adamw = [b for b in best.values() if b["kind"] == "adamw"]
     if target is None and adamw:
-        target = 1.03 * adamw[0]["mean"]
+        target = target_ratio * adamw[0]["mean"]
     for row in rows:
         reached = [interp_steps_to(r["evals"], target) for r in row["runs"]] if target else []
         row["reached"] = sum(s is not None for s in reached)
@@ -404,7 +476,7 @@ def summarise(runs: list[dict], target: float | None):
 
 
 def write_report(tag: str, runs: list[dict], args) -> str:
-    rows, best, target, adamw = summarise(runs, args.target)
+    rows, best, target, adamw = summarise(runs, args.target, args.target_ratio)
     failed = [r for r in runs if not r.get("ok")]
     lines = [f"# Convergence: `{tag}`", ""]
     if rows:
@@ -418,7 +490,7 @@ def write_report(tag: str, runs: list[dict], args) -> str:
             + f"; held-out loss every {c['eval_every']} steps ({c['eval_batches']}x{c['batch_size']} windows). "
             + (
                 f"Target loss for 'steps to target': {target:.4f}"
-                + (" (1.03 x best DDP-AdamW mean)." if args.target is None else " (--target).")
+                + (f" ({args.target_ratio:g} x best DDP-AdamW mean)." if args.target is None else " (--target).")
                 if target is not None
                 else "No target loss (no DDP-AdamW run and no --target)."
             ),
@@ -442,11 +514,13 @@ def write_report(tag: str, runs: list[dict], args) -> str:
         "",
         "## Each method at its best lr",
         "",
-        "| method | best lr | final held-out | / AdamW | steps to target | / AdamW | bytes/param/step |",
-        "|---|---|---|---|---|---|---|",
+        "| method | best lr | final held-out | / AdamW | / Muon | steps to target | / AdamW | bytes/param/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    muon = min((b for b in best.values() if b["kind"] == "muon"), key=lambda r: r["mean"], default=None)
     for b in sorted(best.values(), key=lambda r: r["mean"]):
         ratio = f"{b['mean'] / adamw['mean']:.3f}" if adamw else "–"
+        ratio += f" | {b['mean'] / muon['mean']:.3f}" if muon else " | –"
         st = b["steps_to_target"][0]
         ast = adamw["steps_to_target"][0] if adamw else float("nan")
         sratio = f"{st / ast:.2f}" if b["reached"] and adamw and adamw["reached"] and ast else "–"
@@ -538,7 +612,7 @@ def pareto(tag, rows, best):
             lowest = r["mean"]
     fig, ax = plt.subplots(figsize=(9, 6))
     for r in pts:
-        marker = {"demo": "o", "peer": "s", "adamw": "*", "powersgd": "^"}[r["kind"]]
+        marker = {"demo": "o", "peer": "s", "adamw": "*", "powersgd": "^", "muon": "P"}[r["kind"]]
         ax.errorbar(r["bpps"], r["mean"], yerr=r["sd"], fmt=marker, capsize=2)
         ax.annotate(
             r["method"].replace("DeMo ", ""),
@@ -574,7 +648,7 @@ def parse_lrs(items: list[str]) -> dict[str, list[float]]:
     return out
 
 
-DEFAULT_LRS = {"adamw": [1e-3], "powersgd": [1e-3], "peer": [1e-3], "demo": [1e-3]}
+DEFAULT_LRS = {"adamw": [1e-3], "powersgd": [1e-3], "muon": [1e-3], "peer": [1e-3], "demo": [1e-3]}
 
 
 def build_methods(args) -> list[Method]:
@@ -640,6 +714,7 @@ def parse_args(argv=None):
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--target", type=float, default=None, help="target held-out loss (default 1.03 x AdamW)")
+    p.add_argument("--target-ratio", type=float, default=1.03, help="without --target: this x the best DDP-AdamW mean")
     p.add_argument("--sweep", action="store_true", help="item 2: top-k x chunk x format grid of DeMo")
     p.add_argument("--sweep-topk", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--sweep-chunk", type=int, nargs="+", default=[32, 64, 128])

@@ -11,6 +11,7 @@ from hf_demo.hf.data_parallel import (
 )
 from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.optim.param_groups import muon_style_groups
 
 try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
     from hf_demo.hf.trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
@@ -43,6 +44,7 @@ __all__ = [
     "disable_gradient_allreduce",
     "install_step_guard",
     "last_complete_checkpoint",
+    "muon_style_groups",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",
     "prepare",

@@ -81,10 +81,14 @@ class DeMoSettings:
     update_rule: str = _setting(
         "sign",
         "how the averaged update becomes a step: sign (the paper's), raw, adam (second-moment "
-        "normalised) or adamw (AdamW's two moments, betas 0.9/0.95); every rule runs identically on every "
+        "normalised), adamw (AdamW's two moments, betas 0.9/0.95) or orthogonal (Muon's: each matrix "
+        "orthogonalised by 5 Newton-Schulz steps and scaled to AdamW's update RMS 0.2, so AdamW's lr and weight "
+        "decay carry over; 1-D tensors take sign steps; give embeddings and the output head sign in a group of "
+        "their own: hf_demo.optim.param_groups.muon_style_groups); every rule runs identically on every "
         "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
         "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,
+        per_group=True,
     )
     param_rounding: str = _setting(
         "nearest",
@@ -107,8 +111,9 @@ class DeMoSettings:
     inner_rule: str = _setting(
         "adam",
         "the local optimizer between synchronisations: an update rule applied to the local momentum (adam: "
-        "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum)",
+        "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum; orthogonal: local Muon steps)",
         update_rules.UPDATE_RULES,
+        per_group=True,
     )
     comm_budget: float = _setting(
         0.0,
@@ -187,9 +192,28 @@ class DeMoSettings:
             raise ValueError(f"DeMo: {reason}")
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
+        self.check_group({"update_rule": self.update_rule, "inner_rule": self.inner_rule})
         for name in ("check_every", "full_sync_every", "nonfinite_patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be >= 0")
+
+    def check_group(self, group: dict) -> None:
+        """Refuse a parameter group's settings that these optimizer-wide ones cannot honour (``group`` holds the
+        per-group settings, the optimizer's defaults filled in)."""
+        for name in ("update_rule", "inner_rule"):
+            if group[name] not in update_rules.UPDATE_RULES:
+                raise ValueError(
+                    f"DeMo: invalid {name}={group[name]!r} in a parameter group; expected one of "
+                    f"{', '.join(update_rules.UPDATE_RULES)}"
+                )
+        if group["update_rule"] == "orthogonal" and self.sync_every > 1:
+            raise ValueError(
+                f"DeMo: update_rule='orthogonal' with sync_every={self.sync_every}: a synchronisation applies the "
+                "ranks' averaged change as it is (DiLoCo's outer step with outer learning rate 1), so no update "
+                "rule would ever orthogonalise anything. For Muon steps between synchronisations set "
+                "inner_rule='orthogonal' (muon_style_groups(model, hidden={'inner_rule': 'orthogonal'}, "
+                "others={'inner_rule': 'adam'})) and leave update_rule at 'sign'; or synchronise every step"
+            )
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

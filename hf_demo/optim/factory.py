@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.optim.param_groups import model_groups
 from hf_demo.settings import DeMoSettings
 
 # key -> (type, default, help): derived from DeMoSettings, the one source of truth.
@@ -53,23 +54,6 @@ def parse_optim_args(text: str | None) -> dict:
     return out
 
 
-NO_DECAY_PATTERNS = ("bias", "norm", "layernorm", "rmsnorm")
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Trainer's convention: no weight decay on biases and normalisation weights."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if any(pat in name.lower() for pat in NO_DECAY_PATTERNS) else decay).append(p)
-    return [
-        g
-        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
-    ]
-
-
 def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
     """``(DeMo, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (Trainer builds the groups)."""
     unknown = set(settings) - set(SETTINGS) - {"process_group", "preset"}
@@ -81,9 +65,12 @@ def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **sett
 def create_optimizer(
     model_or_params: torch.nn.Module | Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **settings
 ) -> DeMo:
-    """Build a DeMo optimizer for a model (decay/no-decay groups as Trainer makes them) or parameters."""
+    """Build a DeMo optimizer for a model (its groups from :func:`hf_demo.optim.param_groups.model_groups`:
+    decay/no-decay as Trainer makes them, Muon-style for ``update_rule="orthogonal"``) or parameters."""
     cls, kwargs = optimizer_cls_and_kwargs(lr=lr, weight_decay=weight_decay, **settings)
-    params = (
-        param_groups(model_or_params, weight_decay) if isinstance(model_or_params, torch.nn.Module) else model_or_params
-    )
+    params = model_or_params
+    if isinstance(model_or_params, torch.nn.Module):
+        chosen = {k: v for k, v in settings.items() if k not in ("process_group", "preset")}
+        rule = DeMoSettings.resolve(settings.get("preset"), **chosen).update_rule
+        params = model_groups(model_or_params, weight_decay, rule)
     return cls(params, **kwargs)

@@ -20,7 +20,7 @@ def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier)
     settings_key = [sorted(settings.as_dict().items()), secret is not None, tier]
     for group in param_groups:
         validate_group(group)
-        settings_key.append(tuple(float(group[k]) for k in GROUP_KEYS))
+        settings_key.append(tuple(group[k] if isinstance(group[k], str) else float(group[k]) for k in GROUP_KEYS))
         for p in group["params"]:
             if not p.requires_grad:
                 continue

@@ -80,8 +80,6 @@ class DeMo(torch.optim.Optimizer):
                  sign_update: bool | None = None, preset: str | None = None, **settings):  # fmt: skip
         self.settings = DeMoSettings.resolve(preset, **_with_sign_update(sign_update, settings))
         self.process_group = process_group
-        self.update_rule = update_rules.get(self.settings.update_rule)
-        self.inner_rule = update_rules.get(self.settings.inner_rule)
         self.transform = transforms.get(self.settings.transform)
         secret = os.environ.get(SECRET_ENV)
         self.secret = secret.encode() if secret else None
@@ -127,6 +125,7 @@ class DeMo(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         groups.validate_group(group)
+        self.settings.check_group(group)
         for p in group["params"]:
             groups.check_param(p)
 
@@ -162,6 +161,19 @@ class DeMo(torch.optim.Optimizer):
     def header_timings(self, started: float) -> dict:
         """This rank's figures for the policy, as its header carries them (exchange_ms, elapsed_ms)."""
         return self.clock.header_fields(started)
+
+    @staticmethod
+    def rule(group: dict):
+        """The update rule of a parameter group (``update_rule`` is a per-group setting)."""
+        return update_rules.get(group["update_rule"])
+
+    @staticmethod
+    def inner_rule(group: dict):
+        """The local steps' rule of a parameter group (``inner_rule``, per group)."""
+        return update_rules.get(group["inner_rule"])
+
+    def group_of(self, p: torch.Tensor) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def signal_for(self, tier: policies.Tier):
         return signals.for_tier(tier)

@@ -78,7 +78,7 @@ def stage_late(opt, tx: Transaction, updates) -> None:
     if opt.settings.param_rounding == "stochastic":
         generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + pending.step)
     for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
-        direction, rule_state = rule_direction(opt, p, update, layout)
+        direction, rule_state = rule_direction(opt, opt.rule(opt.group_of(p)), p, update, layout)
         tx.update(opt.state[p], rule_state)
         tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, generator))
 

@@ -28,18 +28,42 @@ def dct_basis(n: int) -> torch.Tensor:
     return basis
 
 
+def orthogonalised(update: torch.Tensor) -> torch.Tensor:
+    """Muon's step, in float64: 5 quintic Newton-Schulz steps on the matrix (first dimension x the others),
+    scaled by 0.2 sqrt(max(rows, cols)); a tensor of one dimension takes its sign."""
+    if update.dim() < 2:
+        return update.sign()
+    x = update.double().reshape(update.shape[0], -1)
+    rows, cols = x.shape
+    if rows > cols:
+        x = x.T
+    norm = math.sqrt(float((x * x).sum()))
+    if norm == 0.0:
+        return torch.zeros_like(update, dtype=torch.float64)
+    x = x / norm
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if rows > cols:
+        x = x.T
+    return (0.2 * math.sqrt(max(rows, cols)) * x).reshape(update.shape)
+
+
 class ReferenceDeMo:
     def __init__(
         self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True, rule=None, delay=0
     ):
         """``delay=1``: each step's update (and its weight decay) is applied at the next step (``overlap``);
-        ``flush()`` applies the last one."""
+        ``flush()`` applies the last one. ``rule``: one rule for every parameter, or a list of one per parameter
+        (per-group rules)."""
         self.params = list(params)
         self.delay = delay
         self.pending = None
         self.lr, self.decay, self.topk, self.chunk = lr, decay, topk, chunk
         self.weight_decay = weight_decay
-        self.rule = rule or ("sign" if sign_update else "raw")
+        rule = rule or ("sign" if sign_update else "raw")
+        self.rules = list(rule) if isinstance(rule, (list, tuple)) else [rule] * len(self.params)
         self.second_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
         self.first_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
         self.t = 0
@@ -85,7 +109,7 @@ class ReferenceDeMo:
     def step(self):
         world = dist.get_world_size() if dist.is_initialized() else 1
         updates = []
-        for p, m in zip(self.params, self.momentum):
+        for p, m, rule in zip(self.params, self.momentum, self.rules):
             rows, cols, b0, b1, prows, pcols = self._blocks(p)
             m.mul_(self.decay)
             if p.grad is not None:
@@ -117,19 +141,21 @@ class ReferenceDeMo:
                     dense[j] = sums[j] / counts[j]
                 averaged.append(dense)
             update = self._inverse(averaged, b0, b1, prows, pcols)[:rows, :cols].reshape(p.shape)
-            if self.rule == "sign":
+            if rule == "sign":
                 update = update.sign()
-            elif self.rule == "adam":  # Adam's second moment of the averaged update, bias-corrected
+            elif rule == "adam":  # Adam's second moment of the averaged update, bias-corrected
                 v = self._v(p)
                 v.mul_(0.999).add_(0.001 * update * update)
                 update = update / ((v / (1 - 0.999 ** (self.t + 1))).sqrt() + 1e-8)
-            elif self.rule == "adamw":  # AdamW's two moments (0.9, 0.95) of the averaged update, bias-corrected
+            elif rule == "adamw":  # AdamW's two moments (0.9, 0.95) of the averaged update, bias-corrected
                 m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
                 v = self._v(p)
                 m.mul_(0.9).add_(0.1 * update)
                 v.mul_(0.95).add_(0.05 * update * update)
                 t = self.t + 1
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
+            elif rule == "orthogonal":
+                update = orthogonalised(update)
             updates.append(update)
         if self.delay:
             updates, self.pending = self.pending, updates

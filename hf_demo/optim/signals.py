@@ -36,7 +36,7 @@ class GradientSignal:
         opt = ctx.opt
         for (p, g, layout), m, update, j in zip(ctx.items, ctx.working, ctx.updates, _positions(ctx)):
             ctx.tx.set(opt.state[p], "momentum", m)
-            direction, rule_state = rule_direction(opt, p, update, layout)
+            direction, rule_state = rule_direction(opt, opt.rule(g), p, update, layout)
             ctx.tx.update(opt.state[p], rule_state)
             if needs_values:
                 value = ctx.values.get(j, p.detach()).clone()
@@ -47,10 +47,10 @@ class GradientSignal:
                 ctx.tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, ctx.generator))
 
 
-def rule_direction(opt, p, update, layout):
-    """(the update rule's direction for the decoded ``update``, the rule's new state for ``p``), nothing written."""
+def rule_direction(opt, rule, p, update, layout):
+    """(``rule``'s direction for the decoded ``update``, the rule's new state for ``p``), nothing written."""
     rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
-    return opt.update_rule.direction(p, opt.transform.decode(update, layout), rule_state), rule_state
+    return rule.direction(p, opt.transform.decode(update, layout), rule_state), rule_state
 
 
 def _positions(ctx) -> list[int]:
@@ -74,7 +74,7 @@ class LocalSignal:
                 ctx.tx.set(opt.state[p], "anchor", anchor)
             ctx.anchors.append(anchor)
         ctx.inner = [
-            local_steps.inner_step(p, grad, opt.state[p], opt.inner_rule, g["lr"], g["weight_decay"], ctx.generator)
+            local_steps.inner_step(p, grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator)
             for (p, g, _), grad in zip(ctx.items, ctx.grads)
         ]
         ctx.replicas = ctx.anchors

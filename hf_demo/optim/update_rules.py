@@ -1,13 +1,16 @@
 """How the averaged, decoded update becomes a parameter step (after decoupled weight decay).
 
 Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
-bitwise identical and no rule costs communication. A rule is a small object whose ``direction(param, update, state)``
-returns the step direction (``param <- param - lr * direction``, applied by
+bitwise identical and no rule costs communication. The rule is a per-group setting (``update_rule`` of a
+parameter group; :mod:`hf_demo.optim.param_groups` makes Muon-style groups). A rule is a small object whose
+``direction(param, update, state)`` returns the step direction (``param <- param - lr * direction``, applied by
 :func:`hf_demo.compression.functional.apply_step`); its per-parameter state (if any) lives in the optimizer's
 ``state[param]`` and is saved and resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -64,6 +67,50 @@ def next_step(state: dict, param: torch.Tensor, *moments: str) -> int:
     return int(state["rule_step"])
 
 
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic iteration (Keller Jordan), as torch.optim.Muon's
+NS_EPS = 1e-7
+
+
+def newton_schulz(
+    matrix: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration: ``U S' V^T`` for ``matrix = U S V^T``, ``S'`` roughly in [0.7, 1.2].
+
+    A new 2-D tensor in ``dtype`` (fp32 by default: torch's bf16 matmul is ~20x slower on a CPU). The matrix is
+    scaled to Frobenius norm 1 first (its spectral norm is then at most 1); the iteration runs on the wide
+    orientation (rows <= columns), so its Gram matrices are the small side squared. A zero matrix stays zero.
+    """
+    a, b, c = coefficients
+    x = matrix.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def matrix_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of 2 or more dimensions as the matrix (first dimension) x (the others), as Muon flattens one."""
+    return t.reshape(t.shape[0], -1)
+
+
+def rms_matching_scale(rows: int, cols: int, rms: float) -> float:
+    """The factor that gives an orthogonal ``rows x cols`` matrix (all singular values 1) an RMS of ``rms``:
+    its RMS is ``1/sqrt(max(rows, cols))`` (Moonlight's ``0.2 sqrt(max(A, B))`` at ``rms=0.2``, AdamW's typical
+    update RMS, so AdamW's learning rate and weight decay carry over)."""
+    return rms * math.sqrt(max(rows, cols))
+
+
+def orthogonal_step(update: torch.Tensor, rms: float, steps: int) -> torch.Tensor:
+    """``update`` (2 or more dimensions) orthogonalised as a matrix and scaled to ``rms``; fp32, its shape."""
+    matrix = matrix_view(update)
+    return newton_schulz(matrix, steps).mul_(rms_matching_scale(*matrix.shape, rms)).reshape(update.shape)
+
+
 class SignRule:
     name = "sign"
 
@@ -105,9 +152,27 @@ class AdamWRule:
         return adamw_step(update.float(), state["exp_avg"], state["exp_avg_sq"], step, self.beta1, self.beta2, self.eps)
 
 
+class OrthogonalRule:
+    """Muon's step on DeMo's averaged update: each matrix (a tensor of 2 or more dimensions, seen as
+    first dimension x the others) orthogonalised by :func:`newton_schulz` (5 steps, fp32) and scaled to AdamW's
+    update RMS (:func:`rms_matching_scale`), so AdamW's learning rate and weight decay carry over. Tensors of
+    one dimension (biases, norms) take ``sign`` steps. Embeddings and the output head are matrices too: as
+    Muon users do, give them another rule in their own parameter group
+    (:func:`hf_demo.optim.param_groups.muon_style_groups`). No state."""
+
+    name = "orthogonal"
+    rms = 0.2
+    ns_steps = 5
+
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
+        if update.dim() < 2:
+            return sign_step(update)
+        return orthogonal_step(update, self.rms, self.ns_steps)
+
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
 
-RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule)}
+RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule)}
 UPDATE_RULES = tuple(RULES)
 
 
