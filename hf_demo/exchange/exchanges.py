@@ -205,24 +205,33 @@ class AllReduceExchange:
         return transport.broadcast(buf, leader, "positions")[None]  # after the headers: not under their CRC
 
     def _chosen(self, rows: torch.Tensor, rank: int, step: int, world: int) -> list[tuple]:
-        """Per parameter (positions (nblocks, W*k_nominated), first-occurrence mask or None), validated."""
+        """Per parameter (positions (nblocks, W*k_nominated), first-occurrence mask or None), validated: every
+        parameter's range check is made on the device and read back at once; the culprit is named only then."""
+        idxs = self._unpack(rows)
+        if idxs:
+            bad = torch.stack([(idx >= layout.bsize).flatten(1).any(1) for layout, idx in zip(self.layouts, idxs)])
+            if bool(bad.any()):  # (parameters, senders)
+                raise self._refusal(bad.tolist(), rank, step, world)
         chosen = []
-        for i, (layout, idx) in enumerate(zip(self.layouts, self._unpack(rows))):
-            bad = (idx >= layout.bsize).flatten(1).any(1)
-            if bool(bad.any()):
-                source = (
-                    f"nominated by rank(s) {bad.nonzero().flatten().tolist()}"
-                    if self.union
-                    else f"broadcast by rank {step % world}"
-                )
-                raise DeMoPayloadError(
-                    f"rank {rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
-                    f"block of {layout.bsize}) {source} at optimizer step {step}: corrupted payload"
-                )
+        for layout, idx in zip(self.layouts, idxs):
             # every rank's nominations one after the other: (nblocks, W * k_nominated)
             positions = idx.permute(1, 0, 2).reshape(layout.nblocks, -1)
             chosen.append((positions, F.first_occurrences(idx, layout) if self.union else None))
         return chosen
+
+    def _refusal(self, bad: list, rank: int, step: int, world: int) -> DeMoPayloadError:
+        """The error naming the first parameter with out-of-range positions (``bad``: per parameter, per sender)."""
+        i = next(i for i, senders in enumerate(bad) if any(senders))
+        layout = self.layouts[i]
+        source = (
+            f"nominated by rank(s) {[r for r, flag in enumerate(bad[i]) if flag]}"
+            if self.union
+            else f"broadcast by rank {step % world}"
+        )
+        return DeMoPayloadError(
+            f"rank {rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
+            f"block of {layout.bsize}) {source} at optimizer step {step}: corrupted payload"
+        )
 
     def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
         rows = self._agreed_rows(transport, headers, payload, working)

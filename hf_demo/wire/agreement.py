@@ -22,7 +22,7 @@ VOTE_BYTES = 8  # what each rank sends in the vote
 def gather_headers(transport, header: codec.Header, payload: torch.Tensor, secret, device) -> list[codec.Header]:
     """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank)."""
     header = codec.sign(header, payload, secret)
-    rows = transport.all_gather(header.to_bytes().to(device), "header")
+    rows = transport.all_gather(header.to_bytes().to(device), "header").cpu()  # one copy to the host for all ranks
     headers = [codec.Header.from_bytes(row) for row in rows]
     codec.verify_headers(headers, secret, transport.rank, transport.step)
     codec.check_headers(headers, transport.rank)

@@ -270,14 +270,12 @@ class EliasFanoIndices:
         first = k * low // 8  # the byte holding the upper vector's first bit
         offset = k * low - 8 * first
         upper_bits = byte_bits(records[:, :, first:])[:, :, offset : offset + upper]
-        bad = upper_bits.sum(-1, dtype=torch.int32) != k
-        if bool(bad.any()):  # a corrupted record: positions of its first ones by a (slower) stable sort
-            ones = torch.sort(1 - upper_bits, dim=-1, stable=True).indices[..., :k].int()
-        else:  # exactly k ones in every record: their flat positions, row by row, in order
-            flat = upper_bits.reshape(-1).nonzero().view(world, nblocks, k).int()
-            ones = (
-                flat - torch.arange(world * nblocks, device=device, dtype=torch.int32).view(world, nblocks, 1) * upper
-            )
+        # the i-th one's position is the first bit where the running count of ones reaches i + 1: no host read,
+        # no shape that depends on the data; a record without exactly k ones is flagged and decodes out of range
+        seen = upper_bits.cumsum(-1, dtype=torch.int32)
+        bad = seen[..., -1] != k
+        wanted = torch.arange(1, k + 1, device=device, dtype=torch.int32).expand(world, nblocks, k).contiguous()
+        ones = torch.searchsorted(seen, wanted).int().clamp_(max=upper - 1)
         idx = ((ones - torch.arange(k, device=device, dtype=torch.int32)) << low) | low_part
         if k > 1:
             bad |= (idx[..., 1:] <= idx[..., :-1]).any(-1)
@@ -340,30 +338,45 @@ class PayloadCodec:
         """Rows of every rank (world, nbytes) -> [(positions, values) each (world, nblocks, k)], validated.
 
         Raises :class:`DeMoSyncError` naming the parameter and the sending ranks on out-of-range indices or
-        NaN/Inf values; nothing is returned half-decoded.
+        NaN/Inf values; nothing is returned half-decoded. Every parameter's checks are made on the device and
+        read back at once (one host read per payload, whatever the number of parameters); the culprit is
+        looked for only when that read says something is wrong.
         """
-        out = []
+        out, flags = [], []
         index_bytes = [self.indices.nbytes(layout) for layout in self.layouts]
         idxs = self.indices.unpack_many(
             [received[:, off : off + ib] for off, ib in zip(self.offsets, index_bytes)], self.layouts
         )
-        for i, (layout, off, ib, idx) in enumerate(zip(self.layouts, self.offsets, index_bytes, idxs)):
+        for layout, off, ib, idx in zip(self.layouts, self.offsets, index_bytes, idxs):
             end = off + ib + self.format.nbytes(layout.nblocks, layout.k)
             values = self.format.decode(received[:, off + ib : end], layout.nblocks, layout.k)
-            bad_idx = (idx >= layout.bsize).flatten(1).any(1)
-            if bool(bad_idx.any()):
-                raise DeMoPayloadError(
-                    f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
-                    f"{layout.bsize}) from rank(s) {bad_idx.nonzero().flatten().tolist()}: corrupted payload"
-                )
-            bad_val = (~values.isfinite()).flatten(1).any(1)
-            if bool(bad_val.any()):
-                raise DeMoPayloadError(
-                    f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) from rank(s) "
-                    f"{bad_val.nonzero().flatten().tolist()}"
-                )
+            flags.append(torch.stack([(idx >= layout.bsize).flatten(1).any(1), (~values.isfinite()).flatten(1).any(1)]))
             out.append((idx, values))
+        if flags:
+            bad = torch.stack(flags)  # (parameters, 2, senders): out-of-range positions, NaN/Inf values
+            if bool(bad.any()):
+                raise self.refusal(bad.tolist())
         return out
+
+    def refusal(self, bad: list) -> DeMoPayloadError:
+        """The error for the first parameter whose flags (``[[out-of-range per sender], [NaN/Inf per sender]]``
+        per parameter) say its positions or values are wrong."""
+        for i, (layout, (bad_idx, bad_val)) in enumerate(zip(self.layouts, bad)):
+            if any(bad_idx):
+                return DeMoPayloadError(
+                    f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
+                    f"{layout.bsize}) from rank(s) {_senders(bad_idx)}: corrupted payload"
+                )
+            if any(bad_val):
+                return DeMoPayloadError(
+                    f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) from rank(s) "
+                    f"{_senders(bad_val)}"
+                )
+        raise AssertionError("refusal() called with no flag set")
+
+
+def _senders(flags: list[bool]) -> list[int]:
+    return [r for r, flag in enumerate(flags) if flag]
 
 
 # ---------------------------------------------------------------- header
