@@ -22,8 +22,10 @@ def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     for group in by_device.values():
         sums = torch.stack([t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
                             for t in group])  # fmt: skip
-        suspects = (~sums.isfinite()).nonzero().flatten().tolist()
-        if any(not bool(group[i].isfinite().all()) for i in suspects):
+        bad = ~sums.isfinite()
+        if not bool(bad.any()):  # the usual case: one read back for every tensor of the device
+            continue
+        if any(not bool(group[i].isfinite().all()) for i in bad.nonzero().flatten().tolist()):
             return True
     return False
 
