@@ -86,7 +86,7 @@ def plain_trainer_fix(config_cls: type) -> str:
     )
 
 
-register_optimizer_name()
+register_optimizer_name()  # at import: SFTConfig(optim="demo") and --optim demo validate before any hf_demo call
 
 
 def selects_demo(optim) -> bool:
