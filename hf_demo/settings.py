@@ -252,6 +252,16 @@ PRESETS: dict[str, dict] = {
     # received per rank at W=2, 0.19 at W=8 (0.84x the default all-gather's there, less still beyond), and it
     # trained better than the default all-gather at W=2, 4 and 8 (docs/CONVERGENCE.md, tenth session)
     "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
+    # training from scratch: Muon's orthogonalised step on the hidden matrices, 1-bit values, top-12 of 32x32
+    # (0.017 B/param/step on the 0.46M Llama). Give DeMo muon_style_groups(model), as create_optimizer and
+    # DeMoTrainer do. Its best lr was 16x AdamW's there (1.6e-2 against 1e-3): 0.95x DDP-AdamW's held-out loss,
+    # 0.93x the sign rule's, 1.11x DDP-Muon's (the orthogonal rule's report in benchmarks/reports/)
+    "from_scratch": {
+        "update_rule": "orthogonal",
+        "value_format": "sign",
+        "compression_chunk": 32,
+        "compression_topk": 12,
+    },
 }
 
 _TYPES = {

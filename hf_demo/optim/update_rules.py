@@ -105,10 +105,16 @@ def rms_matching_scale(rows: int, cols: int, rms: float) -> float:
     return rms * math.sqrt(max(rows, cols))
 
 
-def orthogonal_step(update: torch.Tensor, rms: float, steps: int) -> torch.Tensor:
-    """``update`` (2 or more dimensions) orthogonalised as a matrix and scaled to ``rms``; fp32, its shape."""
+def orthogonal_step(update: torch.Tensor, rms: float, steps: int, measured: bool = False) -> torch.Tensor:
+    """``update`` (2 or more dimensions) orthogonalised as a matrix and scaled to ``rms``; fp32, its shape.
+
+    ``measured=False``: by :func:`rms_matching_scale` (the RMS of a full-rank orthogonal matrix); ``True``: by
+    the result's own RMS (an update of low rank, which Newton-Schulz leaves of low rank, still gets ``rms``)."""
     matrix = matrix_view(update)
-    return newton_schulz(matrix, steps).mul_(rms_matching_scale(*matrix.shape, rms)).reshape(update.shape)
+    ortho = newton_schulz(matrix, steps)
+    if measured:
+        return ortho.mul_(rms * math.sqrt(ortho.numel()) / ortho.norm().clamp(min=NS_EPS)).reshape(update.shape)
+    return ortho.mul_(rms_matching_scale(*matrix.shape, rms)).reshape(update.shape)
 
 
 class SignRule:
@@ -163,11 +169,12 @@ class OrthogonalRule:
     name = "orthogonal"
     rms = 0.2
     ns_steps = 5
+    measured_rms = False
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         if update.dim() < 2:
             return sign_step(update)
-        return orthogonal_step(update, self.rms, self.ns_steps)
+        return orthogonal_step(update, self.rms, self.ns_steps, self.measured_rms)
 
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
