@@ -78,9 +78,9 @@ class DeMoSettings:
         "sign",
         "how the averaged update becomes a step: sign (the paper's), raw, adam (second-moment "
         "normalised), adamw (AdamW's two moments, betas 0.9/0.95) or orthogonal (Muon's: each matrix "
-        "orthogonalised by 5 Newton-Schulz steps and scaled to AdamW's update RMS 0.2, so AdamW's lr and weight "
-        "decay carry over; 1-D tensors take sign steps; give embeddings and the output head sign in a group of "
-        "their own: hf_demo.optim.param_groups.muon_style_groups); every rule runs identically on every "
+        "orthogonalised by 5 Newton-Schulz steps and scaled by 0.2 sqrt(max(rows, cols)); its best lr is higher "
+        "than AdamW's (16x on the benchmark's 0.46M Llama); 1-D tensors take sign steps; give embeddings and the "
+        "output head sign in a group of their own: hf_demo.muon_style_groups); every rule runs identically on every "
         "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
         "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,

@@ -160,10 +160,12 @@ class AdamWRule:
 
 class OrthogonalRule:
     """Muon's step on DeMo's averaged update: each matrix (a tensor of 2 or more dimensions, seen as
-    first dimension x the others) orthogonalised by :func:`newton_schulz` (5 steps, fp32) and scaled to AdamW's
-    update RMS (:func:`rms_matching_scale`), so AdamW's learning rate and weight decay carry over. Tensors of
-    one dimension (biases, norms) take ``sign`` steps. Embeddings and the output head are matrices too: as
-    Muon users do, give them another rule in their own parameter group
+    first dimension x the others) orthogonalised by :func:`newton_schulz` (5 steps, fp32) and scaled by
+    Moonlight's :func:`rms_matching_scale` (AdamW's update RMS for a full-rank matrix). DeMo's averaged update
+    is of low rank (top-k coefficients per block), so its step is smaller than that and the best learning rate
+    is higher than AdamW's (16x on the benchmark's 0.46M Llama). ``measured_rms=True`` scales by the step's
+    own RMS instead. Tensors of one dimension (biases, norms) take ``sign`` steps. Embeddings and the output
+    head are matrices too: as Muon users do, give them another rule in their own parameter group
     (:func:`hf_demo.optim.param_groups.muon_style_groups`). No state."""
 
     name = "orthogonal"
