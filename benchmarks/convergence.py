@@ -40,7 +40,8 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
                 ``update_rule=orthogonal`` trains ``hf_demo.muon_style_groups(model)`` (hidden matrices
                 orthogonalised, the rest ``sign``); benchmark-only with it: ``others=RULE`` (the rest's rule),
-                ``others_lr=X`` (the rest's lr is X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS).
+                ``others_lr=X`` (the rest's lr is X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS),
+                ``ortho_scale=shape|measured`` (its scale from the shape, or from the step's own RMS).
                 Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
@@ -244,7 +245,8 @@ def _orthogonal_groups(model, kw: dict):
     """DeMo's parameter groups for ``update_rule=orthogonal`` (``muon_style_groups``: what ``create_optimizer``
     and DeMoTrainer build), else None. Benchmark-only keys, taken out of ``kw``: ``others=RULE`` (the rule of the
     embeddings, head, norms; default sign), ``others_lr=X`` (their lr is X times the hidden matrices'; applied by
-    the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2)."""
+    the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2),
+    ``ortho_scale=shape|measured`` (the rule's scale from the matrix's shape, or from the step's own RMS)."""
     from hf_demo.optim import update_rules
     from hf_demo.optim.param_groups import muon_style_groups
 
@@ -253,6 +255,11 @@ def _orthogonal_groups(model, kw: dict):
         others["lr_scale"] = float(kw.pop("others_lr"))
     if "ortho_rms" in kw:
         update_rules.OrthogonalRule.rms = float(kw.pop("ortho_rms"))  # this forked run's process only
+    if "ortho_scale" in kw:
+        scale = kw.pop("ortho_scale")
+        if scale not in ("shape", "measured"):
+            raise ValueError(f"ortho_scale must be shape or measured, got {scale!r}")
+        update_rules.OrthogonalRule.measured_rms = scale == "measured"
     if kw.get("update_rule") == "orthogonal":
         return muon_style_groups(model, others=others)
     if len(others) > 1 or others["update_rule"] != "sign":

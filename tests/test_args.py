@@ -325,10 +325,11 @@ def test_presets_sit_under_settings_given_by_name():
     assert parse("--optim", "demo", "--demo_preset", "balanced").demo_settings()["compression_topk"] == 64
     args = parse("--optim", "demo", "--demo_preset", "balanced", "--optim_args", "preset=lean")
     assert args.demo_settings()["compression_topk"] == 32  # --optim_args wins: lean keeps the default top-32
-    assert set(PRESETS) == {"balanced", "lean", "extreme", "many_nodes"}
+    assert set(PRESETS) == {"balanced", "lean", "extreme", "many_nodes", "from_scratch"}
     many = hf_demo.DeMo(model.parameters(), preset="many_nodes").settings
     assert (many.exchange, many.compression_topk, many.value_format) == ("all_reduce", 128, "bf16")
-    with pytest.raises(ValueError, match="unknown preset 'fast'; presets: balanced, lean, extreme, many_nodes"):
+    listed = "unknown preset 'fast'; presets: balanced, lean, extreme, many_nodes, from_scratch"
+    with pytest.raises(ValueError, match=listed):
         hf_demo.DeMo(model.parameters(), preset="fast")
     with pytest.raises(SystemExit):
         parse("--optim", "demo", "--demo_preset", "fast")

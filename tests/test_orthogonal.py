@@ -60,6 +60,16 @@ def test_the_rule_scales_to_adamws_update_rms_and_signs_vectors():
     torch.testing.assert_close(rule.direction(None, conv.clone(), {}).double(), orthogonalised(conv), atol=1e-5, rtol=0)
 
 
+def test_a_low_rank_update_gets_less_than_the_target_rms_unless_it_is_measured():
+    """DeMo's decoded update is of low rank (top-k of each block): the shape's scale assumes full rank."""
+    low_rank = _conditioned(64, 8) @ _conditioned(8, 64, seed=1)  # rank 8 of 64
+    by_shape = update_rules.orthogonal_step(low_rank, 0.2, 5)
+    measured = update_rules.orthogonal_step(low_rank, 0.2, 5, measured=True)
+    assert by_shape.pow(2).mean().sqrt() < 0.1  # ~0.2 * sqrt(8 / 64)
+    torch.testing.assert_close(measured.pow(2).mean().sqrt(), torch.tensor(0.2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(measured / measured.norm(), by_shape / by_shape.norm())
+
+
 # ---------------------------------------------------------------------- the groups
 def _tiny_llama():
     torch.manual_seed(0)
@@ -110,6 +120,21 @@ def test_trainer_gives_the_orthogonal_rule_muon_style_groups(tmp_path):
         ("sign", 2),
         ("sign", 3),
     ]
+
+
+def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
+    opt = hf_demo.create_optimizer(_tiny_llama(), preset="from_scratch")
+    assert [g["update_rule"] for g in opt.param_groups] == ["orthogonal", "sign", "sign"]
+    assert (opt.settings.value_format, opt.settings.compression_chunk, opt.settings.compression_topk) == (
+        "sign",
+        32,
+        12,
+    )
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_preset="from_scratch"
+    )
+    _, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args, _tiny_llama())
+    assert [g["update_rule"] for g in kwargs["params"]] == ["orthogonal", "sign", "sign"]
 
 
 def test_an_unknown_rule_in_a_group_is_refused():

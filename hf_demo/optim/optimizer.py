@@ -62,8 +62,9 @@ class DeMo(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups. Groups may override ``lr``, ``weight_decay``,
-            ``compression_decay``, ``compression_topk`` and ``compression_chunk``. Parameters with
-            ``requires_grad=False`` are left untouched (no decay, no momentum, not sent).
+            ``compression_decay``, ``compression_topk``, ``compression_chunk``, ``update_rule`` and
+            ``inner_rule`` (``hf_demo.muon_style_groups(model)``: Muon-style groups for the orthogonal rule).
+            Parameters with ``requires_grad=False`` are left untouched (no decay, no momentum, not sent).
         lr: learning rate; also scales the gradient into the momentum, as in the reference.
         weight_decay: decoupled weight decay, ``p *= 1 - lr*weight_decay``.
         process_group: the group to communicate in; default the world group when ``torch.distributed`` is
