@@ -44,6 +44,19 @@ def loss_and_backward(model, rank, step):
     return loss.item()
 
 
+def node_mean_backward(model, node: int, step: int, local_size: int = 2) -> None:
+    """The gradients a rank of ``hierarchy="node"`` steps with: the mean over node ``node``'s ranks' batches of
+    (rank, step), set as every parameter's ``.grad`` (flat DeMo on these is the hierarchy's slow spelling)."""
+    grads = []
+    for r in range(node * local_size, (node + 1) * local_size):
+        loss_and_backward(model, r, step)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for p, first, *rest in zip(model.parameters(), *grads):
+        for g in rest:
+            first = first + g
+        p.grad = first / local_size
+
+
 def restart(model, opt, make_opt):
     """What a fresh process does on resume: a new model (another init) and optimizer load the saved states."""
     saved = io.BytesIO()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, node_mean_backward, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -93,12 +93,7 @@ def _flat_with_node_gradients(rank, world, steps):
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), **{**KW, **NODE_LOCAL, "hierarchy": "flat"})
     for step in range(steps):
-        grads = []
-        for r in (2 * rank, 2 * rank + 1):
-            loss_and_backward(model, r, step)
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
+        node_mean_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -7,7 +7,7 @@ import torch
 
 import hf_demo
 from dist_utils import RankError, expect_ok, run_ranks
-from models import loss_and_backward, restart, tiny_mlp
+from models import loss_and_backward, node_mean_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -33,12 +33,7 @@ def _flat_with_node_gradients(rank, world):
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), **KW)
     for step in range(STEPS):
-        grads = []
-        for r in (2 * rank, 2 * rank + 1):
-            loss_and_backward(model, r, step)
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
+        node_mean_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -16,7 +16,7 @@ from dist_utils import RankError, expect_ok, run_ranks
 from hf_demo.optim import update_rules
 from hf_demo.optim.param_groups import muon_style_groups
 from hf_demo.optim.reference import ReferenceDeMo, orthogonalised
-from models import awkward_mlp, batch, loss_and_backward, restart, tiny_mlp
+from models import awkward_mlp, batch, loss_and_backward, node_mean_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes (most tests)
 
@@ -276,12 +276,7 @@ def _flat_on_node_means(rank, world):
     model = tiny_mlp()
     opt = _make(model, value_format="fp32")
     for step in range(10):
-        grads = []
-        for r in (2 * rank, 2 * rank + 1):
-            loss_and_backward(model, r, step)
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
+        node_mean_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
