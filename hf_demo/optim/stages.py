@@ -101,10 +101,10 @@ class Prepare:
         average = "world" if ctx.local else None  # a synchronisation averages over every rank
         spec = ctx.opt.exchange_spec(ctx.layouts, ctx.tier.value_format, ctx.transport.world, average)
         ctx.exchange = exchanges.build(ctx.settings.exchange, spec)
-        if ctx.working or not ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            ctx.payload = ctx.exchange.prepare(ctx.working)
-        else:
+        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):  # every rank skips: nothing to send
             ctx.payload = torch.empty(0, dtype=torch.uint8, device="cpu")
+        else:
+            ctx.payload = ctx.exchange.prepare(ctx.working)
 
 
 class Agreement:
@@ -198,15 +198,11 @@ class Vote:
     name = "vote"
 
     def run(self, ctx: StepContext) -> None:
-        if ctx.skip or ctx.settings.overlap or ctx.transport.world == 1:
-            if ctx.refusal is not None:
-                raise ctx.refusal
-            return
-        if ctx.settings.commit_vote == "off":
-            if ctx.refusal is not None:
-                raise ctx.refusal
-            return
-        agreement.vote(ctx.transport, ctx.refusal, ctx.device)
+        alone = ctx.skip or ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
+        if not alone and ctx.settings.commit_vote == "on":
+            agreement.vote(ctx.transport, ctx.refusal, ctx.device)
+        elif ctx.refusal is not None:
+            raise ctx.refusal
 
 
 class Update:
