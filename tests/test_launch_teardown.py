@@ -226,7 +226,7 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_demo.guards.ddp import _subclasses
+    from hf_demo.guards.ddp import subclasses
 
     class Wrapped(DistributedDataParallel):
         pass
@@ -234,6 +234,6 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     class WrappedAgain(Wrapped):
         pass
 
-    found = _subclasses(DistributedDataParallel)
+    found = subclasses(DistributedDataParallel)
     assert {DistributedDataParallel, Wrapped, WrappedAgain} <= found
-    assert torch.nn.Module not in found and _subclasses(WrappedAgain) == {WrappedAgain}
+    assert torch.nn.Module not in found and subclasses(WrappedAgain) == {WrappedAgain}

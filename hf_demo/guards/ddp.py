@@ -20,7 +20,7 @@ from hf_demo.guards.checks import gradient_fingerprint
 from hf_demo.wire import codec
 
 
-def _subclasses(kind: type) -> set[type]:
+def subclasses(kind: type) -> set[type]:
     """``kind`` and every class derived from it, at any depth."""
     found, todo = {kind}, [kind]
     while todo:
@@ -42,7 +42,7 @@ def live_wrappers(params) -> list[DistributedDataParallel]:
     objects = gc.get_objects()
     # DDP's classes from the class tree, then the objects of those classes, picked out in C: a Python loop over
     # every object (~4*10^5 in a transformers process) costs a first step several times as long
-    ddp_types = _subclasses(DistributedDataParallel)
+    ddp_types = subclasses(DistributedDataParallel)
     wrappers = compress(objects, map(ddp_types.__contains__, map(type, objects)))
     return [w for w in wrappers if allreducing(w) and any(id(p) in ids for p in w.module.parameters())]
 
