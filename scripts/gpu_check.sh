@@ -5,6 +5,7 @@
 #                                2 processes sharing the GPU over gloo (scripts/gpu_dist_check.py: replicas
 #                                must stay bitwise identical in every mode)
 #   3. the step benchmark:       benchmarks/optimizer_step.py --device cuda (2 layers, DeMo and AdamW)
+#   4. the step cost:            benchmarks/step_cost.py --devices cuda (ops and host reads per step, wall times)
 # Then a summary, one line per check.
 # Exit status: 0 every check passed; 1 a check failed; 77 no CUDA GPU visible to torch (nothing was checked:
 # the automake convention for "skipped"; a CPU-only torch build on a GPU machine also ends here).
@@ -60,6 +61,8 @@ fi
 WORLD=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
 check "optimizer step benchmark on CUDA ($WORLD rank(s))" "$PY" benchmarks/optimizer_step.py --device cuda \
   --world-size "$WORLD" --layers "${GPU_CHECK_LAYERS:-2}" --only demo-bf16,demo-sign,adamw --steps 5
+check "step cost on CUDA (aten ops, host reads, wall times)" "$PY" benchmarks/step_cost.py --devices cuda \
+  --out "${GPU_CHECK_OUT:-/tmp}/step_cost_cuda.md"
 
 echo
 echo "gpu_check summary ($name):"
