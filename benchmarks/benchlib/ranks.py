@@ -46,6 +46,9 @@ def _worker(fn, rank, world, port, results, args, collective_timeout, backend="g
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout)
         )
         assert dist.get_world_size() == world
+        # every rank connected before any runs: a rank that finishes fast and tears its group down while a slow
+        # one (spawned, on a loaded machine) is still connecting would fail that one's connectFullMesh
+        dist.barrier()
         out = fn(rank, world, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out = RankError(exc)
