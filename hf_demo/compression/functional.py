@@ -156,3 +156,14 @@ def generator_on(device: torch.device, generator: torch.Generator) -> torch.Gene
         return generator
     seed = int(torch.randint(0, 1 << 62, (), generator=generator, device=generator.device))
     return torch.Generator(device=device).manual_seed(seed)
+
+
+PARAM_NOISE_SEED = 0x5EED0000  # stochastic rounding: the same noise on every rank, a new draw every step
+
+
+def rounding_noise(param_rounding: str, step: int) -> torch.Generator | None:
+    """The generator of ``param_rounding="stochastic"`` for optimizer step ``step``, seeded alike on every rank
+    (None: round to nearest)."""
+    if param_rounding != "stochastic":
+        return None
+    return torch.Generator().manual_seed(PARAM_NOISE_SEED + step)

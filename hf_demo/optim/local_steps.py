@@ -41,13 +41,6 @@ def is_sync_step(sync_every: int, step: int) -> bool:
     return sync_every <= 1 or (step + 1) % sync_every == 0
 
 
-def anchor(state: dict, param: torch.Tensor) -> torch.Tensor:
-    """The parameters at the last synchronisation (created from the parameters the first time)."""
-    if "anchor" not in state:
-        state["anchor"] = param.detach().clone()
-    return state["anchor"]
-
-
 INNER = "inner_"  # the inner rule's state keys: inner_exp_avg_sq, inner_rule_step, ...
 
 

@@ -19,8 +19,6 @@ from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.wire import agreement
 
-PARAM_NOISE_SEED = 0x5EED0000  # stochastic rounding: the same noise on every rank, a new draw every step
-
 
 def pending_from(ctx, in_flight) -> PendingExchange | None:
     """The exchange this step started, with what it takes to apply it later."""
@@ -74,9 +72,7 @@ def stage_late(opt, tx: Transaction, updates) -> None:
     if updates is None:
         return
     pending = opt.pending
-    generator = None
-    if opt.settings.param_rounding == "stochastic":
-        generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + pending.step)
+    generator = F.rounding_noise(opt.settings.param_rounding, pending.step)
     for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
         direction, rule_state = rule_direction(opt, opt.rule(opt.group_of(p)), p, update, layout)
         tx.update(opt.state[p], rule_state)

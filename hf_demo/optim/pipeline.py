@@ -14,7 +14,6 @@ update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIG
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -130,7 +129,3 @@ def run_step(opt, pipeline: Pipeline, transport: StepTransport) -> StepContext:
     while ctx.retry is not None:
         ctx = pipeline.run(ctx.again(ctx.retry))
     return ctx
-
-
-def replace_policy(policy: policies.BudgetPolicy, **changes) -> policies.BudgetPolicy:
-    return dataclasses.replace(policy, **changes)

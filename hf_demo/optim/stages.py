@@ -20,7 +20,6 @@ from hf_demo.optim.pipeline import StepContext
 from hf_demo.wire import agreement, codec
 
 logger = logging.getLogger("hf_demo.optim.optimizer")
-PARAM_NOISE_SEED = overlap.PARAM_NOISE_SEED  # stochastic rounding: the same noise on every rank, every step
 
 
 class Plan:
@@ -34,8 +33,7 @@ class Plan:
         ctx.tier_index = (ctx.decided or opt.policy).tier
         ctx.tier = opt.tiers[ctx.tier_index]
         ctx.all_items, ctx.layout_ck, ctx.settings_ck = opt.plan(ctx.tier)
-        if ctx.settings.param_rounding == "stochastic":
-            ctx.generator = torch.Generator().manual_seed(PARAM_NOISE_SEED + ctx.transport.step)
+        ctx.generator = F.rounding_noise(ctx.settings.param_rounding, ctx.transport.step)
 
 
 class Select:
