@@ -21,6 +21,14 @@ NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_POLICIES = ("raise", "resync")
 
 
+NODE_RETIRED = (
+    "DeMo: hierarchy='node' (dense averaging inside a node, DeMo between nodes) is replaced by HSDP on PyTorch's "
+    "FSDP2, which also shards the parameters, gradients and optimizer state inside the node: "
+    "mesh = hf_demo.fsdp.hsdp_mesh(); hf_demo.fsdp.shard_model(model, mesh); "
+    "DeMo(model.parameters(), device_mesh=mesh). See docs/guides/large-models.md"
+)
+
+
 def _setting(default, help: str, choices=None, per_group: bool = False):
     meta = {"help": help, "per_group": per_group}
     if choices is not None:
@@ -68,9 +76,10 @@ class DeMoSettings:
     )
     hierarchy: str = _setting(
         "flat",
-        "flat (DeMo between every rank) or node (gradients averaged densely inside each node of "
-        "LOCAL_WORLD_SIZE processes, parameters sharded over its ranks, DeMo only between nodes)",
-        ("flat", "node"),
+        "flat: DeMo between the ranks of its group, or, for FSDP2-sharded parameters, across the replicate "
+        "dimension of the mesh (hf_demo.fsdp). The former 'node' mode is replaced by HSDP on FSDP2 "
+        "(docs/guides/large-models.md)",
+        ("flat",),
     )
     overlap: bool = _setting(
         False,
@@ -167,6 +176,8 @@ class DeMoSettings:
     )
 
     def __post_init__(self):
+        if self.hierarchy == "node":
+            raise ValueError(NODE_RETIRED)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             choices = f.metadata.get("choices")
@@ -245,14 +256,6 @@ class DeMoSettings:
 def refusals(s: DeMoSettings) -> list[str]:
     """The combinations of settings DeMo refuses, each with its reason (every other pair composes)."""
     out = []
-    if s.hierarchy == "node" and s.comm_budget > 0:
-        # the policy decides from the inter-node headers, but the node's ranks must take the same tier: their
-        # shards share every step inside the node, so a tier chosen per peer group would split a node
-        out.append("hierarchy='node' is not combined with comm_budget: the ranks of a node would choose tiers apart")
-    if s.overlap and s.hierarchy != "flat":
-        # the late update lands on the shard owner one step later, after the node has already shared that step's
-        # values: every late update would need a second dense share inside the node per step
-        out.append("overlap=True needs hierarchy='flat': under 'node' a late update would need a second share")
     if s.overlap and (s.sync_every > 1 or s.comm_budget > 0):
         # a synchronisation resets every rank to anchor - mean change; landing that one step late would move the
         # anchor after a local step already left it, so the ranks would apply it to different parameters

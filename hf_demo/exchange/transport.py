@@ -236,6 +236,15 @@ class Transport:
                     f"a peer is missing (not started, crashed, or already finished). Backend said: {exc}"
                 ) from exc
 
+    @classmethod
+    def alone(cls) -> Transport:
+        """A world of one, without collectives, also where torch.distributed is initialised (pure FSDP: no
+        replica to exchange with)."""
+        transport = cls(None, 0) if not (dist.is_available() and dist.is_initialized()) else cls.__new__(cls)
+        transport.timeout, transport.failures, transport.world, transport.rank = 0, 0, 1, 0
+        transport.base_group = transport.group = transport.backend = None
+        return transport
+
     def at(self, step: int, traffic: Traffic | None = None) -> StepTransport:
         """This transport for the collectives of optimizer step ``step``, counting into ``traffic``."""
         return StepTransport(self, step, traffic)

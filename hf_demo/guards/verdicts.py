@@ -9,6 +9,7 @@ from hf_demo.guards.ddp import check_gradients_differ
 from hf_demo.wire import codec
 
 FLAG_REFUSED = codec.FLAG_REFUSED
+AGREED_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS | FLAG_REFUSED  # decide the whole model's step
 
 UNSYNCED_START = (
     "The initial weights were never synchronised: a model initialised differently on each rank (e.g. PEFT "
@@ -56,6 +57,8 @@ def judge(ctx) -> None:
             ctx.opt.ddp_checked = False  # the first-step guard scans again: the fix (disable, del) may follow
             raise
     ctx.drifted = ctx.check_drift and len({h.fingerprint for h in headers}) > 1
+    if ctx.check_drift:  # sharded parameters: drift in any shard is the whole model's (every shard decides alike)
+        ctx.drifted = bool(ctx.opt.topology.agree(ctx, int(ctx.drifted), "node_drift"))
     ctx.bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
     ctx.resync = due(s.full_sync_every, step) and ctx.transport.world > 1
     if ctx.drifted or ctx.bad_param_ranks:

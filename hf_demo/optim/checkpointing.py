@@ -19,6 +19,7 @@ from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
 from hf_demo.optim.state import PendingExchange, SavedState, saved_tensors
 from hf_demo.settings import DeMoSettings
+from hf_demo.topology.sharded import local
 
 
 def save(opt, sd: dict) -> dict:
@@ -34,8 +35,7 @@ def save(opt, sd: dict) -> dict:
         policy={**opt.policy.state_dict(), "tier_spec": list(astuple(opt.tiers[opt.policy.tier]))},
         comm={k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         pending=overlap.to_state(opt),
-        local_params={ids[i]: p.detach().clone() for i, p in own_parameters(opt)},
-        shards="all_parameters" if opt.topology.name == "node" else None,
+        local_params={ids[i]: local(p).detach().clone() for i, p in own_parameters(opt)},
     )
     sd["demo"] = saved.to_dict()
     return sd
@@ -74,10 +74,10 @@ def load(opt, state_dict: dict) -> None:
 
 def refuse_unfit(opt, saved: SavedState) -> None:
     """Refuse, before anything is loaded, a state this run could only resume wrongly."""
-    if saved.pending is not None and (opt.settings.sync_every > 1 or opt.settings.hierarchy != "flat"):
+    if saved.pending is not None and opt.settings.sync_every > 1:
         raise DeMoStateError(
             "this optimizer state holds an exchange still in flight (saved with overlap=True), which local steps "
-            "(sync_every > 1) and hierarchy='node' cannot apply: resume it with the settings it was saved with, call "
+            "(sync_every > 1) cannot apply: resume it with the settings it was saved with, call "
             "optimizer.flush(), save again, and resume that checkpoint with the new settings"
         )
     if not saved.counters.unsynced or saved.world_size <= 1:  # one rank: its parameters are everybody's
@@ -156,16 +156,16 @@ def own_parameters(opt):
         return
     for i, p in everything:
         anchor = opt.state[p].get("anchor") if p in opt.state else None
-        if anchor is not None and not torch.equal(p.detach(), anchor):
+        if anchor is not None and not torch.equal(local(p).detach(), anchor):
             yield i, p
 
 
-def _restore_own_parameters(opt, ids, params, local: dict) -> None:
+def _restore_own_parameters(opt, ids, params, own: dict) -> None:
     """Mid local phase: this rank's own parameters, not the checkpoint's model weights (rank 0's, or the ranks'
     mean when written through averaged_parameters); one that had not moved is its anchor."""
     with torch.no_grad():
         for pid, p in zip(ids, params):
-            if pid in local:
-                p.copy_(local[pid])
+            if pid in own:
+                local(p).copy_(own[pid])
             elif opt.unsynced and "anchor" in opt.state.get(p, {}):
-                p.copy_(opt.state[p]["anchor"])
+                local(p).copy_(opt.state[p]["anchor"])

@@ -9,6 +9,7 @@ import torch
 from hf_demo.compression.blocks import MAX_BLOCK_SIZE, plan
 from hf_demo.errors import DeMoStateError
 from hf_demo.settings import DeMoSettings
+from hf_demo.topology.sharded import local_shape
 from hf_demo.wire import codec
 
 GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
@@ -22,10 +23,10 @@ def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier)
         validate_group(group)
         settings_key.append(tuple(group[k] if isinstance(group[k], str) else float(group[k]) for k in GROUP_KEYS))
         for p in group["params"]:
-            if not p.requires_grad:
+            if not p.requires_grad or 0 in local_shape(p):  # an FSDP2 shard may hold no rows of a small tensor
                 continue
             layout = plan(
-                tuple(p.shape), group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor)
+                local_shape(p), group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor)
             )
             items.append((p, group, layout))
             layout_key.append((layout, str(p.dtype)))
@@ -37,7 +38,7 @@ def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:
     return [
         sum(
             codec.segment_bytes(
-                plan(tuple(p.shape), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
+                plan(local_shape(p), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
                 t.value_format,
                 index_coding,
             )
@@ -63,7 +64,7 @@ def check_param(p: torch.Tensor) -> None:
 def replan_momentum(
     pid, momentum: torch.Tensor, p: torch.Tensor, saved_chunk: int, chunk: int, transform
 ) -> torch.Tensor:
-    shape = tuple(p.shape)
+    shape = local_shape(p)
     old, new = plan(shape, saved_chunk, 1), plan(shape, chunk, 1)
     if tuple(momentum.shape) != (old.nblocks, old.bsize):
         raise DeMoStateError(

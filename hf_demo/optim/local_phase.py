@@ -10,6 +10,7 @@ import torch
 from hf_demo.errors import DeMoNonFiniteError
 from hf_demo.exchange.transport import Traffic
 from hf_demo.guards.checks import any_nonfinite
+from hf_demo.topology.sharded import local
 
 
 def in_local_phase(opt) -> bool:
@@ -41,9 +42,9 @@ def end(opt) -> int:
         )
     with torch.no_grad():
         for p, mean in means.items():
-            p.copy_(mean.to(p.dtype))
+            local(p).copy_(mean.to(p.dtype))
             if "anchor" in opt.state.get(p, {}):
-                opt.state[p]["anchor"].copy_(p)
+                opt.state[p]["anchor"].copy_(local(p))
     opt.counters.unsynced = False
     return len(means)
 
@@ -57,12 +58,12 @@ def averaged(opt):
     with torch.no_grad():
         means, traffic = phase_means(opt, "averaged_parameters")
         opt.comm_stats.add(traffic)
-        own = {p: p.detach().clone() for p in means}
+        own = {p: local(p).detach().clone() for p in means}
         for p, mean in means.items():
-            p.copy_(mean.to(p.dtype))
+            local(p).copy_(mean.to(p.dtype))
     try:
         yield
     finally:
         with torch.no_grad():
             for p, value in own.items():
-                p.copy_(value)
+                local(p).copy_(value)

@@ -27,7 +27,7 @@ from hf_demo.optim import policy as policies
 from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
 from hf_demo.settings import DeMoSettings
-from hf_demo.topology import TOPOLOGIES
+from hf_demo.topology import choose as choose_topology
 
 logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
@@ -69,6 +69,9 @@ class DeMo(torch.optim.Optimizer):
         weight_decay: decoupled weight decay, ``p *= 1 - lr*weight_decay``.
         process_group: the group to communicate in; default the world group when ``torch.distributed`` is
             initialised, otherwise a world of one.
+        device_mesh: for parameters sharded by FSDP2 on the ``shard`` dimension of a (replicate, shard) mesh
+            (HSDP, :func:`hf_demo.fsdp.shard_model`): that 2-D mesh; DeMo then exchanges each shard across the
+            replicate dimension only (:mod:`hf_demo.topology.sharded`). Not needed for pure FSDP (one dimension).
         sign_update: the reference's switch, kept for compatibility: ``False`` means ``update_rule="raw"``.
         preset: a named starting point (:data:`hf_demo.settings.PRESETS`); settings given by name win over it.
         **settings: every other setting, by name: see :class:`hf_demo.settings.DeMoSettings`.
@@ -78,9 +81,12 @@ class DeMo(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, process_group=None, *,
-                 sign_update: bool | None = None, preset: str | None = None, **settings):  # fmt: skip
+                 device_mesh=None, sign_update: bool | None = None, preset: str | None = None,
+                 **settings):  # fmt: skip
         self.settings = DeMoSettings.resolve(preset, **_with_sign_update(sign_update, settings))
-        self.process_group = process_group
+        if process_group is not None and device_mesh is not None:
+            raise ValueError("DeMo: pass process_group or device_mesh, not both (the mesh names the group)")
+        self.process_group, self.device_mesh = process_group, device_mesh
         self.transform = transforms.get(self.settings.transform)
         secret = os.environ.get(SECRET_ENV)
         self.secret = secret.encode() if secret else None
@@ -145,12 +151,12 @@ class DeMo(torch.optim.Optimizer):
         if built is not None and (built.transport.world > 1 or built.name != "flat") == initialised:
             return built
         timeout = self.settings.comm_timeout if initialised else 0
-        self._topology = TOPOLOGIES[self.settings.hierarchy].build(self, initialised, timeout)
+        self._topology = choose_topology(self).build(self, initialised, timeout)
         return self._topology
 
     @property
     def transport(self):
-        """The transport DeMo exchanges over (the inter-node group under ``hierarchy="node"``)."""
+        """The transport DeMo exchanges over (the replicate group of sharded parameters)."""
         return self.topology.transport
 
     def plan(self, tier: policies.Tier):
@@ -324,7 +330,13 @@ class DeMo(torch.optim.Optimizer):
         if self.saved_world is None:
             return
         saved_rank, saved_world, scope = self.saved_world
-        rank, world, _ = self.identity()
+        rank, world, now = self.identity()
+        if scope != now and "mesh" in (scope + now):
+            raise DeMoStateError(
+                f"optimizer state was saved on a {scope if 'mesh' in scope else 'flat layout'} (replicate x shard) "
+                f"but this run has a {now if 'mesh' in now else 'flat layout'}: each rank's momentum is blocked on "
+                "its own shard. Resume on the mesh it was saved on (or start the optimizer afresh)"
+            )
         if saved_world != world:
             raise DeMoStateError(
                 f"optimizer state was saved with {saved_world} process(es) but this run has {world}: each rank's "

@@ -18,6 +18,7 @@ from hf_demo.optim.signals import rule_direction
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.wire import agreement
+from hf_demo.topology.sharded import local, local_shape
 
 
 def pending_from(ctx, in_flight) -> PendingExchange | None:
@@ -41,7 +42,7 @@ def targets(opt, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
     (by position among all parameters, so freezing or unfreezing one since changes nothing)."""
     everything = [p for g in opt.param_groups for p in g["params"]]
     chosen = [everything[i] for i in pending.params] if max(pending.params, default=-1) < len(everything) else []
-    shapes = [tuple(p.shape) for p in chosen]
+    shapes = [local_shape(p) for p in chosen]
     if len(chosen) != len(pending.params) or [layout.shape for layout in pending.layouts] != shapes:
         raise DeMoStateError(
             f"the exchange in flight (overlap=True, optimizer step {pending.step}) updates parameters of shapes "
@@ -76,7 +77,7 @@ def stage_late(opt, tx: Transaction, updates) -> None:
     for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
         direction, rule_state = rule_direction(opt, opt.rule(opt.group_of(p)), p, update, layout)
         tx.update(opt.state[p], rule_state)
-        tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, generator))
+        tx.stage(lambda t=local(p), d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, generator))
 
 
 def flush(opt) -> None:

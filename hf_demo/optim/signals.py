@@ -14,6 +14,7 @@ from __future__ import annotations
 from hf_demo.compression import functional as F
 from hf_demo.guards.checks import any_nonfinite
 from hf_demo.optim import local_steps, update_rules
+from hf_demo.topology.sharded import local
 
 
 class GradientSignal:
@@ -24,7 +25,7 @@ class GradientSignal:
         for p in ctx.params:  # a tier without local steps: a later local phase starts afresh
             if any(k in ctx.opt.state[p] for k in local_steps.LOCAL_KEYS):
                 ctx.tx.stage(lambda state=ctx.opt.state[p]: local_steps.forget(state))
-        ctx.signals, ctx.replicas = list(ctx.grads), ctx.params
+        ctx.signals, ctx.replicas = list(ctx.grads), [local(p) for p in ctx.params]
 
     @staticmethod
     def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
@@ -39,18 +40,18 @@ class GradientSignal:
             direction, rule_state = rule_direction(opt, opt.rule(g), p, update, layout)
             ctx.tx.update(opt.state[p], rule_state)
             if needs_values:
-                value = ctx.values.get(j, p.detach()).clone()
+                value = ctx.values.get(j, local(p).detach()).clone()
                 F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
                 ctx.values[j] = value
             else:
                 lr, wd = g["lr"], g["weight_decay"]
-                ctx.tx.stage(lambda p=p, d=direction, lr=lr, wd=wd: F.apply_step(p, d, lr, wd, ctx.generator))
+                ctx.tx.stage(lambda t=local(p), d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, ctx.generator))
 
 
 def rule_direction(opt, rule, p, update, layout):
     """(``rule``'s direction for the decoded ``update``, the rule's new state for ``p``), nothing written."""
     rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
-    return rule.direction(p, opt.transform.decode(update, layout), rule_state), rule_state
+    return rule.direction(local(p), opt.transform.decode(update, layout), rule_state), rule_state
 
 
 def _positions(ctx) -> list[int]:
@@ -70,11 +71,11 @@ class LocalSignal:
         for p in ctx.params:
             anchor = opt.state[p].get("anchor")
             if anchor is None:  # the parameters at the last synchronisation: here, the first local step
-                anchor = p.detach().clone()
+                anchor = local(p).detach().clone()
                 ctx.tx.set(opt.state[p], "anchor", anchor)
             ctx.anchors.append(anchor)
         ctx.inner = [
-            local_steps.inner_step(p, grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator)
+            local_steps.inner_step(local(p), grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator)
             for (p, g, _), grad in zip(ctx.items, ctx.grads)
         ]
         ctx.replicas = ctx.anchors
@@ -84,11 +85,12 @@ class LocalSignal:
         ctx.communicates = False  # a local step: every rank on its own until the next synchronisation
         afters = [after for after, _, _ in ctx.inner]
         checked = ctx.checked_grads  # a topology's gradients that every rank of a node holds alike
-        ctx.skip = any_nonfinite(afters if checked is None else [g for g in checked if g is not None])
+        skip = any_nonfinite(afters if checked is None else [g for g in checked if g is not None])
+        ctx.skip = bool(opt.topology.agree(ctx, int(skip), "node_flags"))  # every shard of the model alike
         if ctx.skip:
             return
         for (p, _, _), (after, m_in, rule_state), j in zip(ctx.items, ctx.inner, _positions(ctx)):
-            ctx.tx.stage(lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(p, opt.state[p], a, m, r))
+            ctx.tx.stage(lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(local(p), opt.state[p], a, m, r))
             ctx.values[j] = after
 
     @staticmethod
@@ -103,7 +105,7 @@ class LocalSignal:
         for (p, _, layout), m, update, inner, anchor, j in rows:
             ctx.tx.set(opt.state[p], "momentum", m)
             change = opt.transform.decode(update, layout)
-            ctx.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(p, opt.state[p], c, *i[1:]))
+            ctx.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(local(p), opt.state[p], c, *i[1:]))
             if needs_values:
                 ctx.values[j] = local_steps.synchronised(anchor, change, p.dtype)
 

@@ -73,6 +73,7 @@ class Inspect:
                 ctx.late_refusal = exc
         ctx.started = time.monotonic()
         verdicts.inspect(ctx, opt.first_checked, opt.ddp_suspects)
+        ctx.flags |= opt.topology.agree_step(ctx, ctx.flags & verdicts.AGREED_FLAGS)
 
 
 class Momentum:
@@ -196,11 +197,18 @@ class Vote:
     name = "vote"
 
     def run(self, ctx: StepContext) -> None:
-        alone = ctx.skip or ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
+        if ctx.skip:
+            return
+        refusal = ctx.refusal
+        alone = ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
         if not alone and ctx.settings.commit_vote == "on":
-            agreement.vote(ctx.transport, ctx.refusal, ctx.device)
-        elif ctx.refusal is not None:
-            raise ctx.refusal
+            try:
+                agreement.vote(ctx.transport, ctx.refusal, ctx.device)
+            except DeMoPayloadError as exc:
+                refusal = exc
+        refusal = ctx.opt.topology.agree_refusal(ctx, refusal)  # every shard of the model, where sharded
+        if refusal is not None:
+            raise refusal
 
 
 class Update:

@@ -94,7 +94,7 @@ class SavedState:
     counters: Counters
     rank: int
     world_size: int
-    rank_scope: str  # "group": the rank in the optimizer's group; "world": in the whole world (hierarchy)
+    rank_scope: str  # "group": the rank in the optimizer's group; "mesh RxS": FSDP2 shards, placed by their DTensors
     settings: dict
     policy: dict  # BudgetPolicy.state_dict() and the tier's (value_format, topk_divisor, sync_every)
     comm: dict

@@ -1,12 +1,19 @@
-"""Which parameters and gradients each rank handles, and who exchanges with whom: the ``hierarchy`` setting.
+"""Which parameters and gradients each rank handles, and who exchanges with whom.
 
 A topology is a pipeline part (:mod:`hf_demo.optim.pipeline`) with ``select(ctx)`` (this rank's items and
 gradients), ``share(ctx)`` (new values to the ranks that did not compute them), ``needs_values``, the
 ``transport`` DeMo exchanges over, and ``identity()`` (the rank a saved state belongs to). :data:`TOPOLOGIES`
-lists them by the setting's values.
+lists them by name; :func:`choose` picks one for an optimizer: ``sharded`` when its parameters are FSDP2 DTensors
+(:mod:`hf_demo.topology.sharded`), ``flat`` otherwise.
 """
 
 from hf_demo.topology.flat import FlatTopology
-from hf_demo.topology.node import NodeTopology
+from hf_demo.topology.sharded import ShardedTopology, is_sharded
 
-TOPOLOGIES = {cls.name: cls for cls in (FlatTopology, NodeTopology)}
+TOPOLOGIES = {cls.name: cls for cls in (FlatTopology, ShardedTopology)}
+
+
+def choose(opt):
+    """The topology class for ``opt``'s parameters."""
+    params = (p for g in opt.param_groups for p in g["params"] if p.requires_grad)
+    return ShardedTopology if any(is_sharded(p) for p in params) else FlatTopology

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from hf_demo.exchange.transport import Transport
-from hf_demo.topology.node import wide_dtype
 
 
 class FlatTopology:
@@ -34,6 +33,16 @@ class FlatTopology:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
         return self.transport.rank, self.transport.world, "group"
 
+    def agree_step(self, ctx, bits: int) -> int:
+        return bits
+
+    def agree(self, ctx, bits: int, name: str) -> int:
+        """What every rank stepping the same model agrees on besides the headers: nothing more here."""
+        return bits
+
+    def agree_refusal(self, ctx, refusal):
+        return refusal
+
     def mean_over_ranks(self, params, transport, name: str, every=None, owner_of=None) -> dict:
         """Every rank's mean of ``params`` (dense all-reduces by device and dtype, fp32 or wider)."""
         return dense_mean(params, transport, name)
@@ -53,3 +62,11 @@ def dense_mean(params, transport, name: str) -> dict:
             means[p] = flat[start : start + p.numel()].view(p.shape)
             start += p.numel()
     return {p: means[p] for p in params}
+
+
+def wide_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """fp32, or the widest parameter dtype where wider (fp64): what dense collectives of parameters carry."""
+    wide = torch.float32
+    for p in params:
+        wide = torch.promote_types(wide, p.dtype)
+    return wide

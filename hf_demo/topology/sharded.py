@@ -1,0 +1,214 @@
+"""FSDP2-sharded parameters: DeMo on each rank's local shard, exchanged across the replicate dimension only.
+
+PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) turns every parameter into a ``DTensor`` whose local
+part is this rank's shard. Sharded on the ``shard`` dimension of a (replicate, shard) device mesh (HSDP,
+:func:`hf_demo.fsdp.shard_model`), its backward reduce-scatters each gradient inside the shard group (the fast
+link), so ``.grad`` holds the shard group's mean gradient for this rank's shard, and nothing crosses the
+replicate dimension. DeMo then does what the replicate all-reduce of HSDP would have done, at a fraction of its
+bytes:
+
+- momentum, DCT blocks and top-k work on the local shard; the ranks of a replicate group hold the same shard (the
+  same local shape, hence the same block layout), so their exchange is exact, as between DDP replicas;
+- DeMo exchanges over the replicate group of its shard (``device_mesh["replicate"]``, or ``process_group``);
+  with pure FSDP (a mesh of one dimension over every rank) there is no other replica and nothing to exchange;
+- what decides a step for the whole model (skip for NaN/Inf, a refused payload, an exchange refused while in
+  flight) is agreed over the shard group as well, one 8-byte all-gather on the fast link, so every shard takes
+  the same step.
+
+This module is where DeMo handles ``DTensor``: :func:`local` gives the tensor every other part computes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_demo.errors import DeMoPayloadError
+from hf_demo.exchange.transport import Transport
+
+
+
+def is_sharded(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor this rank computes on: a DTensor's local shard (a view: writes reach the parameter), else itself."""
+    return t.to_local() if t is not None and is_sharded(t) else t
+
+
+def local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(local(p).shape)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The layout shared by every sharded parameter of one optimizer: its mesh and that mesh's ranks."""
+
+    mesh: object  # the parameters' DeviceMesh (one dimension: the shard group)
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> ShardSpec | None:
+        """None when no parameter is a DTensor; raises naming the fix for layouts DeMo cannot step."""
+        sharded = [p for p in params if is_sharded(p)]
+        if not sharded:
+            return None
+        if len(sharded) != len(params):
+            raise ValueError(
+                f"DeMo was given {len(sharded)} FSDP2-sharded parameter(s) (DTensor) and {len(params) - len(sharded)} "
+                "plain one(s): a plain parameter beside FSDP2 gets no gradient reduction inside the shard group, so "
+                "its copies would drift apart. Shard the modules that hold them too (fully_shard the root module, "
+                "as hf_demo.fsdp.shard_model does), or give them to another optimizer"
+            )
+        meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
+        if len(meshes) > 1:
+            raise ValueError("DeMo's parameters are sharded over more than one device mesh: use one mesh for the model")
+        mesh = next(iter(meshes.values()))
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"DeMo's parameters are FSDP2 DTensors on a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())} "
+                "with placements (Replicate(), Shard(0)): that is FSDP2's own HSDP, which all-reduces every gradient "
+                "densely across the replicate dimension, the traffic DeMo replaces. Shard on the shard dimension "
+                "only, fully_shard(module, mesh=mesh['shard']) (hf_demo.fsdp.shard_model(model, mesh)), and give "
+                "DeMo device_mesh=mesh"
+            )
+        placements = {tuple(p.placements) for p in sharded}
+        from torch.distributed.tensor import Shard
+
+        if any(not isinstance(pl, Shard) for pls in placements for pl in pls):
+            raise ValueError(f"DeMo steps FSDP2-sharded parameters (Shard placements); got placements {placements}")
+        return cls(mesh, tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def exchange_group(opt, spec: ShardSpec):
+    """The group DeMo exchanges over, checked to hold one rank per shard: ``process_group``, else the replicate
+    dimension of ``device_mesh``, else (pure FSDP over every rank) none: a world of one."""
+    mesh = getattr(opt, "device_mesh", None)
+    group = opt.process_group
+    if group is None and mesh is not None:
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"device_mesh must be the 2-D (replicate, shard) mesh the model was sharded on; got {mesh.ndim}-D"
+            )
+        group = mesh.get_group(0)
+    if group is None:
+        if len(spec.ranks) == dist.get_world_size():
+            return None  # pure FSDP: every rank holds another shard, no replica to exchange with
+        raise ValueError(
+            f"DeMo's parameters are sharded over ranks {list(spec.ranks)}, not over every rank: the other ranks hold "
+            "replicas of these shards, and DeMo needs to know which. Pass DeMo(..., device_mesh=mesh), the 2-D "
+            "(replicate, shard) mesh the model was sharded on (hf_demo.fsdp.hsdp_mesh)"
+        )
+    peers = set(dist.get_process_group_ranks(group))
+    overlap = sorted(peers & set(spec.ranks))
+    if overlap != [dist.get_rank()]:
+        raise ValueError(
+            f"DeMo exchanges over ranks {sorted(peers)}, but ranks {overlap} of them hold different shards of the "
+            f"same parameters (the shard group is {list(spec.ranks)}): pass the replicate group, "
+            "device_mesh=mesh for a (replicate, shard) mesh"
+        )
+    return group
+
+
+class ShardedTopology:
+    """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
+
+    name = "sharded"
+    needs_values = False  # every rank writes its own shard at the commit
+
+    def __init__(self, transport: Transport, shards: Transport, spec: ShardSpec):
+        self.transport, self.shards, self.spec = transport, shards, spec
+
+    @classmethod
+    def build(cls, opt, initialised: bool, timeout: float):
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        spec = ShardSpec.of(params)
+        if not initialised:
+            raise ValueError("DeMo got FSDP2-sharded parameters but torch.distributed is not initialised")
+        group = exchange_group(opt, spec)
+        replicas = Transport(group, timeout) if group is not None else Transport.alone()
+        return cls(replicas, Transport(spec.mesh.get_group(), timeout), spec)
+
+    def select(self, ctx) -> None:
+        ctx.items = ctx.all_items
+        ctx.grads = [local(p.grad) for p in ctx.params]
+
+    def share(self, ctx) -> None:
+        for j, value in ctx.values.items():
+            ctx.tx.copy(local(ctx.all_items[j][0]), value)
+
+    def owners_of(self, opt, params) -> None:
+        return None
+
+    def identity(self) -> tuple[int, int, str]:
+        """(rank, world size, scope): a sharded state is placed by its DTensors' meshes, not by a rank number."""
+        return 0, dist.get_world_size(), f"mesh {self.transport.world}x{self.shards.world}"
+
+    def mean_over_ranks(self, params, transport, name: str, every=None, owner_of=None) -> dict:
+        from hf_demo.topology.flat import dense_mean
+
+        views = [local(p) for p in params]
+        means = dense_mean(views, transport, name)
+        return {p: means[v] for p, v in zip(params, views)}
+
+    # ------------------------------------------------------------ what every shard of the model agrees on
+    def agree_step(self, ctx, bits: int) -> int:
+        """Once per exchanging step, over the shard group (the fast link): the ranks holding the other shards of
+        this replica are at the same step with the same settings and secret (the replicate group's headers
+        compare one shard's ranks only), and ``bits`` (the flags that decide the whole model's step: skip,
+        resync, refused in flight) OR-ed over them. One signed 136-byte header per rank; raises
+        :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
+        from hf_demo.errors import DeMoSyncError
+        from hf_demo.wire import codec
+
+        if self.shards.world == 1:
+            return bits
+        shards = self.shards.at(ctx.transport.step, ctx.transport.traffic)
+        header = codec.Header(ctx.transport.step, 0, ctx.settings_ck, bits, shards.world, 0)
+        header = codec.sign(header, torch.empty(0, dtype=torch.uint8), ctx.opt.secret)
+        rows = shards.all_gather(header.to_bytes().to(ctx.device), "node_header").cpu()
+        try:
+            headers = [codec.Header.from_bytes(row) for row in rows]
+            codec.verify_headers(headers, ctx.opt.secret, self.shards.rank, header.step)
+            codec.check_headers(headers, self.shards.rank)
+        except DeMoSyncError as exc:
+            members = [self.shards.global_rank(r) for r in range(self.shards.world)]
+            raise DeMoSyncError(f"{exc}\n(ranks are the shard group {members}: the shards of one replica)") from None
+        out = 0
+        for h in headers:
+            out |= h.flags
+        return out
+
+    def agree(self, ctx, bits: int, name: str) -> int:
+        """``bits`` OR-ed over the shards of this replica: what decides the whole model's step (skip, resync, an
+        exchange refused in flight) is then the same for every shard."""
+        out = 0
+        for theirs in self._gather(ctx, bits, name):
+            out |= theirs
+        return out
+
+    def agree_refusal(self, ctx, refusal: DeMoPayloadError | None) -> DeMoPayloadError | None:
+        """A payload refused for any shard of the model: every rank gets an error to raise, none commits."""
+        verdicts = self._gather(ctx, int(refusal is not None), "node_vote")
+        if refusal is not None:
+            return refusal
+        refusing = [self.shards.global_rank(r) for r, v in enumerate(verdicts) if v]
+        if refusing:
+            return DeMoPayloadError(
+                f"rank {dist.get_rank()}: optimizer step {ctx.transport.step} was refused for another shard of the "
+                f"model (rank(s) {refusing} found what they received corrupted): nothing was applied on any rank, "
+                "the replicas are still identical and the step can be run again"
+            )
+        return None
+
+    def _gather(self, ctx, value: int, name: str) -> list[int]:
+        if self.shards.world == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64).view(torch.uint8).to(ctx.device)
+        rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(mine, name)
+        return rows.cpu().contiguous().view(torch.int64).flatten().tolist()

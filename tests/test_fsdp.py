@@ -1,0 +1,163 @@
+"""DeMo on FSDP2-sharded parameters (hf_demo.topology.sharded, hf_demo.fsdp) on real gloo ranks.
+
+HSDP on 4 processes as a (2 replicas x 2 shards) mesh: FSDP2 reduce-scatters each gradient inside a shard group,
+DeMo exchanges each shard across the replicate group. The slow spelling it must equal: flat DeMo between the
+2 "nodes", each fed its node's mean gradient, on the parameters cut into the rows each shard holds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_demo
+from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
+from hf_demo import fsdp
+
+pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
+
+KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8, value_format="fp32", update_rule="adam")
+STEPS = 8
+
+
+def awkward_model(seed: int = 0) -> torch.nn.Sequential:
+    """Shapes two shards split unevenly (5 rows: 3 and 2) and one that leaves a shard empty (1 row: 1 and 0)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(13, 20), torch.nn.Tanh(), torch.nn.Linear(20, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+    )
+
+
+LAYERS = (0, 2, 4)
+
+
+def data(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 13, generator=g), torch.randn(16, 1, generator=g)
+
+
+def backward(model, rank: int, step: int) -> None:
+    x, y = data(rank, step)
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def sharded(rank, shard=2, seed=0, **kw):
+    """This rank's model, sharded by FSDP2 on a (world/shard, shard) mesh, and DeMo over its replicate group."""
+    mesh = fsdp.hsdp_mesh(shard=shard)
+    model = awkward_model(seed)
+    fsdp.shard_model(model, mesh, layers=[model[i] for i in LAYERS])
+    hsdp = shard < dist.get_world_size()
+    return model, hf_demo.DeMo(model.parameters(), device_mesh=mesh if hsdp else None, **{**KW, **kw})
+
+
+def full(model) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _hsdp(rank, world, shard=2, kw=None, steps=STEPS):
+    model, opt = sharded(rank, shard, **(kw or {}))
+    for step in range(steps):
+        backward(model, rank, step)
+        opt.step()
+    return full(model), opt.steps, {k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total")}
+
+
+def _flat_on_shard_pieces(rank, world, shards=2, ranks_per_node=2, steps=STEPS, **kw):
+    """Flat DeMo between ``world`` nodes, on every parameter cut into the rows FSDP2's shards hold (torch.chunk),
+    each fed the mean gradient of its node's ``ranks_per_node`` batches."""
+    model = awkward_model()
+    params = list(model.parameters())
+    pieces = [[torch.nn.Parameter(c.clone()) for c in p.detach().chunk(shards, dim=0)] for p in params]
+    opt = hf_demo.DeMo([c for cs in pieces for c in cs], **{**KW, **kw})
+    for step in range(steps):
+        grads = []
+        for r in range(rank * ranks_per_node, (rank + 1) * ranks_per_node):
+            backward(model, r, step)
+            grads.append([p.grad.clone() for p in params])
+        for i, cs in enumerate(pieces):
+            mean = sum(g[i] for g in grads) / ranks_per_node
+            for c, gc in zip(cs, mean.chunk(shards, dim=0)):
+                c.grad = gc.clone()
+        opt.step()
+        with torch.no_grad():
+            for p, cs in zip(params, pieces):
+                p.copy_(torch.cat([c.detach() for c in cs]))
+    return [p.detach().clone() for p in params]
+
+
+def test_hsdp_equals_flat_demo_between_nodes_on_each_shards_rows():
+    results = expect_ok(run_ranks(_hsdp, 4))
+    for params, steps, _ in results[1:]:
+        assert steps == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))  # every replica, every shard
+    flat = expect_ok(run_ranks(_flat_on_shard_pieces, 2))[0]
+    for a, b in zip(results[0][0], flat):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_pure_fsdp_is_a_local_optimizer_over_shards():
+    """One dimension over both ranks: no replica, nothing to exchange; each shard steps on both ranks' mean."""
+    results = expect_ok(run_ranks(_hsdp, 2, 2))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+    flat = expect_ok(run_ranks(_flat_on_shard_pieces, 1, 2, 2))[0]
+    for a, b in zip(results[0][0], flat):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- what crosses which link
+def _recorded(rank, world, pieces=False):
+    """Every collective of 4 steps: torch.distributed's calls (op, the group's ranks, dtype, bytes), and DeMo's
+    own by name (its collective hook), per rank."""
+    from hf_demo.exchange import transport
+
+    calls, named = [], []
+    ops = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast")
+    real = {n: getattr(dist, n) for n in ops}
+    real_demo = transport._all_gather  # DeMo's all-gather, bound at import
+
+    def recorder(op, fn):
+        def call(*args, group=None, **kwargs):
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            t = max(tensors, key=torch.Tensor.numel)
+            calls.append((op, ranks, str(t.dtype), t.numel() * t.element_size()))
+            return fn(*args, group=group, **kwargs)
+
+        return call
+
+    for op in ops:
+        setattr(dist, op, recorder(op, real[op]))
+    transport._all_gather = recorder("all_gather_single", real_demo)
+    handle = transport.register_collective_hook(lambda name, nbytes: named.append((name, nbytes)))
+    try:
+        if pieces:
+            _flat_on_shard_pieces(rank, world, steps=4)
+        else:
+            _hsdp(rank, world, steps=4)
+    finally:
+        handle.remove()
+        transport._all_gather = real_demo
+        for op, fn in real.items():
+            setattr(dist, op, fn)
+    return calls, named
+
+
+def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_stay_ddps():
+    results = expect_ok(run_ranks(_recorded, 4))
+    for rank, (calls, named) in enumerate(results):
+        replicas = (rank % 2, rank % 2 + 2)
+        across = [c for c in calls if c[1] == replicas]
+        assert across and not [c for c in across if c[0] != "all_gather_single" or c[2] != "torch.uint8"], across
+        assert any(c[0] == "reduce_scatter_single" and c[1] == (rank - rank % 2, rank - rank % 2 + 1) for c in calls)
+    # DeMo's bytes across the replicate dimension: each node's two shards together send what flat DeMo sends for
+    # the same rows, plus the second rank's header and vote per step and its payload's own byte alignment (<= 8 B)
+    flat = expect_ok(run_ranks(_recorded, 2, True))
+    for node in range(2):
+        hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if not name.startswith("node_"))
+        ddp = sum(n for _, n in flat[node][1])
+        assert 0 <= hsdp - ddp - 4 * (136 + 8) <= 4 * 8, (hsdp, ddp)
