@@ -1,6 +1,13 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
 
-from hf_demo.errors import DeMoError, DeMoNonFiniteError, DeMoSetupError, DeMoStateError, DeMoSyncError
+from hf_demo.errors import (
+    DeMoError,
+    DeMoNonFiniteError,
+    DeMoPayloadError,
+    DeMoSetupError,
+    DeMoStateError,
+    DeMoSyncError,
+)
 from hf_demo.exchange.teardown import shutdown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.hf.checkpoint import last_complete_checkpoint
@@ -34,6 +41,7 @@ __all__ = [
     "DeMoArguments",
     "DeMoError",
     "DeMoNonFiniteError",
+    "DeMoPayloadError",
     "DeMoSetupError",
     "DeMoStateError",
     "DeMoSyncError",

@@ -161,3 +161,159 @@ def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_
         hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if not name.startswith("node_"))
         ddp = sum(n for _, n in flat[node][1])
         assert 0 <= hsdp - ddp - 4 * (136 + 8) <= 4 * 8, (hsdp, ddp)
+
+
+# ---------------------------------------------------------------- the guards, on sharded parameters
+def _state(model, opt):
+    return full(model), (opt.steps, opt.skipped_steps, opt.resyncs)
+
+
+def _one_bad_gradient(rank, world):
+    """A NaN in rank 1's gradient shard (replica 0, shard 1) at step 1: every shard of every replica skips."""
+    from hf_demo.topology.sharded import local
+
+    model, opt = sharded(rank, comm_timeout=20.0)
+    for step in range(4):
+        backward(model, rank, step)
+        if step == 1 and rank == 1:
+            local(next(model.parameters()).grad)[0, 0] = float("nan")
+        opt.step()
+    return _state(model, opt)
+
+
+def test_a_nan_in_one_shard_skips_the_step_for_every_shard_and_replica():
+    results = expect_ok(run_ranks(_one_bad_gradient, 4))
+    assert [counters for _, counters in results] == [(4, 1, 0)] * 4
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0], r[0]))
+
+
+def _one_replica_drifts(rank, world, drift):
+    """Rank 3 (replica 1, shard 1) holds a wrong copy of its shard of parameter 0 from step 2 on."""
+    from hf_demo.topology.sharded import local
+
+    model, opt = sharded(rank, check_every=1, drift=drift, comm_timeout=20.0)
+    error = None
+    for step in range(4):
+        backward(model, rank, step)
+        if step == 2 and rank == 3:
+            with torch.no_grad():
+                local(next(model.parameters()))[0, 0] += 1.0
+        try:
+            opt.step()
+        except hf_demo.DeMoSyncError as exc:
+            error = str(exc)
+            break
+    return _state(model, opt), error
+
+
+def test_a_drifted_shard_is_resynced_or_stops_every_rank():
+    for (params, (steps, _, resyncs)), error in expect_ok(run_ranks(_one_replica_drifts, 4, "resync")):
+        assert error is None and steps == 4 and resyncs == 1
+    results = expect_ok(run_ranks(_one_replica_drifts, 4, "resync"))
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0][0], r[0][0]))
+    for (_, (steps, _, _)), error in expect_ok(run_ranks(_one_replica_drifts, 4, "raise")):
+        assert error is not None and "drifted apart at optimizer step 2" in error and steps == 2
+
+
+def _corrupted_payload(rank, world):
+    """Rank 3's index code sends out-of-range positions at step 1: every rank refuses, none commits; the retry
+    (with the fault gone) commits everywhere."""
+    from hf_demo.wire import codec
+
+    model, opt = sharded(rank, comm_timeout=20.0)
+    backward(model, rank, 0)
+    opt.step()
+    backward(model, rank, 1)
+    before = _state(model, opt)
+    coding = codec.index_coding(opt.settings.index_coding)
+    real = coding.pack_many
+    if rank == 3:
+        corrupt_indices(coding)
+    try:
+        opt.step()
+        error = None
+    except hf_demo.DeMoPayloadError as exc:
+        error = str(exc)
+    unchanged = _state(model, opt)
+    coding.pack_many = real
+    opt.step()
+    return error, before, unchanged, _state(model, opt)
+
+
+def test_a_corrupted_payload_for_one_shard_stops_the_step_on_every_rank_and_the_retry_commits():
+    results = expect_ok(run_ranks(_corrupted_payload, 4))
+    for error, before, unchanged, after in results:
+        assert error is not None and "refused" in error
+        assert all(torch.equal(a, b) for a, b in zip(before[0], unchanged[0])) and before[1] == unchanged[1]
+        assert after[1][0] == 2
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][3][0], r[3][0]))
+
+
+def _disagreeing(rank, world, fault):
+    """Rank 1 (the other shard of replica 0) has another lr, or another HF_DEMO_SECRET; rank 2 is frozen."""
+    if fault == "secret":
+        os.environ["HF_DEMO_SECRET"] = "B" if rank == 1 else "A"
+    model, opt = sharded(rank, comm_timeout=3.0, lr=KW["lr"] * (2 if fault == "lr" and rank == 1 else 1))
+    backward(model, rank, 0)
+    if fault == "freeze" and rank == 2:
+        time.sleep(10)
+    start = time.monotonic()
+    try:
+        opt.step()
+        error = None
+    except hf_demo.DeMoSyncError as exc:
+        error = str(exc)
+    finally:
+        os.environ.pop("HF_DEMO_SECRET", None)
+    return error, time.monotonic() - start, opt.steps
+
+
+@pytest.mark.parametrize("fault", ["lr", "secret", "freeze"])
+def test_disagreeing_or_frozen_shards_stop_every_rank_within_comm_timeout(fault):
+    results = run_ranks(_disagreeing, 4, fault, timeout=90)
+    for rank, result in enumerate(results):
+        if fault == "freeze" and rank == 2:
+            continue  # it wakes up to peers that gave up
+        error, waited, steps = expect_ok([result])[0]
+        assert error is not None and steps == 0 and waited < 9, (rank, result)
+    first = expect_ok([results[0]])[0][0]
+    if fault == "lr":
+        assert "different optimizer settings" in first and "shard group" in first
+    if fault == "secret":
+        assert "HMAC-SHA256" in first and "shard group" in first
+
+
+# ---------------------------------------------------------------- what is refused, and why
+def _layouts_refused(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    native = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    for name, build in {
+        "native_hsdp": lambda m: fully_shard(m, mesh=native),
+        "mixed": lambda m: fully_shard(m[0], mesh=mesh),
+        "orthogonal": lambda m: fully_shard(m, mesh=mesh),
+    }.items():
+        model = awkward_model()
+        build(model)
+        opt = hf_demo.DeMo(model.parameters(), **({"update_rule": "orthogonal"} if name == "orthogonal" else {}))
+        backward(model, rank, 0)
+        try:
+            opt.step()
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
+    for errors in expect_ok(run_ranks(_layouts_refused, 2)):
+        assert "FSDP2's own HSDP" in errors["native_hsdp"] and "mesh['shard']" in errors["native_hsdp"]
+        assert "plain one(s)" in errors["mixed"] and "fully_shard the root module" in errors["mixed"]
+        assert "Newton-Schulz" in errors["orthogonal"]
+
+
+def test_the_retired_node_hierarchy_names_its_replacement():
+    with pytest.raises(ValueError, match="replaced by HSDP on PyTorch's FSDP2.*hf_demo.fsdp.shard_model"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node")

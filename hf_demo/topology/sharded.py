@@ -115,6 +115,19 @@ def exchange_group(opt, spec: ShardSpec):
     return group
 
 
+def refuse_whole_matrix_rules(opt) -> None:
+    """A rule that needs the whole matrix cannot step a shard of it on its own."""
+    for group in opt.param_groups:
+        rules = {group["update_rule"], group["inner_rule"]}
+        if "orthogonal" in rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
+            raise ValueError(
+                "DeMo: update_rule/inner_rule='orthogonal' is not combined with FSDP2-sharded parameters: Newton-Schulz "
+                "orthogonalises the whole matrix, and each rank holds only some of its rows (orthogonalising the rows "
+                "one by one is another, untested step). Use update_rule='sign' or 'adamw' for these groups, or train "
+                "with DDP-DeMo (docs/guides/large-models.md)"
+            )
+
+
 class ShardedTopology:
     """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
@@ -130,6 +143,7 @@ class ShardedTopology:
         spec = ShardSpec.of(params)
         if not initialised:
             raise ValueError("DeMo got FSDP2-sharded parameters but torch.distributed is not initialised")
+        refuse_whole_matrix_rules(opt)
         group = exchange_group(opt, spec)
         replicas = Transport(group, timeout) if group is not None else Transport.alone()
         return cls(replicas, Transport(spec.mesh.get_group(), timeout), spec)
