@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hf_demo
-from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
+from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -149,7 +149,7 @@ def _recorded(rank, world, pieces=False):
 
 def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_stay_ddps():
     results = expect_ok(run_ranks(_recorded, 4))
-    for rank, (calls, named) in enumerate(results):
+    for rank, (calls, _) in enumerate(results):
         replicas = (rank % 2, rank % 2 + 2)
         across = [c for c in calls if c[1] == replicas]
         assert across and not [c for c in across if c[0] != "all_gather_single" or c[2] != "torch.uint8"], across
@@ -207,9 +207,9 @@ def _one_replica_drifts(rank, world, drift):
 
 
 def test_a_drifted_shard_is_resynced_or_stops_every_rank():
-    for (params, (steps, _, resyncs)), error in expect_ok(run_ranks(_one_replica_drifts, 4, "resync")):
-        assert error is None and steps == 4 and resyncs == 1
     results = expect_ok(run_ranks(_one_replica_drifts, 4, "resync"))
+    for (_, (steps, _, resyncs)), error in results:
+        assert error is None and steps == 4 and resyncs == 1
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0][0], r[0][0]))
     for (_, (steps, _, _)), error in expect_ok(run_ranks(_one_replica_drifts, 4, "raise")):
         assert error is not None and "drifted apart at optimizer step 2" in error and steps == 2

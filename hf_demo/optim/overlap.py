@@ -17,8 +17,8 @@ from hf_demo.exchange.transport import Traffic
 from hf_demo.optim.signals import rule_direction
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
-from hf_demo.wire import agreement
 from hf_demo.topology.sharded import local, local_shape
+from hf_demo.wire import agreement
 
 
 def pending_from(ctx, in_flight) -> PendingExchange | None:
@@ -77,7 +77,8 @@ def stage_late(opt, tx: Transaction, updates) -> None:
     for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
         direction, rule_state = rule_direction(opt, opt.rule(opt.group_of(p)), p, update, layout)
         tx.update(opt.state[p], rule_state)
-        tx.stage(lambda t=local(p), d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, generator))
+        view = local(p)
+        tx.stage(lambda t=view, d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, generator))
 
 
 def flush(opt) -> None:

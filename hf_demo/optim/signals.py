@@ -44,8 +44,8 @@ class GradientSignal:
                 F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
                 ctx.values[j] = value
             else:
-                lr, wd = g["lr"], g["weight_decay"]
-                ctx.tx.stage(lambda t=local(p), d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, ctx.generator))
+                lr, wd, view = g["lr"], g["weight_decay"], local(p)
+                ctx.tx.stage(lambda t=view, d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, ctx.generator))
 
 
 def rule_direction(opt, rule, p, update, layout):
@@ -75,7 +75,9 @@ class LocalSignal:
                 ctx.tx.set(opt.state[p], "anchor", anchor)
             ctx.anchors.append(anchor)
         ctx.inner = [
-            local_steps.inner_step(local(p), grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator)
+            local_steps.inner_step(
+                local(p), grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator
+            )
             for (p, g, _), grad in zip(ctx.items, ctx.grads)
         ]
         ctx.replicas = ctx.anchors
@@ -90,7 +92,9 @@ class LocalSignal:
         if ctx.skip:
             return
         for (p, _, _), (after, m_in, rule_state), j in zip(ctx.items, ctx.inner, _positions(ctx)):
-            ctx.tx.stage(lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(local(p), opt.state[p], a, m, r))
+            ctx.tx.stage(
+                lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(local(p), opt.state[p], a, m, r)
+            )
             ctx.values[j] = after
 
     @staticmethod

@@ -29,7 +29,6 @@ from hf_demo.errors import DeMoPayloadError
 from hf_demo.exchange.transport import Transport
 
 
-
 def is_sharded(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -121,10 +120,10 @@ def refuse_whole_matrix_rules(opt) -> None:
         rules = {group["update_rule"], group["inner_rule"]}
         if "orthogonal" in rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
             raise ValueError(
-                "DeMo: update_rule/inner_rule='orthogonal' is not combined with FSDP2-sharded parameters: Newton-Schulz "
-                "orthogonalises the whole matrix, and each rank holds only some of its rows (orthogonalising the rows "
-                "one by one is another, untested step). Use update_rule='sign' or 'adamw' for these groups, or train "
-                "with DDP-DeMo (docs/guides/large-models.md)"
+                "DeMo: update_rule/inner_rule='orthogonal' is not combined with FSDP2-sharded parameters: "
+                "Newton-Schulz orthogonalises the whole matrix, and each rank holds only some of its rows "
+                "(orthogonalising the rows one by one is another, untested step). Use update_rule='sign' or "
+                "'adamw' for these groups, or train with DDP-DeMo (docs/guides/large-models.md)"
             )
 
 
