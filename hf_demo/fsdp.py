@@ -79,3 +79,76 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
 
     inner = getattr(model, "_orig_mod", model)
     return isinstance(inner, FSDPModule)
+
+
+LAYOUT_KEY = "hf_demo_layout"  # beside "model" and "optimizer" in a checkpoint: the mesh the optimizer was saved on
+
+
+def layout_of(optimizer) -> str:
+    """The mesh DeMo's state is placed on, e.g. ``"mesh 2x2"`` (replicate x shard); ``"flat"`` for DDP-DeMo."""
+    topology = optimizer.topology
+    return topology.identity()[2] if topology.name == "sharded" else "flat"
+
+
+def save_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
+    """The model's and DeMo's sharded state through ``torch.distributed.checkpoint`` (every rank calls it):
+    ``get_state_dict`` of both, and the mesh DeMo's state is placed on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+        return
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, LAYOUT_KEY: layout_of(optimizer)}, checkpoint_id=path)
+
+
+def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
+    """Restore what :func:`save_checkpoint` wrote, on every rank; DeMo resumes bit for bit on the same mesh. On a
+    mesh of another shape it stops first, naming both: each rank's momentum is blocked on its own shard.
+    ``optimizer=None`` loads the model only (then start DeMo afresh)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+    from hf_demo.errors import DeMoStateError
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        return
+    saved = {LAYOUT_KEY: ""}
+    dcp.load(saved, checkpoint_id=path)
+    now = layout_of(optimizer)
+    if saved[LAYOUT_KEY] != now:
+        raise DeMoStateError(
+            f"this checkpoint's optimizer state was saved on a {saved[LAYOUT_KEY]!r} layout (replicate x shard), "
+            f"this run has {now!r}: DeMo's momentum is blocked on each rank's own shard and cannot move to another "
+            "shard size. Resume on the same mesh, or load the model only "
+            "(hf_demo.fsdp.load_checkpoint(path, model)) and start the optimizer afresh. Nothing was loaded"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    unasked = _unasked(path, model, optim_sd)
+    if unasked:
+        raise DeMoStateError(
+            f"this checkpoint holds optimizer state this optimizer would not load ({', '.join(unasked[:4])}"
+            f"{', ...' if len(unasked) > 4 else ''}): other settings (update_rule, sync_every, overlap) than the "
+            "run that saved it? Resume with the same settings. Nothing was loaded"
+        )
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _unasked(path, model, optim_sd: dict) -> list[str]:
+    """The per-parameter entries of the checkpoint that a load into ``optim_sd`` would leave behind (for the
+    parameters with rows on this rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_demo.topology.sharded import local_shape
+
+    held = {name for name, p in model.named_parameters() if 0 not in local_shape(p)}
+    wanted = {f"optimizer.state.{fqn}.{key}" for fqn, entry in optim_sd["state"].items() for key in entry}
+    prefixes = tuple(f"optimizer.state.{fqn}." for fqn in held)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return sorted(k for k in saved if k.startswith(prefixes) and k not in wanted)

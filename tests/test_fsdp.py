@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hf_demo
 from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
+from hf_demo.topology.sharded import local
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -317,3 +318,46 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
 def test_the_retired_node_hierarchy_names_its_replacement():
     with pytest.raises(ValueError, match="replaced by HSDP on PyTorch's FSDP2.*hf_demo.fsdp.shard_model"):
         hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node")
+
+
+# ---------------------------------------------------------------- checkpoints (torch.distributed.checkpoint)
+def _resumed(rank, world, where, kw, resume_at=None, shard_after=2):
+    """STEPS steps; at ``resume_at`` every rank saves the model and DeMo through DCP, then a fresh model (another
+    init) and optimizer, sharded ``shard_after`` ways, load it and go on."""
+    model, opt = sharded(rank, **kw)
+    for step in range(STEPS):
+        if step == resume_at:
+            fsdp.save_checkpoint(where, model, opt)
+            model, opt = sharded(rank, shard_after, seed=7, **kw)
+            try:
+                fsdp.load_checkpoint(where, model, opt)
+            except hf_demo.DeMoStateError as exc:
+                return str(exc)
+        backward(model, rank, step)
+        opt.step()
+    states = [{k: local(v).clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
+    return full(model), (opt.steps, opt.skipped_steps), states
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"update_rule": "sign", "value_format": "sign"},
+        {"exchange": "all_reduce", "value_format": "bf16", "sync_every": 2, "inner_rule": "adamw"},
+    ],
+    ids=["adam", "sign", "all_reduce_local_steps"],
+)
+def test_hsdp_resumes_bit_for_bit_from_a_dcp_checkpoint(tmp_path, kw):
+    straight = expect_ok(run_ranks(_resumed, 4, str(tmp_path / "a"), kw))
+    resumed = expect_ok(run_ranks(_resumed, 4, str(tmp_path / "b"), kw, 4))  # 4: a synchronisation of sync_every=2
+    for (p1, c1, s1), (p2, c2, s2) in zip(straight, resumed):
+        assert c1 == c2 and all(torch.equal(a, b) for a, b in zip(p1, p2))
+        assert len(s1) == len(s2) and all(
+            torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for a, b in zip(s1, s2) for k in a
+        )
+
+
+def test_a_dcp_checkpoint_on_another_shard_size_stops_naming_both_meshes(tmp_path):
+    for error in expect_ok(run_ranks(_resumed, 4, str(tmp_path / "c"), {}, 3, 4)):
+        assert "'mesh 2x2'" in error and "'mesh 1x4'" in error and "load the model only" in error

@@ -38,11 +38,11 @@ def save(opt, sd: dict) -> dict:
         local_params={ids[i]: local(p).detach().clone() for i, p in own_parameters(opt)},
     )
     sd["demo"] = saved.to_dict()
-    return sd
+    return opt.topology.to_checkpoint(opt, sd)
 
 
 def load(opt, state_dict: dict) -> None:
-    state_dict = dict(state_dict)
+    state_dict = opt.topology.from_checkpoint(opt, dict(state_dict))
     saved = SavedState.from_dict(state_dict.pop("demo", None))
     refuse_unfit(opt, saved)
     requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in opt.param_groups]

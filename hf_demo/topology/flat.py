@@ -33,6 +33,13 @@ class FlatTopology:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
         return self.transport.rank, self.transport.world, "group"
 
+    def to_checkpoint(self, opt, sd: dict) -> dict:
+        """The state dict as saved: each rank saves its own (``torch.save``)."""
+        return sd
+
+    def from_checkpoint(self, opt, sd: dict) -> dict:
+        return sd
+
     def agree_step(self, ctx, bits: int) -> int:
         return bits
 

@@ -135,6 +135,21 @@ class ShardedTopology:
 
     def __init__(self, transport: Transport, shards: Transport, spec: ShardSpec):
         self.transport, self.shards, self.spec = transport, shards, spec
+        self._world_mesh = None
+
+    def world_mesh(self):
+        """A 1-D mesh over every rank (the default group, no new one): where each rank's own state is placed."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._world_mesh is None:
+            self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.spec.mesh.device_type)
+        return self._world_mesh
+
+    def to_checkpoint(self, opt, sd: dict) -> dict:
+        return to_checkpoint(self, opt, sd)
+
+    def from_checkpoint(self, opt, sd: dict) -> dict:
+        return from_checkpoint(self, opt, sd)
 
     @classmethod
     def build(cls, opt, initialised: bool, timeout: float):
@@ -225,3 +240,136 @@ class ShardedTopology:
         mine = torch.tensor([value], dtype=torch.int64).view(torch.uint8).to(ctx.device)
         rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(mine, name)
         return rows.cpu().contiguous().view(torch.int64).flatten().tolist()
+
+
+# ---------------------------------------------------------------- checkpoints through torch.distributed.checkpoint
+SAME_ON_REPLICAS = ("exp_avg", "exp_avg_sq", "anchor")  # computed from the averaged update: placed like the parameter
+
+
+def shard_shapes(p, shards: int) -> list[tuple[int, ...]]:
+    """The local shape of ``p`` on each rank of its shard group (FSDP2 cuts the sharded dimension as torch.chunk)."""
+    dim = p.placements[0].dim
+    size = p.shape[dim]
+    step = -(-size // shards)
+    shapes = []
+    for j in range(shards):
+        shape = list(p.shape)
+        shape[dim] = max(0, min(step, size - j * step))
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def own_numel(p, key: str, shards: int, chunk: int) -> list[int]:
+    """The length of this rank-owned state entry on each rank of the shard group (0 where the shard is empty)."""
+    from hf_demo.compression.blocks import plan
+
+    sizes = []
+    for shape in shard_shapes(p, shards):
+        if 0 in shape:
+            sizes.append(0)
+        elif key == "momentum":
+            layout = plan(shape, chunk, 1)
+            sizes.append(layout.nblocks * layout.bsize)
+        else:
+            sizes.append(int(torch.Size(shape).numel()))
+    return sizes
+
+
+def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
+    """``sd`` as ``torch.distributed.checkpoint`` saves it: every tensor a DTensor placed where it belongs. The state
+    computed from the averaged update is placed like its parameter (one copy per shard); each rank's own momentum
+    is its piece of a DTensor over every rank; the ``"demo"`` entry rides in the first parameter group (what
+    ``get_optimizer_state_dict`` keeps), the same on every rank."""
+    from hf_demo.compression.blocks import plan
+    from hf_demo.errors import DeMoStateError
+    from hf_demo.optim.checkpointing import own_parameters
+
+    if opt.pending is not None or next(own_parameters(opt), None) is not None:
+        raise DeMoStateError(
+            "a checkpoint of FSDP2-sharded DeMo holds no exchange in flight (overlap=True: call optimizer.flush() "
+            "first) and no parameter of a rank's own (inside a local phase of sync_every > 1: save at a "
+            f"synchronisation, after a step that is a multiple of sync_every); optimizer step {opt.steps}"
+        )
+    world_mesh, shards = topology.world_mesh(), topology.shards.world
+    by_id = dict(
+        zip((i for g in sd["param_groups"] for i in g["params"]), (p for g in opt.param_groups for p in g["params"]))
+    )
+    for pid, entry in sd["state"].items():
+        p = by_id[pid]
+        chunk = opt.group_of(p)["compression_chunk"]
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0:  # not a counter (the same on every rank)
+                entry[key] = _placed(p, key, value, shards, chunk, world_mesh)
+    for pid, entry in sd["state"].items():  # no momentum yet (a local phase's first steps) is zero momentum: saved
+        p = by_id[pid]  # so that a fresh optimizer's state (the template a load fills) always asks for it
+        if "momentum" not in entry and 0 not in local_shape(p):
+            layout = plan(local_shape(p), opt.group_of(p)["compression_chunk"], 1)
+            zeros = torch.zeros(layout.nblocks, layout.bsize, device=p.device)
+            entry["momentum"] = _placed(p, "momentum", zeros, shards, opt.group_of(p)["compression_chunk"], world_mesh)
+    for pid, p in by_id.items():  # a shard with no rows here: zeros in this rank's piece, so the pieces fill
+        if p.requires_grad and 0 in local_shape(p) and opt.steps:
+            keys = _own_keys_of_group(opt, p, sd, by_id)
+            chunk = opt.group_of(p)["compression_chunk"]
+            sd["state"][pid] = {
+                k: _placed(p, k, torch.zeros(0, device=p.device), shards, chunk, world_mesh) for k in keys
+            }
+    sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
+    sd["param_groups"][0]["demo"] = sd.pop("demo")
+    return sd
+
+
+def _own_keys_of_group(opt, p, sd, by_id) -> list[str]:
+    """The rank-owned keys a parameter of ``p``'s group holds on this rank (the group's rules and tiers make them
+    the same for every parameter of the group); momentum alone when no other parameter of it has a shard here."""
+    group = opt.group_of(p)
+    for pid, entry in sd["state"].items():
+        q = by_id[pid]
+        if q is not p and 0 not in local_shape(q) and any(q is r for r in group["params"]):
+            return [k for k, v in entry.items() if k not in SAME_ON_REPLICAS and getattr(v, "dim", lambda: 0)() > 0]
+    return ["momentum"]
+
+
+def _placed(p, key, value, shards, chunk, world_mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    if key in SAME_ON_REPLICAS:
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    width = max(own_numel(p, key, shards, chunk))
+    flat = torch.zeros(width, dtype=value.dtype, device=value.device)
+    flat[: value.numel()] = value.reshape(-1)
+    world = world_mesh.size()
+    return DTensor.from_local(flat, world_mesh, [Shard(0)], run_check=False, shape=(world * width,), stride=(1,))
+
+
+def from_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
+    """The inverse of :func:`to_checkpoint`: local tensors of the shapes this rank's shards need."""
+    from hf_demo.compression.blocks import plan
+
+    sd = dict(sd)
+    sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
+    if "demo" in sd["param_groups"][0]:
+        sd["demo"] = sd["param_groups"][0].pop("demo")
+    params = dict(
+        zip((i for g in sd["param_groups"] for i in g["params"]), (p for g in opt.param_groups for p in g["params"]))
+    )
+    chunks = {i: g.get("compression_chunk") for g in sd["param_groups"] for i in g["params"]}
+    state = {}
+    for pid, entry in sd["state"].items():
+        entry, p = dict(entry), params[pid]
+        if 0 in local_shape(p):  # no rows of it here: this rank's zeros kept the saved pieces whole
+            continue
+        for key, value in entry.items():
+            if not is_sharded(value):
+                continue
+            mine = value.to_local()
+            if key in SAME_ON_REPLICAS:
+                entry[key] = mine
+                continue
+            shape = local_shape(p)
+            if key == "momentum":
+                layout = plan(shape, chunks[pid] or opt.group_of(p)["compression_chunk"], 1)
+                shape = (layout.nblocks, layout.bsize)
+            entry[key] = mine[: int(torch.Size(shape).numel())].view(shape)
+        state[pid] = entry
+    sd["state"] = state
+    return sd
