@@ -67,11 +67,31 @@ def shard_model(model: torch.nn.Module, mesh, layers: list[torch.nn.Module] | No
     crosses the replicate dimension until DeMo (``DeMo(..., device_mesh=mesh)``) exchanges. Returns ``model``."""
     from torch.distributed.fsdp import fully_shard
 
-    shard_mesh = mesh[MESH_DIMS[1]] if mesh.ndim == 2 else mesh
+    shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh  # (replicate, shard): the second
     for layer in layer_modules(model) if layers is None else layers:
         fully_shard(layer, mesh=shard_mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=shard_mesh, **fully_shard_kwargs)
     return model
+
+
+def shard_with_accelerate(model: torch.nn.Module, accelerator):
+    """:func:`shard_model` on Accelerate's mesh (``parallelism_config``: ``dp_replicate`` x ``dp_shard``) with its
+    FSDP plugin's mixed precision and resharding; returns the (replicate, shard) mesh DeMo needs for HSDP, the
+    shard mesh alone for pure FSDP (nothing to exchange)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plugin = accelerator.state.fsdp_plugin
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward}
+    if plugin.mixed_precision_policy is not None:
+        kwargs["mp_policy"] = plugin.mixed_precision_policy
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        mesh = init_device_mesh(accelerator.device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard_cp",))
+    else:
+        dims = tuple(accelerator.parallelism_config.fsdp_dim_names)
+        mesh = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    shard_model(model, mesh, **kwargs)
+    return mesh
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:

@@ -6,6 +6,9 @@
 #                                must stay bitwise identical in every mode)
 #   3. the step benchmark:       benchmarks/optimizer_step.py --device cuda (2 layers, DeMo and AdamW)
 #   4. the step cost:            benchmarks/step_cost.py --devices cuda (ops and host reads per step, wall times)
+#   5. HSDP-DeMo (FSDP2):        scripts/gpu_fsdp_check.py: a custom loop (hf_demo.fsdp, NCCL, a DCP resume that
+#                                must end bit for bit) and DeMoTrainer through accelerate_configs/fsdp2_hsdp.yaml:
+#                                2 x 2 HSDP with >= 4 GPUs, pure FSDP over 2 with 2 or 3, one process otherwise
 # Then a summary, one line per check.
 # Exit status: 0 every check passed; 1 a check failed; 77 no CUDA GPU visible to torch (nothing was checked:
 # the automake convention for "skipped"; a CPU-only torch build on a GPU machine also ends here).
@@ -63,6 +66,16 @@ check "optimizer step benchmark on CUDA ($WORLD rank(s))" "$PY" benchmarks/optim
   --world-size "$WORLD" --layers "${GPU_CHECK_LAYERS:-2}" --only demo-bf16,demo-sign,adamw --steps 5
 check "step cost on CUDA (aten ops, host reads, wall times)" "$PY" benchmarks/step_cost.py --devices cuda \
   --out "${GPU_CHECK_OUT:-/tmp}/step_cost_cuda.md"
+LOOP_PROCS=$([ "$gpus" -ge 4 ] && echo 4 || echo "$WORLD")
+LOOP_SHARD=$([ "$gpus" -ge 4 ] && echo 2 || echo 1)
+check "HSDP-DeMo custom loop ($LOOP_PROCS rank(s), shard $LOOP_SHARD, NCCL, DCP resume)" "$VENV/bin/torchrun" \
+  --standalone --nproc_per_node "$LOOP_PROCS" scripts/gpu_fsdp_check.py loop --shard "$LOOP_SHARD"
+if [ "$gpus" -ge 4 ]; then TRAINER=(4 2 2); elif [ "$gpus" -ge 2 ]; then TRAINER=(2 1 2); else TRAINER=(1 1 1); fi
+check "HSDP-DeMo DeMoTrainer (${TRAINER[0]} process(es): replicate ${TRAINER[1]} x shard ${TRAINER[2]})" \
+  "$VENV/bin/accelerate" launch --config_file accelerate_configs/fsdp2_hsdp.yaml --num_machines 1 --machine_rank 0 \
+  --main_process_ip 127.0.0.1 --main_process_port 29517 --num_processes "${TRAINER[0]}" \
+  --parallelism_config_dp_replicate_size "${TRAINER[1]}" --parallelism_config_dp_shard_size "${TRAINER[2]}" \
+  scripts/gpu_fsdp_check.py trainer
 
 echo
 echo "gpu_check summary ($name):"

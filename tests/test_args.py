@@ -298,8 +298,9 @@ def test_unsupported_setups_stop_at_start_up():
         check_supported(fp16=True)
     with pytest.raises(ValueError, match="DeepSpeed"):
         check_supported(deepspeed=True)
-    with pytest.raises(ValueError, match="FSDP"):
-        check_supported(fsdp=True)
+    check_supported(fsdp=True)  # FSDP2: DeMo steps its shards (tests/test_fsdp.py)
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs.*hf_demo.fsdp"):
+        check_supported(fsdp_requested=True)  # asked for, but Accelerate did not turn it on (a CPU run)
 
 
 def test_trainer_refuses_fp16_with_demo(tmp_path):

@@ -361,3 +361,30 @@ def test_hsdp_resumes_bit_for_bit_from_a_dcp_checkpoint(tmp_path, kw):
 def test_a_dcp_checkpoint_on_another_shard_size_stops_naming_both_meshes(tmp_path):
     for error in expect_ok(run_ranks(_resumed, 4, str(tmp_path / "c"), {}, 3, 4)):
         assert "'mesh 2x2'" in error and "'mesh 1x4'" in error and "load the model only" in error
+
+
+# ---------------------------------------------------------------- a custom Accelerate loop
+def _accelerate_loop(rank, world):
+    """hf_demo.prepare with an FSDP2 model: Accelerate (on CPU) would wrap it in DDP, which cannot hold its
+    uneven DTensor shards; the model stays as FSDP2 made it, the optimizer is prepared, DeMo trains it."""
+    os.environ.update(ACCELERATE_USE_CPU="1", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = sharded(rank)
+    model, opt = hf_demo.prepare(accelerator, model, opt)
+    for step in range(4):
+        x, y = data(rank, step)
+        opt.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+    return type(model).__name__, type(opt).__name__, full(model), accelerator.num_processes
+
+
+def test_prepare_keeps_an_fsdp2_model_and_demo_trains_it_in_an_accelerate_loop():
+    results = expect_ok(run_ranks(_accelerate_loop, 4))
+    for name, opt_name, params, processes in results:
+        assert name.startswith("FSDP") and opt_name == "AcceleratedOptimizer" and processes == 4
+        assert all(torch.equal(a, b) for a, b in zip(results[0][2], params))
+    straight = expect_ok(run_ranks(_hsdp, 4, 2, None, 4))[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], straight))

@@ -280,3 +280,11 @@ def test_evaluate_before_train_still_wraps_and_synchronises(tmp_path, optim):
     else:
         assert r0["first_grad"] == r1["first_grad"]  # DDP averaged the gradients
     assert "find_unused_parameters=True" not in proc.stdout
+
+
+def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
+    """Trainer's --fsdp on CPU: Accelerate turns FSDP off, and the run trained as plain DDP + DeMo without a word."""
+    proc = _train(tmp_path, "fsdp", "--optim", "demo", "--fsdp", "full_shard", "--max_steps", "2", check=False)
+    assert proc.returncode != 0
+    assert "Accelerate did not turn it on: it runs FSDP only on GPUs" in proc.stdout and "hf_demo.fsdp" in proc.stdout
+    assert not (tmp_path / "fsdp" / "rec").exists() or not list((tmp_path / "fsdp" / "rec").iterdir())

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_demo.errors import DeMoSetupError
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.guards import ddp as ddp_wrappers
 from hf_demo.optim.optimizer import DeMo
@@ -46,8 +47,11 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     return registered
 
 
-def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False) -> None:
-    """Stop at start-up, with a message, for set-ups DeMo cannot run in (instead of a hang or silent drift)."""
+def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False,
+                    fsdp_requested: bool = False) -> None:  # fmt: skip
+    """Stop at start-up, with a message, for set-ups DeMo cannot run in (instead of a hang or silent drift).
+    ``fsdp``: Accelerate runs FSDP; ``fsdp_requested``: the arguments or the launch asked for it."""
+    fsdp_version = None
     if accelerator is not None:
         from accelerate.utils import DistributedType
 
@@ -55,15 +59,23 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
         deepspeed = deepspeed or dt == DistributedType.DEEPSPEED
         fsdp = fsdp or dt == DistributedType.FSDP
         fp16 = fp16 or accelerator.mixed_precision == "fp16"
+        fsdp_version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", None)
     if deepspeed:
         raise ValueError(
             "DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
-            "gradients itself. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
+            "gradients itself. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU), or FSDP2."
         )
-    if fsdp:
+    if fsdp and fsdp_version not in (None, 2):
         raise ValueError(
-            "DeMo cannot run under FSDP: each rank must hold whole parameters and its own "
-            "momentum, FSDP shards them. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU)."
+            f"DeMo runs on FSDP2's sharded parameters, not FSDP{fsdp_version}'s flat ones: set fsdp_version: 2 in "
+            "the accelerate config (accelerate_configs/fsdp2_hsdp.yaml), or --fsdp_config with fsdp_version 2"
+        )
+    if fsdp_requested and not fsdp:
+        raise DeMoSetupError(
+            "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate did not "
+            "turn it on: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead. On CPU, drop "
+            "the FSDP setting to train DDP-DeMo, or shard in a custom loop with hf_demo.fsdp (torchrun + fully_shard, "
+            "docs/guides/large-models.md); or run on GPUs"
         )
     if fp16:
         raise ValueError(
@@ -72,13 +84,29 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
         )
 
 
+def fsdp_requested(args=None) -> bool:
+    """Whether the training arguments (``--fsdp``) or the launch (``ACCELERATE_USE_FSDP``) ask for FSDP."""
+    import os
+
+    asked = bool(getattr(args, "fsdp", None)) if args is not None else False
+    return asked or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
 def prepare(accelerator, model, optimizer, *others):
     """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients.
 
+    A model already sharded by FSDP2 (:mod:`hf_demo.fsdp`) is returned as it is where Accelerate does not run
+    FSDP itself (on CPU it would wrap it in DDP): the optimizer and the rest are prepared.
     Returns what ``accelerator.prepare(model, optimizer, *others)`` returns.
     """
-    check_supported(accelerator)
-    prepared = accelerator.prepare(model, optimizer, *others)
+    from hf_demo.fsdp import is_fsdp2
+
+    check_supported(accelerator, fsdp_requested=fsdp_requested())
+    if is_fsdp2(model):
+        rest = accelerator.prepare(optimizer, *others)
+        prepared = (model, *(rest if others else (rest,)))
+    else:
+        prepared = accelerator.prepare(model, optimizer, *others)
     disable_gradient_allreduce(prepared[0])
     install_exit_handler()
     return prepared

@@ -31,6 +31,7 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
     SCHEDULER_NAME,
 )
 
+from hf_demo import fsdp
 from hf_demo.errors import DeMoSetupError, DeMoStateError
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
@@ -38,6 +39,7 @@ from hf_demo.hf import runtime_classes
 from hf_demo.hf.data_parallel import (
     check_supported,
     disable_gradient_allreduce,
+    fsdp_requested,
     unwrap_optimizer,
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
@@ -81,6 +83,7 @@ class DeMoTrainerMixin:
                 fp16=bool(self.args.fp16),
                 deepspeed=self.is_deepspeed_enabled,
                 fsdp=self.is_fsdp_enabled,
+                fsdp_requested=fsdp_requested(self.args),
             )
         self.demo_ops = ops_callbacks.for_trainer(self, demo_ops)
 
@@ -125,6 +128,22 @@ class DeMoTrainerMixin:
                 kwargs["params"] = model_groups(model, args.weight_decay, kwargs["update_rule"])
             return cls_, kwargs
         return super().get_optimizer_cls_and_kwargs(args, model)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """FSDP2 (on GPUs): the model is sharded here on the shard dimension of Accelerate's mesh, before the
+        optimizer is built, so that FSDP2 reduce-scatters gradients inside each shard group and nothing crosses the
+        replicate dimension but DeMo's exchange (Accelerate keeps a model that is already FSDP2)."""
+        if self.uses_demo and self.is_fsdp_enabled and not fsdp.is_fsdp2(self.model):
+            self._demo_mesh = fsdp.shard_with_accelerate(self.model, self.accelerator)
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        opt = unwrap_optimizer(optimizer)
+        mesh = getattr(self, "_demo_mesh", None)
+        if opt is not None and mesh is not None and mesh.ndim == 2:
+            opt.device_mesh = mesh  # HSDP: DeMo exchanges across the replicate dimension of Accelerate's mesh
+        return optimizer
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """Trainer's accelerator arguments, without DDP's search for unused parameters unless asked for (Trainer's
