@@ -6,6 +6,8 @@
 #                                must stay bitwise identical in every mode)
 #   3. the step benchmark:       benchmarks/optimizer_step.py --device cuda (2 layers, DeMo and AdamW)
 #   4. the step cost:            benchmarks/step_cost.py --devices cuda (ops and host reads per step, wall times)
+#   4b. host syncs:             scripts/gpu_sync_check.py: a steady-state step under set_sync_debug_mode, the
+#                                count the same at 128 and 512 tensors; a CUDA-graph capture of a step, tried
 #   5. HSDP-DeMo (FSDP2):        scripts/gpu_fsdp_check.py: a custom loop (hf_demo.fsdp, NCCL, a DCP resume that
 #                                must end bit for bit) and DeMoTrainer through accelerate_configs/fsdp2_hsdp.yaml:
 #                                2 x 2 HSDP with >= 4 GPUs, pure FSDP over 2 with 2 or 3, one process otherwise
@@ -66,6 +68,8 @@ check "optimizer step benchmark on CUDA ($WORLD rank(s))" "$PY" benchmarks/optim
   --world-size "$WORLD" --layers "${GPU_CHECK_LAYERS:-2}" --only demo-bf16,demo-sign,adamw --steps 5
 check "step cost on CUDA (aten ops, host reads, wall times)" "$PY" benchmarks/step_cost.py --devices cuda \
   --out "${GPU_CHECK_OUT:-/tmp}/step_cost_cuda.md"
+check "host syncs of a steady-state step ($WORLD rank(s))" "$VENV/bin/torchrun" --standalone \
+  --nproc_per_node "$WORLD" scripts/gpu_sync_check.py
 LOOP_PROCS=$([ "$gpus" -ge 4 ] && echo 4 || echo "$WORLD")
 LOOP_SHARD=$([ "$gpus" -ge 4 ] && echo 2 || echo 1)
 check "HSDP-DeMo custom loop ($LOOP_PROCS rank(s), shard $LOOP_SHARD, NCCL, DCP resume)" "$VENV/bin/torchrun" \
