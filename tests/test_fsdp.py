@@ -68,13 +68,13 @@ def _hsdp(rank, world, shard=2, kw=None, steps=STEPS):
     return full(model), opt.steps, {k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total")}
 
 
-def _flat_on_shard_pieces(rank, world, shards=2, ranks_per_node=2, steps=STEPS, **kw):
+def _flat_on_shard_pieces(rank, world, shards=2, ranks_per_node=2, steps=STEPS, kw=None):
     """Flat DeMo between ``world`` nodes, on every parameter cut into the rows FSDP2's shards hold (torch.chunk),
     each fed the mean gradient of its node's ``ranks_per_node`` batches."""
     model = awkward_model()
     params = list(model.parameters())
     pieces = [[torch.nn.Parameter(c.clone()) for c in p.detach().chunk(shards, dim=0)] for p in params]
-    opt = hf_demo.DeMo([c for cs in pieces for c in cs], **{**KW, **kw})
+    opt = hf_demo.DeMo([c for cs in pieces for c in cs], **{**KW, **(kw or {})})
     for step in range(steps):
         grads = []
         for r in range(rank * ranks_per_node, (rank + 1) * ranks_per_node):
@@ -91,12 +91,21 @@ def _flat_on_shard_pieces(rank, world, shards=2, ranks_per_node=2, steps=STEPS, 
     return [p.detach().clone() for p in params]
 
 
-def test_hsdp_equals_flat_demo_between_nodes_on_each_shards_rows():
-    results = expect_ok(run_ranks(_hsdp, 4))
+MODES = {
+    "adam_fp32": {},
+    "overlap": {"overlap": True},
+    "all_reduce_bf16": {"exchange": "all_reduce", "value_format": "bf16", "update_rule": "sign"},
+    "sign_values": {"value_format": "sign", "update_rule": "adamw"},
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hsdp_equals_flat_demo_between_nodes_on_each_shards_rows(mode):
+    results = expect_ok(run_ranks(_hsdp, 4, 2, MODES[mode]))
     for params, steps, _ in results[1:]:
         assert steps == STEPS
         assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))  # every replica, every shard
-    flat = expect_ok(run_ranks(_flat_on_shard_pieces, 2))[0]
+    flat = expect_ok(run_ranks(_flat_on_shard_pieces, 2, 2, 2, STEPS, MODES[mode]))[0]
     for a, b in zip(results[0][0], flat):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
@@ -296,10 +305,12 @@ def _layouts_refused(rank, world):
         "native_hsdp": lambda m: fully_shard(m, mesh=native),
         "mixed": lambda m: fully_shard(m[0], mesh=mesh),
         "orthogonal": lambda m: fully_shard(m, mesh=mesh),
+        "budget": lambda m: fully_shard(m, mesh=mesh),
     }.items():
         model = awkward_model()
         build(model)
-        opt = hf_demo.DeMo(model.parameters(), **({"update_rule": "orthogonal"} if name == "orthogonal" else {}))
+        kw = {"orthogonal": {"update_rule": "orthogonal"}, "budget": {"comm_budget": 0.2}}.get(name, {})
+        opt = hf_demo.DeMo(model.parameters(), **kw)
         backward(model, rank, 0)
         try:
             opt.step()
@@ -313,6 +324,7 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
         assert "FSDP2's own HSDP" in errors["native_hsdp"] and "mesh['shard']" in errors["native_hsdp"]
         assert "plain one(s)" in errors["mixed"] and "fully_shard the root module" in errors["mixed"]
         assert "Newton-Schulz" in errors["orthogonal"]
+        assert "comm_budget is not combined" in errors["budget"] and "own timings" in errors["budget"]
 
 
 def test_the_retired_node_hierarchy_names_its_replacement():

@@ -114,8 +114,16 @@ def exchange_group(opt, spec: ShardSpec):
     return group
 
 
-def refuse_whole_matrix_rules(opt) -> None:
-    """A rule that needs the whole matrix cannot step a shard of it on its own."""
+def refuse_unshardable(opt) -> None:
+    """What cannot step a shard of a model on its own: a rule that needs the whole matrix, and the budget policy,
+    whose tier each replicate group would choose from its own timings (the shards of one model would take
+    different tiers, local steps in some and not in others)."""
+    if opt.settings.comm_budget > 0:
+        raise ValueError(
+            "DeMo: comm_budget is not combined with FSDP2-sharded parameters: each shard's replicate group would "
+            "choose its tier from its own timings, and the shards of one model would step apart. Choose the tier "
+            "yourself (value_format, compression_topk, sync_every; docs/guides/choosing-settings.md)"
+        )
     for group in opt.param_groups:
         rules = {group["update_rule"], group["inner_rule"]}
         if "orthogonal" in rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
@@ -157,7 +165,7 @@ class ShardedTopology:
         spec = ShardSpec.of(params)
         if not initialised:
             raise ValueError("DeMo got FSDP2-sharded parameters but torch.distributed is not initialised")
-        refuse_whole_matrix_rules(opt)
+        refuse_unshardable(opt)
         group = exchange_group(opt, spec)
         replicas = Transport(group, timeout) if group is not None else Transport.alone()
         return cls(replicas, Transport(spec.mesh.get_group(), timeout), spec)
