@@ -41,6 +41,7 @@ OPTIMIZERS = {  # name -> label in the table
 PEER_INSTALL = "pip install pytorch-optimizer einops"
 TARGET_BYTES = {"demo-bf16": 0.035, "demo-sign": 0.02}  # bytes/param/step sent
 TARGET_TIME_VS_PEER = 0.5
+TARGET_TIME_VS_FWD_BWD = 0.15  # hf-demo's step against one forward+backward at the main job's batch
 # --tune-malloc: glibc serves blocks up to 32 MiB from a heap it never trims, instead of mmap-ing each large
 # temporary afresh (and page-faulting it in) on every step
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
@@ -328,6 +329,27 @@ def measure_rank(rank: int, world: int, name: str, args) -> dict:
     )
 
 
+def measure_fwd_bwd(rank: int, world: int, args) -> dict:
+    """One rank's forward+backward of the model at ``--batch`` x ``--seq`` random tokens (the main job's batch),
+    each rank at once as in training (no DDP: DeMo replaces its all-reduce): wall seconds per pass."""
+    set_threads(args.threads)
+    device = rank_device(args, rank)
+    model = build_model(args.layers).to(device)
+    g = torch.Generator().manual_seed(99 + rank)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        synchronize(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return {"times": times}
+
+
 def summarise(per_rank: list[dict]) -> dict:
     """A distributed step is as slow as its slowest rank: per step the max over ranks, then the median."""
     r0 = per_rank[0]
@@ -391,6 +413,8 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
         "| sent / dense fp32 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for name, label in OPTIMIZERS.items():
+        if name == "fwd-bwd":
+            continue
         if name in skipped:
             print(f"| {label} | not run: {skipped[name]} |" + " |" * 11)
         if name not in summaries:
@@ -425,6 +449,16 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
                     )
                 )
 
+    fwd_bwd = summaries.get("fwd-bwd")
+    if fwd_bwd:
+        print(
+            f"\nForward+backward at batch {args.batch} x {args.seq} tokens per rank: {fwd_bwd['median']:.3f}s "
+            "(median of the per-step slowest rank)"
+        )
+        for name in TARGET_BYTES:
+            if s := summaries.get(name):
+                print(f"- {OPTIMIZERS[name]} step / forward+backward: {s['median'] / fwd_bwd['median']:.3f}")
+
     print("\nTargets:")
     for name, limit in TARGET_BYTES.items():
         s, label = summaries.get(name), OPTIMIZERS[name]
@@ -441,8 +475,17 @@ def print_report(summaries: dict[str, dict], skipped: dict[str, str], args, load
                 f"{r:.3f}x peer's {peer['median']:.3f}s <= {TARGET_TIME_VS_PEER}x"
             )
 
+        if s is not None and fwd_bwd:
+            r = s["median"] / fwd_bwd["median"]
+            print(
+                f"{'PASS' if r <= TARGET_TIME_VS_FWD_BWD else 'FAIL'}  {label}: step time {s['median']:.3f}s = "
+                f"{r:.3f}x forward+backward's {fwd_bwd['median']:.3f}s <= {TARGET_TIME_VS_FWD_BWD}x"
+            )
+
     print("\nCross-checks of the byte counts:")
     for name, s in summaries.items():
+        if name == "fwd-bwd":
+            continue
         own = s["reported"][-1] if s["reported"] else (0, None)
         if name != "adamw":
             whose = "opt.comm_stats" if name.startswith("demo") else "its own data_transmit"
@@ -514,6 +557,9 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=32, help="compression top-k, both DeMos")
     ap.add_argument("--profile", choices=list(OPTIMIZERS), help="profile one step of this optimizer in one process")
     ap.add_argument("--profile-rows", type=int, default=25)
+    ap.add_argument("--batch", type=int, default=2, help="forward+backward: sequences per rank (the main job's)")
+    ap.add_argument("--seq", type=int, default=128, help="forward+backward: tokens per sequence")
+    ap.add_argument("--no-fwd-bwd", action="store_true", help="skip timing forward+backward")
     ap.add_argument("--tune-malloc", action="store_true", help="glibc malloc tuned to reuse freed memory")
     args = ap.parse_args(argv)
     if args.tune_malloc and any(os.environ.get(k) != v for k, v in TUNED_MALLOC.items()):
@@ -564,6 +610,14 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    if not args.no_fwd_bwd:
+        print(f"[fwd-bwd] {args.world_size} rank(s), batch {args.batch} x {args.seq} ...", file=sys.stderr, flush=True)
+        per_rank = run_ranks(
+            measure_fwd_bwd, args.world_size, args, timeout=3600, collective_timeout=600, start_method="spawn",
+            backend=args.backend,
+        )  # fmt: skip
+        times = [max(r["times"][i] for r in expect_ok(per_rank)) for i in range(args.steps)]
+        summaries["fwd-bwd"] = {"median": statistics.median(times), "min": min(times)}
     print_report(summaries, skipped, args, load)
     print(f"\n(total wall time {time.perf_counter() - t_all:.0f}s)")
     return 0

@@ -32,5 +32,5 @@ def run_ranks(fn, world: int, *args, **kwargs) -> list:
 def corrupt_indices(coding) -> None:
     """From now on, this process's index code sends all-ones bytes: out-of-range 16-bit positions (65535),
     Elias-Fano records with too many ones (both decode to out-of-range positions)."""
-    real = coding.pack_many
-    coding.pack_many = lambda idxs, layouts: [torch.full_like(w, 0xFF) for w in real(idxs, layouts)]
+    real = coding.pack_rows
+    coding.pack_rows = lambda idx, bsize, k: torch.full_like(real(idx, bsize, k), 0xFF)

@@ -108,13 +108,13 @@ def _corrupt_payload(rank, world, what):
             corrupt_indices(codec.index_coding(opt.settings.index_coding))
         else:
             fmt = codec.value_format("fp32")
-            real = fmt.encode
+            real = fmt.encode_rows  # a bucket's values (the step encodes per bucket)
 
-            def nan_values(values):
-                sent, wire = real(values)
-                return sent, torch.full_like(sent, float("nan")).view(torch.uint8).reshape(-1)
+            def nan_values(values, bucket):
+                sent, _ = real(values, bucket)
+                return sent, [torch.full_like(sent, float("nan")).view(torch.uint8).reshape(-1)]
 
-            fmt.encode = nan_values
+            fmt.encode_rows = nan_values
     before = [p.detach().clone() for p in model.parameters()]
     loss_and_backward(model, rank, 0)
     try:

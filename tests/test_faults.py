@@ -52,13 +52,13 @@ def _fail_on_second_step(rank, world, fault, kw):
         corrupt_indices(codec.index_coding(opt.settings.index_coding))
     if fault == "nan" and rank == world - 1:
         fmt = codec.value_format(kw.get("value_format", "bf16"))
-        real_encode = fmt.encode
+        real_encode = fmt.encode_rows  # a bucket's values (the step encodes per bucket)
 
-        def nan_encode(values):
-            sent, wire = real_encode(values)
-            return sent, torch.full_like(wire, 0xFF)
+        def nan_encode(values, bucket):
+            sent, wires = real_encode(values, bucket)
+            return sent, [torch.full_like(wire, 0xFF) for wire in wires]
 
-        fmt.encode = nan_encode
+        fmt.encode_rows = nan_encode
     if fault == "freeze" and rank == 1:
         time.sleep(kw["comm_timeout"] + 12)  # a frozen peer: never joins this step's collective
         return ("slept", True, 0.0)

@@ -236,7 +236,7 @@ def _corrupted_payload(rank, world):
     backward(model, rank, 1)
     before = _state(model, opt)
     coding = codec.index_coding(opt.settings.index_coding)
-    real = coding.pack_many
+    real = coding.pack_rows
     if rank == 3:
         corrupt_indices(coding)
     try:
@@ -245,7 +245,7 @@ def _corrupted_payload(rank, world):
     except hf_demo.DeMoPayloadError as exc:
         error = str(exc)
     unchanged = _state(model, opt)
-    coding.pack_many = real
+    coding.pack_rows = real
     opt.step()
     return error, before, unchanged, _state(model, opt)
 

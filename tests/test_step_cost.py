@@ -39,3 +39,11 @@ def test_copies_between_devices_are_counted_with_their_bytes():
         torch.zeros(4).to("meta")
         torch.empty(2, device="meta").copy_(torch.zeros(2, dtype=torch.float64))
     assert (counter.count.h2d, counter.count.h2d_bytes, counter.count.d2h) == (2, 32, 0)
+
+
+def test_the_ops_of_a_step_grow_with_the_distinct_shapes_not_with_the_tensors():
+    def ops(n: int) -> int:
+        (count,) = step_cost.count_steps("demo", n, "cpu", small=True).values()
+        return count.total_ops
+
+    assert ops(32) <= ops(8) * 1.2  # the same four shapes: the math runs once per bucket, not per tensor

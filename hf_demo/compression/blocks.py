@@ -131,21 +131,33 @@ def from_blocks(blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return m[: layout.rows, : layout.cols].reshape(layout.shape)
 
 
+def transform_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks (..., b0, b1) -> their DCT coefficients ``D0 @ X @ D1.T``, fp32 (any number of leading dims:
+    one block, a parameter's, a bucket's)."""
+    b0, b1 = blocks.shape[-2:]
+    if b0 > 1:
+        blocks = torch.matmul(dct_matrix(b0, blocks.device), blocks)
+    if b1 > 1:
+        blocks = torch.matmul(blocks, dct_matrix(b1, blocks.device).T)
+    return blocks
+
+
+def inverse_blocks(coeffs: torch.Tensor) -> torch.Tensor:
+    """DCT coefficients (..., b0, b1) -> blocks (the inverse of :func:`transform_blocks`)."""
+    b0, b1 = coeffs.shape[-2:]
+    if b0 > 1:
+        coeffs = torch.matmul(dct_matrix(b0, coeffs.device).T, coeffs)
+    if b1 > 1:
+        coeffs = torch.matmul(coeffs, dct_matrix(b1, coeffs.device))
+    return coeffs
+
+
 def encode(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """Parameter-shaped tensor -> DCT coefficients, shape (nblocks, bsize), fp32."""
-    blocks = to_blocks(x, layout)
-    if layout.b0 > 1:
-        blocks = torch.matmul(dct_matrix(layout.b0, x.device), blocks)
-    if layout.b1 > 1:
-        blocks = torch.matmul(blocks, dct_matrix(layout.b1, x.device).T)
-    return blocks.reshape(layout.nblocks, layout.bsize)
+    return transform_blocks(to_blocks(x, layout)).reshape(layout.nblocks, layout.bsize)
 
 
 def decode(coeffs: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """DCT coefficients (nblocks, bsize) -> parameter-shaped fp32 tensor (the inverse of :func:`encode`)."""
     blocks = coeffs.reshape(layout.block_rows, layout.block_cols, layout.b0, layout.b1)
-    if layout.b0 > 1:
-        blocks = torch.matmul(dct_matrix(layout.b0, coeffs.device).T, blocks)
-    if layout.b1 > 1:
-        blocks = torch.matmul(blocks, dct_matrix(layout.b1, coeffs.device))
-    return from_blocks(blocks, layout)
+    return from_blocks(inverse_blocks(blocks), layout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_demo.compression import buckets
 from hf_demo.compression.blocks import BlockLayout, encode
 
 
@@ -25,6 +26,60 @@ def accumulate(
     out = momentum.mul(decay)
     if grad is not None:
         out.add_((transform.encode if transform is not None else encode)(grad, layout), alpha=lr)
+    return out
+
+
+def accumulate_many(momenta: list, signals: list, layouts: list, factors: list, transform) -> buckets.Bucketed:
+    """:func:`accumulate` of every parameter, once per bucket: ``decay * momentum + scale * T(signal)`` with
+    ``factors[i] = (decay, scale)``; the per-parameter results are row views of the buckets' new tensors (the
+    momenta are left as they are). Bitwise what :func:`accumulate` gives each parameter."""
+    bucketing = buckets.plan(tuple(layouts))
+    out = []
+    for bucket in bucketing.buckets:
+        m = torch.cat([momenta[i] for i in bucket.members])
+        coeffs = _transformed(signals, bucket, transform)
+        own = [factors[i] for i in bucket.members]
+        if len(set(own)) == 1:  # one decay and scale for the bucket (one parameter group): one op each
+            decay, scale = own[0]
+            m.mul_(decay)
+            if coeffs is not None:
+                m.add_(coeffs, alpha=scale)
+        else:  # parameter groups of other decays or learning rates share the bucket: row by row
+            start = 0
+            for (decay, scale), n in zip(own, bucket.member_blocks):
+                m[start : start + n].mul_(decay)
+                if coeffs is not None:
+                    m[start : start + n].add_(coeffs[start : start + n], alpha=scale)
+                start += n
+        out.append(m)
+    return buckets.Bucketed.of(out, bucketing)
+
+
+def _transformed(signals: list, bucket: buckets.Bucket, transform) -> torch.Tensor | None:
+    """``T`` of the bucket members' signals, (rows, bsize) (a missing signal is zero; None: all are missing)."""
+    if all(signals[i] is None for i in bucket.members):
+        return None
+    parts = []
+    for run in bucket.runs:
+        if all(signals[i] is None for i in run.members):
+            parts.append(torch.zeros(run.rows, bucket.bsize, device=next(s for s in signals if s is not None).device))
+            continue
+        coeffs = transform.encode_blocks(buckets.stacked_blocks(signals, run))
+        parts.append(coeffs.reshape(run.rows, bucket.bsize))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def decode_many(coeffs: list, layouts: list, transform) -> list[torch.Tensor]:
+    """Coefficients (nblocks, bsize) of every parameter -> parameter-shaped fp32 tensors, the inverse transform
+    once per bucket (``coeffs`` best :class:`~hf_demo.compression.buckets.Bucketed`, as the exchanges return
+    them). Bitwise what ``transform.decode`` gives each parameter."""
+    bucketing = buckets.plan(tuple(layouts))
+    out: list = [None] * len(layouts)
+    for bucket, rows in zip(bucketing.buckets, buckets.rows(coeffs, bucketing)):
+        blocks = transform.decode_blocks(rows.view(bucket.rows, bucket.b0, bucket.b1))
+        for run, part in zip(bucket.runs, buckets.run_rows(blocks.reshape(bucket.rows, bucket.bsize), bucket)):
+            for i, value in zip(run.members, buckets.unstacked(part, run)):
+                out[i] = value
     return out
 
 
@@ -129,6 +184,26 @@ def apply_step(
         exact.mul_(1.0 - lr * weight_decay)
     exact.add_(direction.float(), alpha=-lr)
     param.copy_(stochastic_round(exact, param.dtype, generator))
+
+
+def apply_steps(params: list, directions: list, lrs: list, weight_decays: list, generator=None) -> None:
+    """:func:`apply_step` of every parameter: ``torch._foreach_*`` once per (learning rate, weight decay) for the
+    parameters rounded to nearest (bitwise the same as one at a time), then stochastic rounding parameter by
+    parameter in order (its noise is drawn in parameter order)."""
+    nearest: dict[tuple[float, float], list[int]] = {}
+    rounded = []
+    for i, p in enumerate(params):
+        if generator is None or p.dtype == torch.float32 or p.dtype == torch.float64:
+            nearest.setdefault((lrs[i], weight_decays[i]), []).append(i)
+        else:
+            rounded.append(i)
+    for (lr, wd), members in nearest.items():
+        ps = [params[i] for i in members]
+        if wd:
+            torch._foreach_mul_(ps, 1.0 - lr * wd)
+        torch._foreach_add_(ps, [directions[i].to(params[i].dtype) for i in members], alpha=-lr)
+    for i in rounded:
+        apply_step(params[i], directions[i], lrs[i], weight_decays[i], generator)
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

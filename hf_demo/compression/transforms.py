@@ -1,10 +1,12 @@
 """What a parameter's gradient becomes before top-k: the blockwise transform, chosen by the ``transform`` setting.
 
 A transform maps a parameter-shaped tensor to ``(nblocks, bsize)`` coefficients of its
-:class:`~hf_demo.compression.blocks.BlockLayout` and back; it must be linear (the momentum lives in its
+:class:`~hf_demo.compression.blocks.BlockLayout` and back (``encode``/``decode``), and blocks ``(..., b0, b1)``
+to coefficients of the same shape and back (``encode_blocks``/``decode_blocks``: a bucket's blocks at once);
+it must be linear (the momentum lives in its
 domain: ``T(decay*m + lr*g) == decay*T(m) + lr*T(g)``) and its inverse exact enough that error feedback
-subtracts what receivers decode. Add one by writing a class with ``name``, ``encode`` and ``decode`` and
-listing it in :data:`TRANSFORMS`; nothing else changes.
+subtracts what receivers decode. Add one by writing a class with ``name``, ``encode``, ``decode``, ``encode_blocks`` and
+``decode_blocks`` and listing it in :data:`TRANSFORMS`; nothing else changes.
 
 - ``dct`` (default): the orthonormal DCT-II along both axes of every block (DeMo's: energy gathers in few
   coefficients, so top-k keeps most of it).
@@ -23,6 +25,15 @@ class DCT:
     name = "dct"
 
     @staticmethod
+    def encode_blocks(x: torch.Tensor) -> torch.Tensor:
+        """Blocks (..., b0, b1) -> coefficients of the same shape (a bucket's blocks at once)."""
+        return blocks.transform_blocks(x)
+
+    @staticmethod
+    def decode_blocks(coeffs: torch.Tensor) -> torch.Tensor:
+        return blocks.inverse_blocks(coeffs)
+
+    @staticmethod
     def encode(x: torch.Tensor, layout: blocks.BlockLayout) -> torch.Tensor:
         return blocks.encode(x, layout)
 
@@ -33,6 +44,14 @@ class DCT:
 
 class Identity:
     name = "identity"
+
+    @staticmethod
+    def encode_blocks(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def decode_blocks(coeffs: torch.Tensor) -> torch.Tensor:
+        return coeffs
 
     @staticmethod
     def encode(x: torch.Tensor, layout: blocks.BlockLayout) -> torch.Tensor:

@@ -36,9 +36,11 @@ Exchanges (:data:`EXCHANGES`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
+from hf_demo.compression import buckets
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, lookup
@@ -119,11 +121,17 @@ class AllGatherExchange:
         self.secret = spec.secret
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
-        selections = [F.select(m, layout.k) for m, layout in zip(working, self.layouts)]
+        """Top-k, the payload and error feedback, once per bucket (``working``: the per-parameter momenta, best
+        :class:`~hf_demo.compression.buckets.Bucketed` over this exchange's buckets: the feedback then lands in
+        their rows directly)."""
+        bucketing = self.codec.bucketing
+        rows = buckets.rows(working, bucketing)
+        selections = [F.select(m, bucket.k) for m, bucket in zip(rows, bucketing.buckets)]
         device = working[0].device if working else torch.device("cpu")
-        payload, sent = self.codec.encode(selections, device)
-        for m, (idx, _), values in zip(working, selections, sent):
+        payload, sent = self.codec.encode_buckets(selections, device)
+        for m, (idx, _), values in zip(rows, selections, sent):
             F.feedback(m, idx, values)
+        buckets.write_back(working, rows, bucketing)
         return payload
 
     def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
@@ -137,10 +145,12 @@ class AllGatherExchange:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         received = in_flight.wait(traffic)
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
-        return [
-            F.densify(*self.weights(idx, values, layout), layout)
-            for (idx, values), layout in zip(self.codec.decode(received), self.layouts)
+        bucketing = self.codec.bucketing
+        dense = [
+            F.densify(*self.weights(idx, values, bucket), bucket)
+            for (idx, values), bucket in zip(self.codec.decode_buckets(received), bucketing.buckets)
         ]
+        return buckets.Bucketed.of(dense, bucketing)
 
     def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
         return self.finish(self.start(transport, headers, payload, working), transport.traffic)
@@ -162,29 +172,24 @@ class AllReduceExchange:
         self.dtype = self.VALUE_DTYPES[spec.value_format]
         self.secret = spec.secret
         self.union = spec.positions == "union"
+        self.bucketing = buckets.plan(tuple(spec.layouts))
         # union: each rank nominates k // W positions per block; leader: one rank picks all k
-        self.nominated = [
-            dataclasses.replace(layout, k=max(1, layout.k // spec.world)) if self.union else layout
-            for layout in spec.layouts
-        ]
+        world = spec.world
+        self.picked = self.bucketing.with_k(lambda k: max(1, k // world)) if self.union else self.bucketing
+        self.nominated = list(self.picked.layouts)
         self.indices = codec.index_coding(spec.index_coding)
-        self.index_offsets, off = [], 0
-        for layout in self.nominated:
-            self.index_offsets.append(off)
-            off += self.indices.nbytes(layout)
-        self.index_nbytes = off
+        self.map = codec.wire_map(self.picked, None, spec.index_coding)
+        self.index_offsets, self.index_nbytes = self.map.offsets, self.map.nbytes
         # union: the nominations are the payload the headers vouch for; leader: positions follow the headers
-        self.payload_nbytes = off if self.union else 0
+        self.payload_nbytes = self.index_nbytes if self.union else 0
 
     def _positions(self, working: list[torch.Tensor], device) -> torch.Tensor:
         """This rank's nominated positions, index-coded: one buffer for every parameter."""
-        wires = self.indices.pack_many(
-            [F.select(m, layout.k)[0] for m, layout in zip(working, self.nominated)], self.nominated
-        )
-        buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
-        for wire, off in zip(wires, self.index_offsets):
-            buf[off : off + wire.numel()] = wire
-        return buf
+        streams = [
+            self.indices.pack_rows(F.select(m, b.k)[0], b.bsize, b.k).reshape(-1)
+            for m, b in zip(buckets.rows(working, self.bucketing), self.picked.buckets)
+        ]
+        return self.map.assemble(streams, device)
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
         device = working[0].device if working else torch.device("cpu")
@@ -205,19 +210,30 @@ class AllReduceExchange:
         return transport.broadcast(buf, leader, "positions")[None]  # after the headers: not under their CRC
 
     def _chosen(self, rows: torch.Tensor, rank: int, step: int, world: int) -> list[tuple]:
-        """Per parameter (positions (nblocks, W*k_nominated), first-occurrence mask or None), validated: every
-        parameter's range check is made on the device and read back at once; the culprit is named only then."""
+        """Per bucket (positions (rows, W*k_nominated), first-occurrence mask or None), validated: every bucket's
+        range check is made on the device and read back at once; the culprit is named only then."""
         idxs = self._unpack(rows)
         if idxs:
-            bad = torch.stack([(idx >= layout.bsize).flatten(1).any(1) for layout, idx in zip(self.layouts, idxs)])
-            if bool(bad.any()):  # (parameters, senders)
-                raise self._refusal(bad.tolist(), rank, step, world)
+            bad = torch.cat([(idx >= b.bsize).any(-1) for b, idx in zip(self.picked.buckets, idxs)], dim=1)
+            if bool(bad.any()):  # (senders, rows)
+                raise self._refusal(self._by_parameter(bad), rank, step, world)
         chosen = []
-        for layout, idx in zip(self.layouts, idxs):
-            # every rank's nominations one after the other: (nblocks, W * k_nominated)
-            positions = idx.permute(1, 0, 2).reshape(layout.nblocks, -1)
-            chosen.append((positions, F.first_occurrences(idx, layout) if self.union else None))
+        for bucket, idx in zip(self.picked.buckets, idxs):
+            # every rank's nominations one after the other: (rows, W * k_nominated)
+            positions = idx.permute(1, 0, 2).reshape(bucket.rows, -1)
+            chosen.append((positions, F.first_occurrences(idx, bucket) if self.union else None))
         return chosen
+
+    def _by_parameter(self, bad: torch.Tensor) -> list:
+        """Row flags (senders, rows of every bucket) -> per parameter, per sender (on the host)."""
+        bad, firsts, base = bad.cpu(), [], 0
+        for bucket in self.picked.buckets:
+            firsts.append(base)
+            base += bucket.rows
+        return [
+            bad[:, firsts[b] + row : firsts[b] + row + layout.nblocks].any(-1).tolist()
+            for (b, row), layout in zip(self.picked.where, self.layouts)
+        ]
 
     def _refusal(self, bad: list, rank: int, step: int, world: int) -> DeMoPayloadError:
         """The error naming the first parameter with out-of-range positions (``bad``: per parameter, per sender)."""
@@ -233,6 +249,11 @@ class AllReduceExchange:
             f"block of {layout.bsize}) {source} at optimizer step {step}: corrupted payload"
         )
 
+    def _sum_order(self, senders: int, device) -> torch.Tensor:
+        """Where each value of the summed buffer (parameter after parameter, as it travels) is in the buckets'
+        contributions (bucket after bucket); ``senders`` runs of positions per block (W union, 1 leader)."""
+        return _sum_order(self.picked, senders, torch.device(device))
+
     def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
         rows = self._agreed_rows(transport, headers, payload, working)
         try:
@@ -243,26 +264,27 @@ class AllReduceExchange:
         except DeMoPayloadError as exc:  # still take part in the sum (zeros), so no rank waits: finish raises
             chosen, refused = None, exc
         # every rank contributes its own values at the agreed positions (once each), exactly as they travel
+        device = working[0].device if working else torch.device("cpu")
+        momenta = buckets.rows(working, self.bucketing)
         contributions = []
-        for i, m in enumerate(working):
+        for i, (m, bucket) in enumerate(zip(momenta, self.picked.buckets)):
             if chosen is None:
-                size = self.nominated[i].nblocks * self.nominated[i].k * transport.world
-                contributions.append(torch.zeros(size, dtype=self.dtype, device=m.device))
+                size = bucket.rows * bucket.k * rows.shape[0]
+                contributions.append(torch.zeros(size, dtype=self.dtype, device=device))
                 continue
             idx, first = chosen[i]
             mine = m.gather(1, idx)
             mine = (mine if first is None else mine * first).to(self.dtype)
             F.feedback(m, idx, mine.float())
             contributions.append(mine.reshape(-1))
-        flat = torch.cat(contributions) if contributions else torch.empty(0, dtype=self.dtype)
+        buckets.write_back(working, momenta, self.bucketing)
         # nothing to send (every parameter frozen, or a hierarchy shard without one): the same on every rank of
         # the group, whose layouts the headers proved equal
         if not contributions:
-            sums = flat
-        elif background:
-            sums = transport.start_all_reduce(flat, "values")
+            sums = torch.empty(0, dtype=self.dtype, device=device)
         else:
-            sums = transport.all_reduce(flat, "values")
+            flat = torch.cat(contributions).index_select(0, self._sum_order(rows.shape[0], device))
+            sums = transport.start_all_reduce(flat, "values") if background else transport.all_reduce(flat, "values")
         return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows, refused, chosen)
 
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
@@ -273,24 +295,47 @@ class AllReduceExchange:
             raise DeMoPayloadError(
                 f"rank {in_flight.rank}: the summed values of optimizer step {in_flight.step} hold NaN/Inf"
             )
-        out, start = [], 0
         chosen = in_flight.agreed or self._chosen(in_flight.positions, in_flight.rank, in_flight.step, in_flight.world)
-        for (idx, _), nominated in zip(chosen, self.nominated):
-            n = idx.numel()
-            mean = sums[start : start + n].float().view_as(idx) / in_flight.world
-            out.append(F.densify(idx, mean, nominated))  # runs of one rank's nominations: no repeats within
-            start += n
-        return out
+        out = []
+        if chosen:
+            order = self._sum_order(in_flight.positions.shape[0], sums.device)
+            by_bucket = torch.empty_like(sums).index_copy_(0, order, sums)
+            parts = by_bucket.split([idx.numel() for idx, _ in chosen])
+            for (idx, _), bucket, part in zip(chosen, self.picked.buckets, parts):
+                mean = part.float().view_as(idx) / in_flight.world
+                out.append(F.densify(idx, mean, bucket))  # runs of one rank's nominations: no repeats within
+        return buckets.Bucketed.of(out, self.bucketing)
 
     def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
         return self.finish(self.start(transport, headers, payload, working), transport.traffic)
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """(senders, index_nbytes) -> per parameter (senders, nblocks, k_nominated) positions."""
-        wires = [
-            rows[:, off : off + self.indices.nbytes(layout)] for layout, off in zip(self.nominated, self.index_offsets)
-        ]
-        return self.indices.unpack_many(wires, self.nominated)
+        """(senders, index_nbytes) -> per bucket (senders, rows, k_nominated) positions."""
+        streams = self.map.extract(rows) if self.picked.buckets else []
+        return [self.indices.unpack_rows(w, b.rows, b.bsize, b.k) for w, b in zip(streams, self.picked.buckets)]
+
+
+@functools.lru_cache(maxsize=64)
+def _sum_order_cpu(picked: buckets.Bucketing, world: int) -> torch.Tensor:
+    firsts, base = [], 0
+    for bucket in picked.buckets:
+        firsts.append(base)
+        base += bucket.rows * bucket.k * world
+    parts = []
+    for (b, row), layout in zip(picked.where, picked.layouts):
+        start = firsts[b] + row * layout.k * world
+        parts.append(torch.arange(start, start + layout.nblocks * layout.k * world))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+_SUM_ORDERS: dict = {}
+
+
+def _sum_order(picked: buckets.Bucketing, world: int, device: torch.device) -> torch.Tensor:
+    key = (picked, world, device)
+    if key not in _SUM_ORDERS:
+        _SUM_ORDERS[key] = _sum_order_cpu(picked, world).to(device)
+    return _SUM_ORDERS[key]
 
 
 EXCHANGES_BY_NAME = {cls.name: cls for cls in (AllGatherExchange, AllReduceExchange)}

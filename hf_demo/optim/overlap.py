@@ -14,7 +14,7 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic
-from hf_demo.optim.signals import rule_direction
+from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.sharded import local, local_shape
@@ -74,11 +74,14 @@ def stage_late(opt, tx: Transaction, updates) -> None:
         return
     pending = opt.pending
     generator = F.rounding_noise(opt.settings.param_rounding, pending.step)
-    for (p, layout), update, (lr, wd) in zip(targets(opt, pending), updates, pending.lr):
-        direction, rule_state = rule_direction(opt, opt.rule(opt.group_of(p)), p, update, layout)
+    params = [p for p, _ in targets(opt, pending)]
+    groups = [opt.group_of(p) for p in params]
+    directions, rule_states = rule_directions(opt, params, groups, updates, pending.layouts)
+    for p, rule_state in zip(params, rule_states):
         tx.update(opt.state[p], rule_state)
-        view = local(p)
-        tx.stage(lambda t=view, d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, generator))
+    lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]
+    views = [local(p) for p in params]
+    tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator))
 
 
 def flush(opt) -> None:

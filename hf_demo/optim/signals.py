@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hf_demo.compression import functional as F
 from hf_demo.guards.checks import any_nonfinite
-from hf_demo.optim import local_steps, update_rules
+from hf_demo.optim import local_steps
 from hf_demo.topology.sharded import local
 
 
@@ -33,25 +33,43 @@ class GradientSignal:
 
     def update(self, ctx, needs_values: bool) -> None:
         """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
-        in a rule); the step is staged in place, or computed into ``ctx.values`` where the topology shares it."""
+        in a rule), once per bucket and rule; the step is staged in place, or computed into ``ctx.values`` where
+        the topology shares it."""
         opt = ctx.opt
-        for (p, g, layout), m, update, j in zip(ctx.items, ctx.working, ctx.updates, _positions(ctx)):
+        params = ctx.params
+        for p, m in zip(params, ctx.working):
             ctx.tx.set(opt.state[p], "momentum", m)
-            direction, rule_state = rule_direction(opt, opt.rule(g), p, update, layout)
+        groups = [g for _, g, _ in ctx.items]
+        directions, rule_states = rule_directions(opt, params, groups, ctx.updates, ctx.layouts)
+        for p, rule_state in zip(params, rule_states):
             ctx.tx.update(opt.state[p], rule_state)
-            if needs_values:
-                value = ctx.values.get(j, local(p).detach()).clone()
-                F.apply_step(value, direction, g["lr"], g["weight_decay"], ctx.generator)
-                ctx.values[j] = value
-            else:
-                lr, wd, view = g["lr"], g["weight_decay"], local(p)
-                ctx.tx.stage(lambda t=view, d=direction, lr=lr, wd=wd: F.apply_step(t, d, lr, wd, ctx.generator))
+        lrs, wds = [g["lr"] for g in groups], [g["weight_decay"] for g in groups]
+        if needs_values:
+            positions = _positions(ctx)
+            values = [ctx.values.get(j, local(p).detach()).clone() for j, p in zip(positions, params)]
+            F.apply_steps(values, directions, lrs, wds, ctx.generator)
+            ctx.values.update(zip(positions, values))
+        else:
+            views = [local(p) for p in params]
+            ctx.tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, ctx.generator))
 
 
-def rule_direction(opt, rule, p, update, layout):
-    """(``rule``'s direction for the decoded ``update``, the rule's new state for ``p``), nothing written."""
-    rule_state = {k: v.clone() for k, v in opt.state[p].items() if k in update_rules.STATE_KEYS}
-    return rule.direction(local(p), opt.transform.decode(update, layout), rule_state), rule_state
+def rule_directions(opt, params, groups, updates, layouts):
+    """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
+    transform once per bucket, each rule once for all the parameters it steps."""
+    decoded = F.decode_many(updates, layouts, opt.transform)
+    by_rule: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_rule.setdefault(g["update_rule"], []).append(i)
+    directions: list = [None] * len(params)
+    states: list = [None] * len(params)
+    for members in by_rule.values():
+        rule = opt.rule(groups[members[0]])
+        ps = [params[i] for i in members]
+        found, new = rule.directions([local(p) for p in ps], [decoded[i] for i in members], [opt.state[p] for p in ps])
+        for i, direction, state in zip(members, found, new):
+            directions[i], states[i] = direction, state
+    return directions, states
 
 
 def _positions(ctx) -> list[int]:
@@ -105,10 +123,10 @@ class LocalSignal:
     def update(self, ctx, needs_values: bool) -> None:
         """Every rank sets ``param = anchor - mean change`` and the anchor moves there."""
         opt = ctx.opt
-        rows = zip(ctx.items, ctx.working, ctx.updates, ctx.inner, ctx.anchors, _positions(ctx))
-        for (p, _, layout), m, update, inner, anchor, j in rows:
+        changes = F.decode_many(ctx.updates, ctx.layouts, opt.transform)
+        rows = zip(ctx.items, ctx.working, changes, ctx.inner, ctx.anchors, _positions(ctx))
+        for (p, _, _), m, change, inner, anchor, j in rows:
             ctx.tx.set(opt.state[p], "momentum", m)
-            change = opt.transform.decode(update, layout)
             ctx.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(local(p), opt.state[p], c, *i[1:]))
             if needs_values:
                 ctx.values[j] = local_steps.synchronised(anchor, change, p.dtype)

@@ -77,7 +77,8 @@ class Inspect:
 
 
 class Momentum:
-    """``working = decay * momentum + scale * T(signal)``, on copies (the momenta are committed with the step)."""
+    """``working = decay * momentum + scale * T(signal)``, on copies (the momenta are committed with the step),
+    once per bucket of parameters with the same block shape (:mod:`hf_demo.compression.buckets`)."""
 
     name = "momentum"
 
@@ -85,10 +86,10 @@ class Momentum:
         if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             return
         opt = ctx.opt
-        for (p, g, layout), signal in zip(ctx.items, ctx.signals):
-            decay, scale = opt.signal_for(ctx.tier).decay_and_scale(ctx, g, layout)
-            m = F.accumulate(opt.momentum(p, layout), signal, layout, decay, scale, opt.transform)
-            ctx.working.append(m)
+        signal = opt.signal_for(ctx.tier)
+        factors = [signal.decay_and_scale(ctx, g, layout) for _, g, layout in ctx.items]
+        momenta = [opt.momentum(p, layout) for p, _, layout in ctx.items]
+        ctx.working = F.accumulate_many(momenta, ctx.signals, ctx.layouts, factors, opt.transform)
 
 
 class Prepare:

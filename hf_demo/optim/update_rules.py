@@ -67,6 +67,73 @@ def next_step(state: dict, param: torch.Tensor, *moments: str) -> int:
     return int(state["rule_step"])
 
 
+def next_steps(params: list, states: list[dict], *moments: str) -> tuple[list[int], list[dict]]:
+    """:func:`next_step` for many parameters at once, on new state: (each one's step, each one's new state with
+    its moments, fresh zeros the first time, and its counter; the moments are the current tensors: the rule's
+    ``torch._foreach_*`` ops that are not in place make the new ones). The counters stay on the host."""
+    new = []
+    for p, state in zip(params, states):
+        fresh = {
+            k: state[k] if k in state else torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in moments
+        }
+        new.append(fresh)
+    counters = [
+        s["rule_step"] if "rule_step" in s else torch.zeros((), dtype=torch.int64, device="cpu") for s in states
+    ]
+    counters = torch._foreach_add(counters, 1)
+    for fresh, counter in zip(new, counters):
+        fresh["rule_step"] = counter
+    return torch.stack(counters).tolist() if counters else [], new
+
+
+def _by_step(steps: list[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        groups.setdefault(step, []).append(i)
+    return groups
+
+
+def adam_directions(updates: list, states: list[dict], steps: list[int], beta2: float, eps: float) -> list:
+    """:func:`adam_step` of many parameters with ``torch._foreach_*`` (bitwise the same): ``updates`` become
+    the directions (in place) and each state's ``exp_avg_sq`` its new one."""
+    for step, members in _by_step(steps).items():
+        u = [updates[i] for i in members]
+        v = _second_moments(u, [states[i] for i in members], beta2)
+        torch._foreach_div_(u, _denominators(v, step, beta2, eps))
+    return updates
+
+
+def adamw_directions(updates: list, states: list[dict], steps: list[int], beta1: float, beta2: float, eps: float):
+    """:func:`adamw_step` of many parameters with ``torch._foreach_*`` (bitwise the same); each state's
+    ``exp_avg`` and ``exp_avg_sq`` become the new ones."""
+    directions: list = [None] * len(updates)
+    for step, members in _by_step(steps).items():
+        u = [updates[i] for i in members]
+        m = torch._foreach_mul([states[i]["exp_avg"] for i in members], beta1)
+        torch._foreach_add_(m, u, alpha=1.0 - beta1)
+        v = _second_moments(u, [states[i] for i in members], beta2)
+        d = torch._foreach_div(m, 1.0 - beta1**step)
+        torch._foreach_div_(d, _denominators(v, step, beta2, eps))
+        for i, exp_avg, direction in zip(members, m, d):
+            states[i]["exp_avg"], directions[i] = exp_avg, direction
+    return directions
+
+
+def _second_moments(u: list, states: list[dict], beta2: float) -> list:
+    v = torch._foreach_mul([s["exp_avg_sq"] for s in states], beta2)
+    torch._foreach_addcmul_(v, u, u, value=1.0 - beta2)
+    for state, value in zip(states, v):
+        state["exp_avg_sq"] = value
+    return v
+
+
+def _denominators(v: list, step: int, beta2: float, eps: float) -> list:
+    denom = torch._foreach_div(v, 1.0 - beta2**step)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    return denom
+
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic iteration (Keller Jordan), as torch.optim.Muon's
 NS_EPS = 1e-7
 
@@ -117,21 +184,40 @@ def orthogonal_step(update: torch.Tensor, rms: float, steps: int, measured: bool
     return ortho.mul_(rms_matching_scale(*matrix.shape, rms)).reshape(update.shape)
 
 
-class SignRule:
+class Rule:
+    """What every rule has: ``directions`` of many parameters at once, here one :meth:`direction` after another
+    on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it."""
+
+    def directions(self, params: list, updates: list, states: list[dict]) -> tuple[list, list[dict]]:
+        """(each parameter's direction, its new rule state) for the decoded ``updates`` (fp32, the parameters'
+        shapes: they may be overwritten); ``states`` are the parameters' current states, left as they are."""
+        new = [{k: v.clone() for k, v in state.items() if k in STATE_KEYS} for state in states]
+        return [self.direction(p, u, s) for p, u, s in zip(params, updates, new)], new
+
+
+class SignRule(Rule):
     name = "sign"
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         return sign_step(update)
 
+    def directions(self, params, updates, states):
+        if updates:
+            torch._foreach_sign_(updates)
+        return updates, [{} for _ in updates]
 
-class RawRule:
+
+class RawRule(Rule):
     name = "raw"
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         return update
 
+    def directions(self, params, updates, states):
+        return updates, [{} for _ in updates]
 
-class AdamRule:
+
+class AdamRule(Rule):
     """Adam-style normalisation of the averaged update (state ``exp_avg_sq``: 4 bytes per parameter)."""
 
     name = "adam"
@@ -142,8 +228,12 @@ class AdamRule:
         step = next_step(state, param, "exp_avg_sq")
         return adam_step(update.float(), state["exp_avg_sq"], step, self.beta2, self.eps)
 
+    def directions(self, params, updates, states):
+        steps, new = next_steps(params, states, "exp_avg_sq")
+        return adam_directions([u.float() for u in updates], new, steps, self.beta2, self.eps), new
 
-class AdamWRule:
+
+class AdamWRule(Rule):
     """AdamW's moments on the averaged update (DeToNATION's DeToAdamW idea): a first moment smooths the
     fast components DeMo sends, the second normalises them (state ``exp_avg`` + ``exp_avg_sq``: 8 bytes per
     parameter). The betas are AdamW's of the benchmarks' baseline."""
@@ -157,8 +247,13 @@ class AdamWRule:
         step = next_step(state, param, "exp_avg", "exp_avg_sq")
         return adamw_step(update.float(), state["exp_avg"], state["exp_avg_sq"], step, self.beta1, self.beta2, self.eps)
 
+    def directions(self, params, updates, states):
+        steps, new = next_steps(params, states, "exp_avg", "exp_avg_sq")
+        u = [u.float() for u in updates]
+        return adamw_directions(u, new, steps, self.beta1, self.beta2, self.eps), new
 
-class OrthogonalRule:
+
+class OrthogonalRule(Rule):
     """Muon's step on DeMo's averaged update: each matrix (a tensor of 2 or more dimensions, seen as
     first dimension x the others) orthogonalised by :func:`newton_schulz` (5 steps, fp32) and scaled by
     Moonlight's :func:`rms_matching_scale` (AdamW's update RMS for a full-rank matrix). DeMo's averaged update

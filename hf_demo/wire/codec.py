@@ -26,6 +26,7 @@ seen. gloo has no int16 collectives: every buffer travels as uint8.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import zlib
@@ -33,6 +34,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from hf_demo.compression import buckets
 from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
@@ -100,6 +102,20 @@ class Fp32Format:
     def nbytes(self, nblocks: int, k: int) -> int:
         return nblocks * k * 4
 
+    def segments(self, nblocks: int, k: int) -> list[tuple[int, int]]:
+        """(bytes, bytes with padding) of each stream of one parameter's values, in payload order."""
+        return [(nblocks * k * 4, nblocks * k * 4)]
+
+    def encode_rows(self, values: torch.Tensor, bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A bucket's values (rows, k) -> (values as receivers decode them, [each stream's bytes, members one
+        after the other])."""
+        q = values.float().contiguous()
+        return q, [q.view(torch.uint8).reshape(-1)]
+
+    def decode_rows(self, streams: list[torch.Tensor], bucket) -> torch.Tensor:
+        """Every sender's streams of a bucket, (world, bytes) each -> values (world, rows, k)."""
+        return streams[0].view(torch.float32).view(streams[0].shape[0], bucket.rows, bucket.k)
+
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = values.float().contiguous()
         return q, q.view(torch.uint8).reshape(-1)
@@ -114,6 +130,17 @@ class Bf16Format:
 
     def nbytes(self, nblocks: int, k: int) -> int:
         return _align(nblocks * k * 2)
+
+    def segments(self, nblocks: int, k: int) -> list[tuple[int, int]]:
+        return [(nblocks * k * 2, _align(nblocks * k * 2))]
+
+    def encode_rows(self, values: torch.Tensor, bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        wire = values.to(torch.bfloat16).contiguous()
+        return wire.float(), [wire.view(torch.uint8).reshape(-1)]
+
+    def decode_rows(self, streams: list[torch.Tensor], bucket) -> torch.Tensor:
+        world = streams[0].shape[0]
+        return streams[0].view(torch.bfloat16).float().view(world, bucket.rows, bucket.k)
 
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         wire = values.to(torch.bfloat16).contiguous()
@@ -132,6 +159,29 @@ class SignFormat:
     def nbytes(self, nblocks: int, k: int) -> int:
         return _align(nblocks * 2) + _align((nblocks * k + 7) // 8)
 
+    def segments(self, nblocks: int, k: int) -> list[tuple[int, int]]:
+        bits = (nblocks * k + 7) // 8
+        return [(nblocks * 2, _align(nblocks * 2)), (bits, _align(bits))]
+
+    def encode_rows(self, values: torch.Tensor, bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        scale = values.abs().mean(dim=1).to(torch.bfloat16)
+        negative = values < 0
+        q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
+        bits = negative.reshape(-1)
+        spread = _member_bits(bucket, bits.device)  # each member's bits from a byte boundary
+        if spread is not None:
+            bits = torch.cat([bits, bits.new_zeros(1)]).index_select(0, spread)
+        return q, [scale.view(torch.uint8), pack_bits(bits)]
+
+    def decode_rows(self, streams: list[torch.Tensor], bucket) -> torch.Tensor:
+        world = streams[0].shape[0]
+        scale = streams[0].view(torch.bfloat16).float().view(world, bucket.rows)
+        bits = byte_bits(streams[1])
+        gather = _member_bits_back(bucket, bits.device)
+        bits = bits[:, : bucket.rows * bucket.k] if gather is None else bits.index_select(1, gather)
+        negative = bits.bool().view(world, bucket.rows, bucket.k)
+        return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
+
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nblocks, k = values.shape
         scale = values.abs().mean(dim=1).to(torch.bfloat16)
@@ -149,6 +199,49 @@ class SignFormat:
         scale = wire[:, : nblocks * 2].contiguous().view(torch.bfloat16).float()
         negative = unpack_bits(wire[:, s : s + (n + 7) // 8], n).view(world, nblocks, k)
         return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
+
+
+def _cached_on(cache: dict, key, device, build):
+    """``build()`` (a CPU tensor or None), copied once to ``device`` and kept."""
+    full = (key, torch.device(device))
+    if full not in cache:
+        if key not in cache:
+            cache[key] = build()
+        cache[full] = None if cache[key] is None else cache[key].to(device)
+    return cache[full]
+
+
+_BIT_MAPS: dict = {}
+
+
+def _member_bits(bucket, device) -> torch.Tensor | None:
+    """Where each bit of the packed bit stream comes from: member after member, each member's ``nblocks * k``
+    sign bits starting at a byte boundary (the padding points at index ``rows * k``, a zero); None when every
+    member's bits fill whole bytes (the stream is then the bits as they are)."""
+
+    def build():
+        sizes = [n * bucket.k for n in bucket.member_blocks]
+        if all(n % 8 == 0 for n in sizes):
+            return None
+        pad, parts, start = bucket.rows * bucket.k, [], 0
+        for n in sizes:
+            parts += [torch.arange(start, start + n), torch.full(((-n) % 8,), pad)]
+            start += n
+        return torch.cat(parts)
+
+    return _cached_on(_BIT_MAPS, ("spread", bucket), device, build)
+
+
+def _member_bits_back(bucket, device) -> torch.Tensor | None:
+    """The inverse of :func:`_member_bits`: where each member's bits are in the unpacked stream."""
+
+    def build():
+        spread = _member_bits(bucket, "cpu")
+        if spread is None:
+            return None
+        return torch.nonzero(spread < bucket.rows * bucket.k).flatten()
+
+    return _cached_on(_BIT_MAPS, ("back", bucket), device, build)
 
 
 FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat())}
@@ -179,6 +272,17 @@ class Uint16Indices:
 
     def nbytes(self, layout: BlockLayout) -> int:
         return _align(layout.nblocks * layout.k * 2)
+
+    def record_bytes(self, bsize: int, k: int) -> int:
+        return 2 * k
+
+    def pack_rows(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
+        """Positions (rows, k) -> (rows, 2k) bytes."""
+        return idx.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8).view(idx.shape[0], 2 * k)
+
+    def unpack_rows(self, stream: torch.Tensor, rows: int, bsize: int, k: int) -> torch.Tensor:
+        """Every sender's bytes (world, rows * 2k) -> positions (world, rows, k) int64."""
+        return (stream.view(torch.int16).to(torch.int64) & 0xFFFF).view(stream.shape[0], rows, k)
 
     def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
         return [pack_indices(idx) for idx in idxs]
@@ -218,6 +322,14 @@ class EliasFanoIndices:
 
     def nbytes(self, layout: BlockLayout) -> int:
         return _align(layout.nblocks * self.record_bytes(layout.bsize, layout.k))
+
+    def pack_rows(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
+        """Sorted positions (rows, k) -> records (rows, record_bytes)."""
+        return self.pack(idx, bsize, k)
+
+    def unpack_rows(self, stream: torch.Tensor, rows: int, bsize: int, k: int) -> torch.Tensor:
+        """Every sender's records (world, rows * record_bytes) -> positions (world, rows, k) int64."""
+        return self.unpack(stream.view(stream.shape[0], rows, self.record_bytes(bsize, k)), bsize, k)
 
     def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(idxs)
@@ -308,54 +420,146 @@ def segment_bytes(layout: BlockLayout, fmt: str, coding: str) -> int:
 
 
 # ---------------------------------------------------------------- payload
+class WireMap:
+    """Where the streams of every bucket go in a payload of per-parameter segments, and back.
+
+    A bucket's *stream* is one kind of bytes (positions, values, sign scales, sign bits) of all its members one
+    after the other; in the payload each member's part lies in that member's segment (in parameter order, each
+    part 4-byte aligned). Building a payload is one ``index_select`` of every stream (and a zero byte for the
+    padding); reading one, one ``index_select`` per stream. The index tensors are built once per layout and
+    device (:func:`wire_map`)."""
+
+    def __init__(self, bucketing, slots):
+        """``slots(layout)``: [(bytes, bytes with padding)] of each stream of one parameter, in payload order
+        (the same number of streams for every parameter of a bucket)."""
+        self.offsets, off = [], 0
+        for layout in bucketing.layouts:
+            self.offsets.append(off)
+            off += sum(padded for _, padded in slots(layout))
+        self.nbytes = off
+        source = torch.full((off,), -1, dtype=torch.int64)  # -1: padding (the zero byte)
+        self.positions, base = [], 0  # per stream: where its bytes are in the payload
+        for bucket in bucketing.buckets:
+            members = bucket.members
+            parts = [slots(bucketing.layouts[i]) for i in members]
+            for s in range(len(parts[0])):
+                where = []
+                for i, member_slots in zip(members, parts):
+                    start = self.offsets[i] + sum(padded for _, padded in member_slots[:s])
+                    where.append(torch.arange(start, start + member_slots[s][0]))
+                where = torch.cat(where)
+                source[where] = torch.arange(base, base + where.numel())
+                base += where.numel()
+                self.positions.append(where)
+        self.source = torch.where(source < 0, base, source)
+        self._on: dict = {}
+
+    def _device(self, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = (self.source.to(device), [p.to(device) for p in self.positions])
+        return self._on[device]
+
+    def assemble(self, streams: list[torch.Tensor], device) -> torch.Tensor:
+        """Every bucket's streams (flat uint8, in order) -> the payload."""
+        if not streams:
+            return torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        source, _ = self._device(device)
+        flat = torch.cat([*streams, streams[0].new_zeros(1)])
+        return flat.index_select(0, source)
+
+    def extract(self, received: torch.Tensor) -> list[torch.Tensor]:
+        """Rows of every sender (world, nbytes) -> every bucket's streams, (world, bytes) each."""
+        _, positions = self._device(received.device)
+        return [received.index_select(1, where) for where in positions]
+
+
+@functools.lru_cache(maxsize=64)
+def wire_map(bucketing, fmt: str, coding: str) -> WireMap:
+    """The :class:`WireMap` of a payload (``fmt`` None: the positions alone, ``exchange="all_reduce"``'s)."""
+    indices = index_coding(coding)
+
+    def slots(layout):
+        positions = layout.nblocks * indices.record_bytes(layout.bsize, layout.k)
+        index_slot = [(positions, indices.nbytes(layout))]
+        return index_slot if fmt is None else index_slot + value_format(fmt).segments(layout.nblocks, layout.k)
+
+    return WireMap(bucketing, slots)
+
+
 class PayloadCodec:
-    """Packs every parameter's selected coefficients into one payload, and unpacks and validates it."""
+    """Packs every parameter's selected coefficients into one payload, and unpacks and validates it; the work
+    is done per bucket (:mod:`hf_demo.compression.buckets`): ``encode_buckets``/``decode_buckets``, with
+    per-parameter ``encode``/``decode`` around them."""
 
     def __init__(self, layouts: list[BlockLayout], fmt: str, coding: str):
         self.layouts = layouts
         self.format = value_format(fmt)
         self.indices = index_coding(coding)
-        self.offsets, off = [], 0
-        for layout in layouts:
-            self.offsets.append(off)
-            off += segment_bytes(layout, fmt, coding)
-        self.nbytes = off
+        self.bucketing = buckets.plan(tuple(layouts))
+        self.map = wire_map(self.bucketing, fmt, coding)
+        self.offsets, self.nbytes = self.map.offsets, self.map.nbytes
+
+    def encode_buckets(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
+        """[(positions, values)] per bucket, (rows, k) each -> (payload, [values as receivers decode them])."""
+        streams, sent = [], []
+        for bucket, (idx, values) in zip(self.bucketing.buckets, selections):
+            streams.append(self.indices.pack_rows(idx, bucket.bsize, bucket.k).reshape(-1))
+            decoded, wires = self.format.encode_rows(values, bucket)
+            streams += wires
+            sent.append(decoded)
+        return self.map.assemble(streams, device), sent
 
     def encode(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
         """[(positions, values)] per parameter -> (payload uint8, [values as receivers decode them])."""
-        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        sent = []
-        index_wires = self.indices.pack_many([idx for idx, _ in selections], self.layouts)
-        for off, (_, values), index_wire in zip(self.offsets, selections, index_wires):
-            decoded, wire = self.format.encode(values)
-            ib = index_wire.numel()
-            payload[off : off + ib] = index_wire
-            payload[off + ib : off + ib + wire.numel()] = wire
-            sent.append(decoded)
-        return payload, sent
+        idxs = buckets.rows([idx for idx, _ in selections], self.bucketing)
+        values = buckets.rows([v for _, v in selections], self.bucketing)
+        payload, sent = self.encode_buckets(list(zip(idxs, values)), device)
+        return payload, list(buckets.Bucketed.of(sent, self.bucketing))
 
-    def decode(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Rows of every rank (world, nbytes) -> [(positions, values) each (world, nblocks, k)], validated.
+    def decode_buckets(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of every rank (world, nbytes) -> [(positions, values) each (world, rows, k)] per bucket, validated.
 
         Raises :class:`DeMoSyncError` naming the parameter and the sending ranks on out-of-range indices or
-        NaN/Inf values; nothing is returned half-decoded. Every parameter's checks are made on the device and
+        NaN/Inf values; nothing is returned half-decoded. Every bucket's checks are made on the device and
         read back at once (one host read per payload, whatever the number of parameters); the culprit is
         looked for only when that read says something is wrong.
         """
+        streams = iter(self.map.extract(received))
         out, flags = [], []
-        index_bytes = [self.indices.nbytes(layout) for layout in self.layouts]
-        idxs = self.indices.unpack_many(
-            [received[:, off : off + ib] for off, ib in zip(self.offsets, index_bytes)], self.layouts
-        )
-        for layout, off, ib, idx in zip(self.layouts, self.offsets, index_bytes, idxs):
-            end = off + ib + self.format.nbytes(layout.nblocks, layout.k)
-            values = self.format.decode(received[:, off + ib : end], layout.nblocks, layout.k)
-            flags.append(torch.stack([(idx >= layout.bsize).flatten(1).any(1), (~values.isfinite()).flatten(1).any(1)]))
+        for bucket in self.bucketing.buckets:
+            idx = self.indices.unpack_rows(next(streams), bucket.rows, bucket.bsize, bucket.k)
+            values = self.format.decode_rows([next(streams) for _ in self.format.segments(1, 1)], bucket)
+            flags.append(torch.stack([(idx >= bucket.bsize).any(-1), (~values.isfinite()).any(-1)]))
             out.append((idx, values))
         if flags:
-            bad = torch.stack(flags)  # (parameters, 2, senders): out-of-range positions, NaN/Inf values
+            bad = torch.cat(flags, dim=2)  # (2, senders, rows): out-of-range positions, NaN/Inf values
             if bool(bad.any()):
-                raise self.refusal(bad.tolist())
+                raise self.refusal(self.by_parameter(bad))
+        return out
+
+    def decode(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of every rank (world, nbytes) -> [(positions, values) each (world, nblocks, k)] per parameter,
+        validated (see :meth:`decode_buckets`)."""
+        out: list = [None] * len(self.layouts)
+        for bucket, (idx, values) in zip(self.bucketing.buckets, self.decode_buckets(received)):
+            parts = zip(idx.split(bucket.member_blocks, dim=1), values.split(bucket.member_blocks, dim=1))
+            for i, part in zip(bucket.members, parts):
+                out[i] = part
+        return out
+
+    def by_parameter(self, bad: torch.Tensor) -> list:
+        """Row flags (2, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [NaN/Inf
+        per sender]] (on the host: only when a flag is set)."""
+        bad = bad.cpu()
+        firsts, base = [], 0
+        for bucket in self.bucketing.buckets:
+            firsts.append(base)
+            base += bucket.rows
+        out = []
+        for (b, row), layout in zip(self.bucketing.where, self.layouts):
+            rows = bad[:, :, firsts[b] + row : firsts[b] + row + layout.nblocks]
+            out.append(rows.any(-1).tolist())
         return out
 
     def refusal(self, bad: list) -> DeMoPayloadError:
