@@ -41,3 +41,16 @@ def test_wan_worker_reads_demo_settings_like_the_convergence_benchmark():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "DeMo override 'decay' is not key=value" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_fsdp_memory_benchmark_measures_every_layout_on_a_tiny_model(tmp_path):
+    """The four layouts train and report; HSDP-DeMo holds half of DDP-DeMo's bytes per rank, FSDP2's HSDP hands
+    the replicate all-reduce 2 bytes/param/step (fp32 gradient shards), DeMo far less."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--tiny", "--start-method", "fork"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "--results-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "fsdp_memory.md").read_text()
+    assert all(f"| {layout} | 3 |" in text for layout in ("ddp-demo", "hsdp-demo", "fsdp-adamw", "hsdp-adamw"))
+    assert "hsdp-demo / ddp-demo (largest rank): 0.500" in text, text
+    assert "hsdp-adamw: 2.0000 bytes/param/step" in text and "fsdp-adamw: 0.0000 bytes/param/step" in text, text

@@ -1,0 +1,313 @@
+"""Memory per rank and bytes per link: DDP-DeMo, HSDP-DeMo, FSDP2-AdamW and HSDP-AdamW on 4 gloo ranks (issue 28).
+
+One run trains the same byte-level Llama (``benchlib.toy.byte_llama``, random init, the stdlib corpus) a few real
+steps in each layout, every layout in fresh spawned processes, and prints per rank:
+
+- **held**: the bytes of parameters + gradients + optimizer state this rank holds: the sum of the local tensors'
+  bytes (``p.to_local()`` of a DTensor; every tensor of ``optimizer.state``). Gradients are counted right after
+  the last backward, parameters and state after the last step;
+- **peak RSS** of the rank's process (``ru_maxrss``), and its growth over the RSS after the imports (the model,
+  its activations, the collectives' buffers and the allocator's slack on top of what "held" counts);
+- **bytes per step** handed to collectives, per link, averaged over the steps after the first: *across the
+  replicate dimension* (between nodes: DeMo's own collectives from
+  ``hf_demo.exchange.transport.register_collective_hook``, less the ``node_*`` ones; FSDP2's all-reduce for
+  HSDP-AdamW) and *inside the shard group* (FSDP2's all-gathers and reduce-scatters, and DeMo's ``node_*`` step
+  agreement). FSDP2's collectives are counted by patching ``torch.distributed`` in the worker outside
+  ``optimizer.step()``; DeMo's, by its hook inside it.
+
+Layouts (``--world`` ranks, ``--shard`` ranks per shard group):
+
+- ``ddp-demo``: every rank holds the whole model; no DDP wrapper (DeMo replaces its all-reduce); DeMo over the world;
+- ``hsdp-demo``: ``hf_demo.fsdp.shard_model`` on the shard dimension of a (replicate, shard) mesh, DeMo across
+  the replicate dimension (``DeMo(..., device_mesh=mesh)``);
+- ``fsdp-adamw``: FSDP2 over every rank (one dimension), torch AdamW;
+- ``hsdp-adamw``: FSDP2's own HSDP (``fully_shard`` on the 2-D mesh: reduce-scatter inside the shard group, dense
+  all-reduce of the gradient shards across the replicate dimension), torch AdamW.
+
+    python benchmarks/fsdp_memory.py                    # ~51M parameters, 4 ranks, 2 x 2: a few minutes on 2 cores
+    python benchmarks/fsdp_memory.py --tiny --results-dir /tmp/x   # a tiny model: seconds (the smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.ranks import expect_ok, run_ranks  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUTS = ("ddp-demo", "hsdp-demo", "fsdp-adamw", "hsdp-adamw")
+FSDP_OPS = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast")
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Config:
+    hidden: int = 640
+    intermediate: int = 1792
+    layers: int = 10
+    heads: int = 10
+    seq_len: int = 64
+    batch: int = 2
+    steps: int = 4
+    world: int = 4
+    shard: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+    corpus_bytes: int = 2_000_000
+
+
+TINY = dict(hidden=32, intermediate=64, layers=2, heads=2, seq_len=16, steps=3, corpus_bytes=200_000)
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def local_bytes(t) -> int:
+    from hf_demo.topology.sharded import local
+
+    t = local(t)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def state_bytes(opt) -> int:
+    return sum(local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+class Links:
+    """Bytes handed to collectives by link: 'replicate' (between nodes) and 'shard' (inside the shard group)."""
+
+    def __init__(self, replicate_ranks: tuple[int, ...], shard_ranks: tuple[int, ...]):
+        self.ranks = {"replicate": replicate_ranks, "shard": shard_ranks}
+        self.bytes = {"replicate": 0, "shard": 0, "other": 0}
+        self.in_step = False
+
+    def link_of(self, group) -> str:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        return next((k for k, v in self.ranks.items() if v == ranks), "other")
+
+    def demo_hook(self, name: str, nbytes: int) -> None:
+        """DeMo's collectives: ``node_*`` agree a step inside the shard group; the rest cross the replicate dim."""
+        self.bytes["shard" if name.startswith("node_") else "replicate"] += nbytes
+
+    def patch_fsdp(self):
+        """Count torch.distributed's collectives made outside ``optimizer.step()`` (FSDP2's) by the group's link."""
+        real = {op: getattr(dist, op) for op in FSDP_OPS if hasattr(dist, op)}
+
+        def counting(fn, pick):
+            def call(*args, group=None, **kwargs):
+                if not self.in_step:
+                    t = pick(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                    self.bytes[self.link_of(group)] += t.numel() * t.element_size()
+                return fn(*args, group=group, **kwargs)
+
+            return call
+
+        for op, fn in real.items():  # the bytes this rank hands in: an all-gather's input is its smaller tensor
+            pick = min if op == "all_gather_single" else max
+            setattr(dist, op, counting(fn, lambda ts, pick=pick: pick(ts, key=torch.numel)))
+        return lambda: [setattr(dist, op, fn) for op, fn in real.items()]
+
+
+def groups(rank: int, world: int, shard: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the replicate group's ranks, the shard group's ranks) of ``rank`` on a (world/shard, shard) mesh."""
+    return tuple(range(rank % shard, world, shard)), tuple(range(rank - rank % shard, rank - rank % shard + shard))
+
+
+def build(layout: str, cfg: Config, model):
+    """The model wrapped for ``layout`` and its optimizer."""
+    import hf_demo
+    from hf_demo import fsdp
+
+    if layout == "ddp-demo":
+        return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr)
+    if layout == "hsdp-demo":
+        mesh = fsdp.hsdp_mesh(shard=cfg.shard)
+        fsdp.shard_model(model, mesh)
+        return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr, device_mesh=mesh)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout == "fsdp-adamw":
+        mesh = init_device_mesh("cpu", (cfg.world,))
+    elif layout == "hsdp-adamw":  # FSDP2's own HSDP: placements (Replicate(), Shard(0))
+        mesh = init_device_mesh("cpu", (cfg.world // cfg.shard, cfg.shard), mesh_dim_names=fsdp.MESH_DIMS)
+    else:
+        raise ValueError(f"unknown layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+    for layer in fsdp.layer_modules(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+
+def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
+    import hf_demo  # noqa: F401 - imported before the baseline RSS is read
+    from benchlib.toy import Data, byte_llama
+    from hf_demo.exchange import transport
+    from hf_demo.stdlib_corpus import stdlib_bytes
+
+    shard = 1 if layout == "ddp-demo" else world if layout == "fsdp-adamw" else cfg.shard
+    links = Links(*groups(rank, world, shard))
+    rss0 = rss_now()
+    size = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, layers=cfg.layers, heads=cfg.heads)
+    model = byte_llama(**size, seq_len=cfg.seq_len, seed=cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, opt = build(layout, cfg, model)
+    data = Data(stdlib_bytes(cfg.corpus_bytes), rank, world, cfg.seq_len, cfg.batch, cfg.seed, 0.05, 1)
+    restore, hook = links.patch_fsdp(), transport.register_collective_hook(links.demo_hook)
+    losses, counted = [], {}
+    try:
+        for step in range(cfg.steps):
+            if step == 1:  # the first step plans and checks: count the steady steps
+                links.bytes = dict.fromkeys(links.bytes, 0)
+            batch = data.next_batch()
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads = sum(local_bytes(p.grad) for p in model.parameters())
+            links.in_step = True
+            opt.step()
+            links.in_step = False
+        counted = {k: v / max(cfg.steps - 1, 1) for k, v in links.bytes.items()}
+    finally:
+        hook.remove()
+        restore()
+    params = sum(local_bytes(p) for p in model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(
+        layout=layout, rank=rank, n_params=n_params, params=params, grads=grads, state=state_bytes(opt),
+        peak_rss=peak, rss_growth=peak - rss0, per_step=counted, losses=losses,
+    )  # fmt: skip
+
+
+def run(cfg: Config, layouts, start_method: str = "spawn") -> list[dict]:
+    """Every layout on its own ``cfg.world`` new ranks. "spawn" gives each rank a fresh interpreter (its RSS is its
+    own); "fork" starts faster, from a parent that has imported what the workers use (RSS then counts those pages)."""
+    if start_method == "fork":
+        import transformers.models.llama  # noqa: F401
+
+        import hf_demo.fsdp  # noqa: F401
+    rows = []
+    for layout in layouts:
+        print(f"{layout}: {cfg.world} ranks ({start_method}) ...", flush=True)
+        rows += expect_ok(run_ranks(_worker, cfg.world, layout, cfg, start_method=start_method, timeout=1800))
+    return rows
+
+
+def held(r: dict) -> int:
+    return r["params"] + r["grads"] + r["state"]
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = [
+        "| layout | rank | params MB | grads MB | optimizer state MB | **held MB** | peak RSS MB | RSS growth MB "
+        "| across replicate B/step | inside shard group B/step | loss first → last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["per_step"]
+        out.append(
+            f"| {r['layout']} | {r['rank']} | {r['params'] / MB:.1f} | {r['grads'] / MB:.1f} | {r['state'] / MB:.1f} "
+            f"| **{held(r) / MB:.1f}** | {r['peak_rss'] / MB:.0f} | {r['rss_growth'] / MB:.0f} "
+            f"| {s['replicate']:,.0f} | {s['shard']:,.0f} | {r['losses'][0]:.3f} → {r['losses'][-1]:.3f} |"
+        )
+    return out
+
+
+def ratios(rows: list[dict], cfg: Config) -> list[str]:
+    """The issue's two figures against their targets, and what the others compare to."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["layout"], []).append(r)
+
+    def worst(layout, f):
+        return max(f(r) for r in by[layout])
+
+    def mean(layout, f):
+        return sum(f(r) for r in by[layout]) / len(by[layout])
+
+    lines = []
+    if "ddp-demo" in by:
+        ddp_held = worst("ddp-demo", held)
+        for lay in (x for x in LAYOUTS if x in by and x != "ddp-demo"):
+            target = " (target <= 0.55)" if lay == "hsdp-demo" else ""
+            lines.append(f"- held per rank, {lay} / ddp-demo (largest rank): {worst(lay, held) / ddp_held:.3f}{target}")
+        for lay in (x for x in LAYOUTS if x in by and x != "ddp-demo"):
+            rss = mean(lay, lambda r: r["rss_growth"]) / mean("ddp-demo", lambda r: r["rss_growth"])
+            lines.append(f"- RSS growth per rank, {lay} / ddp-demo (mean of ranks): {rss:.3f}")
+    rep = {lay: mean(lay, lambda r: r["per_step"]["replicate"]) for lay in by}
+    if "ddp-demo" in by and "hsdp-demo" in by and rep["ddp-demo"]:
+        r = rep["hsdp-demo"] / rep["ddp-demo"]
+        lines += [
+            f"- DeMo across the replicate dimension per rank per step, hsdp-demo / ddp-demo: {r:.4f} "
+            f"(1/shard = {1 / cfg.shard:.4f}: each rank sends its shard's payload)",
+            f"- the same per node (the shard group's {cfg.shard} ranks together) against one ddp-demo rank: "
+            f"{r * cfg.shard:.4f} (target: 1, DDP's bytes for the same parameters)",
+        ]
+    n = rows[0]["n_params"]
+    for lay, b in rep.items():
+        lines.append(f"- across the replicate dimension, {lay}: {b / n:.4f} bytes/param/step per rank")
+    if "hsdp-adamw" in rep and rep.get("hsdp-demo"):
+        x = rep["hsdp-adamw"] / rep["hsdp-demo"]
+        lines.append(f"- hsdp-adamw / hsdp-demo across the replicate dimension: {x:.0f}x")
+    return lines
+
+
+def report(rows: list[dict], cfg: Config, argv: list[str]) -> str:
+    n = rows[0]["n_params"]
+    head = [
+        "# FSDP2 / HSDP memory per rank and bytes per link",
+        "",
+        f"`python benchmarks/fsdp_memory.py {' '.join(argv)}`".replace(" `", "`"),
+        "",
+        f"Byte-level Llama, {n / 1e6:.2f}M parameters (hidden {cfg.hidden}, {cfg.layers} layers, intermediate "
+        f"{cfg.intermediate}), fp32, {cfg.world} gloo ranks on CPU, shard groups of {cfg.shard} for the HSDP rows, "
+        f"batch {cfg.batch} x {cfg.seq_len} per rank, {cfg.steps} steps; bytes per step: the mean of steps "
+        f"2-{cfg.steps}. "
+        "held = parameters + gradients + optimizer state (local shards); DeMo at its defaults, AdamW torch's.",
+        "",
+    ]
+    return "\n".join([*head, *table(rows), "", *ratios(rows, cfg), ""])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = Config()
+    for f, v in asdict(d).items():
+        p.add_argument("--" + f.replace("_", "-"), type=type(v), default=None)
+    p.add_argument("--tiny", action="store_true", help="a tiny model and 3 steps: seconds (the smoke test)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster, RSS less clean")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    given = {f: getattr(args, f) for f in asdict(Config()) if getattr(args, f) is not None}
+    cfg = Config(**{**(TINY if args.tiny else {}), **given})
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        raise SystemExit(f"unknown layouts {bad}: choose from {', '.join(LAYOUTS)}")
+    if cfg.world % cfg.shard:
+        raise SystemExit(f"--shard {cfg.shard} does not divide --world {cfg.world}")
+    text = report(run(cfg, layouts, args.start_method), cfg, argv)
+    print(text)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / "fsdp_memory.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
