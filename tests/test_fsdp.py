@@ -375,6 +375,25 @@ def test_a_dcp_checkpoint_on_another_shard_size_stops_naming_both_meshes(tmp_pat
         assert "'mesh 2x2'" in error and "'mesh 1x4'" in error and "load the model only" in error
 
 
+def _saved_and_continued(rank, world, where):
+    """STEPS steps, saving a DCP checkpoint midway (``where``) and training on with the same optimizer."""
+    model, opt = sharded(rank)
+    for step in range(STEPS):
+        if step == 4 and where is not None:
+            fsdp.save_checkpoint(where, model, opt)
+        backward(model, rank, step)
+        opt.step()
+    return full(model)
+
+
+def test_saving_a_dcp_checkpoint_leaves_the_optimizer_training_as_before(tmp_path):
+    """The checkpoint's state is placed as DTensors on copies: the live state keeps its own blocked momentum."""
+    straight = expect_ok(run_ranks(_saved_and_continued, 4, None))
+    saved = expect_ok(run_ranks(_saved_and_continued, 4, str(tmp_path / "d")))
+    for a, b in zip(straight, saved):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 # ---------------------------------------------------------------- a custom Accelerate loop
 def _accelerate_loop(rank, world):
     """hf_demo.prepare with an FSDP2 model: Accelerate (on CPU) would wrap it in DDP, which cannot hold its

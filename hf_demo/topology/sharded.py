@@ -299,6 +299,7 @@ def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
             f"synchronisation, after a step that is a multiple of sync_every); optimizer step {opt.steps}"
         )
     world_mesh, shards = topology.world_mesh(), topology.shards.world
+    sd["state"] = {pid: dict(entry) for pid, entry in sd["state"].items()}  # torch's entries are opt.state's own dicts
     by_id = dict(
         zip((i for g in sd["param_groups"] for i in g["params"]), (p for g in opt.param_groups for p in g["params"]))
     )
