@@ -31,6 +31,8 @@ Layouts (``--world`` ranks, ``--shard`` ranks per shard group):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import resource
 import sys
 from dataclasses import asdict, dataclass
@@ -62,6 +64,7 @@ class Config:
     lr: float = 1e-3
     seed: int = 0
     corpus_bytes: int = 2_000_000
+    init: str = "whole"  # the sharded layouts' model: "whole" (built, then sharded) or "meta" (never whole on a rank)
 
 
 TINY = dict(hidden=32, intermediate=64, layers=2, heads=2, seq_len=16, steps=3, corpus_bytes=200_000)
@@ -123,17 +126,16 @@ def groups(rank: int, world: int, shard: int) -> tuple[tuple[int, ...], tuple[in
     return tuple(range(rank % shard, world, shard)), tuple(range(rank - rank % shard, rank - rank % shard + shard))
 
 
-def build(layout: str, cfg: Config, model):
-    """The model wrapped for ``layout`` and its optimizer."""
-    import hf_demo
+def shard(layout: str, cfg: Config, model):
+    """``model`` sharded for ``layout`` (in place), and the mesh DeMo is given (None for DDP-DeMo and AdamW)."""
     from hf_demo import fsdp
 
     if layout == "ddp-demo":
-        return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr)
+        return None
     if layout == "hsdp-demo":
         mesh = fsdp.hsdp_mesh(shard=cfg.shard)
         fsdp.shard_model(model, mesh)
-        return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr, device_mesh=mesh)
+        return mesh
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -146,22 +148,44 @@ def build(layout: str, cfg: Config, model):
     for layer in fsdp.layer_modules(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    return None
+
+
+def build(layout: str, cfg: Config):
+    """(the model built and sharded for ``layout``, its optimizer, its parameter count). ``--init meta`` builds a
+    sharded layout's model on the meta device, shards it, then gives each rank its shards only (``to_empty``) and
+    initialises them (``init_weights``, the same seed on every rank): the whole model never exists on a rank. On a
+    CPU mesh DTensor's random ops draw the same values on every shard (PyTorch warns so): a model for measuring
+    memory, not a good initialisation; the default builds the model whole (the same weights as DDP-DeMo's)."""
+    import hf_demo
+    from benchlib.toy import byte_llama
+
+    size = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, layers=cfg.layers, heads=cfg.heads)
+    meta = cfg.init == "meta" and layout != "ddp-demo"
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = byte_llama(**size, seq_len=cfg.seq_len, seed=cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    mesh = shard(layout, cfg, model)
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(cfg.seed)
+        model.init_weights()
+    if layout.endswith("adamw"):
+        return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), n_params
+    return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr, device_mesh=mesh), n_params
 
 
 def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
     import hf_demo  # noqa: F401 - imported before the baseline RSS is read
-    from benchlib.toy import Data, byte_llama
+    from benchlib.toy import Data
     from hf_demo.exchange import transport
     from hf_demo.stdlib_corpus import stdlib_bytes
 
     shard = 1 if layout == "ddp-demo" else world if layout == "fsdp-adamw" else cfg.shard
     links = Links(*groups(rank, world, shard))
     rss0 = rss_now()
-    size = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, layers=cfg.layers, heads=cfg.heads)
-    model = byte_llama(**size, seq_len=cfg.seq_len, seed=cfg.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    model, opt = build(layout, cfg, model)
+    model, opt, n_params = build(layout, cfg)
+    rss_built = rss_now()
     data = Data(stdlib_bytes(cfg.corpus_bytes), rank, world, cfg.seq_len, cfg.batch, cfg.seed, 0.05, 1)
     restore, hook = links.patch_fsdp(), transport.register_collective_hook(links.demo_hook)
     losses, counted = [], {}
@@ -186,7 +210,8 @@ def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(
         layout=layout, rank=rank, n_params=n_params, params=params, grads=grads, state=state_bytes(opt),
-        peak_rss=peak, rss_growth=peak - rss0, per_step=counted, losses=losses,
+        peak_rss=peak, rss_growth=peak - rss0, rss_built=rss_built - rss0, rss_end=rss_now() - rss0,
+        per_step=counted, losses=losses,
     )  # fmt: skip
 
 
@@ -208,18 +233,50 @@ def held(r: dict) -> int:
     return r["params"] + r["grads"] + r["state"]
 
 
+def growths(r: dict) -> str:
+    """The RSS above the one after the imports: once the model is built (and sharded), at its peak, at the end."""
+    return " / ".join(f"{r[k] / MB:.0f}" for k in ("rss_built", "rss_growth", "rss_end"))
+
+
 def table(rows: list[dict]) -> list[str]:
     out = [
-        "| layout | rank | params MB | grads MB | optimizer state MB | **held MB** | peak RSS MB | RSS growth MB "
-        "| across replicate B/step | inside shard group B/step | loss first → last |",
+        "| layout | rank | params MB | grads MB | optimizer state MB | **held MB** | peak RSS MB "
+        "| RSS growth MB: built / peak / end | across replicate B/step | inside shard group B/step "
+        "| loss first → last |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["per_step"]
         out.append(
             f"| {r['layout']} | {r['rank']} | {r['params'] / MB:.1f} | {r['grads'] / MB:.1f} | {r['state'] / MB:.1f} "
-            f"| **{held(r) / MB:.1f}** | {r['peak_rss'] / MB:.0f} | {r['rss_growth'] / MB:.0f} "
+            f"| **{held(r) / MB:.1f}** | {r['peak_rss'] / MB:.0f} | {growths(r)} "
             f"| {s['replicate']:,.0f} | {s['shard']:,.0f} | {r['losses'][0]:.3f} → {r['losses'][-1]:.3f} |"
+        )
+    return out
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """One row per layout: the largest rank's held bytes and RSS, the mean bytes per step."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["layout"], []).append(r)
+    ddp = max(held(r) for r in by["ddp-demo"]) if "ddp-demo" in by else None
+    out = [
+        "| layout | held per rank MB | × ddp-demo | peak RSS MB | RSS growth MB: built / peak / end "
+        "| across replicate B/step/rank "
+        "| inside shard group B/step/rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for lay, rs in by.items():
+        h = max(held(r) for r in rs)
+        x = f"{h / ddp:.3f}" if ddp else "-"
+
+        def mean(key, rs=rs):
+            return sum(r["per_step"][key] for r in rs) / len(rs)
+
+        out.append(
+            f"| {lay} | {h / MB:.1f} | {x} | {max(r['peak_rss'] for r in rs) / MB:.0f} "
+            f"| {growths(max(rs, key=lambda r: r['rss_growth']))} | {mean('replicate'):,.0f} | {mean('shard'):,.0f} |"
         )
     return out
 
@@ -274,20 +331,43 @@ def report(rows: list[dict], cfg: Config, argv: list[str]) -> str:
         f"{cfg.intermediate}), fp32, {cfg.world} gloo ranks on CPU, shard groups of {cfg.shard} for the HSDP rows, "
         f"batch {cfg.batch} x {cfg.seq_len} per rank, {cfg.steps} steps; bytes per step: the mean of steps "
         f"2-{cfg.steps}. "
-        "held = parameters + gradients + optimizer state (local shards); DeMo at its defaults, AdamW torch's.",
+        "held = parameters + gradients + optimizer state (local shards); DeMo at its defaults, AdamW torch's. "
+        + (
+            "The sharded layouts' model is built on the meta device, sharded, then initialised shard by shard."
+            if cfg.init == "meta"
+            else "Every layout's model is built whole on each rank, then sharded."
+        ),
         "",
     ]
-    return "\n".join([*head, *table(rows), "", *ratios(rows, cfg), ""])
+    per_rank = ["", "Per rank:", "", *table(rows)]
+    return "\n".join([*head, *summary(rows), "", *ratios(rows, cfg), *per_rank, ""])
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    d = Config()
-    for f, v in asdict(d).items():
-        p.add_argument("--" + f.replace("_", "-"), type=type(v), default=None)
+    d = Config()  # the flags default to None: --tiny's sizes, then Config's, fill what is not given
+    p.add_argument("--hidden", type=int, help=f"hidden size ({d.hidden})")
+    p.add_argument("--intermediate", type=int, help=f"MLP size ({d.intermediate})")
+    p.add_argument("--layers", type=int, help=f"decoder layers ({d.layers})")
+    p.add_argument("--heads", type=int, help=f"attention heads ({d.heads})")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence ({d.seq_len})")
+    p.add_argument("--batch", type=int, help=f"sequences per rank and step ({d.batch})")
+    p.add_argument("--steps", type=int, help=f"training steps; bytes per step from the 2nd on ({d.steps})")
+    p.add_argument("--world", type=int, help=f"ranks ({d.world})")
+    p.add_argument("--shard", type=int, help=f"ranks per shard group of the HSDP layouts ({d.shard})")
+    p.add_argument("--lr", type=float, help=f"learning rate ({d.lr})")
+    p.add_argument("--seed", type=int, help=f"the model's seed ({d.seed})")
+    p.add_argument("--corpus-bytes", type=int, help=f"bytes of the stdlib corpus read ({d.corpus_bytes})")
+    p.add_argument(
+        "--init",
+        choices=("whole", "meta"),
+        help=f"the sharded layouts' model: built whole then sharded, or on the meta device ({d.init}); on a CPU "
+        "mesh, DTensor's random init gives every shard the same values: meta is for the RSS figures only there",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model and 3 steps: seconds (the smoke test)")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--report-only", action="store_true", help="the tables again from --results-dir's fsdp_memory.json")
     p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster, RSS less clean")
     return p.parse_args(argv)
 
@@ -303,9 +383,16 @@ def main(argv=None):
         raise SystemExit(f"unknown layouts {bad}: choose from {', '.join(LAYOUTS)}")
     if cfg.world % cfg.shard:
         raise SystemExit(f"--shard {cfg.shard} does not divide --world {cfg.world}")
-    text = report(run(cfg, layouts, args.start_method), cfg, argv)
+    saved = args.results_dir / "fsdp_memory.json"
+    if args.report_only:
+        run_ = json.loads(saved.read_text())
+        cfg, rows, argv = Config(**run_["config"]), run_["rows"], run_["argv"]
+    else:
+        rows = run(cfg, layouts, args.start_method)
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(dict(config=asdict(cfg), argv=argv, rows=rows), indent=1))
+    text = report(rows, cfg, argv)
     print(text)
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "fsdp_memory.md").write_text(text)
 
 

@@ -30,7 +30,7 @@ IGNORED = {line.strip("/") for line in (ROOT / ".gitignore").read_text().split()
 TOP_LEVEL = tuple(sorted(p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in IGNORED))
 SOURCE_DIRS = ("hf_demo", "recipes", "benchmarks", "examples", "scripts", "tests")
 # keyword arguments of hf_demo.DeMo and its factories besides the settings
-OPTIMIZER_KWARGS = {"params", "lr", "weight_decay", "process_group", "preset", "sign_update"}
+OPTIMIZER_KWARGS = {"params", "lr", "weight_decay", "process_group", "device_mesh", "preset", "sign_update"}
 OPTIMIZER_CALLS = {"DeMo", "create_optimizer", "optimizer_cls_and_kwargs"}
 
 FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.S | re.M)
