@@ -18,7 +18,10 @@ import torch
 from dist_utils import expect_ok, free_port, run_ranks
 from hf_demo.ops import HealthSettings, OpsSettings, cli, prices, shapes
 from hf_demo.ops import settings as ops_settings
+from hf_demo.ops.links import Link, edge_bytes
+from hf_demo.ops.methods import METHODS, Cluster, Workload, _demo_memory
 from hf_demo.ops.traffic import demo_collectives
+from hf_demo.settings import DeMoSettings
 from launch_utils import ROOT
 from models import loss_and_backward, tiny_mlp
 
@@ -41,14 +44,37 @@ def test_plan_from_a_config_json_recommends_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
     methods = {m["method"]: m for m in plan["methods"]}
-    assert {"ddp-adamw", "ddp-powersgd", "demo", "demo-node", "demo-all_reduce", "demo-sync8", "demo-lean"} <= set(
+    assert {"ddp-adamw", "ddp-powersgd", "demo", "demo-hsdp", "demo-all_reduce", "demo-sync8", "demo-lean"} <= set(
         methods
     )
     assert plan["steps_per_epoch"] == 250 and "Recommended:" in printed and plan["recommended"] in methods
     dense, demo = methods["ddp-adamw"], methods["demo"]
     assert dense["inter_bytes"] > 20 * demo["inter_bytes"] and dense["step_s"] > demo["step_s"]
     assert demo["epoch_cost"] > 0 and math.isclose(demo["epoch_h"], 250 * demo["step_s"] / 3600)
-    assert methods["demo-node"]["inter_bytes"] < demo["inter_bytes"]  # one payload per node between nodes
+    hsdp = methods["demo-hsdp"]  # each rank's shard between nodes; the model's state split over a node's ranks
+    assert hsdp["inter_bytes"] < demo["inter_bytes"] and hsdp["memory_gb"] < demo["memory_gb"]
+    assert hsdp["intra_bytes"] > dense["intra_bytes"] / 2  # FSDP2's gathers and reduce-scatter stay in the node
+
+
+def test_the_hsdp_plan_counts_fsdp2_inside_a_node_and_shards_between_nodes():
+    """L = 4 ranks per node: FSDP2 all-gathers bf16 parameters twice, (L-1)/L of them per edge each time, and
+    reduce-scatters fp32 gradients ((L-1)/L); memory is the first shard's DeMo state plus the largest tensor
+    whole; between nodes the 4 shards' payloads together are what one rank would send for every row (shards
+    of whole 64 x 64 blocks: the same blocks either way)."""
+    shape_list = [(256, 64)] * 4 + [(256,)]
+    n = shapes.count(shape_list)
+    cluster = Cluster(3, 4, Link(1e10), Link(1e8))
+    work = Workload(shape_list, compute_s=1.0, param_bytes=2)
+    hsdp, flat = METHODS["demo-hsdp"](cluster, work), METHODS["demo"](cluster, work)
+    fsdp = [c for c in hsdp.collectives if c.name.startswith("fsdp_")]
+    assert sum(edge_bytes(c.kind, c.nbytes, c.world) for c in fsdp) == pytest.approx(3 / 4 * (2 * 2 * n + 4 * n))
+    quarter = _demo_memory([(64, 64)] * 4 + [(64,)], DeMoSettings(**hsdp.settings), 2)
+    assert hsdp.memory_bytes == quarter + 2 * 2 * 256 * 64 < flat.memory_bytes / 2
+    payload = next(c for c in hsdp.collectives if c.name == "payload")
+    whole = next(c for c in flat.collectives if c.name == "payload")
+    assert (payload.parallel, payload.world, payload.scope) == (4, 3, "inter")
+    assert 4 * payload.nbytes == pytest.approx(whole.nbytes, abs=4 * 8)  # each shard's own byte alignment
+    assert METHODS["demo-hsdp"](Cluster(3, 1, Link(1e10), Link(1e8)), work) is None  # one device: nothing to shard
 
 
 def test_plan_refuses_a_model_given_twice_or_not_at_all():
@@ -155,6 +181,45 @@ def test_forced_resyncs_repeat_and_a_drift_is_named():
             by_kind.setdefault(a["kind"], []).append(a["step"])
         assert by_kind.get("repeated_resyncs", [None])[0] == 9  # the third scheduled resync (steps 3, 6, 9)
         assert by_kind.get("drift") == [16]  # unscheduled: the fingerprints differed
+
+
+def _hsdp_named_bytes(rank, world, sync_every):
+    """DeMo's own collectives (name -> bytes this rank handed to them) over steps 3 to 6 of HSDP on a
+    (2 nodes x 2 ranks) mesh, after the first exchange's checks."""
+    from hf_demo import DeMo, fsdp
+    from hf_demo.exchange.transport import register_collective_hook
+
+    mesh = fsdp.hsdp_mesh(shard=2)
+    model = tiny_mlp(0)
+    fsdp.shard_model(model, mesh, layers=[m for m in model if isinstance(m, torch.nn.Linear)])
+    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4, sync_every=sync_every,
+               device_mesh=mesh)  # fmt: skip
+    named = {}
+    handle = None
+    for step in range(6):
+        if step == 2:
+            handle = register_collective_hook(lambda name, n: named.__setitem__(name, named.get(name, 0) + n))
+        loss_and_backward(model, rank, step)
+        opt.step()
+    handle.remove()
+    return named
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("sync_every", [1, 2])
+def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(sync_every):
+    results = expect_ok(run_ranks(_hsdp_named_bytes, 4, sync_every))
+    settings = DeMoSettings(compression_chunk=8, compression_topk=4, sync_every=sync_every)
+    shape_list = [tuple(p.shape) for p in tiny_mlp(0).parameters()]
+    planned = demo_collectives(shape_list, settings, 2, 2, layout="hsdp")
+    expected = {c.name: 2 * c.nbytes * 4 / c.every for c in planned if not c.name.startswith("fsdp_")}
+    expected.pop("node_drift")  # every check_every (100) steps: none in this window
+    for node in range(2):
+        sent = {}
+        for named in results[2 * node : 2 * node + 2]:  # the node's two ranks
+            for name, n in named.items():
+                sent[name] = sent.get(name, 0) + n
+        assert sent == pytest.approx(expected), (sent, expected)
 
 
 # ---------------------------------------------------------------- a real Trainer, one process

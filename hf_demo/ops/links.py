@@ -5,6 +5,8 @@ A link is its bandwidth (bytes per second, each direction) and its one-way laten
 - all-gather of ``s`` bytes per rank: ``W - 1`` ring hops, each edge carries ``(W - 1) s`` bytes;
 - all-reduce of ``n`` bytes: a reduce-scatter then an all-gather, ``2 (W - 1)`` hops, each edge carries
   ``2 (W - 1) / W * n`` bytes (what :class:`hf_demo.exchange.transport.Transport` counts for an all-reduce);
+- reduce-scatter of ``n`` bytes per rank (each keeps ``n / W`` of the sum): ``W - 1`` hops, each edge carries
+  ``(W - 1) / W * n`` bytes (FSDP2's gradient reduction);
 - broadcast of ``n`` bytes: pipelined along the ring, ``n`` bytes per edge and ``W - 1`` hops.
 
 Ranks spread over several nodes are limited by the link between nodes (a ring ordered by node crosses each
@@ -66,35 +68,42 @@ def all_reduce_edge_bytes(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
+def reduce_scatter_edge_bytes(nbytes: float, world: int) -> float:
+    return (world - 1) / world * nbytes
+
+
+HOPS = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}  # times W - 1
+
+
 def collective_seconds(kind: str, nbytes: float, world: int, link: Link) -> float:
-    """Seconds of one collective of ``kind`` (all_gather, all_reduce, broadcast) handing ``nbytes`` per rank."""
+    """Seconds of one collective of ``kind`` (all_gather, all_reduce, reduce_scatter, broadcast) handing
+    ``nbytes`` per rank."""
+    if kind not in HOPS:
+        raise ValueError(f"unknown collective {kind!r}")
     if world <= 1:
         return 0.0
-    if kind == "all_gather":
-        return link.seconds(all_gather_edge_bytes(nbytes, world), world - 1)
-    if kind == "all_reduce":
-        return link.seconds(all_reduce_edge_bytes(nbytes, world), 2 * (world - 1))
-    if kind == "broadcast":
-        return link.seconds(nbytes, world - 1)
-    raise ValueError(f"unknown collective {kind!r}")
+    return link.seconds(edge_bytes(kind, nbytes, world), HOPS[kind] * (world - 1))
 
 
 def edge_bytes(kind: str, nbytes: float, world: int) -> float:
     """Bytes one ring edge carries (each direction) for a collective of ``kind``."""
     if world <= 1:
         return 0.0
-    return {"all_gather": all_gather_edge_bytes, "all_reduce": all_reduce_edge_bytes}.get(kind, lambda n, w: n)(
-        nbytes, world
-    )
+    per_edge = {
+        "all_gather": all_gather_edge_bytes,
+        "all_reduce": all_reduce_edge_bytes,
+        "reduce_scatter": reduce_scatter_edge_bytes,
+    }
+    return per_edge.get(kind, lambda n, w: n)(nbytes, world)
 
 
 def sent_bytes(kind: str, nbytes: float, world: int) -> float:
     """What a rank's ``CommStats.bytes_sent`` counts for a collective (mean over the ranks): an all-gather its
-    own row, an all-reduce what a ring moves, a broadcast ``(W - 1) n`` on its source."""
+    own row, an all-reduce or a reduce-scatter what a ring moves, a broadcast ``(W - 1) n`` on its source."""
     if world <= 1:
         return 0.0
-    if kind == "all_reduce":
-        return all_reduce_edge_bytes(nbytes, world)
+    if kind in ("all_reduce", "reduce_scatter"):
+        return edge_bytes(kind, nbytes, world)
     if kind == "broadcast":
         return nbytes * (world - 1) / world
     return nbytes

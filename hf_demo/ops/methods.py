@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from hf_demo.ops.links import Link, collective_seconds, edge_bytes, sent_bytes
 from hf_demo.ops.shapes import Shape
-from hf_demo.ops.traffic import Collective, ddp_collectives, demo_collectives, demo_layouts, powersgd_collectives
+from hf_demo.ops.traffic import (
+    Collective,
+    ddp_collectives,
+    demo_collectives,
+    demo_layouts,
+    powersgd_collectives,
+    shard_shapes,
+)
 from hf_demo.optim import policy as policies
 from hf_demo.settings import PRESETS, DeMoSettings
 
@@ -70,8 +77,8 @@ class Estimate:
     def exchange_s(self, cluster: Cluster) -> float:
         """Seconds per step (amortised over ``every``) that the step waits on the network."""
         fixed = hidden = 0.0
-        for c in self.collectives:
-            t = collective_seconds(c.kind, c.nbytes, c.world, cluster.link(c.scope)) / c.every
+        for c in self.collectives:  # side by side on one link (parallel): the link carries their sum
+            t = collective_seconds(c.kind, c.nbytes * c.parallel, c.world, cluster.link(c.scope)) / c.every
             if c.hideable:
                 hidden += t
             else:
@@ -83,9 +90,12 @@ class Estimate:
 
     def link_bytes(self, scope: str, cluster: Cluster) -> float:
         """Bytes per step (amortised) one ring edge carries on the ``scope`` link, each direction (a ring over
-        the ranks of several nodes runs on the links inside the nodes too)."""
-        scopes = {scope, "inter"} if scope == "intra" and cluster.devices_per_node > 1 else {scope}
-        return sum(edge_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives if c.scope in scopes)
+        several ranks of each node runs on the links inside the nodes too; one over one rank per node does not)."""
+
+        def on_link(c: Collective) -> bool:
+            return c.scope == scope or (scope == "intra" and c.scope == "inter" and c.world > cluster.nodes)
+
+        return sum(edge_bytes(c.kind, c.nbytes, c.world) * c.parallel / c.every for c in self.collectives if on_link(c))
 
     def rank_bytes(self) -> float:
         """Bytes per step (amortised, mean over ranks) each rank hands to the collectives, counted as
@@ -121,25 +131,31 @@ def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
     )
 
 
-def _demo_memory(shapes, settings: DeMoSettings, work: Workload, devices_per_node: int) -> float:
+def _demo_memory(shapes, settings: DeMoSettings, param_bytes: int) -> float:
     """Parameters, gradients, the blocked fp32 momentum (twice at the step's peak: the working copy) and the
-    rules' state; hierarchy='node' keeps 1/devices of the momentum and a node-mean gradient."""
-    n, pb = work.n_params, work.param_bytes
+    rules' state, for a rank holding tensors of ``shapes``."""
+    n, pb = sum(math.prod(s) for s in shapes), param_bytes
     momentum = sum(layout.nblocks * layout.bsize * 4 for layout in demo_layouts(shapes, settings))
     rule = {"adam": 4, "adamw": 8}.get(settings.update_rule, 0) * n
     local = 0
     if settings.sync_every > 1 or settings.comm_budget > 0:  # anchor, inner momentum, inner rule state
         local = pb * n + 4 * n + {"adam": 4, "adamw": 8}.get(settings.inner_rule, 0) * n
-    if settings.hierarchy == "node" and devices_per_node > 1:
-        return 2 * pb * n + 2 * momentum / devices_per_node + rule / devices_per_node + 4 * n
     return 2 * pb * n + 2 * momentum + rule + local
+
+
+def _hsdp_memory(shapes, settings: DeMoSettings, param_bytes: int, devices_per_node: int) -> float:
+    """HSDP: what :func:`_demo_memory` counts for the node's first (largest) shard of every tensor, plus the
+    largest tensor unsharded, its parameters and gradient (FSDP2 gathers a layer whole while it computes; the
+    planner knows tensors, not layers)."""
+    largest = max(math.prod(s) for s in shapes)
+    return _demo_memory(shard_shapes(shapes, devices_per_node, 0), settings, param_bytes) + 2 * param_bytes * largest
 
 
 PRESET_QUALITY = {"balanced": 3, "many_nodes": 3, "lean": 5, "extreme": 7}  # docs/CONVERGENCE.md's order
 
 DEMO_VARIANTS = {  # name -> (label, settings on top of the workload's, quality)
     "demo": ("DeMo (defaults: all_gather)", {}, 2),
-    "demo-node": ("DeMo hierarchy=node", {"hierarchy": "node"}, 2),
+    "demo-hsdp": ("HSDP-DeMo (hf_demo.fsdp: FSDP2 in a node, DeMo between)", {"layout": "hsdp"}, 2),
     "demo-all_reduce": ("DeMo exchange=all_reduce", {"exchange": "all_reduce"}, 4),
     "demo-overlap": ("DeMo overlap", {"overlap": True}, 5),
     "demo-sync8": ("DeMo sync_every=8", {"sync_every": 8}, 6),
@@ -151,9 +167,17 @@ DEMO_VARIANTS = {  # name -> (label, settings on top of the workload's, quality)
 }
 
 
+LAYOUTS = ("flat", "hsdp")  # a variant's "layout": DeMo between every rank, or HSDP (hf_demo.fsdp)
+
+
 def demo_settings(variant: str, work: Workload) -> DeMoSettings:
     chosen = {**work.demo_settings, **DEMO_VARIANTS[variant][1]}
+    chosen.pop("layout", None)
     return DeMoSettings.resolve(chosen.pop("preset", None), **chosen)
+
+
+def demo_layout(variant: str) -> str:
+    return DEMO_VARIANTS[variant][1].get("layout", "flat")
 
 
 def demo_method(variant: str):
@@ -164,30 +188,44 @@ def demo_method(variant: str):
             settings = demo_settings(variant, work)
         except ValueError as exc:  # a combination DeMo refuses (e.g. overlap with the workload's settings)
             return _refused(variant, label, quality, str(exc))
-        if settings.hierarchy == "node" and cluster.devices_per_node < 2:
-            return None  # one device per node: the same as the flat layout
-        return demo_estimate(variant, label, quality, settings, cluster, work)
+        layout = demo_layout(variant)
+        if layout == "hsdp" and cluster.devices_per_node < 2:
+            return None  # one device per node: nothing to shard, the same as the flat layout
+        return demo_estimate(variant, label, quality, settings, cluster, work, layout)
 
     return estimate
 
 
 def demo_estimate(
-    variant: str, label: str, quality: int, settings: DeMoSettings, cluster: Cluster, work: Workload
+    variant: str,
+    label: str,
+    quality: int,
+    settings: DeMoSettings,
+    cluster: Cluster,
+    work: Workload,
+    layout: str = "flat",
 ) -> Estimate:
-    """DeMo with ``settings`` on this cluster (the budget policy: in the tier it settles in)."""
+    """DeMo with ``settings`` on this cluster in ``layout`` (the budget policy: in the tier it settles in)."""
     compute = work.compute_s * (1 + work.demo_overhead)
+    d = cluster.devices_per_node
+    hsdp = layout == "hsdp"
     est = Estimate(
         variant,
         label,
-        demo_collectives(work.shapes, settings, cluster.nodes, cluster.devices_per_node),
+        demo_collectives(work.shapes, settings, cluster.nodes, d, layout=layout, param_bytes=work.param_bytes),
         compute,
-        compute if settings.overlap else 0.0,  # the payload of step t moves during step t+1's computation
-        _demo_memory(work.shapes, settings, work, cluster.devices_per_node),
+        # overlap: the payload of step t moves during step t+1's computation; HSDP: FSDP2's collectives run
+        # under the forward and backward passes
+        compute if settings.overlap or hsdp else 0.0,
+        _hsdp_memory(work.shapes, settings, work.param_bytes, d)
+        if hsdp
+        else _demo_memory(work.shapes, settings, work.param_bytes),
         quality,
         settings.as_dict(),
+        "hf_demo.fsdp.shard_model(model, hsdp_mesh()); DeMo(..., device_mesh=mesh)" if hsdp else "",
     )
     if settings.comm_budget > 0:
-        return _settle_budget(est, settings, cluster, work)
+        return _settle_budget(est, settings, cluster, work, layout)
     return est
 
 
@@ -195,7 +233,7 @@ def _refused(variant, label, quality, why) -> Estimate:
     return Estimate(variant, label, [], math.inf, 0.0, math.inf, quality, None, f"refused: {why}")
 
 
-def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work: Workload) -> Estimate:
+def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work: Workload, layout: str) -> Estimate:
     """The tier the budget policy settles in on this link: the first (most bytes) whose predicted time on the
     exchange is within the budget, the last tier when none is (the policy's own tiers, hf_demo.optim.policy)."""
     tiers = policies.tiers(settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every)
@@ -203,7 +241,7 @@ def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work
     for index, tier in enumerate(tiers):  # noqa: B007 - the tier it stops at is the answer
         tier_settings = (tier.value_format, tier.topk_divisor, tier.sync_every)
         est.collectives = demo_collectives(
-            work.shapes, settings, cluster.nodes, cluster.devices_per_node, *tier_settings
+            work.shapes, settings, cluster.nodes, cluster.devices_per_node, *tier_settings, layout, work.param_bytes
         )
         if est.exchange_s(cluster) <= settings.comm_budget * est.step_s(cluster):
             break

@@ -8,9 +8,11 @@
 - ``demo_compute_s``: the rest of the optimizer step (DCT, top-k, coding, the update);
 - ``other_s``: the time since the previous step outside any step (data, logging, evaluation, checkpoints);
 - bytes this rank handed to DeMo's collectives and got back, the dense fp32 all-reduce they replace, the
-  bytes on collectives inside a node (``hierarchy='node'``: names starting ``node_``; what is left crossed
-  nodes), the effective bandwidth (bytes received over the wait), and the tier, skips, resyncs and drift
-  checks (fingerprint comparisons, counted from ``check_every`` at each communicating step).
+  bytes on DeMo's collectives inside a node (HSDP, :mod:`hf_demo.fsdp`: the sharded topology's agreement over
+  the shard group, names starting ``node_``; what is left crossed nodes; FSDP2's own all-gathers and
+  reduce-scatters are not DeMo's and are not counted), the effective bandwidth (bytes received over the
+  wait), and the tier, skips, resyncs and drift checks (fingerprint comparisons, counted from ``check_every``
+  at each communicating step).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
 
 
 class _NodeBytes:
-    """Bytes handed to collectives inside a node (``node_*``), from the transport's public hook."""
+    """Bytes handed to DeMo's collectives inside a node (``node_*``), from the transport's public hook."""
 
     def __init__(self):
         self.count = 0

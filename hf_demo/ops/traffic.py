@@ -5,7 +5,8 @@ payload sizes of the exchange classes of :mod:`hf_demo.exchange.exchanges` (whic
 :mod:`hf_demo.wire.codec`), and :data:`hf_demo.wire.codec.HEADER_BYTES` for each header, exactly as the
 optimizer builds them. DDP all-reduces every gradient (fp32 by default) in buckets; PowerSGD (torch's
 ``powerSGD_hook``) all-reduces the factors ``P`` (n x r) and ``Q`` (m x r) of each matrix it compresses and
-every other tensor whole.
+every other tensor whole. HSDP-DeMo (:func:`hsdp_collectives`) adds FSDP2's all-gathers and reduce-scatter
+inside a node and exchanges each rank's shard between nodes.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # and its first, smaller bucket
 class Collective:
     """One collective of a step. ``nbytes``: what each rank hands to it (an all-gather's own row); ``scope``:
     the link it runs on (``inter`` between nodes, ``intra`` inside a node); ``every``: once per that many
-    steps; ``hideable``: it may run under computation (DDP's early buckets, DeMo's overlapped payload)."""
+    steps; ``hideable``: it may run under computation (DDP's early buckets, DeMo's overlapped payload, FSDP2's
+    prefetched collectives); ``parallel``: that many ranks of each node run it side by side (HSDP's local ranks,
+    each exchanging its own shard), sharing the node's link."""
 
     name: str
     kind: str
     nbytes: float
     world: int
     scope: str
-    every: int = 1
+    every: float = 1
     hideable: bool = False
+    parallel: int = 1  # ranks of one node running this collective at once, each in its own group, on one link
 
 
 def demo_layouts(shapes: list[Shape], settings: DeMoSettings, topk_divisor: int = 1):
@@ -89,30 +93,78 @@ def demo_collectives(
     value_format: str | None = None,
     topk_divisor: int = 1,
     sync_every: int | None = None,
+    layout: str = "flat",
+    param_bytes: int = 4,
 ) -> list[Collective]:
     """Every collective of DeMo's step with these settings (a policy tier: its value format, top-k divisor and
-    sync_every) on ``nodes`` x ``devices_per_node`` ranks."""
+    sync_every) on ``nodes`` x ``devices_per_node`` ranks. ``layout``: ``flat`` (DeMo between every rank) or
+    ``hsdp`` (:func:`hsdp_collectives`: FSDP2 inside a node, DeMo between nodes)."""
     every = sync_every or settings.sync_every
     world = nodes * devices_per_node
+    tier = (value_format, topk_divisor)
+    if layout == "hsdp" and devices_per_node > 1:
+        return hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier, param_bytes)
     n_params = sum(math.prod(s) for s in shapes)
-    if settings.hierarchy == "node" and devices_per_node > 1:
-        d = devices_per_node
-        out = [
-            Collective("node_header", "all_gather", codec.HEADER_BYTES, d, "intra"),
-            Collective("node_gradients", "all_reduce", 4 * n_params, d, "intra"),
-            Collective("node_parameters", "broadcast", 4 * n_params, d, "intra"),
-        ]
-        if nodes > 1:  # every local rank exchanges its shard with its peers; together they carry every parameter
-            inter = _exchange_collectives(shapes, settings, nodes, "inter", every, value_format, topk_divisor, False)
-            out += [
-                Collective(c.name, c.kind, c.nbytes * (d if c.name == "header" else 1), c.world, c.scope, c.every)
-                for c in inter
-            ]
-        return out
     scope = "inter" if nodes > 1 else "intra"
-    out = _exchange_collectives(shapes, settings, world, scope, every, value_format, topk_divisor, settings.overlap)
+    out = _exchange_collectives(shapes, settings, world, scope, every, *tier, settings.overlap)
     if settings.full_sync_every and world > 1:
         out.append(Collective("resync", "broadcast", 4 * n_params, world, scope, settings.full_sync_every))
+    return out
+
+
+def shard_shapes(shapes: list[Shape], shards: int, index: int) -> list[Shape]:
+    """The local shapes shard ``index`` of ``shards`` holds under FSDP2 (``torch.chunk`` along dim 0); a tensor
+    with no rows there is left out, as DeMo leaves it out."""
+    out = []
+    for s in shapes:
+        rows = -(-s[0] // shards)  # torch.chunk's piece size
+        mine = max(0, min(rows, s[0] - index * rows))
+        if mine:
+            out.append((mine, *s[1:]))
+    return out
+
+
+def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(None, 1), param_bytes=4):
+    """HSDP-DeMo on ``nodes`` x ``devices_per_node`` ranks (:mod:`hf_demo.fsdp`): the model sharded by FSDP2
+    over the ``L = devices_per_node`` ranks of a node, DeMo across the nodes.
+
+    - inside a node, every step: FSDP2 all-gathers each layer's parameters for the forward and again for the
+      backward (each rank hands its shard, ``2 (L-1)/L`` of the parameters' bytes cross each edge) and
+      reduce-scatters the fp32 gradients (``(L-1)/L`` of them); FSDP2 prefetches and overlaps them with the
+      computation (``hideable``);
+    - inside a node, at each exchange: DeMo's own agreement over the shard group (``node_header``, the signed
+      header; ``node_vote``, refused anywhere; ``node_drift`` at drift checks; ``node_flags`` at local steps);
+    - between nodes: each of the ``L`` local ranks exchanges its shard's DeMo payload with its replicas
+      (``parallel``: the ``L`` exchanges share the node's link); ``nbytes`` is the mean over the local ranks.
+    """
+    L = devices_per_node
+    n_params = sum(math.prod(s) for s in shapes)
+    shard_bytes = param_bytes * n_params / L
+    out = [
+        Collective("fsdp_all_gather_forward", "all_gather", shard_bytes, L, "intra", hideable=True),
+        Collective("fsdp_all_gather_backward", "all_gather", shard_bytes, L, "intra", hideable=True),
+        Collective("fsdp_reduce_scatter", "reduce_scatter", 4 * n_params, L, "intra", hideable=True),
+        Collective("node_header", "all_gather", codec.HEADER_BYTES, L, "intra", every),
+        Collective("node_vote", "all_gather", agreement.VOTE_BYTES, L, "intra", every),
+    ]
+    if settings.check_every:
+        out.append(Collective("node_drift", "all_gather", agreement.VOTE_BYTES, L, "intra", settings.check_every))
+    if every > 1:  # once per local step: every shard skips a non-finite local step alike
+        out.append(Collective("node_flags", "all_gather", agreement.VOTE_BYTES, L, "intra", every / (every - 1)))
+    if nodes < 2:
+        return out
+    per_rank = [
+        _exchange_collectives(shard_shapes(shapes, L, r), settings, nodes, "inter", every, *tier, settings.overlap)
+        for r in range(L)
+    ]
+    for mine in zip(*per_rank):  # the same collectives on every local rank, each for its own shard
+        c = mine[0]
+        nbytes = sum(m.nbytes for m in mine) / L
+        out.append(Collective(c.name, c.kind, nbytes, c.world, c.scope, c.every, c.hideable, parallel=L))
+    if settings.full_sync_every:
+        out.append(
+            Collective("resync", "broadcast", 4 * n_params / L, nodes, "inter", settings.full_sync_every, parallel=L)
+        )
     return out
 
 
