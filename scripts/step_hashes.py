@@ -32,7 +32,6 @@ MODES = {
     "all_reduce+leader": {"exchange": "all_reduce", "reduce_positions": "leader"},
     "sync_every": {"sync_every": 4},
     "overlap": {"overlap": True},
-    "node": {"hierarchy": "node"},
     "full_sync_every": {"full_sync_every": 5},
 }
 FORMATS = ("bf16", "fp32", "sign")
@@ -56,8 +55,6 @@ def digest(tensors) -> str:
 
 
 def _train(rank, world, kw):
-    if kw.get("hierarchy") == "node":
-        os.environ["LOCAL_WORLD_SIZE"] = str(min(world, 2))
     model = tiny_mlp()
     opt = hf_demo.DeMo(model.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8, **kw)
     for step in range(STEPS):
