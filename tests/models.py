@@ -45,8 +45,9 @@ def loss_and_backward(model, rank, step):
 
 
 def node_mean_backward(model, node: int, step: int, local_size: int = 2) -> None:
-    """The gradients a rank of ``hierarchy="node"`` steps with: the mean over node ``node``'s ranks' batches of
-    (rank, step), set as every parameter's ``.grad`` (flat DeMo on these is the hierarchy's slow spelling)."""
+    """The gradients HSDP leaves on node ``node``'s shards (FSDP2 reduce-scatters inside the node): the mean over
+    the node's ranks' batches of (rank, step), set as every parameter's ``.grad`` (flat DeMo between the nodes on
+    these, each shard's rows apart, is HSDP-DeMo's slow spelling: tests/test_compose.py)."""
     grads = []
     for r in range(node * local_size, (node + 1) * local_size):
         loss_and_backward(model, r, step)

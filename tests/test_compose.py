@@ -1,9 +1,8 @@
-"""Modes that compose now that the step is made of parts: overlap x all_reduce, hierarchy x sync_every, and the
-identity transform. Each with the checks the other modes have: bitwise-identical replicas, exact resume, and
-agreement with a slower spelling of the same training."""
+"""Modes that compose now that the step is made of parts: overlap x all_reduce, FSDP2-sharded parameters (HSDP) x
+sync_every, and the identity transform. Each with the checks the other modes have: bitwise-identical replicas,
+exact resume, and agreement with a slower spelling of the same training."""
 
 import io
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 import hf_demo
 from dist_utils import expect_ok, run_ranks
+from hf_demo import fsdp
 from models import loss_and_backward, node_mean_backward, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -32,9 +32,7 @@ def _resume_like_trainer(model, opt, make):
     return new_model, new_opt
 
 
-def _train(rank, world, kw, steps, resume_at=None, local_world=None):
-    if local_world:
-        os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+def _train(rank, world, kw, steps, resume_at=None):
     model = tiny_mlp()
 
     def make(m):
@@ -84,38 +82,87 @@ def test_overlap_with_all_reduce_on_one_rank_is_overlap_with_all_gather():
     assert all(torch.equal(a, b) for a, b in zip(reduce, gather))
 
 
-# ---------------------------------------------------------------- hierarchy x sync_every
-NODE_LOCAL = {"hierarchy": "node", "sync_every": 4, "value_format": "fp32"}
+# ---------------------------------------------------------------- sharded (HSDP) x sync_every
+SHARDED_LOCAL = {"sync_every": 4, "value_format": "fp32"}
+UNEVEN = dict(hidden=5, outputs=3)  # rows 5 and 3: two shards of 3 and 2, 2 and 1 rows
 
 
-def _flat_with_node_gradients(rank, world, steps):
-    """Flat DeMo with local steps on 2 ranks, each given the mean gradient of its node's two batches."""
-    model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), **{**KW, **NODE_LOCAL, "hierarchy": "flat"})
+def _shard(model):
+    """``model`` sharded by FSDP2 on a (2 replicas x 2 shards) mesh, and the mesh for DeMo."""
+    mesh = fsdp.hsdp_mesh(shard=2)
+    return fsdp.shard_model(model, mesh, layers=[m for m in model if isinstance(m, torch.nn.Linear)]), mesh
+
+
+def _resume_sharded(model, opt, make):
+    """A resume from rank 0's whole model weights (as Trainer writes one model file) and each rank's own
+    optimizer state: inside a local phase each rank's own shard comes back from its optimizer state."""
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    weights = [{k: v.full_tensor() for k, v in model.state_dict().items()}]
+    dist.broadcast_object_list(weights, src=0)
+    new_model = tiny_mlp(seed=7, **UNEVEN)
+    new_model.load_state_dict(weights[0])
+    new_model, mesh = _shard(new_model)
+    new_opt = make(new_model, mesh)
+    new_opt.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    return new_model, new_opt
+
+
+def _hsdp_train(rank, world, steps, resume_at=None):
+    def make(m, mesh):
+        return hf_demo.DeMo(m.parameters(), device_mesh=mesh, **{**KW, **SHARDED_LOCAL})
+
+    model, mesh = _shard(tiny_mlp(**UNEVEN))
+    opt = make(model, mesh)
+    for step in range(steps):
+        if step == resume_at:
+            model, opt = _resume_sharded(model, opt, make)
+        loss_and_backward(model, rank, step)
+        opt.step()
+    opt.flush()
+    return [p.full_tensor() for p in model.parameters()], opt.comm_stats.total_collectives
+
+
+def _flat_on_shard_rows(rank, world, steps):
+    """Flat local-step DeMo between 2 ranks (the nodes) on every parameter cut into the rows each FSDP2 shard
+    holds (torch.chunk), each piece given its rows of the node's mean gradient."""
+    model = tiny_mlp(**UNEVEN)
+    params = list(model.parameters())
+    pieces = [[torch.nn.Parameter(c.clone()) for c in p.detach().chunk(2)] for p in params]
+    opt = hf_demo.DeMo([c for cs in pieces for c in cs], **{**KW, **SHARDED_LOCAL})
     for step in range(steps):
         node_mean_backward(model, rank, step)
+        for p, cs in zip(params, pieces):
+            for c, g in zip(cs, p.grad.chunk(2)):
+                c.grad = g.clone()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, cs in zip(params, pieces):
+                p.copy_(torch.cat([c.detach() for c in cs]))
+    return [p.detach().clone() for p in params]
 
 
-def test_hierarchy_with_local_steps_equals_flat_local_steps_on_node_mean_gradients():
-    """2 nodes x 2 ranks: the node's mean gradient, local steps on each rank's shard shared inside the node, and
-    DeMo between the nodes at each synchronisation: flat local-step DeMo between 2 ranks fed those gradients."""
-    node = expect_ok(run_ranks(_train, 4, NODE_LOCAL, 8, None, 2))
-    assert _identical(node)  # synchronised at step 7: all four replicas are identical
-    flat = expect_ok(run_ranks(_flat_with_node_gradients, 2, 8))[0]
-    for a, b in zip(node[0][0], flat):
+def test_sharded_with_local_steps_equals_flat_local_steps_on_each_shards_rows():
+    """2 nodes x 2 shards: FSDP2's node-mean gradient on each shard, local steps on the shard, and DeMo across
+    the replicate dimension at each synchronisation: flat local-step DeMo between 2 ranks on each shard's rows,
+    fed the node's mean gradient."""
+    hsdp = expect_ok(run_ranks(_hsdp_train, 4, 8))
+    assert _identical(hsdp)  # synchronised at step 8: all four replicas are identical
+    flat = expect_ok(run_ranks(_flat_on_shard_rows, 2, 8))[0]
+    for a, b in zip(hsdp[0][0], flat):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    start = [p.detach() for p in tiny_mlp(**UNEVEN).parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(hsdp[0][0], start))
 
 
-def test_hierarchy_with_local_steps_resumes_exactly_inside_a_local_phase():
-    """Resumed at step 5, inside a local phase, from rank 0's model file (as Trainer does): each rank's own
-    parameters come back from its optimizer state, and training goes on bit for bit."""
-    straight = expect_ok(run_ranks(_train, 4, NODE_LOCAL, 10, None, 2))
-    resumed = expect_ok(run_ranks(_train, 4, NODE_LOCAL, 10, 5, 2))
+def test_sharded_with_local_steps_resumes_exactly_inside_a_local_phase():
+    """Resumed at step 5, inside a local phase, from rank 0's whole model weights and each rank's own
+    optimizer state (torch.save): every rank's own shard comes back, and training goes on bit for bit."""
+    straight = expect_ok(run_ranks(_hsdp_train, 4, 10))
+    resumed = expect_ok(run_ranks(_hsdp_train, 4, 10, 5))
     for (a, _), (b, _) in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert _identical(straight)  # 10 steps end inside a phase: flush() averaged every rank's parameters
+    assert _identical(straight)  # 10 steps end inside a phase: flush() averaged every replica's shards
 
 
 # ---------------------------------------------------------------- the identity transform

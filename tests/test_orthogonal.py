@@ -1,8 +1,9 @@
 """update_rule="orthogonal": Muon's Newton-Schulz step on DeMo's averaged update, held to a float64 reference.
 
 The pure iteration and its scale; the rule against the slow reference on 1, 2 and 4 gloo ranks, alone and in
-per-group settings (Muon-style groups); bitwise replicas and exact resume in every exchange; overlap; the
-node hierarchy; local Muon steps (inner_rule) and the refusal of orthogonalised synchronisations.
+per-group settings (Muon-style groups); bitwise replicas and exact resume in every exchange; overlap; local Muon
+steps (inner_rule) and the refusal of orthogonalised synchronisations. (FSDP2-sharded parameters refuse the rule:
+tests/test_fsdp.py.)
 """
 
 import os
@@ -16,7 +17,7 @@ from dist_utils import RankError, expect_ok, run_ranks
 from hf_demo.optim import update_rules
 from hf_demo.optim.param_groups import muon_style_groups
 from hf_demo.optim.reference import ReferenceDeMo, orthogonalised
-from models import awkward_mlp, batch, loss_and_backward, node_mean_backward, restart, tiny_mlp
+from models import awkward_mlp, batch, loss_and_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes (most tests)
 
@@ -260,33 +261,6 @@ def _disagree(rank, world):
 def test_ranks_with_another_rule_in_a_group_are_refused():
     for r in run_ranks(_disagree, 2):
         assert isinstance(r, RankError) and r.type == "DeMoSyncError" and "different optimizer settings" in r.message
-
-
-def _hierarchical(rank, world):
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    model = tiny_mlp()
-    opt = _make(model, hierarchy="node", value_format="fp32")
-    for step in range(10):
-        loss_and_backward(model, rank, step)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _flat_on_node_means(rank, world):
-    model = tiny_mlp()
-    opt = _make(model, value_format="fp32")
-    for step in range(10):
-        node_mean_backward(model, rank, step)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def test_node_hierarchy_is_flat_demo_on_the_node_mean_gradients():
-    results = expect_ok(run_ranks(_hierarchical, 4))
-    for params in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], params))
-    flat = expect_ok(run_ranks(_flat_on_node_means, 2))[0]
-    assert _max_diff(results[0], flat) <= 1e-6
 
 
 # ---------------------------------------------------------------------- local steps (sync_every > 1)
