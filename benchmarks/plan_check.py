@@ -79,9 +79,13 @@ def predict(method: str, run: dict, cluster: Cluster, work: Workload) -> tuple[f
         return ddp_adamw(cluster, work).step_s(cluster), ""
     if method == "powersgd":
         return ddp_powersgd(cluster, work).step_s(cluster), ""
+    if method not in DEMO_KW:  # a method since retired (demo-hier: hierarchy="node", replaced by demo-hsdp)
+        return None
     recorded = run.get("app_sent_mean")
+    layout = "hsdp" if method == "demo-hsdp" else "flat"
     for coding in ("elias_fano", "uint16"):
-        est = demo_estimate(method, method, 0, demo_settings(method, run["args"], cluster.world, coding), cluster, work)
+        settings = demo_settings(method, run["args"], cluster.world, coding)
+        est = demo_estimate(method, method, 0, settings, cluster, work, layout)
         if recorded is None or round(est.rank_bytes()) == round(recorded):
             return est.step_s(cluster), f"bytes exact ({coding})"
     return None

@@ -6,7 +6,7 @@ tends to 8 B/param and never exceeds it. With s = DeMo's payload in bytes per pa
 
     received_DeMo / received_ring = (W-1)·s / (2(W-1)/W · 4) = s·W / 8     ->   DeMo stops paying at W* = 8 / s
 
-(plus the 64-byte header per rank, negligible).
+(plus the 136-byte header and the 8-byte commit vote per rank, negligible).
 
 Part 1 (measured): for W = 2, 4, 8 local gloo processes (127.0.0.1, one torch thread each; this measures
 bytes, not time), every setting in ``--settings`` builds ``hf_demo.DeMo`` on the model of ``benchlib.toy``
@@ -45,7 +45,7 @@ DEFAULT_INDEX_CODING = DeMoSettings().index_coding
 HERE = Path(__file__).resolve().parent
 
 DEFAULT_SETTINGS = (
-    "bf16:32:64,bf16:32:64:uint16,sign:32:64,sign:32:64:uint16,bf16:32:64:all_reduce,bf16:32:64:leader,bf16:8:64:all_reduce,bf16:32:64:node,bf16:32:64:all_reduce:node,"
+    "bf16:32:64,bf16:32:64:uint16,sign:32:64,sign:32:64:uint16,bf16:32:64:all_reduce,bf16:32:64:leader,bf16:8:64:all_reduce,bf16:32:64:hsdp,bf16:32:64:all_reduce:hsdp,"
     "bf16:32:64:sync8,sign:32:64:sync8,bf16:8:64,sign:8:64,sign:4:64"
 )
 
@@ -59,12 +59,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma-separated value_format:topk:chunk[:all_reduce|:leader][:node][:syncH][:uint16|:elias_fano] "
+        help="comma-separated value_format:topk:chunk[:all_reduce|:leader][:hsdp][:syncH][:uint16|:elias_fano] "
         "(all_reduce = exchange='all_reduce' with union positions, leader = the same with "
-        "reduce_positions='leader'; node = hierarchy='node' with --local-size processes per node; syncH = "
-        "sync_every=H; the index coding defaults to DeMo's)",
+        "reduce_positions='leader'; hsdp = the model sharded by FSDP2 over --local-size processes per node "
+        "(hf_demo.fsdp), DeMo between the nodes; syncH = sync_every=H; the index coding defaults to DeMo's)",
     )
-    p.add_argument("--local-size", type=int, default=2, help="LOCAL_WORLD_SIZE for the :node settings")
+    p.add_argument("--local-size", type=int, default=2, help="processes per node (shard size) of :hsdp settings")
     p.add_argument("--steps", type=int, default=2, help="steps per setting (at least 2 x H for syncH settings)")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--out-dir", default=str(HERE / "results"))
@@ -81,7 +81,7 @@ class Setting:
     k: int
     c: int
     exchange: str = "all_gather"
-    hierarchy: str = "flat"
+    layout: str = "flat"  # or "hsdp": FSDP2 inside a node (hf_demo.fsdp), DeMo between nodes
     sync_every: int = 1
     index_coding: str = DEFAULT_INDEX_CODING
     reduce_positions: str = DeMoSettings().reduce_positions
@@ -89,7 +89,7 @@ class Setting:
     @property
     def plain(self) -> bool:
         """The all-gather every-step layout that Part 2 computes exactly."""
-        return self.exchange == "all_gather" and self.hierarchy == "flat" and self.sync_every == 1
+        return self.exchange == "all_gather" and self.layout == "flat" and self.sync_every == 1
 
     def kwargs(self) -> dict:
         return dict(
@@ -97,7 +97,6 @@ class Setting:
             compression_chunk=self.c,
             value_format=self.fmt,
             exchange=self.exchange,
-            hierarchy=self.hierarchy,
             sync_every=self.sync_every,
             index_coding=self.index_coding,
             reduce_positions=self.reduce_positions,
@@ -112,8 +111,8 @@ def parse_settings(s: str) -> list[Setting]:
         for e in extra:
             if e in ("all_reduce", "all_gather"):
                 kw["exchange"] = e
-            elif e in ("node", "flat"):
-                kw["hierarchy"] = e
+            elif e in ("hsdp", "flat"):
+                kw["layout"] = e
             elif e.startswith("sync"):
                 kw["sync_every"] = int(e[4:])
             elif e in REDUCE_POSITIONS:
@@ -130,8 +129,8 @@ def label(s: Setting) -> str:
     out = f"{s.fmt}, top-{s.k}/{s.c}×{s.c}"
     if s.exchange != "all_gather":
         out += ", all_reduce" + (" (leader)" if s.reduce_positions == "leader" else "")
-    if s.hierarchy != "flat":
-        out += ", node (2 proc/node)"
+    if s.layout == "hsdp":
+        out += ", HSDP"
     if s.sync_every > 1:
         out += f", sync every {s.sync_every}"
     if s.index_coding != DEFAULT_INDEX_CODING:
@@ -139,7 +138,7 @@ def label(s: Setting) -> str:
     return out
 
 
-INTRA_NODE = ("node_header", "node_gradients", "node_parameters")  # hierarchy="node"'s collectives inside a node
+INTRA_NODE = "node_"  # DeMo's agreement over an HSDP shard group, inside a node (hf_demo.topology.sharded)
 
 
 # ------------------------------------------------------------------ measured part
@@ -152,62 +151,95 @@ def small_model(args):
 def _rank(rank, world, args, settings):
     """One rank (run by ``run_ranks``): the traffic every setting counted, in ``settings`` order.
 
-    Bytes are split by collective name: ``opt.comm_stats.record`` is wrapped on this optimizer instance and the
-    public collective hook (``hf_demo.exchange.transport.register_collective_hook``, called just before each collective)
-    says which collective the next record belongs to. Intra-node collectives (hierarchy='node') are counted
-    apart from the traffic between nodes.
+    Bytes are split by collective name: the public collective hook
+    (``hf_demo.exchange.transport.register_collective_hook``, called just before each collective) says which
+    collective the next ``Traffic.record`` belongs to (wrapped in this process). DeMo's collectives inside a
+    node (HSDP's shard group, names starting ``node_``) are counted apart from the traffic between nodes;
+    FSDP2's own all-gathers and reduce-scatters do not run here (random gradients, no forward or backward pass).
     """
-    import torch
-
-    from hf_demo import DeMo
     from hf_demo.exchange.transport import register_collective_hook
 
-    os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)
-    model = small_model(args)
-    params = list(model.parameters())
-    gen = torch.Generator().manual_seed(1000 + rank)
-    grads = [torch.randn(p.shape, generator=gen) for p in params]
-    current = {"name": "?"}
+    params, grads = flat_model(args, rank)
+    current = {"name": "?", "by_name": {}}
     hook = register_collective_hook(lambda name, nbytes: current.__setitem__("name", name))
-    res = []
+    count_by_name(current)
+    res, hsdp = [], None
     for st in settings:
-        if st.hierarchy == "node" and (world % args.local_size or world == args.local_size):
+        if st.layout == "hsdp" and (world % args.local_size or world == args.local_size):
             res.append(None)  # one node only (or not divisible): nothing between nodes to measure
             continue
-        opt = DeMo(params, lr=1e-3, **st.kwargs())
-        by_name: dict[str, list[int]] = {}
-        record = opt.comm_stats.record
-
-        def counted(sent, received, seconds, record=record, by_name=by_name):
-            b = by_name.setdefault(current["name"], [0, 0, 0])
-            b[0] += sent
-            b[1] += received
-            b[2] += 1
-            record(sent, received, seconds)
-
-        opt.comm_stats.record = counted
-        steps = max(args.steps, 2 * st.sync_every)
-        for _ in range(steps):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            opt.step()
-        cs = opt.comm_stats
-        inter = {n: v for n, v in by_name.items() if n not in INTRA_NODE}
-        res.append(
-            dict(
-                setting=label(st),
-                steps=steps,
-                sent=cs.total_bytes_sent / steps,
-                received=cs.total_bytes_received / steps,
-                inter_sent=sum(v[0] for v in inter.values()) / steps,
-                inter_received=sum(v[1] for v in inter.values()) / steps,
-                collectives=cs.total_collectives / steps,
-                by_name={n: [v[0] / steps, v[1] / steps, v[2] / steps] for n, v in by_name.items()},
-                dense=cs.dense_bytes,
-            )
-        )
+        if st.layout == "hsdp":
+            hsdp = hsdp or sharded_model(args, rank)
+        mesh, p_now, g_now = hsdp if st.layout == "hsdp" else (None, params, grads)
+        current["by_name"] = {}
+        res.append(measure_setting(st, mesh, p_now, g_now, args.steps, current["by_name"]))
     hook.remove()
     return dict(n_params=sum(p.numel() for p in params), res=res)
+
+
+def count_by_name(current: dict) -> None:
+    """From now on, each collective's (sent, received, 1) adds up in ``current["by_name"][its name]``."""
+    from hf_demo.exchange.transport import Traffic
+
+    real = Traffic.record
+
+    def counted(self, sent, received, seconds):
+        b = current["by_name"].setdefault(current["name"], [0, 0, 0])
+        b[0] += sent
+        b[1] += received
+        b[2] += 1
+        real(self, sent, received, seconds)
+
+    Traffic.record = counted
+
+
+def measure_setting(st, mesh, params, grads, steps, by_name) -> dict:
+    """DeMo with setting ``st`` on ``params`` for ``steps`` steps (at least two synchronisations) of ``grads``."""
+    from hf_demo import DeMo
+
+    opt = DeMo(params, lr=1e-3, device_mesh=mesh, **st.kwargs())
+    steps = max(steps, 2 * st.sync_every)
+    for _ in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    cs = opt.comm_stats
+    inter = {n: v for n, v in by_name.items() if not n.startswith(INTRA_NODE)}
+    return dict(
+        setting=label(st),
+        steps=steps,
+        sent=cs.total_bytes_sent / steps,
+        received=cs.total_bytes_received / steps,
+        inter_sent=sum(v[0] for v in inter.values()) / steps,
+        inter_received=sum(v[1] for v in inter.values()) / steps,
+        collectives=cs.total_collectives / steps,
+        by_name={n: [v[0] / steps, v[1] / steps, v[2] / steps] for n, v in by_name.items()},
+        dense=cs.dense_bytes,
+    )
+
+
+def flat_model(args, rank):
+    """The model's parameters and this rank's random gradients (the same on every call)."""
+    import torch
+
+    params = list(small_model(args).parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return params, [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def sharded_model(args, rank):
+    """(mesh, parameters, gradients) of the model sharded by FSDP2 on a (W / local size, local size) mesh: each
+    rank's gradient is its rows of the random gradients :func:`flat_model` gives it, as DTensors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from hf_demo import fsdp
+
+    mesh = fsdp.hsdp_mesh(shard=args.local_size)
+    model = fsdp.shard_model(small_model(args), mesh)
+    _, grads = flat_model(args, rank)
+    params = list(model.parameters())
+    grads = [distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) for p, g in zip(params, grads)]
+    return mesh, params, grads
 
 
 def measure(world, args, settings):
@@ -220,7 +252,7 @@ def measure(world, args, settings):
         if rows[0] is None:
             out["mean"].append(None)
             continue
-        if st.exchange == "all_gather" and st.hierarchy == "flat":
+        if st.exchange == "all_gather" and st.layout == "flat":
             for r, row in enumerate(rows):  # symmetric collectives: every rank must count the same
                 if (row["sent"], row["received"]) != (rows[0]["sent"], rows[0]["received"]):
                     raise RuntimeError(f"world {world}: rank {r} counted {row} but rank 0 {rows[0]}")
@@ -286,7 +318,10 @@ def main(argv=None):
     measured = {w: measure(w, args, settings) for w in worlds}
     load_after = uptime()
     n = measured[worlds[0]]["n_params"]
+    from hf_demo.wire.agreement import VOTE_BYTES
     from hf_demo.wire.codec import HEADER_BYTES
+
+    per_step = HEADER_BYTES + VOTE_BYTES  # the header and the commit vote (commit_vote="on") besides the payload
 
     small_shapes = [tuple(p.shape) for p in small_model(args).parameters()]
     ps_bytes = powersgd_bytes(small_shapes, args.powersgd_rank)
@@ -309,11 +344,14 @@ def main(argv=None):
         "top-32 of 64×64; or 16-bit where the label says so). `all_reduce` exchange = one all-gather of every "
         "rank's top-k/W nominated positions (the default `reduce_positions='union'`), or with `(leader)` one "
         "positions broadcast from a leader rotating every step (the mean over ranks is the average over a "
-        "rotation), + one all-reduce of bf16 values at the agreed positions + the 64-byte header all-gather. "
-        "**node** = `hierarchy='node'` with LOCAL_WORLD_SIZE="
-        f"{L}: W processes = W/{L} nodes; *between nodes / node* counts only DeMo's collectives between nodes "
-        "(the dense `node_gradients` all-reduce and `node_parameters` broadcasts stay on the node's local link), "
-        f"summed over the node's {L} processes. **PowerSGD r{args.powersgd_rank}** and **ring AR** (fp32 dense "
+        "rotation), + one all-reduce of bf16 values at the agreed positions + the 136-byte header and 8-byte "
+        "commit vote all-gathers. "
+        f"**HSDP** = the model sharded by FSDP2 over {L} processes per node (`hf_demo.fsdp`): W processes = "
+        f"W/{L} nodes; *between nodes / node* counts only DeMo's collectives across the replicate dimension, "
+        f"each process exchanging its own shard, summed over the node's {L} processes (DeMo's `node_*` agreement "
+        "and FSDP2's gradient reduce-scatter and parameter all-gathers stay on the node's local link; with random "
+        "gradients and no forward pass FSDP2's own collectives do not run here). "
+        f"**PowerSGD r{args.powersgd_rank}** and **ring AR** (fp32 dense "
         "all-reduce) are computed: PowerSGD from torch's `powerSGD_hook` rules on the same shapes "
         f"({ps_bytes / 1e3:.1f} kB handed to its all-reduces per rank per step, {ps_bytes / n:.4f} B/param), "
         "both at 2(W-1)/W of that per rank per direction.",
@@ -329,15 +367,16 @@ def main(argv=None):
             r = measured[w]["mean"][i]
             if r is None:
                 continue
-            nodes = w // L if st.hierarchy == "node" else w
-            per_node_rx = r["inter_received"] * (L if st.hierarchy == "node" else 1)
-            per_node_tx = r["inter_sent"] * (L if st.hierarchy == "node" else 1)
+            per_node = L if st.layout == "hsdp" else 1
+            nodes = w // per_node
+            per_node_rx = r["inter_received"] * per_node
+            per_node_tx = r["inter_sent"] * per_node
             if base is None:
                 base = (w, r["received"], per_node_rx)
             row = dict(
                 setting=label(st),
                 exchange=st.exchange,
-                hierarchy=st.hierarchy,
+                layout=st.layout,
                 sync_every=st.sync_every,
                 world=w,
                 nodes=nodes,
@@ -387,7 +426,7 @@ def main(argv=None):
         b = next((r for r in rows if r["setting"] == label(st) and r["world"] == hi), None)
         if not a or not b:
             continue
-        key = "inter_node_received_per_node" if st.hierarchy == "node" else "received"
+        key = "inter_node_received_per_node" if st.layout == "hsdp" else "received"
         ratio = b[key] / a[key] if a[key] else float("nan")
         parts = "; ".join(f"{k}: {v[0] / 1e3:.1f} / {v[1] / 1e3:.1f} kB" for k, v in b["by_name"].items())
         lines.append(f"| {label(st)} | {a[key] / 1e3:.1f} kB | {b[key] / 1e3:.1f} kB | {ratio:.3f}× | {parts} |")
@@ -400,7 +439,7 @@ def main(argv=None):
     lines += [
         "## Where DeMo stops paying",
         "",
-        "s = payload bytes per parameter per step that one rank contributes (header included for the small "
+        "s = payload bytes per parameter per step that one rank contributes (header and vote included for the small "
         "model), for the every-step all-gather settings. DeMo's received bytes per rank = (W-1)·s·N, a ring "
         "all-reduce's 2(W-1)/W·4·N, so they are "
         "equal at **W\\* = 8/s** workers; beyond it DeMo receives more than the dense all-reduce. "
@@ -421,10 +460,10 @@ def main(argv=None):
         if not st.plain:
             continue
         fmt, k, c = st.fmt, st.k, st.c
-        ps = payload_bytes(small_shapes, fmt, k, c, st.index_coding) + HEADER_BYTES
+        ps = payload_bytes(small_shapes, fmt, k, c, st.index_coding) + per_step
         meas = measured[worlds[0]]["mean"][i]["sent"]
         assert ps == meas, (ps, meas)
-        pb = payload_bytes(big_shapes, fmt, k, c, st.index_coding) + HEADER_BYTES
+        pb = payload_bytes(big_shapes, fmt, k, c, st.index_coding) + per_step
         s_small, s_big = ps / n, pb / n_big
         exact.append(
             dict(setting=label(st), s_small=s_small, w_star_small=8 / s_small, s_1b=s_big, w_star_1b=8 / s_big)
@@ -465,7 +504,7 @@ def plot(rows, worlds, ps_bytes, path):
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for setting in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == setting]
-        style = "s-" if "all_reduce" in setting else ("^-" if "node" in setting else "o-")
+        style = "s-" if "all_reduce" in setting else ("^-" if "HSDP" in setting else "o-")
         ax.plot(
             [r["world"] for r in rs],
             [r["inter_node_received_per_node"] / 1e6 for r in rs],
@@ -476,7 +515,7 @@ def plot(rows, worlds, ps_bytes, path):
     ring = {r["world"]: r["ring"] for r in rows}
     ax.plot(worlds, [ring[w] / 1e6 for w in worlds], "k--", label="fp32 ring all-reduce")
     ax.set_yscale("log")
-    ax.set_xlabel("processes W (node settings: W/2 nodes)")
+    ax.set_xlabel("processes W (HSDP settings: W/2 nodes)")
     ax.set_ylabel("MB received between nodes per node per step")
     ax.set_xticks(worlds)
     ax.grid(alpha=0.3, which="both")

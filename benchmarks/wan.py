@@ -50,7 +50,7 @@ LABELS = {
     "demo-sync8-sign": "DeMo sign, sync every 8",
     "demo-policy": "DeMo policy (budget 0.15)",
     "demo-policy30": "DeMo policy (budget 0.3)",
-    "demo-hier": "DeMo hierarchical (node)",
+    "demo-hsdp": "HSDP-DeMo (FSDP2 in a node)",
     "adamw": "DDP AdamW",
     "powersgd": "DDP PowerSGD r4",
 }
@@ -65,7 +65,7 @@ COLORS = {
     "demo-sync8-sign": "tab:olive",
     "demo-policy": "tab:pink",
     "demo-policy30": "tab:olive",
-    "demo-hier": "tab:gray",
+    "demo-hsdp": "tab:gray",
     "adamw": "tab:red",
     "powersgd": "tab:orange",
 }
@@ -114,7 +114,7 @@ def parse_args(argv=None):
         "--configs",
         default="2:1gbit,2:100mbit,2:20mbit",
         help="comma-separated NODES[xPROCS]:RATE (tc units: gbit, mbit, kbit; 'none' = unlimited veth; PROCS "
-        "processes per node, LOCAL_WORLD_SIZE for demo-hier)",
+        "processes per node, LOCAL_WORLD_SIZE for demo-hsdp)",
     )
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of: {', '.join(METHODS)}")
     p.add_argument(
@@ -362,8 +362,8 @@ def sweep(args) -> None:
             cluster.setup()
             print(f"== {key} ({args.shaper}) ==\n{cluster.qdisc_report()}", flush=True)
             for method in methods:
-                if method == "demo-hier" and procs < 2:
-                    print("   demo-hier needs NODESxPROCS with PROCS >= 2: skipped", flush=True)
+                if method == "demo-hsdp" and procs < 2:
+                    print("   demo-hsdp needs NODESxPROCS with PROCS >= 2: skipped", flush=True)
                     continue
                 port += 1
                 out_json = logdir / f"{key.replace(':', '-')}-{method}.json"
@@ -721,7 +721,7 @@ def cost_report(rows, prices: dict, args) -> list[str]:
         "bytes (byte-level model: 1 byte = 1 token), i.e. train bytes / (W × batch × seq) steps. Time = steps × "
         "the median step time measured above (this 2-core CPU machine, shared: the compute part is this "
         "machine's, not a GPU's). Traffic = bytes leaving every node (wire tx per step summed over nodes; the "
-        "hierarchical mode's intra-node traffic does not cross sites). Cost = nodes × hours × node price + "
+        "HSDP mode's intra-node traffic does not cross sites). Cost = nodes × hours × node price + "
         "GB × traffic price.",
         "",
         "| configuration | method | step s | tokens / step | epoch h | traffic / epoch GB | cost / epoch "

@@ -22,8 +22,9 @@ Methods (``--method``):
 - ``demo-policy``  ``comm_budget=--comm-budget`` (default 0.15): the policy moves between the tiers of
   ``hf_demo.optim.policy`` (bf16 -> sign -> sign top-k/2, /4 -> sign every 8 steps -> top-k/2, /4, /8 every 8);
   ``opt.tier`` is recorded per step.
-- ``demo-hier``  ``hierarchy="node"``: dense mean inside a node of LOCAL_WORLD_SIZE processes (torchrun's
-  ``--nproc_per_node``), DeMo between nodes.
+- ``demo-hsdp``  HSDP-DeMo (``hf_demo.fsdp``): the model sharded by FSDP2 over the LOCAL_WORLD_SIZE processes
+  of a node (torchrun's ``--nproc_per_node``), gradients reduce-scattered inside the node, DeMo between nodes
+  (each process exchanging its own shard); every rank of a node takes part in the evaluation's forward pass.
 - ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
 - ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps), in
   one DDP bucket (the hook's chained all-reduces can get out of order between ranks with several buckets).
@@ -70,7 +71,7 @@ METHODS = (
     "demo-sync8-sign",
     "demo-policy",
     "demo-policy30",
-    "demo-hier",
+    "demo-hsdp",
     "adamw",
     "powersgd",
 )
@@ -90,7 +91,7 @@ DEMO_KW = {
     "demo-sync8-sign": dict(sync_every=8, value_format="sign"),
     "demo-policy": {},  # comm_budget from --comm-budget
     "demo-policy30": dict(comm_budget=0.3),
-    "demo-hier": dict(hierarchy="node"),
+    "demo-hsdp": {},  # the model sharded by hf_demo.fsdp, DeMo(..., device_mesh=mesh)
 }
 
 
@@ -192,7 +193,7 @@ def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
         from hf_demo.exchange.transport import register_collective_hook
 
         def hook(name, nbytes):
-            if name in ("node_gradients", "node_parameters"):  # inside a node: the fast local link
+            if name.startswith("node_"):  # HSDP's agreement inside a node: the fast local link
                 return
             d = draw() * (world - 1)
             log.append(d)
@@ -222,8 +223,9 @@ def main(argv=None):
     is_demo = args.method.startswith("demo")
     delays: list[float] = []
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # ring hops between nodes: a hierarchical DeMo talks only to the other nodes
-    install_delay(args, world // local_size if args.method == "demo-hier" else world, rank, is_demo, delays)
+    sharded = args.method == "demo-hsdp"
+    # ring hops between nodes: HSDP's DeMo talks only to the other nodes (FSDP2's collectives stay inside)
+    install_delay(args, world // local_size if sharded else world, rank, is_demo, delays)
     load_start = open("/proc/loadavg").read().split()[:3]
 
     data = Data(stdlib_bytes(), rank, world, args.seq_len, args.batch_size, args.seed, args.heldout, args.eval_batches)
@@ -240,6 +242,12 @@ def main(argv=None):
         dist.broadcast(p.data, 0)
 
     lr = args.lr if args.lr is not None else (1e-3 if is_demo else 2e-3)
+    mesh = None
+    if sharded:
+        from hf_demo import fsdp
+
+        mesh = fsdp.hsdp_mesh()  # (nodes, LOCAL_WORLD_SIZE)
+        fsdp.shard_model(model, mesh)
     if is_demo:
         from hf_demo import DeMo
 
@@ -253,7 +261,7 @@ def main(argv=None):
         if args.method == "demo-policy":
             kw["comm_budget"] = args.comm_budget
         kw.update(parse_overrides(args.demo_settings))  # --demo-settings win, e.g. topk=64 over --topk
-        opt = DeMo(model.parameters(), lr=lr, **kw)
+        opt = DeMo(model.parameters(), lr=lr, device_mesh=mesh, **kw)
     else:
         net = ddp_baseline(model, args.method, powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb)
         if args.method == "adamw" and (args.delay_ms > 0 or args.delay_dist):
@@ -271,6 +279,8 @@ def main(argv=None):
     wire_tx = wire_rx = 0
 
     def do_eval(step):
+        if sharded and rank != 0:
+            evaluate(model, data.eval)  # FSDP2: every rank of the shard group takes part in the forward pass
         if rank == 0:
             wall = time.perf_counter() - wall0 if step else 0.0
             evals.append(dict(step=step, train_time=train_time, wall=wall, loss=evaluate(model, data.eval)))
