@@ -27,8 +27,7 @@ def inspect(ctx, first_checked: bool, ddp_suspects) -> None:
     """Set ``ctx.flags`` (and the fingerprints the header carries) from this rank's own tensors."""
     s, world, step = ctx.settings, ctx.transport.world, ctx.transport.step
     ctx.first = not first_checked and world > 1
-    checked = ctx.checked_grads if ctx.checked_grads is not None else ctx.signals
-    bad_grads = any_nonfinite([g for g in checked if g is not None])
+    bad_grads = any_nonfinite([g for g in ctx.signals if g is not None])
     bad_params = any_nonfinite(ctx.replicas)
     ctx.check_drift = (due(s.check_every, step) or ctx.first) and world > 1
     # a DDP wrapper taken for an unused one at the first step (guards.ddp.first_step_check): still?

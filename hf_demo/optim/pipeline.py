@@ -43,8 +43,6 @@ class StepContext:
     # topology
     items: list = field(default_factory=list)  # the (param, group, layout) this rank steps
     grads: list = field(default_factory=list)  # the gradient of each item this rank uses
-    checked_grads: list | None = None  # the gradients every rank of the group checks alike (default: grads)
-    owner_of: list | None = None  # each of all_items' owner (topology "node")
     # signal
     local: bool = False  # a tier with local steps (sync_every > 1)
     communicates: bool = True  # False: a local step that exchanges nothing

@@ -104,8 +104,7 @@ class LocalSignal:
             return
         ctx.communicates = False  # a local step: every rank on its own until the next synchronisation
         afters = [after for after, _, _ in ctx.inner]
-        checked = ctx.checked_grads  # a topology's gradients that every rank of a node holds alike
-        skip = any_nonfinite(afters if checked is None else [g for g in checked if g is not None])
+        skip = any_nonfinite(afters)
         ctx.skip = bool(opt.topology.agree(ctx, int(skip), "node_flags"))  # every shard of the model alike
         if ctx.skip:
             return
