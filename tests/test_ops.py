@@ -75,6 +75,8 @@ def test_the_hsdp_plan_counts_fsdp2_inside_a_node_and_shards_between_nodes():
     assert (payload.parallel, payload.world, payload.scope) == (4, 3, "inter")
     assert 4 * payload.nbytes == pytest.approx(whole.nbytes, abs=4 * 8)  # each shard's own byte alignment
     assert METHODS["demo-hsdp"](Cluster(3, 1, Link(1e10), Link(1e8)), work) is None  # one device: nothing to shard
+    budget = Workload(shape_list, compute_s=1.0, demo_settings={"comm_budget": 0.1})
+    assert METHODS["demo-hsdp"](cluster, budget).note.startswith("refused: comm_budget")  # as DeMo refuses it
 
 
 def test_plan_refuses_a_model_given_twice_or_not_at_all():

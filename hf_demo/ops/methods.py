@@ -191,6 +191,8 @@ def demo_method(variant: str):
         layout = demo_layout(variant)
         if layout == "hsdp" and cluster.devices_per_node < 2:
             return None  # one device per node: nothing to shard, the same as the flat layout
+        if layout == "hsdp" and settings.comm_budget > 0:  # as DeMo refuses it (hf_demo.topology.sharded)
+            return _refused(variant, label, quality, "comm_budget is not combined with FSDP2-sharded parameters")
         return demo_estimate(variant, label, quality, settings, cluster, work, layout)
 
     return estimate
