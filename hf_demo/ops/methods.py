@@ -191,11 +191,21 @@ def demo_method(variant: str):
         layout = demo_layout(variant)
         if layout == "hsdp" and cluster.devices_per_node < 2:
             return None  # one device per node: nothing to shard, the same as the flat layout
-        if layout == "hsdp" and settings.comm_budget > 0:  # as DeMo refuses it (hf_demo.topology.sharded)
-            return _refused(variant, label, quality, "comm_budget is not combined with FSDP2-sharded parameters")
+        refusal = _sharded_refusal(settings) if layout == "hsdp" else None
+        if refusal:
+            return _refused(variant, label, quality, refusal)
         return demo_estimate(variant, label, quality, settings, cluster, work, layout)
 
     return estimate
+
+
+def _sharded_refusal(settings: DeMoSettings) -> str | None:
+    """Why DeMo refuses these settings on FSDP2-sharded parameters (hf_demo.topology.sharded), or None."""
+    if settings.comm_budget > 0:
+        return "comm_budget is not combined with FSDP2-sharded parameters"
+    if "orthogonal" in (settings.update_rule, settings.inner_rule):
+        return "the orthogonal rule is not combined with FSDP2-sharded parameters"
+    return None
 
 
 def demo_estimate(
