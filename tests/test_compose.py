@@ -93,30 +93,24 @@ def _shard(model):
     return fsdp.shard_model(model, mesh, layers=[m for m in model if isinstance(m, torch.nn.Linear)]), mesh
 
 
-def _resume_sharded(model, opt, make):
-    """A resume from rank 0's whole model weights (as Trainer writes one model file) and each rank's own
-    optimizer state: inside a local phase each rank's own shard comes back from its optimizer state."""
-    saved = io.BytesIO()
-    torch.save(opt.state_dict(), saved)
-    weights = [{k: v.full_tensor() for k, v in model.state_dict().items()}]
-    dist.broadcast_object_list(weights, src=0)
-    new_model = tiny_mlp(seed=7, **UNEVEN)
-    new_model.load_state_dict(weights[0])
-    new_model, mesh = _shard(new_model)
-    new_opt = make(new_model, mesh)
-    new_opt.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
-    return new_model, new_opt
+def _hsdp(seed=0):
+    model, mesh = _shard(tiny_mlp(seed=seed, **UNEVEN))
+    return model, hf_demo.DeMo(model.parameters(), device_mesh=mesh, **{**KW, **SHARDED_LOCAL})
 
 
-def _hsdp_train(rank, world, steps, resume_at=None):
-    def make(m, mesh):
-        return hf_demo.DeMo(m.parameters(), device_mesh=mesh, **{**KW, **SHARDED_LOCAL})
-
-    model, mesh = _shard(tiny_mlp(**UNEVEN))
-    opt = make(model, mesh)
+def _hsdp_train(rank, world, steps, save_at=None, where=None):
+    """``steps`` steps of HSDP-DeMo with local steps; at ``save_at`` every rank saves the model and DeMo through
+    DCP (``hf_demo.fsdp.save_checkpoint``), and a fresh model (another init) and optimizer load it and go on.
+    A save refused returns its message."""
+    model, opt = _hsdp()
     for step in range(steps):
-        if step == resume_at:
-            model, opt = _resume_sharded(model, opt, make)
+        if step == save_at:
+            try:
+                fsdp.save_checkpoint(where, model, opt)
+            except hf_demo.DeMoStateError as exc:
+                return str(exc)
+            model, opt = _hsdp(seed=7)
+            fsdp.load_checkpoint(where, model, opt)
         loss_and_backward(model, rank, step)
         opt.step()
     opt.flush()
@@ -155,14 +149,17 @@ def test_sharded_with_local_steps_equals_flat_local_steps_on_each_shards_rows():
     assert all(not torch.equal(a, b) for a, b in zip(hsdp[0][0], start))
 
 
-def test_sharded_with_local_steps_resumes_exactly_inside_a_local_phase():
-    """Resumed at step 5, inside a local phase, from rank 0's whole model weights and each rank's own
-    optimizer state (torch.save): every rank's own shard comes back, and training goes on bit for bit."""
+def test_sharded_with_local_steps_resumes_exactly_into_a_local_phase(tmp_path):
+    """Saved through DCP at a synchronisation (step 4 of sync_every=4) and resumed on a fresh model: the local
+    phase that follows goes on bit for bit. Inside a local phase each rank's own shard is not in a DCP
+    checkpoint: the save stops on every rank, naming when to save."""
     straight = expect_ok(run_ranks(_hsdp_train, 4, 10))
-    resumed = expect_ok(run_ranks(_hsdp_train, 4, 10, 5))
+    resumed = expect_ok(run_ranks(_hsdp_train, 4, 10, 4, str(tmp_path / "sync")))
     for (a, _), (b, _) in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert _identical(straight)  # 10 steps end inside a phase: flush() averaged every replica's shards
+    for error in expect_ok(run_ranks(_hsdp_train, 4, 10, 5, str(tmp_path / "local"))):
+        assert "inside a local phase" in error and "multiple of sync_every" in error
 
 
 # ---------------------------------------------------------------- the identity transform

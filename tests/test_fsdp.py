@@ -400,7 +400,9 @@ def _accelerate_loop(rank, world):
     uneven DTensor shards; the model stays as FSDP2 made it, the optimizer is prepared, DeMo trains it."""
     os.environ.update(ACCELERATE_USE_CPU="1", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # not a one-process state an earlier test left here
     accelerator = Accelerator(cpu=True)
     model, opt = sharded(rank)
     model, opt = hf_demo.prepare(accelerator, model, opt)
