@@ -260,8 +260,10 @@ def _orthogonal_groups(model, kw: dict):
         if scale not in ("shape", "measured"):
             raise ValueError(f"ortho_scale must be shape or measured, got {scale!r}")
         update_rules.OrthogonalRule.measured_rms = scale == "measured"
-    if kw.get("update_rule") == "orthogonal":
-        return muon_style_groups(model, others=others)
+    if "ortho_beta" in kw:
+        update_rules.OrthogonalMomentumRule.beta = float(kw.pop("ortho_beta"))  # this forked run's process only
+    if kw.get("update_rule") in update_rules.ORTHOGONAL:
+        return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
     if len(others) > 1 or others["update_rule"] != "sign":
         raise ValueError("others and others_lr are settings of update_rule=orthogonal's groups")
     return None

@@ -217,9 +217,16 @@ class DeMoSettings:
                     f"DeMo: invalid {name}={group[name]!r} in a parameter group; expected one of "
                     f"{', '.join(update_rules.UPDATE_RULES)}"
                 )
-        if group["update_rule"] == "orthogonal" and self.sync_every > 1:
+        if group["inner_rule"] == "orthogonal_momentum":
             raise ValueError(
-                f"DeMo: update_rule='orthogonal' with sync_every={self.sync_every}: a synchronisation applies the "
+                "DeMo: inner_rule='orthogonal_momentum': a local step's rule already runs on the local momentum "
+                "(inner_momentum), so a second momentum would only delay it; set inner_rule='orthogonal' (Muon's "
+                "local step)"
+            )
+        if group["update_rule"] in update_rules.ORTHOGONAL and self.sync_every > 1:
+            raise ValueError(
+                f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: a synchronisation "
+                "applies the "
                 "ranks' averaged change as it is (DiLoCo's outer step with outer learning rate 1), so no update "
                 "rule would ever orthogonalise anything. For Muon steps between synchronisations set "
                 "inner_rule='orthogonal' (muon_style_groups(model, hidden={'inner_rule': 'orthogonal'}, "

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_demo.optim import update_rules
+
 NO_DECAY_PATTERNS = ("bias", "norm", "layernorm", "rmsnorm")
 HIDDEN = {"update_rule": "orthogonal"}
 OTHERS = {"update_rule": "sign"}
@@ -33,9 +35,10 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def model_groups(model: torch.nn.Module, weight_decay: float, update_rule: str) -> list[dict]:
-    """Muon-style groups (:func:`muon_style_groups`) for ``update_rule="orthogonal"``, else :func:`decay_groups`."""
-    if update_rule == "orthogonal":
-        return muon_style_groups(model, weight_decay=weight_decay)
+    """Muon-style groups (:func:`muon_style_groups`, the hidden matrices with ``update_rule``) for the orthogonal
+    rules (``orthogonal``, ``orthogonal_momentum``), else :func:`decay_groups`."""
+    if update_rule in update_rules.ORTHOGONAL:
+        return muon_style_groups(model, hidden={"update_rule": update_rule}, weight_decay=weight_decay)
     return decay_groups(model, weight_decay)
 
 

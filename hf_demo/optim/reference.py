@@ -156,6 +156,12 @@ class ReferenceDeMo:
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
             elif rule == "orthogonal":
                 update = orthogonalised(update)
+            elif rule == "orthogonal_momentum":  # Muon's Nesterov momentum (0.95) of the averaged update first
+                if update.dim() >= 2:
+                    m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
+                    m.mul_(0.95).add_(0.05 * update)
+                    update = 0.05 * update + 0.95 * m
+                update = orthogonalised(update)
             updates.append(update)
         if self.delay:
             updates, self.pending = self.pending, updates

@@ -274,10 +274,38 @@ class OrthogonalRule(Rule):
         return orthogonal_step(update, self.rms, self.ns_steps, self.measured_rms)
 
 
+def nesterov_momentum(update: torch.Tensor, exp_avg: torch.Tensor, beta: float) -> torch.Tensor:
+    """Muon's Nesterov momentum (as ``torch.optim.Muon``'s): ``m <- beta*m + (1-beta)*u`` (``exp_avg`` in place),
+    then ``(1-beta)*u + beta*m`` (a new fp32 tensor)."""
+    exp_avg.lerp_(update, 1.0 - beta)
+    return update.float().lerp(exp_avg, beta)
+
+
+class OrthogonalMomentumRule(OrthogonalRule):
+    """:class:`OrthogonalRule` on a Nesterov momentum of the averaged update (``beta`` 0.95, Muon's), not on the
+    update itself. Each step's averaged update is a sparse sum of top-k DCT components and, through the error
+    feedback, a delayed share of the gradients; its momentum gathers the components of the last ~1/(1-beta)
+    steps, a matrix of much higher rank than one step's, which Newton-Schulz then orthogonalises as Muon does
+    its momentum of dense gradients. Every rank holds the same update, so the state (``exp_avg``: 4 bytes per
+    parameter) stays the same on every rank. Tensors of one dimension take ``sign`` steps (no state)."""
+
+    name = "orthogonal_momentum"
+    beta = 0.95
+
+    def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
+        if update.dim() < 2:
+            return sign_step(update)
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        smoothed = nesterov_momentum(update, state["exp_avg"], self.beta)
+        return orthogonal_step(smoothed, self.rms, self.ns_steps, self.measured_rms)
+
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
 
-RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule)}
+RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule, OrthogonalMomentumRule)}
 UPDATE_RULES = tuple(RULES)
+ORTHOGONAL = ("orthogonal", "orthogonal_momentum")  # the rules that want Muon-style groups (param_groups)
 
 
 def get(name: str):
