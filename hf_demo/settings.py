@@ -217,11 +217,11 @@ class DeMoSettings:
                     f"DeMo: invalid {name}={group[name]!r} in a parameter group; expected one of "
                     f"{', '.join(update_rules.UPDATE_RULES)}"
                 )
-        if group["inner_rule"] == "orthogonal_momentum":
+        if group["inner_rule"] in ("orthogonal_momentum", "orthogonal_signal"):
             raise ValueError(
-                "DeMo: inner_rule='orthogonal_momentum': a local step's rule already runs on the local momentum "
-                "(inner_momentum), so a second momentum would only delay it; set inner_rule='orthogonal' (Muon's "
-                "local step)"
+                f"DeMo: inner_rule={group['inner_rule']!r}: a local step's rule runs on the local momentum "
+                "(inner_momentum) alone, which is neither DeMo's momentum nor an averaged update; set "
+                "inner_rule='orthogonal' (Muon's local step)"
             )
         if group["update_rule"] in update_rules.ORTHOGONAL and self.sync_every > 1:
             raise ValueError(

@@ -34,7 +34,7 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
     for name, cls in signals.SIGNALS.items():
         assert all(callable(getattr(cls, m)) for m in ("select", "decay_and_scale", "update")), name
     for name, rule in update_rules.RULES.items():
-        assert callable(rule.direction) and f"`{name}`" in DESIGN
+        assert callable(rule.direction) and callable(rule.signal) and f"`{name}`" in DESIGN
     for part in optimizer.PIPELINE.parts:
         assert callable(part.run) and f"`{part.name}`" in DESIGN
 

@@ -28,26 +28,29 @@ def dct_basis(n: int) -> torch.Tensor:
     return basis
 
 
-def orthogonalised(update: torch.Tensor) -> torch.Tensor:
-    """Muon's step, in float64: 5 quintic Newton-Schulz steps on the matrix (first dimension x the others),
-    scaled by 0.2 sqrt(max(rows, cols)); a tensor of one dimension takes its sign."""
-    if update.dim() < 2:
-        return update.sign()
-    x = update.double().reshape(update.shape[0], -1)
+def orthogonal_directions(t: torch.Tensor) -> torch.Tensor:
+    """5 quintic Newton-Schulz steps on the matrix (first dimension x the others) in float64, unscaled."""
+    x = t.double().reshape(t.shape[0], -1)
     rows, cols = x.shape
     if rows > cols:
         x = x.T
     norm = math.sqrt(float((x * x).sum()))
     if norm == 0.0:
-        return torch.zeros_like(update, dtype=torch.float64)
+        return torch.zeros_like(t, dtype=torch.float64)
     x = x / norm
     a, b, c = 3.4445, -4.7750, 2.0315
     for _ in range(5):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
-    if rows > cols:
-        x = x.T
-    return (0.2 * math.sqrt(max(rows, cols)) * x).reshape(update.shape)
+    return (x.T if rows > cols else x).reshape(t.shape)
+
+
+def orthogonalised(update: torch.Tensor) -> torch.Tensor:
+    """Muon's step, in float64: :func:`orthogonal_directions` scaled by 0.2 sqrt(max(rows, cols)); a tensor of
+    one dimension takes its sign."""
+    if update.dim() < 2:
+        return update.sign()
+    return 0.2 * math.sqrt(max(update.shape[0], update[0].numel())) * orthogonal_directions(update)
 
 
 class ReferenceDeMo:
@@ -113,7 +116,10 @@ class ReferenceDeMo:
             rows, cols, b0, b1, prows, pcols = self._blocks(p)
             m.mul_(self.decay)
             if p.grad is not None:
-                m[:rows, :cols].add_(p.grad.double().reshape(rows, cols), alpha=self.lr)
+                grad = p.grad.double()
+                if rule == "orthogonal_signal" and p.dim() >= 2:  # the gradient orthogonalised before it enters
+                    grad = orthogonal_directions(grad)
+                m[:rows, :cols].add_(grad.reshape(rows, cols), alpha=self.lr)
             k = min(self.topk, b0 * b1)
             blocks = self._forward(m, b0, b1)
             idx = torch.stack([b.abs().topk(k).indices for b in blocks])
@@ -154,7 +160,7 @@ class ReferenceDeMo:
                 v.mul_(0.95).add_(0.05 * update * update)
                 t = self.t + 1
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-            elif rule == "orthogonal":
+            elif rule in ("orthogonal", "orthogonal_signal"):
                 update = orthogonalised(update)
             elif rule == "orthogonal_momentum":  # Muon's Nesterov momentum (0.95) of the averaged update first
                 if update.dim() >= 2:

@@ -31,6 +31,11 @@ class GradientSignal:
     def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
         return group["compression_decay"], group["lr"]
 
+    @staticmethod
+    def entering(ctx, group, signal):
+        """What of the gradient enters the momentum: the group's update rule says (``signal``)."""
+        return ctx.opt.rule(group).signal(signal)
+
     def update(self, ctx, needs_values: bool) -> None:
         """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
         in a rule), once per bucket and rule; the step is staged in place, or computed into ``ctx.values`` where
@@ -118,6 +123,11 @@ class LocalSignal:
     def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
         # the pseudo-gradient, into an error feedback that fades as fast as top-k drains it
         return local_steps.feedback_decay(ctx.settings.sync_decay, layout), 1.0
+
+    @staticmethod
+    def entering(ctx, group, signal):
+        """The pseudo-gradient enters as it is (the local steps ran the inner rule already)."""
+        return signal
 
     def update(self, ctx, needs_values: bool) -> None:
         """Every rank sets ``param = anchor - mean change`` and the anchor moves there."""

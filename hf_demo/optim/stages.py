@@ -77,8 +77,9 @@ class Inspect:
 
 
 class Momentum:
-    """``working = decay * momentum + scale * T(signal)``, on copies (the momenta are committed with the step),
-    once per bucket of parameters with the same block shape (:mod:`hf_demo.compression.buckets`)."""
+    """``working = decay * momentum + scale * T(signal)`` (the signal as the update rule lets it in), on copies
+    (the momenta are committed with the step), once per bucket of parameters with the same block shape
+    (:mod:`hf_demo.compression.buckets`)."""
 
     name = "momentum"
 
@@ -86,10 +87,11 @@ class Momentum:
         if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             return
         opt = ctx.opt
-        signal = opt.signal_for(ctx.tier)
-        factors = [signal.decay_and_scale(ctx, g, layout) for _, g, layout in ctx.items]
+        source = opt.signal_for(ctx.tier)
+        factors = [source.decay_and_scale(ctx, g, layout) for _, g, layout in ctx.items]
+        entering = [source.entering(ctx, g, signal) for (_, g, _), signal in zip(ctx.items, ctx.signals)]
         momenta = [opt.momentum(p, layout) for p, _, layout in ctx.items]
-        ctx.working = F.accumulate_many(momenta, ctx.signals, ctx.layouts, factors, opt.transform)
+        ctx.working = F.accumulate_many(momenta, entering, ctx.layouts, factors, opt.transform)
 
 
 class Prepare:

@@ -2,10 +2,12 @@
 
 Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
 bitwise identical and no rule costs communication. The rule is a per-group setting (``update_rule`` of a
-parameter group; :mod:`hf_demo.optim.param_groups` makes Muon-style groups). A rule is a small object whose
-``direction(param, update, state)`` returns the step direction (``param <- param - lr * direction``, applied by
-:func:`hf_demo.compression.functional.apply_step`); its per-parameter state (if any) lives in the optimizer's
-``state[param]`` and is saved and resumed with it. Add a rule by writing one class here and listing it in :data:`RULES`.
+parameter group; :mod:`hf_demo.optim.param_groups` makes Muon-style groups). A rule is a small object (a
+:class:`Rule`): ``signal(grad)`` returns what of this rank's gradient enters DeMo's momentum (the gradient as it
+is, but for ``orthogonal_signal``); ``direction(param, update, state)`` returns the step direction
+(``param <- param - lr * direction``, applied by :func:`hf_demo.compression.functional.apply_step`); its
+per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and resumed with it. Add a
+rule by writing one class here and listing it in :data:`RULES`.
 """
 
 from __future__ import annotations
@@ -186,7 +188,11 @@ def orthogonal_step(update: torch.Tensor, rms: float, steps: int, measured: bool
 
 class Rule:
     """What every rule has: ``directions`` of many parameters at once, here one :meth:`direction` after another
-    on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it."""
+    on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it. The gradient
+    enters DeMo's momentum as it is (:meth:`signal`), unless a rule says otherwise."""
+
+    def signal(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return grad
 
     def directions(self, params: list, updates: list, states: list[dict]) -> tuple[list, list[dict]]:
         """(each parameter's direction, its new rule state) for the decoded ``updates`` (fp32, the parameters'
@@ -301,11 +307,35 @@ class OrthogonalMomentumRule(OrthogonalRule):
         return orthogonal_step(smoothed, self.rms, self.ns_steps, self.measured_rms)
 
 
+def orthogonalised_signal(grad: torch.Tensor | None, steps: int) -> torch.Tensor | None:
+    """A gradient of 2 or more dimensions orthogonalised as a matrix (:func:`newton_schulz`, unscaled: singular
+    values about 1), in its dtype and shape; a vector (or no gradient) as it is."""
+    if grad is None or grad.dim() < 2:
+        return grad
+    return newton_schulz(matrix_view(grad), steps).to(grad.dtype).reshape(grad.shape)
+
+
+class OrthogonalSignalRule(OrthogonalRule):
+    """:class:`OrthogonalRule`, and each rank's gradient of a matrix is orthogonalised too before it enters DeMo's
+    momentum (:func:`orthogonalised_signal`): top-k then selects from a momentum of orthogonalised gradients, in
+    which every direction of a gradient weighs alike (a raw gradient's few large singular directions would take
+    most of the coefficients). The averaged update is orthogonalised again and scaled as :class:`OrthogonalRule`
+    does. One more Newton-Schulz iteration per matrix and step, on each rank; no state, no traffic."""
+
+    name = "orthogonal_signal"
+
+    def signal(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return orthogonalised_signal(grad, self.ns_steps)
+
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
 
-RULES = {rule.name: rule for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule, OrthogonalMomentumRule)}
+RULES = {
+    rule.name: rule
+    for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule, OrthogonalMomentumRule, OrthogonalSignalRule)
+}
 UPDATE_RULES = tuple(RULES)
-ORTHOGONAL = ("orthogonal", "orthogonal_momentum")  # the rules that want Muon-style groups (param_groups)
+ORTHOGONAL = ("orthogonal", "orthogonal_momentum", "orthogonal_signal")  # they want Muon-style groups (param_groups)
 
 
 def get(name: str):

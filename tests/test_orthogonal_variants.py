@@ -1,7 +1,8 @@
-"""update_rule="orthogonal_momentum": Muon's step (Nesterov momentum, then Newton-Schulz) on DeMo's averaged update.
+"""The orthogonal rule's variants: ``orthogonal_momentum`` (Muon's Nesterov momentum of the averaged update before
+Newton-Schulz) and ``orthogonal_signal`` (each rank's gradient orthogonalised before it enters DeMo's momentum).
 
-The rule against torch.optim.Muon fed the same updates; DeMo with it against the float64 reference on 1 and 2
-gloo ranks; bitwise replicas and exact resume (the momentum is saved with the optimizer); the refusals.
+Each rule's math on its own (orthogonal_momentum against torch.optim.Muon fed the same updates); DeMo with each
+against the float64 reference on 1 and 2 gloo ranks; bitwise replicas and exact resume; the refusals.
 """
 
 import pytest
@@ -15,6 +16,7 @@ from hf_demo.optim.reference import ReferenceDeMo
 from models import awkward_mlp, loss_and_backward, restart, tiny_mlp
 
 RULE = "orthogonal_momentum"
+VARIANTS = ("orthogonal_momentum", "orthogonal_signal")
 SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
 HEAD = ("2.",)  # tiny_mlp's output layer: a 2-D parameter marked as not hidden
 
@@ -41,10 +43,22 @@ def test_the_rule_is_torch_muon_on_the_averaged_updates(monkeypatch):
                        torch.tensor([1.0, -1, 0, 1, -1]))  # fmt: skip
 
 
-def _train_both(rank, world, model):
+def test_the_signal_rule_lets_orthogonalised_matrices_and_plain_vectors_in():
+    rule = update_rules.get("orthogonal_signal")
+    g = torch.randn(12, 4, 3, generator=torch.Generator().manual_seed(1))
+    expected = update_rules.newton_schulz(g.reshape(12, 12)).reshape(12, 4, 3)
+    assert torch.equal(rule.signal(g), expected) and rule.signal(g).shape == g.shape
+    singular = torch.linalg.svdvals(rule.signal(g).reshape(12, 12))
+    assert singular.min() > 0.6 and singular.max() < 1.25  # orthogonalised; unscaled
+    vector = torch.randn(7)
+    assert rule.signal(vector) is vector and rule.signal(None) is None
+    assert all(update_rules.get(name).signal(g) is g for name in update_rules.RULES if name != "orthogonal_signal")
+
+
+def _train_both(rank, world, model, rule):
     fast_model, ref_model = model(), model()
     fast = hf_demo.DeMo(
-        muon_style_groups(fast_model, hidden={"update_rule": RULE}, exclude=HEAD),
+        muon_style_groups(fast_model, hidden={"update_rule": rule}, exclude=HEAD),
         lr=SETTINGS["lr"],
         compression_decay=SETTINGS["decay"],
         compression_topk=SETTINGS["topk"],
@@ -52,7 +66,7 @@ def _train_both(rank, world, model):
         weight_decay=SETTINGS["weight_decay"],
         value_format="fp32",
     )
-    ref = ReferenceDeMo(ref_model.parameters(), rule=[RULE, "sign", "sign", "sign"], **SETTINGS)
+    ref = ReferenceDeMo(ref_model.parameters(), rule=[rule, "sign", "sign", "sign"], **SETTINGS)
     for step in range(20):
         loss_and_backward(fast_model, rank, step)
         loss_and_backward(ref_model, rank, step)
@@ -66,20 +80,21 @@ def _max_diff(a, b):
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize("rule", VARIANTS)
 @pytest.mark.parametrize("world,model", [(1, awkward_mlp), (2, tiny_mlp)])
-def test_matches_the_float64_reference(world, model):
-    results = expect_ok(run_ranks(_train_both, world, model))
+def test_matches_the_float64_reference(world, model, rule):
+    results = expect_ok(run_ranks(_train_both, world, model, rule))
     for fast, ref in results:
         assert _max_diff(fast, ref) <= 1e-5
     assert _max_diff(results[0][0], [p.detach() for p in model().parameters()]) > 1e-3
 
 
-def _make(model, rule=RULE, **kw):
+def _make(model, rule, **kw):
     groups = muon_style_groups(model, hidden={"update_rule": rule}, exclude=HEAD)
     return hf_demo.DeMo(groups, lr=3e-3, compression_topk=4, compression_chunk=8, value_format="sign", **kw)
 
 
-def _train(rank, world, steps, resume_at=None, rule=RULE):
+def _train(rank, world, steps, resume_at, rule):
     model = tiny_mlp()
     opt = _make(model, rule)
     for step in range(steps):
@@ -91,25 +106,28 @@ def _train(rank, world, steps, resume_at=None, rule=RULE):
 
 
 @pytest.mark.ranks
-def test_replicas_stay_bitwise_identical_and_resume_exactly():
-    straight = expect_ok(run_ranks(_train, 2, 12))
+@pytest.mark.parametrize("rule", VARIANTS)
+def test_replicas_stay_bitwise_identical_and_resume_exactly(rule):
+    straight = expect_ok(run_ranks(_train, 2, 12, None, rule))
     assert all(torch.equal(a, b) for a, b in zip(*straight))
-    resumed = expect_ok(run_ranks(_train, 2, 12, 6))
+    resumed = expect_ok(run_ranks(_train, 2, 12, 6, rule))
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     plain = expect_ok(run_ranks(_train, 2, 12, None, "orthogonal"))[0]
-    assert _max_diff(straight[0], plain) > 1e-4  # the momentum changed the steps
+    assert _max_diff(straight[0], plain) > 1e-4  # the variant changed the steps
 
 
-def test_synchronisations_and_a_second_inner_momentum_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="update_rule='orthogonal_momentum' with sync_every=4"):
-        hf_demo.DeMo(tiny_mlp().parameters(), update_rule=RULE, sync_every=4)
-    with pytest.raises(ValueError, match="set inner_rule='orthogonal'"):
-        hf_demo.DeMo(tiny_mlp().parameters(), inner_rule=RULE, sync_every=4)
+@pytest.mark.parametrize("rule", VARIANTS)
+def test_synchronisations_and_the_variants_as_inner_rules_are_refused_with_the_fix(rule):
+    with pytest.raises(ValueError, match=f"update_rule='{rule}' with sync_every=4"):
+        hf_demo.DeMo(tiny_mlp().parameters(), update_rule=rule, sync_every=4)
+    with pytest.raises(ValueError, match=f"inner_rule='{rule}'.*set inner_rule='orthogonal'"):
+        hf_demo.DeMo(tiny_mlp().parameters(), inner_rule=rule, sync_every=4)
 
 
-def test_model_groups_give_the_rule_muon_style_groups():
+@pytest.mark.parametrize("rule", VARIANTS)
+def test_model_groups_give_the_variants_muon_style_groups(rule):
     model = tiny_mlp()
-    groups = model_groups(model, 0.0, RULE)
-    assert [(g["update_rule"], len(g["params"])) for g in groups] == [(RULE, 2), ("sign", 2)]
+    groups = model_groups(model, 0.0, rule)
+    assert [(g["update_rule"], len(g["params"])) for g in groups] == [(rule, 2), ("sign", 2)]
     assert groups[0]["params"][0] is model[0].weight and groups[0]["params"][1] is model[2].weight
