@@ -38,10 +38,11 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
                 ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
                 and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
-                ``update_rule=orthogonal`` trains ``hf_demo.muon_style_groups(model)`` (hidden matrices
-                orthogonalised, the rest ``sign``); benchmark-only with it: ``others=RULE`` (the rest's rule),
-                ``others_lr=X`` (the rest's lr is X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS),
-                ``ortho_scale=shape|measured`` (its scale from the shape, or from the step's own RMS).
+                ``update_rule=orthogonal`` (and its variants ``orthogonal_momentum``, ``orthogonal_signal``)
+                trains ``hf_demo.muon_style_groups(model)`` (hidden matrices orthogonalised, the rest ``sign``);
+                benchmark-only with it: ``others=RULE`` (the rest's rule), ``others_lr=X`` (the rest's lr is X
+                times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS), ``ortho_scale=shape|measured`` (its
+                scale from the shape, or from the step's own RMS), ``ortho_beta=X`` (orthogonal_momentum's beta).
                 Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
@@ -198,8 +199,6 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         kw = dict(compression_topk=cfg.topk, compression_chunk=cfg.chunk)
         kw.update(m.overrides)
         mlp_topk = kw.pop("mlp_topk", None)
-        if str(kw.pop("ortho_signal", "false")).lower() == "true":
-            _orthogonalise_signals(model)
         params = _orthogonal_groups(model, kw)
         param_dtype = kw.pop("params", "fp32")
         if param_dtype == "bf16":  # benchmark-only: bf16 parameters, no fp32 master copy (issue 10, item 4)
@@ -269,27 +268,6 @@ def _orthogonal_groups(model, kw: dict):
     if len(others) > 1 or others["update_rule"] != "sign":
         raise ValueError("others and others_lr are settings of update_rule=orthogonal's groups")
     return None
-
-
-def _orthogonalise_signals(model) -> None:
-    """Benchmark-only prototype (``ortho_signal=true``): each rank's gradient of a hidden matrix is orthogonalised
-    (5 fp32 Newton-Schulz steps) before the DCT puts it into DeMo's momentum, so top-k selects from a momentum of
-    orthogonalised gradients. Patches the DCT's ``encode`` in this forked run's process; a matrix is told by its
-    shape (those of ``muon_style_groups``' hidden matrices), which the embeddings and the head do not share here."""
-    from hf_demo.compression import transforms
-    from hf_demo.optim.param_groups import muon_style_groups
-    from hf_demo.optim.update_rules import newton_schulz
-
-    shapes = {tuple(p.shape) for p in muon_style_groups(model, hidden={}, others={})[0]["params"]}
-    others = {tuple(p.shape) for g in muon_style_groups(model, hidden={}, others={})[1:] for p in g["params"]}
-    if shapes & others:
-        raise ValueError(f"ortho_signal: hidden matrices and other parameters share shapes {shapes & others}")
-    dct = transforms.DCT.encode
-
-    def encode(x, layout):
-        return dct(newton_schulz(x).to(x.dtype) if tuple(x.shape) in shapes else x, layout)
-
-    transforms.DCT.encode = staticmethod(encode)
 
 
 class _Optimizers:

@@ -320,13 +320,16 @@ def test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule(tmp_path):
 
     tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
     run = f"--tag smoke --results-dir {tmp_path} --steps 3 --eval-every 3 --warmup 1 --topk 4 --chunk 8".split()
-    configs = "update_rule=orthogonal;update_rule=orthogonal,others=adam,others_lr=0.5,ortho_rms=0.3"
+    configs = (
+        "update_rule=orthogonal;update_rule=orthogonal,others=adam,others_lr=0.5,ortho_rms=0.3;"
+        "update_rule=orthogonal_signal;update_rule=orthogonal_momentum,ortho_beta=0.9"
+    )
     methods = ["--methods", "muon", "demo", "--demo-configs", configs]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), *run, *methods, *tiny]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "convergence_smoke.json").read_text())
-    assert [r["ok"] for r in runs] == [True] * 3, [r.get("error") for r in runs]
+    assert [r["ok"] for r in runs] == [True] * 5, [r.get("error") for r in runs]
     assert runs[0]["bytes_per_param_step"] == 4.0 and runs[1]["bytes_per_param_step"] < 0.5
     assert "| DDP-Muon | 0.001 |" in (tmp_path / "convergence_smoke.md").read_text()
