@@ -93,7 +93,10 @@ class DeMoSettings:
         "normalised), adamw (AdamW's two moments, betas 0.9/0.95) or orthogonal (Muon's: each matrix "
         "orthogonalised by 5 Newton-Schulz steps and scaled by 0.2 sqrt(max(rows, cols)); its best lr is higher "
         "than AdamW's (16x on the benchmark's 0.46M Llama); 1-D tensors take sign steps; give embeddings and the "
-        "output head sign in a group of their own: hf_demo.muon_style_groups); every rule runs identically on every "
+        "output head sign in a group of their own: hf_demo.muon_style_groups), orthogonal_signal (orthogonal, and "
+        "each rank's gradient of a matrix is orthogonalised too before it enters the momentum, so top-k selects "
+        "from a momentum of orthogonalised gradients: the from_scratch preset's) or orthogonal_momentum "
+        "(orthogonal on a Nesterov momentum, 0.95, of the averaged updates); every rule runs identically on every "
         "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
         "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,
@@ -284,12 +287,12 @@ PRESETS: dict[str, dict] = {
     # many ranks: the union all-reduce at 4x the default top-k; its bytes per rank stay below 2x those at W=2
     # for any W (a ring all-reduce), where the all-gather's grow as W-1
     "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
-    # training from scratch: Muon's orthogonalised step on the hidden matrices, 1-bit values, top-12 of 32x32
-    # (0.017 B/param/step on the 0.46M Llama). Give DeMo muon_style_groups(model), as create_optimizer and
-    # DeMoTrainer do. Its best lr was 16x AdamW's there (1.6e-2 against 1e-3): 0.95x DDP-AdamW's held-out loss,
-    # 0.93x the sign rule's, 1.11x DDP-Muon's (the orthogonal rule's report in benchmarks/reports/)
+    # training from scratch: each rank's gradient of a hidden matrix orthogonalised before the momentum, and
+    # Muon's orthogonalised step on the averaged update; 1-bit values, top-12 of 32x32 (0.017 B/param/step on
+    # the 0.46M Llama). Give DeMo muon_style_groups(model), as create_optimizer and DeMoTrainer do. Its best lr
+    # was 32x AdamW's there (3.2e-2 against 1e-3); its figures against DDP-AdamW and DDP-Muon: docs/results.md
     "from_scratch": {
-        "update_rule": "orthogonal",
+        "update_rule": "orthogonal_signal",
         "value_format": "sign",
         "compression_chunk": 32,
         "compression_topk": 12,

@@ -125,7 +125,7 @@ def test_trainer_gives_the_orthogonal_rule_muon_style_groups(tmp_path):
 
 def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
     opt = hf_demo.create_optimizer(_tiny_llama(), preset="from_scratch")
-    assert [g["update_rule"] for g in opt.param_groups] == ["orthogonal", "sign", "sign"]
+    assert [g["update_rule"] for g in opt.param_groups] == ["orthogonal_signal", "sign", "sign"]
     assert (opt.settings.value_format, opt.settings.compression_chunk, opt.settings.compression_topk) == (
         "sign",
         32,
@@ -135,7 +135,7 @@ def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
         output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_preset="from_scratch"
     )
     _, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args, _tiny_llama())
-    assert [g["update_rule"] for g in kwargs["params"]] == ["orthogonal", "sign", "sign"]
+    assert [g["update_rule"] for g in kwargs["params"]] == ["orthogonal_signal", "sign", "sign"]
 
 
 def test_an_unknown_rule_in_a_group_is_refused():

@@ -44,6 +44,7 @@ from hf_demo.hf.data_parallel import (
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.ops import callbacks as ops_callbacks
+from hf_demo.optim import update_rules
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
@@ -119,12 +120,13 @@ class DeMoTrainerMixin:
 
     @classmethod
     def get_optimizer_cls_and_kwargs(cls, args, model=None):
-        """``(DeMo, kwargs)`` for ``--optim demo``; Trainer's own answer for every other optimizer. With
-        ``update_rule="orthogonal"`` the kwargs carry the model's Muon-style groups (``params``, which Trainer
-        uses instead of its decay/no-decay groups: :func:`hf_demo.optim.param_groups.model_groups`)."""
+        """``(DeMo, kwargs)`` for ``--optim demo``; Trainer's own answer for every other optimizer. With an
+        orthogonal rule (``orthogonal``, ``orthogonal_signal``, ``orthogonal_momentum``) the kwargs carry the
+        model's Muon-style groups (``params``, which Trainer uses instead of its decay/no-decay groups:
+        :func:`hf_demo.optim.param_groups.model_groups`)."""
         if selects_demo(args.optim):
             cls_, kwargs = optimizer_cls_and_kwargs(lr=args.learning_rate, **demo_settings(args))
-            if model is not None and kwargs["update_rule"] == "orthogonal":
+            if model is not None and kwargs["update_rule"] in update_rules.ORTHOGONAL:
                 kwargs["params"] = model_groups(model, args.weight_decay, kwargs["update_rule"])
             return cls_, kwargs
         return super().get_optimizer_cls_and_kwargs(args, model)
