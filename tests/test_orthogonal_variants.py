@@ -91,29 +91,41 @@ def test_matches_the_float64_reference(world, model, rule):
 
 def _make(model, rule, **kw):
     groups = muon_style_groups(model, hidden={"update_rule": rule}, exclude=HEAD)
-    return hf_demo.DeMo(groups, lr=3e-3, compression_topk=4, compression_chunk=8, value_format="sign", **kw)
+    settings = {"lr": 3e-3, "compression_topk": 4, "compression_chunk": 8, "value_format": "sign", **kw}
+    return hf_demo.DeMo(groups, **settings)
 
 
-def _train(rank, world, steps, resume_at, rule):
+def _train(rank, world, steps, resume_at, rule, kw=None):
+    kw = kw or {}
     model = tiny_mlp()
-    opt = _make(model, rule)
+    opt = _make(model, rule, **kw)
     for step in range(steps):
         if step == resume_at:  # a fresh process: new model and optimizer, both loaded
-            model, opt = restart(model, opt, lambda m: _make(m, rule))
+            model, opt = restart(model, opt, lambda m: _make(m, rule, **kw))
         loss_and_backward(model, rank, step)
         opt.step()
+    opt.flush()
     return [p.detach().clone() for p in model.parameters()]
 
 
+MODES = {
+    "all_gather": {},
+    "all_reduce": {"exchange": "all_reduce", "value_format": "bf16"},
+    "overlap": {"overlap": True},
+}
+CASES = [(rule, "all_gather") for rule in VARIANTS] + [("orthogonal_signal", m) for m in ("all_reduce", "overlap")]
+
+
 @pytest.mark.ranks
-@pytest.mark.parametrize("rule", VARIANTS)
-def test_replicas_stay_bitwise_identical_and_resume_exactly(rule):
-    straight = expect_ok(run_ranks(_train, 2, 12, None, rule))
+@pytest.mark.parametrize("rule,mode", CASES)
+def test_replicas_stay_bitwise_identical_and_resume_exactly(rule, mode):
+    kw = MODES[mode]
+    straight = expect_ok(run_ranks(_train, 2, 12, None, rule, kw))
     assert all(torch.equal(a, b) for a, b in zip(*straight))
-    resumed = expect_ok(run_ranks(_train, 2, 12, 6, rule))
+    resumed = expect_ok(run_ranks(_train, 2, 12, 6, rule, kw))
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    plain = expect_ok(run_ranks(_train, 2, 12, None, "orthogonal"))[0]
+    plain = expect_ok(run_ranks(_train, 2, 12, None, "orthogonal", kw))[0]
     assert _max_diff(straight[0], plain) > 1e-4  # the variant changed the steps
 
 
