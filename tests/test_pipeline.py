@@ -32,7 +32,7 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
         assert all(callable(getattr(cls, m)) for m in documented + ("agree_step", "agree", "agree_refusal")), name
         assert isinstance(cls.needs_values, bool) and f"`{name}`" in DESIGN
     for name, cls in signals.SIGNALS.items():
-        assert all(callable(getattr(cls, m)) for m in ("select", "decay_and_scale", "update")), name
+        assert all(callable(getattr(cls, m)) for m in ("select", "decay_and_scale", "entering", "update")), name
     for name, rule in update_rules.RULES.items():
         assert callable(rule.direction) and callable(rule.signal) and f"`{name}`" in DESIGN
     for part in optimizer.PIPELINE.parts:
