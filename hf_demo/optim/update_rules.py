@@ -293,7 +293,9 @@ class OrthogonalMomentumRule(OrthogonalRule):
     feedback, a delayed share of the gradients; its momentum gathers the components of the last ~1/(1-beta)
     steps, a matrix of much higher rank than one step's, which Newton-Schulz then orthogonalises as Muon does
     its momentum of dense gradients. Every rank holds the same update, so the state (``exp_avg``: 4 bytes per
-    parameter) stays the same on every rank. Tensors of one dimension take ``sign`` steps (no state)."""
+    parameter) stays the same on every rank. Tensors of one dimension take ``sign`` steps (no state). On the
+    benchmark's 0.46M Llama it trains worse than :class:`OrthogonalRule` at every lr tried: DeMo's error
+    feedback already delays each component until it is sent, and this momentum delays it again."""
 
     name = "orthogonal_momentum"
     beta = 0.95
