@@ -290,7 +290,8 @@ PRESETS: dict[str, dict] = {
     # training from scratch: each rank's gradient of a hidden matrix orthogonalised before the momentum, and
     # Muon's orthogonalised step on the averaged update; 1-bit values, top-12 of 32x32 (0.017 B/param/step on
     # the 0.46M Llama). Give DeMo muon_style_groups(model), as create_optimizer and DeMoTrainer do. Its best lr
-    # was 32x AdamW's there (3.2e-2 against 1e-3); its figures against DDP-AdamW and DDP-Muon: docs/results.md
+    # was 16-32x AdamW's (1.6e-2 to 3.2e-2 against 1e-3); its figures against DDP-AdamW and DDP-Muon:
+    # docs/results.md
     "from_scratch": {
         "update_rule": "orthogonal_signal",
         "value_format": "sign",
