@@ -305,11 +305,12 @@ def _layouts_refused(rank, world):
         "native_hsdp": lambda m: fully_shard(m, mesh=native),
         "mixed": lambda m: fully_shard(m[0], mesh=mesh),
         "orthogonal": lambda m: fully_shard(m, mesh=mesh),
+        "orthogonal_signal": lambda m: fully_shard(m, mesh=mesh),
         "budget": lambda m: fully_shard(m, mesh=mesh),
     }.items():
         model = awkward_model()
         build(model)
-        kw = {"orthogonal": {"update_rule": "orthogonal"}, "budget": {"comm_budget": 0.2}}.get(name, {})
+        kw = {"budget": {"comm_budget": 0.2}}.get(name, {"update_rule": name} if "orthogonal" in name else {})
         opt = hf_demo.DeMo(model.parameters(), **kw)
         backward(model, rank, 0)
         try:
@@ -324,6 +325,7 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
         assert "FSDP2's own HSDP" in errors["native_hsdp"] and "mesh['shard']" in errors["native_hsdp"]
         assert "plain one(s)" in errors["mixed"] and "fully_shard the root module" in errors["mixed"]
         assert "Newton-Schulz" in errors["orthogonal"]
+        assert "'orthogonal_signal' is not combined" in errors["orthogonal_signal"]
         assert "comm_budget is not combined" in errors["budget"] and "own timings" in errors["budget"]
 
 

@@ -22,6 +22,7 @@ from hf_demo.ops.traffic import (
     shard_shapes,
 )
 from hf_demo.optim import policy as policies
+from hf_demo.optim import update_rules
 from hf_demo.settings import PRESETS, DeMoSettings
 
 
@@ -203,7 +204,7 @@ def _sharded_refusal(settings: DeMoSettings) -> str | None:
     """Why DeMo refuses these settings on FSDP2-sharded parameters (hf_demo.topology.sharded), or None."""
     if settings.comm_budget > 0:
         return "comm_budget is not combined with FSDP2-sharded parameters"
-    if "orthogonal" in (settings.update_rule, settings.inner_rule):
+    if {settings.update_rule, settings.inner_rule} & set(update_rules.ORTHOGONAL):
         return "the orthogonal rule is not combined with FSDP2-sharded parameters"
     return None
 

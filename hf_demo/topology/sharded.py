@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hf_demo.errors import DeMoPayloadError
 from hf_demo.exchange.transport import Transport
+from hf_demo.optim import update_rules
 
 
 def is_sharded(t) -> bool:
@@ -125,10 +126,10 @@ def refuse_unshardable(opt) -> None:
             "yourself (value_format, compression_topk, sync_every; docs/guides/choosing-settings.md)"
         )
     for group in opt.param_groups:
-        rules = {group["update_rule"], group["inner_rule"]}
-        if "orthogonal" in rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
+        rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.ORTHOGONAL)
+        if rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
             raise ValueError(
-                "DeMo: update_rule/inner_rule='orthogonal' is not combined with FSDP2-sharded parameters: "
+                f"DeMo: update_rule/inner_rule={min(rules)!r} is not combined with FSDP2-sharded parameters: "
                 "Newton-Schulz orthogonalises the whole matrix, and each rank holds only some of its rows "
                 "(orthogonalising the rows one by one is another, untested step). Use update_rule='sign' or "
                 "'adamw' for these groups, or train with DDP-DeMo (docs/guides/large-models.md)"
