@@ -68,3 +68,21 @@ def restart(model, opt, make_opt):
     new_model.load_state_dict(state["model"])
     new_opt.load_state_dict(state["opt"])
     return new_model, new_opt
+
+
+REFERENCE_SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)  # ReferenceDeMo's keywords
+
+
+def demo_as_reference(params, **settings) -> hf_demo.DeMo:
+    """DeMo with :data:`REFERENCE_SETTINGS` under its own names and fp32 values: what the slow reference
+    (``hf_demo.optim.reference.ReferenceDeMo(params, **REFERENCE_SETTINGS)``) computes, to compare with it."""
+    s = REFERENCE_SETTINGS
+    return hf_demo.DeMo(
+        params,
+        lr=s["lr"],
+        compression_decay=s["decay"],
+        compression_topk=s["topk"],
+        compression_chunk=s["chunk"],
+        weight_decay=s["weight_decay"],
+        **{"value_format": "fp32", **settings},
+    )

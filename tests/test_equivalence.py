@@ -6,29 +6,18 @@ zero-padded blocks where there is none).
 
 import pytest
 
-import hf_demo
 from dist_utils import expect_ok
 from hf_demo.compression.blocks import plan
 from hf_demo.optim.reference import ReferenceDeMo
-from models import awkward_mlp, loss_and_backward, tiny_mlp
+from models import REFERENCE_SETTINGS, awkward_mlp, demo_as_reference, loss_and_backward, tiny_mlp
 
-SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
+SETTINGS = REFERENCE_SETTINGS
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}
 
 
 def _train_both(rank, world, rule, model="divisible", device="cpu", overlap=False):
     fast_model, ref_model = MODELS[model]().to(device), MODELS[model]()
-    fast = hf_demo.DeMo(
-        fast_model.parameters(),
-        overlap=overlap,
-        lr=SETTINGS["lr"],
-        compression_decay=SETTINGS["decay"],
-        compression_topk=SETTINGS["topk"],
-        compression_chunk=SETTINGS["chunk"],
-        weight_decay=SETTINGS["weight_decay"],
-        value_format="fp32",
-        update_rule=rule,
-    )
+    fast = demo_as_reference(fast_model.parameters(), overlap=overlap, update_rule=rule)
     ref = ReferenceDeMo(ref_model.parameters(), rule=rule, delay=int(overlap), **SETTINGS)
     for step in range(20):
         loss_and_backward(fast_model, rank, step)

@@ -17,11 +17,11 @@ from dist_utils import RankError, expect_ok, run_ranks
 from hf_demo.optim import update_rules
 from hf_demo.optim.param_groups import muon_style_groups
 from hf_demo.optim.reference import ReferenceDeMo, orthogonalised
-from models import awkward_mlp, batch, loss_and_backward, restart, tiny_mlp
+from models import REFERENCE_SETTINGS, awkward_mlp, batch, demo_as_reference, loss_and_backward, restart, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes (most tests)
 
-SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
+SETTINGS = REFERENCE_SETTINGS
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}
 HEAD = ("2.",)  # tiny_mlp's output layer: a 2-D parameter the user marks as not hidden
 
@@ -147,17 +147,7 @@ def test_an_unknown_rule_in_a_group_is_refused():
 # ---------------------------------------------------------------------- against the slow reference
 def _fast(model, groups=False, others="sign", **kw):
     params = muon_style_groups(model, others={"update_rule": others}, exclude=HEAD) if groups else model.parameters()
-    return hf_demo.DeMo(
-        params,
-        lr=SETTINGS["lr"],
-        compression_decay=SETTINGS["decay"],
-        compression_topk=SETTINGS["topk"],
-        compression_chunk=SETTINGS["chunk"],
-        weight_decay=SETTINGS["weight_decay"],
-        value_format="fp32",
-        update_rule="orthogonal",
-        **kw,
-    )
+    return demo_as_reference(params, update_rule="orthogonal", **kw)
 
 
 def _train_both(rank, world, model="divisible", groups=False, others="sign", overlap=False):

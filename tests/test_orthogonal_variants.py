@@ -13,11 +13,11 @@ from dist_utils import expect_ok, run_ranks
 from hf_demo.optim import update_rules
 from hf_demo.optim.param_groups import model_groups, muon_style_groups
 from hf_demo.optim.reference import ReferenceDeMo
-from models import awkward_mlp, loss_and_backward, restart, tiny_mlp
+from models import REFERENCE_SETTINGS, awkward_mlp, demo_as_reference, loss_and_backward, restart, tiny_mlp
 
 RULE = "orthogonal_momentum"
 VARIANTS = ("orthogonal_momentum", "orthogonal_signal")
-SETTINGS = dict(lr=3e-3, decay=0.9, topk=6, chunk=8, weight_decay=0.01)
+SETTINGS = REFERENCE_SETTINGS
 HEAD = ("2.",)  # tiny_mlp's output layer: a 2-D parameter marked as not hidden
 
 
@@ -57,15 +57,7 @@ def test_the_signal_rule_lets_orthogonalised_matrices_and_plain_vectors_in():
 
 def _train_both(rank, world, model, rule):
     fast_model, ref_model = model(), model()
-    fast = hf_demo.DeMo(
-        muon_style_groups(fast_model, hidden={"update_rule": rule}, exclude=HEAD),
-        lr=SETTINGS["lr"],
-        compression_decay=SETTINGS["decay"],
-        compression_topk=SETTINGS["topk"],
-        compression_chunk=SETTINGS["chunk"],
-        weight_decay=SETTINGS["weight_decay"],
-        value_format="fp32",
-    )
+    fast = demo_as_reference(muon_style_groups(fast_model, hidden={"update_rule": rule}, exclude=HEAD))
     ref = ReferenceDeMo(ref_model.parameters(), rule=[rule, "sign", "sign", "sign"], **SETTINGS)
     for step in range(20):
         loss_and_backward(fast_model, rank, step)
