@@ -12,8 +12,8 @@ bytes:
 - DeMo exchanges over the replicate group of its shard (``device_mesh["replicate"]``, or ``process_group``);
   with pure FSDP (a mesh of one dimension over every rank) there is no other replica and nothing to exchange;
 - what decides a step for the whole model (skip for NaN/Inf, a refused payload, an exchange refused while in
-  flight) is agreed over the shard group as well, one 8-byte all-gather on the fast link, so every shard takes
-  the same step.
+  flight) is agreed over the shard group as well, on the fast link (a signed header per exchanging step, an
+  8-byte all-gather for a vote or a drift check), so every shard takes the same step.
 
 This module is where DeMo handles ``DTensor``: :func:`local` gives the tensor every other part computes on.
 """
@@ -88,8 +88,7 @@ class ShardSpec:
 def exchange_group(opt, spec: ShardSpec):
     """The group DeMo exchanges over, checked to hold one rank per shard: ``process_group``, else the replicate
     dimension of ``device_mesh``, else (pure FSDP over every rank) none: a world of one."""
-    mesh = getattr(opt, "device_mesh", None)
-    group = opt.process_group
+    mesh, group = opt.device_mesh, opt.process_group
     if group is None and mesh is not None:
         if mesh.ndim != 2:
             raise ValueError(
@@ -268,20 +267,28 @@ def shard_shapes(p, shards: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def own_numel(p, key: str, shards: int, chunk: int) -> list[int]:
-    """The length of this rank-owned state entry on each rank of the shard group (0 where the shard is empty)."""
+def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
+    """The shape of a state entry of a parameter shard: the momentum is blocked (nblocks, block size), the rest has
+    the shard's shape."""
     from hf_demo.compression.blocks import plan
 
-    sizes = []
-    for shape in shard_shapes(p, shards):
-        if 0 in shape:
-            sizes.append(0)
-        elif key == "momentum":
-            layout = plan(shape, chunk, 1)
-            sizes.append(layout.nblocks * layout.bsize)
-        else:
-            sizes.append(int(torch.Size(shape).numel()))
-    return sizes
+    if key != "momentum":
+        return shard
+    layout = plan(shard, chunk, 1)
+    return (layout.nblocks, layout.bsize)
+
+
+def own_numel(p, key: str, shards: int, chunk: int) -> list[int]:
+    """The length of this rank-owned state entry on each rank of the shard group (0 where the shard is empty)."""
+    return [
+        0 if 0 in shape else torch.Size(entry_shape(shape, key, chunk)).numel() for shape in shard_shapes(p, shards)
+    ]
+
+
+def params_by_id(sd: dict, opt) -> dict:
+    """{position in ``sd``'s parameter groups: the optimizer's parameter}."""
+    ids = (i for g in sd["param_groups"] for i in g["params"])
+    return dict(zip(ids, (p for g in opt.param_groups for p in g["params"])))
 
 
 def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
@@ -289,7 +296,6 @@ def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
     computed from the averaged update is placed like its parameter (one copy per shard); each rank's own momentum
     is its piece of a DTensor over every rank; the ``"demo"`` entry rides in the first parameter group (what
     ``get_optimizer_state_dict`` keeps), the same on every rank."""
-    from hf_demo.compression.blocks import plan
     from hf_demo.errors import DeMoStateError
     from hf_demo.optim.checkpointing import own_parameters
 
@@ -301,21 +307,16 @@ def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
         )
     world_mesh, shards = topology.world_mesh(), topology.shards.world
     sd["state"] = {pid: dict(entry) for pid, entry in sd["state"].items()}  # torch's entries are opt.state's own dicts
-    by_id = dict(
-        zip((i for g in sd["param_groups"] for i in g["params"]), (p for g in opt.param_groups for p in g["params"]))
-    )
+    by_id = params_by_id(sd, opt)
     for pid, entry in sd["state"].items():
         p = by_id[pid]
         chunk = opt.group_of(p)["compression_chunk"]
+        if "momentum" not in entry and 0 not in local_shape(p):  # none yet (a local phase's first steps) is zero
+            # momentum, saved so that a fresh optimizer's state (the template a load fills) always asks for it
+            entry["momentum"] = torch.zeros(entry_shape(local_shape(p), "momentum", chunk), device=p.device)
         for key, value in entry.items():
             if torch.is_tensor(value) and value.dim() > 0:  # not a counter (the same on every rank)
                 entry[key] = _placed(p, key, value, shards, chunk, world_mesh)
-    for pid, entry in sd["state"].items():  # no momentum yet (a local phase's first steps) is zero momentum: saved
-        p = by_id[pid]  # so that a fresh optimizer's state (the template a load fills) always asks for it
-        if "momentum" not in entry and 0 not in local_shape(p):
-            layout = plan(local_shape(p), opt.group_of(p)["compression_chunk"], 1)
-            zeros = torch.zeros(layout.nblocks, layout.bsize, device=p.device)
-            entry["momentum"] = _placed(p, "momentum", zeros, shards, opt.group_of(p)["compression_chunk"], world_mesh)
     for pid, p in by_id.items():  # a shard with no rows here: zeros in this rank's piece, so the pieces fill
         if p.requires_grad and 0 in local_shape(p) and opt.steps:
             keys = _own_keys_of_group(opt, p, sd, by_id)
@@ -353,15 +354,11 @@ def _placed(p, key, value, shards, chunk, world_mesh):
 
 def from_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
     """The inverse of :func:`to_checkpoint`: local tensors of the shapes this rank's shards need."""
-    from hf_demo.compression.blocks import plan
-
     sd = dict(sd)
     sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
     if "demo" in sd["param_groups"][0]:
         sd["demo"] = sd["param_groups"][0].pop("demo")
-    params = dict(
-        zip((i for g in sd["param_groups"] for i in g["params"]), (p for g in opt.param_groups for p in g["params"]))
-    )
+    params = params_by_id(sd, opt)
     chunks = {i: g.get("compression_chunk") for g in sd["param_groups"] for i in g["params"]}
     state = {}
     for pid, entry in sd["state"].items():
@@ -375,11 +372,8 @@ def from_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
             if key in SAME_ON_REPLICAS:
                 entry[key] = mine
                 continue
-            shape = local_shape(p)
-            if key == "momentum":
-                layout = plan(shape, chunks[pid] or opt.group_of(p)["compression_chunk"], 1)
-                shape = (layout.nblocks, layout.bsize)
-            entry[key] = mine[: int(torch.Size(shape).numel())].view(shape)
+            shape = entry_shape(local_shape(p), key, chunks[pid] or opt.group_of(p)["compression_chunk"])
+            entry[key] = mine[: torch.Size(shape).numel()].view(shape)
         state[pid] = entry
     sd["state"] = state
     return sd
