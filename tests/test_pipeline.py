@@ -28,9 +28,9 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
     for name, cls in exchanges.EXCHANGES_BY_NAME.items():
         assert all(callable(getattr(cls, m)) for m in ("prepare", "start", "finish")) and f"`{name}`" in DESIGN
     for name, cls in TOPOLOGIES.items():
-        documented = ("build", "select", "share", "identity", "owners_of", "mean_over_ranks")
-        assert all(callable(getattr(cls, m)) for m in documented + ("agree_step", "agree", "agree_refusal")), name
-        assert isinstance(cls.needs_values, bool) and f"`{name}`" in DESIGN
+        documented = ("build", "select", "identity", "mean_over_ranks", "agree_step", "agree", "agree_refusal")
+        assert all(callable(getattr(cls, m)) and f"`{m}(" in DESIGN for m in documented), name
+        assert f"`{name}`" in DESIGN
     for name, cls in signals.SIGNALS.items():
         assert all(callable(getattr(cls, m)) for m in ("select", "decay_and_scale", "entering", "update")), name
     for name, rule in update_rules.RULES.items():

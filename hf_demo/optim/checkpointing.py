@@ -148,13 +148,8 @@ def _restore_tensors(opt, p, tensors: dict, saved_chunk, group, pid) -> None:
 def own_parameters(opt):
     """(position, parameter) of each parameter whose value is this rank's own, which a checkpoint's model file
     (rank 0's) does not hold: inside a local phase, those moved away from their anchor (the parameters at the
-    last synchronisation); under a topology that shares values, every trainable one (a node's values are not
-    rank 0's node's)."""
-    everything = enumerate(p for g in opt.param_groups for p in g["params"])
-    if opt.unsynced and opt.topology.needs_values:
-        yield from ((i, p) for i, p in everything if p.requires_grad)
-        return
-    for i, p in everything:
+    last synchronisation)."""
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
         anchor = opt.state[p].get("anchor") if p in opt.state else None
         if anchor is not None and not torch.equal(local(p).detach(), anchor):
             yield i, p

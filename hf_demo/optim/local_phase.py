@@ -23,8 +23,7 @@ def phase_means(opt, name: str) -> tuple[dict, Traffic]:
     transport = opt.transport.at(opt.steps)
     everything = [p for g in opt.param_groups for p in g["params"]]
     anchored = [p for p in everything if "anchor" in opt.state.get(p, {})]
-    trainable = [p for p in everything if p.requires_grad]
-    means = opt.topology.mean_over_ranks(anchored, transport, name, trainable, opt.topology.owners_of(opt, trainable))
+    means = opt.topology.mean_over_ranks(anchored, transport, name)
     return means, transport.traffic
 
 

@@ -46,7 +46,6 @@ PIPELINE = Pipeline(
         stages.Communicate(),
         stages.Vote(),
         stages.Update(),
-        stages.Share(),
         stages.Conclude(),
     ]
 )

@@ -1,7 +1,7 @@
 """One optimizer step as a pipeline of parts, each with one job, run top to bottom on a :class:`StepContext`.
 
     plan -> topology.select -> signal -> inspect -> momentum -> prepare -> agreement -> policy -> judge
-         -> communicate -> vote -> update -> topology.share                      (then DeMo.step commits)
+         -> land -> communicate -> vote -> update                               (then DeMo.step commits)
 
 Every part reads what the parts before it left in the context and adds its own results; none writes to the
 optimizer, the parameters or the counters: it stages its writes in ``ctx.tx`` (:mod:`hf_demo.optim.transaction`),
@@ -76,7 +76,6 @@ class StepContext:
     updates: list | None = None  # the averaged coefficients of each item
     in_flight: object = None  # overlap: the exchange started by this step
     refusal: Exception | None = None  # what this rank found wrong in what it received
-    values: dict = field(default_factory=dict)  # position in all_items -> the parameter's new value
 
     @property
     def params(self) -> list[torch.Tensor]:

@@ -36,10 +36,9 @@ class GradientSignal:
         """What of the gradient enters the momentum: the group's update rule says (``signal``)."""
         return ctx.opt.rule(group).signal(signal)
 
-    def update(self, ctx, needs_values: bool) -> None:
+    def update(self, ctx) -> None:
         """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
-        in a rule), once per bucket and rule; the step is staged in place, or computed into ``ctx.values`` where
-        the topology shares it."""
+        in a rule), once per bucket and rule; the step is staged in place."""
         opt = ctx.opt
         params = ctx.params
         for p, m in zip(params, ctx.working):
@@ -49,14 +48,8 @@ class GradientSignal:
         for p, rule_state in zip(params, rule_states):
             ctx.tx.update(opt.state[p], rule_state)
         lrs, wds = [g["lr"] for g in groups], [g["weight_decay"] for g in groups]
-        if needs_values:
-            positions = _positions(ctx)
-            values = [ctx.values.get(j, local(p).detach()).clone() for j, p in zip(positions, params)]
-            F.apply_steps(values, directions, lrs, wds, ctx.generator)
-            ctx.values.update(zip(positions, values))
-        else:
-            views = [local(p) for p in params]
-            ctx.tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, ctx.generator))
+        views = [local(p) for p in params]
+        ctx.tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, ctx.generator))
 
 
 def rule_directions(opt, params, groups, updates, layouts):
@@ -75,12 +68,6 @@ def rule_directions(opt, params, groups, updates, layouts):
         for i, direction, state in zip(members, found, new):
             directions[i], states[i] = direction, state
     return directions, states
-
-
-def _positions(ctx) -> list[int]:
-    """Each item's position in ``ctx.all_items`` (where the topology shares values from)."""
-    where = {id(p): j for j, (p, _, _) in enumerate(ctx.all_items)}
-    return [where[id(p)] for p in ctx.params]
 
 
 class LocalSignal:
@@ -113,11 +100,10 @@ class LocalSignal:
         ctx.skip = bool(opt.topology.agree(ctx, int(skip), "node_flags"))  # every shard of the model alike
         if ctx.skip:
             return
-        for (p, _, _), (after, m_in, rule_state), j in zip(ctx.items, ctx.inner, _positions(ctx)):
+        for (p, _, _), (after, m_in, rule_state) in zip(ctx.items, ctx.inner):
             ctx.tx.stage(
                 lambda p=p, a=after, m=m_in, r=rule_state: local_steps.commit_inner(local(p), opt.state[p], a, m, r)
             )
-            ctx.values[j] = after
 
     @staticmethod
     def decay_and_scale(ctx, group, layout) -> tuple[float, float]:
@@ -129,16 +115,13 @@ class LocalSignal:
         """The pseudo-gradient enters as it is (the local steps ran the inner rule already)."""
         return signal
 
-    def update(self, ctx, needs_values: bool) -> None:
+    def update(self, ctx) -> None:
         """Every rank sets ``param = anchor - mean change`` and the anchor moves there."""
         opt = ctx.opt
         changes = F.decode_many(ctx.updates, ctx.layouts, opt.transform)
-        rows = zip(ctx.items, ctx.working, changes, ctx.inner, ctx.anchors, _positions(ctx))
-        for (p, _, _), m, change, inner, anchor, j in rows:
+        for (p, _, _), m, change, inner in zip(ctx.items, ctx.working, changes, ctx.inner):
             ctx.tx.set(opt.state[p], "momentum", m)
             ctx.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(local(p), opt.state[p], c, *i[1:]))
-            if needs_values:
-                ctx.values[j] = local_steps.synchronised(anchor, change, p.dtype)
 
 
 SIGNALS = {cls.name: cls for cls in (GradientSignal, LocalSignal)}

@@ -163,9 +163,6 @@ class Judge:
         ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport)
         for r, value in zip(ctx.replicas, ctx.fresh):
             ctx.tx.copy(r, value)
-        if ctx.opt.topology.needs_values and not ctx.local:  # the step starts from rank 0's values
-            where = {id(p): j for j, (p, _, _) in enumerate(ctx.all_items)}
-            ctx.values.update({where[id(r)]: value for r, value in zip(ctx.replicas, ctx.fresh)})
         cause = "drift" if ctx.drifted else "non-finite parameters" if ctx.bad_param_ranks else "full_sync_every"
         if ctx.first and ctx.drifted:
             cause = f"the replicas differed at this process's first exchange. {verdicts.UNSYNCED_START}"
@@ -216,7 +213,7 @@ class Vote:
 
 class Update:
     """The update rule on the averaged update (or, at a synchronisation, the mean change from the anchor):
-    deferred to the commit where the topology needs no values, else computed on copies into ``ctx.values``."""
+    its state computed on copies now, the parameters written in place at the commit."""
 
     name = "update"
 
@@ -228,7 +225,7 @@ class Update:
             for (p, _, _), m in zip(ctx.items, ctx.working):
                 ctx.tx.set(opt.state[p], "momentum", m)
             return
-        opt.signal_for(ctx.tier).update(ctx, opt.topology.needs_values)
+        opt.signal_for(ctx.tier).update(ctx)
 
 
 class LandLate:
@@ -242,17 +239,6 @@ class LandLate:
         if ctx.settings.overlap or ctx.late is not None:
             overlap.stage_late(opt, ctx.tx, ctx.late)
             ctx.tx.stage(lambda: opt.land_in_flight(overlap.pending_from(ctx, ctx.in_flight)))
-
-
-class Share:
-    """The topology's share: every rank of a node gets the new values of the parameters other ranks own."""
-
-    name = "share"
-    exchanging = False
-
-    def run(self, ctx: StepContext) -> None:
-        if not ctx.skip and ctx.opt.topology.needs_values:  # every rank of the node, owner of a shard or not
-            ctx.opt.topology.share(ctx)
 
 
 class Conclude:

@@ -9,7 +9,6 @@ from hf_demo.exchange.transport import Transport
 
 class FlatTopology:
     name = "flat"
-    needs_values = False  # the update rule writes the parameters in place at the commit
 
     def __init__(self, transport: Transport):
         self.transport = transport  # the optimizer's exchange group
@@ -21,13 +20,6 @@ class FlatTopology:
     def select(self, ctx) -> None:
         ctx.items = ctx.all_items
         ctx.grads = [p.grad for p in ctx.params]
-
-    def share(self, ctx) -> None:
-        for j, value in ctx.values.items():
-            ctx.tx.copy(ctx.all_items[j][0], value)
-
-    def owners_of(self, opt, params) -> None:
-        return None  # every rank steps every parameter
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
@@ -50,7 +42,7 @@ class FlatTopology:
     def agree_refusal(self, ctx, refusal):
         return refusal
 
-    def mean_over_ranks(self, params, transport, name: str, every=None, owner_of=None) -> dict:
+    def mean_over_ranks(self, params, transport, name: str) -> dict:
         """Every rank's mean of ``params`` (dense all-reduces by device and dtype, fp32 or wider)."""
         return dense_mean(params, transport, name)
 

@@ -139,7 +139,6 @@ class ShardedTopology:
     """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
     name = "sharded"
-    needs_values = False  # every rank writes its own shard at the commit
 
     def __init__(self, transport: Transport, shards: Transport, spec: ShardSpec):
         self.transport, self.shards, self.spec = transport, shards, spec
@@ -174,18 +173,11 @@ class ShardedTopology:
         ctx.items = ctx.all_items
         ctx.grads = [local(p.grad) for p in ctx.params]
 
-    def share(self, ctx) -> None:
-        for j, value in ctx.values.items():
-            ctx.tx.copy(local(ctx.all_items[j][0]), value)
-
-    def owners_of(self, opt, params) -> None:
-        return None
-
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope): a sharded state is placed by its DTensors' meshes, not by a rank number."""
         return 0, dist.get_world_size(), f"mesh {self.transport.world}x{self.shards.world}"
 
-    def mean_over_ranks(self, params, transport, name: str, every=None, owner_of=None) -> dict:
+    def mean_over_ranks(self, params, transport, name: str) -> dict:
         from hf_demo.topology.flat import dense_mean
 
         views = [local(p) for p in params]
