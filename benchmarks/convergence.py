@@ -247,7 +247,10 @@ def _orthogonal_groups(model, kw: dict):
     and DeMoTrainer build), else None. Benchmark-only keys, taken out of ``kw``: ``others=RULE`` (the rule of the
     embeddings, head, norms; default sign), ``others_lr=X`` (their lr is X times the hidden matrices'; applied by
     the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2),
-    ``ortho_scale=shape|measured`` (the rule's scale from the matrix's shape, or from the step's own RMS)."""
+    ``ortho_scale=shape|measured`` (the rule's scale from the matrix's shape, or from the step's own RMS),
+    ``ns_steps=N`` (the rules' Newton-Schulz steps, 5), ``signal_momentum=BETA`` (:func:`_signal_momentum`),
+    ``shared_positions=true`` (:func:`_shared_positions`). With ``inner_rule=orthogonal`` (``sync_every > 1``):
+    the hidden matrices take local Muon steps, the rest ``others_inner=RULE``'s (default adam)."""
     from hf_demo.optim import update_rules
     from hf_demo.optim.param_groups import muon_style_groups
 
@@ -261,13 +264,68 @@ def _orthogonal_groups(model, kw: dict):
         if scale not in ("shape", "measured"):
             raise ValueError(f"ortho_scale must be shape or measured, got {scale!r}")
         update_rules.OrthogonalRule.measured_rms = scale == "measured"
+    if "ns_steps" in kw:
+        update_rules.OrthogonalRule.ns_steps = int(kw.pop("ns_steps"))  # this forked run's process only
     if "ortho_beta" in kw:
         update_rules.OrthogonalMomentumRule.beta = float(kw.pop("ortho_beta"))  # this forked run's process only
+    if kw.pop("shared_positions", False):
+        _shared_positions()
+    if "signal_momentum" in kw:
+        _signal_momentum(float(kw.pop("signal_momentum")))
     if kw.get("update_rule") in update_rules.ORTHOGONAL:
         return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
+    if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the rest's local steps are adam's
+        others = {"inner_rule": kw.pop("others_inner", "adam")}
+        return muon_style_groups(model, hidden={"inner_rule": kw["inner_rule"]}, others=others)
     if len(others) > 1 or others["update_rule"] != "sign":
         raise ValueError("others and others_lr are settings of update_rule=orthogonal's groups")
     return None
+
+
+def _shared_positions() -> None:
+    """Benchmark-only prototype (``shared_positions=true``, this forked run's process only): every rank sends the
+    top-k-many positions of each block, drawn afresh each step from a generator every rank seeds alike, instead
+    of its own top-k. The positions still travel (bytes/param/step counts them); a wire format that derives them
+    from the seed would send only the values."""
+    import torch
+
+    from hf_demo.compression import functional
+
+    calls = [0]
+
+    def select(momentum, k):
+        gen = torch.Generator().manual_seed(1_000_003 * calls[0] + 17)
+        calls[0] += 1
+        draw = torch.rand(momentum.shape, generator=gen)
+        idx = draw.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        return idx, momentum.gather(1, idx)
+
+    functional.select = select
+
+
+def _signal_momentum(beta: float) -> None:
+    """Benchmark-only prototype (``signal_momentum=BETA``, this forked run's process only): each rank keeps a
+    Nesterov momentum (Muon's, ``beta``) of its own gradient of every hidden matrix of an ``orthogonal_signal``
+    group, and that momentum, not the gradient, is what the rule orthogonalises into DeMo's momentum."""
+    import torch
+
+    from hf_demo.optim import stages
+
+    buffers: dict[int, torch.Tensor] = {}
+    plain = stages.Momentum.run
+
+    def run(self, ctx) -> None:
+        signals = []
+        for (p, group, _), s in zip(ctx.items, ctx.signals):
+            if s is not None and s.dim() >= 2 and group["update_rule"] == "orthogonal_signal":
+                buf = buffers.setdefault(id(p), torch.zeros(s.shape, dtype=torch.float32))
+                buf.lerp_(s.float(), 1.0 - beta)
+                s = s.float().lerp(buf, beta).to(s.dtype)
+            signals.append(s)
+        ctx.signals = signals
+        plain(self, ctx)
+
+    stages.Momentum.run = run
 
 
 class _Optimizers:

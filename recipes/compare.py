@@ -32,7 +32,13 @@ ROOT = HERE.parent
 
 def methods(args) -> dict[str, list[str]]:
     return {
-        "DeMo": ["--optim", "demo", "--learning_rate", str(args.demo_lr)],
+        "DeMo": [
+            "--optim",
+            "demo",
+            "--learning_rate",
+            str(args.demo_lr),
+            *(["--demo_preset", args.demo_preset] if args.demo_preset else []),
+        ],
         "DDP-AdamW": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr)],
         "DDP-AdamW+PowerSGD": [
             "--optim",
@@ -131,6 +137,7 @@ def main(argv=None):
     ap.add_argument("--num_processes", type=int, default=2)
     ap.add_argument("--config_file", default=None, help="accelerate config (default: the CPU one without a GPU)")
     ap.add_argument("--demo_lr", type=float, default=1e-4)
+    ap.add_argument("--demo_preset", default=None, help="DeMo's preset (hf_demo.settings.PRESETS), e.g. from_scratch")
     ap.add_argument("--adamw_lr", type=float, default=1e-4)
     ap.add_argument("--powersgd_rank", type=int, default=4)
     ap.add_argument("--methods", default="DeMo,DDP-AdamW,DDP-AdamW+PowerSGD")
@@ -180,7 +187,8 @@ def row(name, results, total, wall) -> dict:
 def write_table(rows, path, args):
     metric = rows[0]["metric"] if rows else "metric"
     lines = [
-        f"Same fine-tune ({args.recipe}), {args.num_processes} processes, {args.steps} steps. Bytes are per rank.",
+        f"Same fine-tune ({args.recipe}), {args.num_processes} processes, {args.steps} steps. Bytes are per rank. "
+        f"DeMo: lr {args.demo_lr}, preset {args.demo_preset or 'none (defaults)'}; AdamW: lr {args.adamw_lr}.",
         "",
         f"| method | final eval loss | {metric} | bytes/step | total bytes | wall time (s) | train time (s) |",
         "|---|---|---|---|---|---|---|",
