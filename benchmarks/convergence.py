@@ -38,12 +38,15 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``mlp_topk=K`` (also benchmark-only) puts the MLP matrices in a parameter group with top-k K;
                 ``params=bf16`` (benchmark-only) trains bf16 parameters with no fp32 copy (forward, backward
                 and held-out loss in bf16), e.g. with ``param_rounding=stochastic``.
-                ``update_rule=orthogonal`` (and its variants ``orthogonal_momentum``, ``orthogonal_signal``)
-                trains ``hf_demo.muon_style_groups(model)`` (hidden matrices orthogonalised, the rest ``sign``);
-                benchmark-only with it: ``others=RULE`` (the rest's rule), ``others_lr=X`` (the rest's lr is X
-                times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS), ``ortho_scale=shape|measured`` (its
-                scale from the shape, or from the step's own RMS), ``ortho_beta=X`` (orthogonal_momentum's beta).
-                Bytes = ``comm_stats.bytes_sent`` (headers included).
+                ``update_rule=orthogonal`` (and its variants ``orthogonal_momentum``, ``orthogonal_signal``,
+                ``muon_signal``) trains ``hf_demo.muon_style_groups(model)`` (hidden matrices orthogonalised, the rest
+                ``sign``); benchmark-only with it: ``others=RULE`` (the rest's rule), ``others_lr=X`` (the rest's lr is
+                X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS), ``ortho_scale=shape|measured`` (its
+                scale from the shape, or from the step's own RMS), ``ortho_beta=X`` (orthogonal_momentum's beta),
+                ``ns_steps=N`` (the rules' Newton-Schulz steps). ``inner_rule=orthogonal`` (``sync_every > 1``) trains
+                Muon-style groups too: local Muon steps for the hidden matrices, ``others_inner=RULE`` (default adam)
+                for the rest. ``shared_positions=true`` (any configuration; a prototype): every rank sends the same
+                randomly drawn positions instead of its own top-k. Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
 (``--schedule cosine``, default) or constant (``--schedule constant``).
@@ -248,9 +251,9 @@ def _orthogonal_groups(model, kw: dict):
     embeddings, head, norms; default sign), ``others_lr=X`` (their lr is X times the hidden matrices'; applied by
     the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2),
     ``ortho_scale=shape|measured`` (the rule's scale from the matrix's shape, or from the step's own RMS),
-    ``ns_steps=N`` (the rules' Newton-Schulz steps, 5), ``signal_momentum=BETA`` (:func:`_signal_momentum`),
-    ``shared_positions=true`` (:func:`_shared_positions`). With ``inner_rule=orthogonal`` (``sync_every > 1``):
-    the hidden matrices take local Muon steps, the rest ``others_inner=RULE``'s (default adam)."""
+    ``ns_steps=N`` (the rules' Newton-Schulz steps, 5), ``shared_positions=true`` (:func:`_shared_positions`).
+    With ``inner_rule=orthogonal`` (``sync_every > 1``): the hidden matrices take local Muon steps, the rest
+    ``others_inner=RULE``'s (default adam)."""
     from hf_demo.optim import update_rules
     from hf_demo.optim.param_groups import muon_style_groups
 
@@ -270,8 +273,6 @@ def _orthogonal_groups(model, kw: dict):
         update_rules.OrthogonalMomentumRule.beta = float(kw.pop("ortho_beta"))  # this forked run's process only
     if kw.pop("shared_positions", False):
         _shared_positions()
-    if "signal_momentum" in kw:
-        _signal_momentum(float(kw.pop("signal_momentum")))
     if kw.get("update_rule") in update_rules.ORTHOGONAL:
         return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
     if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the rest's local steps are adam's
@@ -284,7 +285,7 @@ def _orthogonal_groups(model, kw: dict):
 
 def _shared_positions() -> None:
     """Benchmark-only prototype (``shared_positions=true``, this forked run's process only): every rank sends the
-    top-k-many positions of each block, drawn afresh each step from a generator every rank seeds alike, instead
+    same top-k-many positions of each block, drawn afresh each step from a generator every rank seeds alike, instead
     of its own top-k. The positions still travel (bytes/param/step counts them); a wire format that derives them
     from the seed would send only the values."""
     import torch
@@ -301,31 +302,6 @@ def _shared_positions() -> None:
         return idx, momentum.gather(1, idx)
 
     functional.select = select
-
-
-def _signal_momentum(beta: float) -> None:
-    """Benchmark-only prototype (``signal_momentum=BETA``, this forked run's process only): each rank keeps a
-    Nesterov momentum (Muon's, ``beta``) of its own gradient of every hidden matrix of an ``orthogonal_signal``
-    group, and that momentum, not the gradient, is what the rule orthogonalises into DeMo's momentum."""
-    import torch
-
-    from hf_demo.optim import stages
-
-    buffers: dict[int, torch.Tensor] = {}
-    plain = stages.Momentum.run
-
-    def run(self, ctx) -> None:
-        signals = []
-        for (p, group, _), s in zip(ctx.items, ctx.signals):
-            if s is not None and s.dim() >= 2 and group["update_rule"] == "orthogonal_signal":
-                buf = buffers.setdefault(id(p), torch.zeros(s.shape, dtype=torch.float32))
-                buf.lerp_(s.float(), 1.0 - beta)
-                s = s.float().lerp(buf, beta).to(s.dtype)
-            signals.append(s)
-        ctx.signals = signals
-        plain(self, ctx)
-
-    stages.Momentum.run = run
 
 
 class _Optimizers:

@@ -125,17 +125,15 @@ def test_trainer_gives_the_orthogonal_rule_muon_style_groups(tmp_path):
 
 def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
     opt = hf_demo.create_optimizer(_tiny_llama(), preset="from_scratch")
-    assert [g["update_rule"] for g in opt.param_groups] == ["orthogonal_signal", "sign", "sign"]
-    assert (opt.settings.value_format, opt.settings.compression_chunk, opt.settings.compression_topk) == (
-        "sign",
-        32,
-        12,
-    )
+    assert [g["update_rule"] for g in opt.param_groups] == ["muon_signal", "sign", "sign"]
+    settings = opt.settings
+    assert (settings.value_format, settings.compression_chunk, settings.compression_topk) == ("sign", 32, 12)
+    assert settings.compression_decay == 0.9
     args = hf_demo.DeMoTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_preset="from_scratch"
     )
     _, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args, _tiny_llama())
-    assert [g["update_rule"] for g in kwargs["params"]] == ["orthogonal_signal", "sign", "sign"]
+    assert [g["update_rule"] for g in kwargs["params"]] == ["muon_signal", "sign", "sign"]
 
 
 def test_an_unknown_rule_in_a_group_is_refused():
@@ -312,7 +310,8 @@ def test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule(tmp_path):
     run = f"--tag smoke --results-dir {tmp_path} --steps 3 --eval-every 3 --warmup 1 --topk 4 --chunk 8".split()
     configs = (
         "update_rule=orthogonal;update_rule=orthogonal,others=adam,others_lr=0.5,ortho_rms=0.3;"
-        "update_rule=orthogonal_signal;update_rule=orthogonal_momentum,ortho_beta=0.9"
+        "update_rule=orthogonal_signal;update_rule=orthogonal_momentum,ortho_beta=0.9;"
+        "update_rule=muon_signal,ns_steps=3,shared_positions=true;sync_every=2,inner_rule=orthogonal"
     )
     methods = ["--methods", "muon", "demo", "--demo-configs", configs]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), *run, *methods, *tiny]
@@ -320,6 +319,6 @@ def test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "convergence_smoke.json").read_text())
-    assert [r["ok"] for r in runs] == [True] * 5, [r.get("error") for r in runs]
+    assert [r["ok"] for r in runs] == [True] * 7, [r.get("error") for r in runs]
     assert runs[0]["bytes_per_param_step"] == 4.0 and runs[1]["bytes_per_param_step"] < 0.5
     assert "| DDP-Muon | 0.001 |" in (tmp_path / "convergence_smoke.md").read_text()

@@ -1,8 +1,10 @@
 """The orthogonal rule's variants: ``orthogonal_momentum`` (Muon's Nesterov momentum of the averaged update before
-Newton-Schulz) and ``orthogonal_signal`` (each rank's gradient orthogonalised before it enters DeMo's momentum).
+Newton-Schulz), ``orthogonal_signal`` (each rank's gradient orthogonalised before it enters DeMo's momentum) and
+``muon_signal`` (each rank's Muon direction, from a Nesterov momentum of its own gradients, enters it).
 
-Each rule's math on its own (orthogonal_momentum against torch.optim.Muon fed the same updates); DeMo with each
-against the float64 reference on 1 and 2 gloo ranks; bitwise replicas and exact resume; the refusals.
+Each rule's math on its own (orthogonal_momentum and muon_signal against torch.optim.Muon fed the same
+sequence); DeMo with each against the float64 reference on 1 and 2 gloo ranks; bitwise replicas and exact resume
+(muon_signal also with all_reduce and overlap); a skipped step leaves the rank's state; the refusals.
 """
 
 import pytest
@@ -16,7 +18,7 @@ from hf_demo.optim.reference import ReferenceDeMo
 from models import REFERENCE_SETTINGS, awkward_mlp, demo_as_reference, loss_and_backward, restart, tiny_mlp
 
 RULE = "orthogonal_momentum"
-VARIANTS = ("orthogonal_momentum", "orthogonal_signal")
+VARIANTS = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")
 SETTINGS = REFERENCE_SETTINGS
 HEAD = ("2.",)  # tiny_mlp's output layer: a 2-D parameter marked as not hidden
 
@@ -47,12 +49,55 @@ def test_the_signal_rule_lets_orthogonalised_matrices_and_plain_vectors_in():
     rule = update_rules.get("orthogonal_signal")
     g = torch.randn(12, 4, 3, generator=torch.Generator().manual_seed(1))
     expected = update_rules.newton_schulz(g.reshape(12, 12)).reshape(12, 4, 3)
-    assert torch.equal(rule.signal(g), expected) and rule.signal(g).shape == g.shape
-    singular = torch.linalg.svdvals(rule.signal(g).reshape(12, 12))
+    entered, changed = rule.signal(g, {})
+    assert torch.equal(entered, expected) and entered.shape == g.shape and changed == {}
+    singular = torch.linalg.svdvals(entered.reshape(12, 12))
     assert singular.min() > 0.6 and singular.max() < 1.25  # orthogonalised; unscaled
     vector = torch.randn(7)
-    assert rule.signal(vector) is vector and rule.signal(None) is None
-    assert all(update_rules.get(name).signal(g) is g for name in update_rules.RULES if name != "orthogonal_signal")
+    for name in ("orthogonal_signal", "muon_signal"):  # vectors and missing gradients enter as they are
+        assert update_rules.get(name).signal(vector, {}) == (vector, {})
+        assert update_rules.get(name).signal(None, {}) == (None, {})
+    plain = [name for name in update_rules.RULES if name not in ("orthogonal_signal", "muon_signal")]
+    assert all(update_rules.get(name).signal(g, {}) == (g, {}) for name in plain)
+
+
+def test_muon_signal_lets_in_what_torch_muon_would_orthogonalise(monkeypatch):
+    """Fed the same gradients, torch.optim.Muon (Nesterov 0.95) hands its Newton-Schulz the matrices whose
+    iterates the rule lets in, step after step; the rule's state is new tensors, the old ones left as they were."""
+    from torch.optim import _muon
+
+    seen = []
+    monkeypatch.setattr(_muon, "_zeropower_via_newtonschulz", lambda g, c, s, e: seen.append(g.clone()) or g)
+    gen = torch.Generator().manual_seed(2)
+    theirs = torch.zeros(16, 24, requires_grad=True)
+    muon = torch.optim.Muon([theirs], lr=1e-2, weight_decay=0.0)
+    rule, state = update_rules.get("muon_signal"), {}
+    for _ in range(5):
+        grad = torch.randn(16, 24, generator=gen)
+        theirs.grad = grad.clone()
+        muon.step()
+        before = dict(state)
+        entered, changed = rule.signal(grad, state)
+        assert all(changed["signal_momentum"] is not v for v in before.values())
+        state.update(changed)
+        torch.testing.assert_close(entered, update_rules.newton_schulz(seen[-1]), atol=1e-6, rtol=0)
+    assert set(state) == set(update_rules.SIGNAL_KEYS)
+
+
+def test_a_skipped_step_leaves_the_ranks_signal_momentum():
+    model = tiny_mlp()
+    opt = _make(model, "muon_signal")
+    loss_and_backward(model, 0, 0)
+    opt.step()
+    weight = model[0].weight
+    kept = opt.state[weight]["signal_momentum"].clone()
+    loss_and_backward(model, 0, 1)
+    weight.grad[0, 0] = float("nan")
+    opt.step()
+    assert opt.skipped_steps == 1 and torch.equal(opt.state[weight]["signal_momentum"], kept)
+    loss_and_backward(model, 0, 2)
+    opt.step()
+    assert not torch.equal(opt.state[weight]["signal_momentum"], kept)
 
 
 def _train_both(rank, world, model, rule):
@@ -105,7 +150,7 @@ MODES = {
     "all_reduce": {"exchange": "all_reduce", "value_format": "bf16"},
     "overlap": {"overlap": True},
 }
-CASES = [(rule, "all_gather") for rule in VARIANTS] + [("orthogonal_signal", m) for m in ("all_reduce", "overlap")]
+CASES = [(rule, "all_gather") for rule in VARIANTS] + [(r, m) for r in VARIANTS[1:] for m in ("all_reduce", "overlap")]
 
 
 @pytest.mark.ranks

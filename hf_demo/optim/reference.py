@@ -69,6 +69,7 @@ class ReferenceDeMo:
         self.rules = list(rule) if isinstance(rule, (list, tuple)) else [rule] * len(self.params)
         self.second_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
         self.first_moment = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.signal_momentum = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
         self.t = 0
         self.momentum = [torch.zeros(self._blocks(p)[4:], dtype=torch.float64) for p in self.params]
 
@@ -108,6 +109,17 @@ class ReferenceDeMo:
                 i += 1
         return x
 
+    def _signal(self, p, grad, rule):
+        """What of a gradient enters the momentum: orthogonalised (``orthogonal_signal``), or the orthogonalised
+        Nesterov momentum (0.95) of this rank's gradients (``muon_signal``); else the gradient."""
+        if p.dim() < 2 or rule not in ("orthogonal_signal", "muon_signal"):
+            return grad
+        if rule == "muon_signal":
+            m = next(m for q, m in zip(self.params, self.signal_momentum) if q is p)
+            m.mul_(0.95).add_(0.05 * grad)
+            grad = 0.05 * grad + 0.95 * m
+        return orthogonal_directions(grad)
+
     @torch.no_grad()
     def step(self):
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -116,9 +128,7 @@ class ReferenceDeMo:
             rows, cols, b0, b1, prows, pcols = self._blocks(p)
             m.mul_(self.decay)
             if p.grad is not None:
-                grad = p.grad.double()
-                if rule == "orthogonal_signal" and p.dim() >= 2:  # the gradient orthogonalised before it enters
-                    grad = orthogonal_directions(grad)
+                grad = self._signal(p, p.grad.double(), rule)
                 m[:rows, :cols].add_(grad.reshape(rows, cols), alpha=self.lr)
             k = min(self.topk, b0 * b1)
             blocks = self._forward(m, b0, b1)
@@ -160,7 +170,7 @@ class ReferenceDeMo:
                 v.mul_(0.95).add_(0.05 * update * update)
                 t = self.t + 1
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-            elif rule in ("orthogonal", "orthogonal_signal"):
+            elif rule in ("orthogonal", "orthogonal_signal", "muon_signal"):
                 update = orthogonalised(update)
             elif rule == "orthogonal_momentum":  # Muon's Nesterov momentum (0.95) of the averaged update first
                 if update.dim() >= 2:

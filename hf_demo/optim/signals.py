@@ -32,9 +32,14 @@ class GradientSignal:
         return group["compression_decay"], group["lr"]
 
     @staticmethod
-    def entering(ctx, group, signal):
-        """What of the gradient enters the momentum: the group's update rule says (``signal``)."""
-        return ctx.opt.rule(group).signal(signal)
+    def entering(ctx, param, group, signal):
+        """What of the gradient enters the momentum: the group's update rule says (``signal``); the rule's state of
+        this rank's gradients (``update_rules.SIGNAL_KEYS``) is staged to commit with the step."""
+        state = ctx.opt.state[param]
+        entered, changed = ctx.opt.rule(group).signal(signal, state)
+        if changed:
+            ctx.tx.update(state, changed)
+        return entered
 
     def update(self, ctx) -> None:
         """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
@@ -111,7 +116,7 @@ class LocalSignal:
         return local_steps.feedback_decay(ctx.settings.sync_decay, layout), 1.0
 
     @staticmethod
-    def entering(ctx, group, signal):
+    def entering(ctx, param, group, signal):
         """The pseudo-gradient enters as it is (the local steps ran the inner rule already)."""
         return signal
 

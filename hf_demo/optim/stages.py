@@ -89,7 +89,7 @@ class Momentum:
         opt = ctx.opt
         source = opt.signal_for(ctx.tier)
         factors = [source.decay_and_scale(ctx, g, layout) for _, g, layout in ctx.items]
-        entering = [source.entering(ctx, g, signal) for (_, g, _), signal in zip(ctx.items, ctx.signals)]
+        entering = [source.entering(ctx, p, g, signal) for (p, g, _), signal in zip(ctx.items, ctx.signals)]
         momenta = [opt.momentum(p, layout) for p, _, layout in ctx.items]
         ctx.working = F.accumulate_many(momenta, entering, ctx.layouts, factors, opt.transform)
 

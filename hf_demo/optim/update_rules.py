@@ -3,8 +3,9 @@
 Every rank holds the same averaged update, so every rule runs identically on every rank: the replicas stay
 bitwise identical and no rule costs communication. The rule is a per-group setting (``update_rule`` of a
 parameter group; :mod:`hf_demo.optim.param_groups` makes Muon-style groups). A rule is a small object (a
-:class:`Rule`): ``signal(grad)`` returns what of this rank's gradient enters DeMo's momentum (the gradient as it
-is, but for ``orthogonal_signal``); ``direction(param, update, state)`` returns the step direction
+:class:`Rule`): ``signal(grad, state)`` returns what of this rank's gradient enters DeMo's momentum (the gradient
+as it is, but for ``orthogonal_signal`` and ``muon_signal``) and the rank's own state entries it changes
+(:data:`SIGNAL_KEYS`, committed with the step); ``direction(param, update, state)`` returns the step direction
 (``param <- param - lr * direction``, applied by :func:`hf_demo.compression.functional.apply_step`); its
 per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and resumed with it. Add a
 rule by writing one class here and listing it in :data:`RULES`.
@@ -191,8 +192,10 @@ class Rule:
     on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it. The gradient
     enters DeMo's momentum as it is (:meth:`signal`), unless a rule says otherwise."""
 
-    def signal(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return grad
+    def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
+        """(what of ``grad`` enters DeMo's momentum, the new :data:`SIGNAL_KEYS` entries of ``state``); ``state``
+        is left as it is."""
+        return grad, {}
 
     def directions(self, params: list, updates: list, states: list[dict]) -> tuple[list, list[dict]]:
         """(each parameter's direction, its new rule state) for the decoded ``updates`` (fp32, the parameters'
@@ -326,18 +329,58 @@ class OrthogonalSignalRule(OrthogonalRule):
 
     name = "orthogonal_signal"
 
-    def signal(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return orthogonalised_signal(grad, self.ns_steps)
+    def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
+        return orthogonalised_signal(grad, self.ns_steps), {}
+
+
+def muon_direction(grad: torch.Tensor, momentum: torch.Tensor | None, beta: float, steps: int):
+    """Muon's direction of one rank's gradient of a matrix: (the Newton-Schulz iterate of the Nesterov momentum
+    ``(1-beta)*grad + beta*m'``, unscaled, in ``grad``'s dtype and shape; ``m' = beta*m + (1-beta)*grad``, fp32,
+    a new tensor). ``momentum`` None is zero (the first step)."""
+    g = grad.float()
+    m = g * (1.0 - beta) if momentum is None else momentum.lerp(g, 1.0 - beta)
+    return newton_schulz(matrix_view(g.lerp(m, beta)), steps).to(grad.dtype).reshape(grad.shape), m
+
+
+class MuonSignalRule(OrthogonalRule):
+    """:class:`OrthogonalRule`, and what of each rank's gradient of a matrix enters DeMo's momentum is Muon's own
+    direction (:func:`muon_direction`): the Newton-Schulz iterate of a Nesterov momentum (``beta`` 0.95,
+    ``torch.optim.Muon``'s) of the rank's gradients. Top-k then selects from a decayed sum of the ranks'
+    would-be Muon steps; the averaged update is orthogonalised again and scaled as :class:`OrthogonalRule` does.
+    DeMo's own momentum is then an error feedback of what was not sent yet, and trains best with a faster decay
+    than with a raw gradient (``compression_decay=0.9``, the ``from_scratch`` preset's). State: this rank's
+    ``signal_momentum`` (fp32, 4 bytes per parameter of a matrix; its own, like DeMo's momentum). One
+    Newton-Schulz iteration more per matrix and step, on each rank; no traffic."""
+
+    name = "muon_signal"
+    beta = 0.95
+
+    def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
+        if grad is None or grad.dim() < 2:
+            return grad, {}
+        direction, momentum = muon_direction(grad, state.get("signal_momentum"), self.beta, self.ns_steps)
+        return direction, {"signal_momentum": momentum}
 
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
+SIGNAL_KEYS = ("signal_momentum",)  # a rule's state of this rank's own gradients (Rule.signal), like DeMo's momentum
 
 RULES = {
     rule.name: rule
-    for rule in (SignRule, RawRule, AdamRule, AdamWRule, OrthogonalRule, OrthogonalMomentumRule, OrthogonalSignalRule)
+    for rule in (
+        SignRule,
+        RawRule,
+        AdamRule,
+        AdamWRule,
+        OrthogonalRule,
+        OrthogonalMomentumRule,
+        OrthogonalSignalRule,
+        MuonSignalRule,
+    )
 }
 UPDATE_RULES = tuple(RULES)
-ORTHOGONAL = ("orthogonal", "orthogonal_momentum", "orthogonal_signal")  # they want Muon-style groups (param_groups)
+ORTHOGONAL = ("orthogonal", "orthogonal_momentum", "orthogonal_signal", "muon_signal")  # Muon-style groups
+NOT_INNER = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")  # need DeMo's momentum or averaged updates
 
 
 def get(name: str):
