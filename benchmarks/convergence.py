@@ -43,10 +43,11 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``sign``); benchmark-only with it: ``others=RULE`` (the rest's rule), ``others_lr=X`` (the rest's lr is
                 X times the hidden matrices'), ``ortho_rms=X`` (the rule's RMS), ``ortho_scale=shape|measured`` (its
                 scale from the shape, or from the step's own RMS), ``ortho_beta=X`` (orthogonal_momentum's beta),
-                ``ns_steps=N`` (the rules' Newton-Schulz steps). ``inner_rule=orthogonal`` (``sync_every > 1``) trains
-                Muon-style groups too: local Muon steps for the hidden matrices, ``others_inner=RULE`` (default adam)
-                for the rest. ``shared_positions=true`` (any configuration; a prototype): every rank sends the same
-                randomly drawn positions instead of its own top-k. Bytes = ``comm_stats.bytes_sent`` (headers included).
+                ``signal_beta=X`` (muon_signal's), ``ns_steps=N`` (the rules' Newton-Schulz steps).
+                ``inner_rule=orthogonal`` (``sync_every > 1``) trains Muon-style groups too: local Muon steps for the
+                hidden matrices, ``others_inner=RULE`` (default adam) for the rest. ``shared_positions=true`` (any
+                configuration; a prototype): every rank sends the same randomly drawn positions instead of its own
+                top-k. Bytes = ``comm_stats.bytes_sent`` (headers included).
 
 Schedule: linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` x lr at the last step
 (``--schedule cosine``, default) or constant (``--schedule constant``).
@@ -269,6 +270,8 @@ def _orthogonal_groups(model, kw: dict):
         update_rules.OrthogonalRule.measured_rms = scale == "measured"
     if "ns_steps" in kw:
         update_rules.OrthogonalRule.ns_steps = int(kw.pop("ns_steps"))  # this forked run's process only
+    if "signal_beta" in kw:
+        update_rules.MuonSignalRule.beta = float(kw.pop("signal_beta"))  # this forked run's process only
     if "ortho_beta" in kw:
         update_rules.OrthogonalMomentumRule.beta = float(kw.pop("ortho_beta"))  # this forked run's process only
     if kw.pop("shared_positions", False):

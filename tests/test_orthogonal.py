@@ -123,6 +123,19 @@ def test_trainer_gives_the_orthogonal_rule_muon_style_groups(tmp_path):
     ]
 
 
+def test_local_muon_steps_get_muon_style_groups_from_the_factory_and_the_trainer(tmp_path):
+    """``inner_rule="orthogonal"``: local Muon steps for the hidden matrices, local Adam steps for the rest."""
+    expected = [("orthogonal", "sign", 7), ("adam", "sign", 2), ("adam", "sign", 3)]
+    opt = hf_demo.create_optimizer(_tiny_llama(), weight_decay=0.1, sync_every=4, inner_rule="orthogonal")
+    assert [(g["inner_rule"], g["update_rule"], len(g["params"])) for g in opt.param_groups] == expected
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_sync_every=4,
+        demo_inner_rule="orthogonal", weight_decay=0.1,
+    )  # fmt: skip
+    _, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args, _tiny_llama())
+    assert [(g["inner_rule"], g.get("update_rule", "sign"), len(g["params"])) for g in kwargs["params"]] == expected
+
+
 def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
     opt = hf_demo.create_optimizer(_tiny_llama(), preset="from_scratch")
     assert [g["update_rule"] for g in opt.param_groups] == ["muon_signal", "sign", "sign"]

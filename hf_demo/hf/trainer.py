@@ -121,13 +121,14 @@ class DeMoTrainerMixin:
     @classmethod
     def get_optimizer_cls_and_kwargs(cls, args, model=None):
         """``(DeMo, kwargs)`` for ``--optim demo``; Trainer's own answer for every other optimizer. With an
-        orthogonal rule (``orthogonal``, ``orthogonal_signal``, ``orthogonal_momentum``) the kwargs carry the
+        orthogonal rule (``update_rules.ORTHOGONAL``, as ``update_rule`` or ``inner_rule``) the kwargs carry the
         model's Muon-style groups (``params``, which Trainer uses instead of its decay/no-decay groups:
         :func:`hf_demo.optim.param_groups.model_groups`)."""
         if selects_demo(args.optim):
             cls_, kwargs = optimizer_cls_and_kwargs(lr=args.learning_rate, **demo_settings(args))
-            if model is not None and kwargs["update_rule"] in update_rules.ORTHOGONAL:
-                kwargs["params"] = model_groups(model, args.weight_decay, kwargs["update_rule"])
+            rules = (kwargs["update_rule"], kwargs["inner_rule"])
+            if model is not None and set(rules) & set(update_rules.ORTHOGONAL):
+                kwargs["params"] = model_groups(model, args.weight_decay, *rules)
             return cls_, kwargs
         return super().get_optimizer_cls_and_kwargs(args, model)
 

@@ -66,11 +66,12 @@ def create_optimizer(
     model_or_params: torch.nn.Module | Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **settings
 ) -> DeMo:
     """Build a DeMo optimizer for a model (its groups from :func:`hf_demo.optim.param_groups.model_groups`:
-    decay/no-decay as Trainer makes them, Muon-style for ``update_rule="orthogonal"``) or parameters."""
+    decay/no-decay as Trainer makes them, Muon-style for an orthogonal ``update_rule`` or ``inner_rule``) or
+    parameters."""
     cls, kwargs = optimizer_cls_and_kwargs(lr=lr, weight_decay=weight_decay, **settings)
     params = model_or_params
     if isinstance(model_or_params, torch.nn.Module):
         chosen = {k: v for k, v in settings.items() if k not in ("process_group", "preset")}
-        rule = DeMoSettings.resolve(settings.get("preset"), **chosen).update_rule
-        params = model_groups(model_or_params, weight_decay, rule)
+        resolved = DeMoSettings.resolve(settings.get("preset"), **chosen)
+        params = model_groups(model_or_params, weight_decay, resolved.update_rule, resolved.inner_rule)
     return cls(params, **kwargs)

@@ -34,11 +34,18 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def model_groups(model: torch.nn.Module, weight_decay: float, update_rule: str) -> list[dict]:
-    """Muon-style groups (:func:`muon_style_groups`, the hidden matrices with ``update_rule``) for the orthogonal
-    rules (``orthogonal``, ``orthogonal_momentum``), else :func:`decay_groups`."""
+def model_groups(model: torch.nn.Module, weight_decay: float, update_rule: str, inner_rule: str = "adam") -> list[dict]:
+    """Muon-style groups (:func:`muon_style_groups`) when either rule is an orthogonal one
+    (:data:`update_rules.ORTHOGONAL`): the hidden matrices take it, the embeddings, head, norms and biases take
+    ``sign`` in its place (an ``update_rule``) or ``adam`` (an ``inner_rule``: local Adam steps, as Muon users
+    give them AdamW); else :func:`decay_groups`."""
+    hidden, others = {}, {}
     if update_rule in update_rules.ORTHOGONAL:
-        return muon_style_groups(model, hidden={"update_rule": update_rule}, weight_decay=weight_decay)
+        hidden["update_rule"], others["update_rule"] = update_rule, "sign"
+    if inner_rule in update_rules.ORTHOGONAL:
+        hidden["inner_rule"], others["inner_rule"] = inner_rule, "adam"
+    if hidden:
+        return muon_style_groups(model, hidden=hidden, others=others, weight_decay=weight_decay)
     return decay_groups(model, weight_decay)
 
 
