@@ -97,7 +97,7 @@ class DeMoSettings:
         "each rank's gradient of a matrix is orthogonalised too before it enters the momentum, so top-k selects "
         "from a momentum of orthogonalised gradients), muon_signal (orthogonal, and what of each rank's gradient of "
         "a matrix enters the momentum is Muon's own direction: a Newton-Schulz iterate of a Nesterov momentum, "
-        "0.95, of the rank's gradients, 4 bytes per parameter; the from_scratch preset's) or orthogonal_momentum "
+        "0.95, of the rank's gradients, 4 bytes per parameter: the best every-step rule) or orthogonal_momentum "
         "(orthogonal on a Nesterov momentum, 0.95, of the averaged updates); every rule runs identically on every "
         "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
         "their local steps follow inner_rule",
@@ -289,17 +289,17 @@ PRESETS: dict[str, dict] = {
     # many ranks: the union all-reduce at 4x the default top-k; its bytes per rank stay below 2x those at W=2
     # for any W (a ring all-reduce), where the all-gather's grow as W-1
     "many_nodes": {"exchange": "all_reduce", "compression_topk": 128},
-    # training from scratch: each rank's Muon direction of a hidden matrix (Newton-Schulz of its own Nesterov
-    # momentum) enters DeMo's momentum, which decays faster (0.9) as it only holds what was not sent yet; Muon's
-    # orthogonalised step on the averaged update; 1-bit values, top-12 of 32x32 (0.017 B/param/step on the 0.46M
-    # Llama). Give DeMo muon_style_groups(model), as create_optimizer and DeMoTrainer do. Its best lr is far
-    # above AdamW's (22x on the 0.46M Llama); its figures against DDP-AdamW and DDP-Muon: docs/results.md
+    # training from scratch: local Muon steps (inner_rule="orthogonal" for the hidden matrices, local Adam for
+    # the rest: the Muon-style groups that create_optimizer and DeMoTrainer build) between synchronisations every
+    # 4 steps, each sending 1-bit values, top-48 of 32x32, of the change since the last one (0.012 B/param/step
+    # on the 0.46M Llama). Its lr is DDP-Muon's (8x AdamW's there); its figures against DDP-AdamW and DDP-Muon:
+    # docs/results.md
     "from_scratch": {
-        "update_rule": "muon_signal",
-        "compression_decay": 0.9,
+        "sync_every": 4,
+        "inner_rule": "orthogonal",
         "value_format": "sign",
         "compression_chunk": 32,
-        "compression_topk": 12,
+        "compression_topk": 48,
     },
 }
 

@@ -136,17 +136,18 @@ def test_local_muon_steps_get_muon_style_groups_from_the_factory_and_the_trainer
     assert [(g["inner_rule"], g.get("update_rule", "sign"), len(g["params"])) for g in kwargs["params"]] == expected
 
 
-def test_the_from_scratch_preset_trains_muon_style_groups(tmp_path):
+def test_the_from_scratch_preset_trains_local_muon_steps_in_muon_style_groups(tmp_path):
     opt = hf_demo.create_optimizer(_tiny_llama(), preset="from_scratch")
-    assert [g["update_rule"] for g in opt.param_groups] == ["muon_signal", "sign", "sign"]
+    assert [g["inner_rule"] for g in opt.param_groups] == ["orthogonal", "adam", "adam"]
+    assert {g["update_rule"] for g in opt.param_groups} == {"sign"}
     settings = opt.settings
-    assert (settings.value_format, settings.compression_chunk, settings.compression_topk) == ("sign", 32, 12)
-    assert settings.compression_decay == 0.9
+    assert (settings.sync_every, settings.value_format, settings.compression_chunk) == (4, "sign", 32)
+    assert settings.compression_topk == 48
     args = hf_demo.DeMoTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_preset="from_scratch"
     )
     _, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args, _tiny_llama())
-    assert [g["update_rule"] for g in kwargs["params"]] == ["muon_signal", "sign", "sign"]
+    assert [g["inner_rule"] for g in kwargs["params"]] == ["orthogonal", "adam", "adam"]
 
 
 def test_an_unknown_rule_in_a_group_is_refused():

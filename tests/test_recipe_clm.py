@@ -310,8 +310,8 @@ def test_one_way_to_default_to_demo(run_clm, recipelib, tmp_path):
 
 
 def test_compare_gives_demo_alone_its_preset(run_clm, recipelib, tmp_path):
-    """``compare.py --demo_preset from_scratch``: the DeMo run's recipe arguments resolve to the preset's update
-    rule; the baselines' command lines do not carry it."""
+    """``compare.py --demo_preset from_scratch``: the DeMo run's recipe arguments resolve to the preset's local
+    Muon steps; the baselines' command lines do not carry it."""
     compare = import_recipe("compare")
     args = argparse.Namespace(demo_lr=1e-3, adamw_lr=1e-4, powersgd_rank=4, demo_preset="from_scratch")
     commands = compare.methods(args)
@@ -320,7 +320,7 @@ def test_compare_gives_demo_alone_its_preset(run_clm, recipelib, tmp_path):
     argv = ["--output_dir", tmp_path, "--use_cpu", "true", *commands["DeMo"]]
     _, _, parsed = recipelib.arguments.parse_args(types, argv)
     settings = hf_demo.settings.DeMoSettings.resolve(parsed.demo_preset)
-    assert parsed.learning_rate == 1e-3 and settings.update_rule == "orthogonal_signal"
+    assert parsed.learning_rate == 1e-3 and (settings.inner_rule, settings.sync_every) == ("orthogonal", 4)
 
 
 def test_split_take_and_text_column(recipelib):

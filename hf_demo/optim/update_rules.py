@@ -348,7 +348,7 @@ class MuonSignalRule(OrthogonalRule):
     ``torch.optim.Muon``'s) of the rank's gradients. Top-k then selects from a decayed sum of the ranks'
     would-be Muon steps; the averaged update is orthogonalised again and scaled as :class:`OrthogonalRule` does.
     DeMo's own momentum is then an error feedback of what was not sent yet, and trains best with a faster decay
-    than with a raw gradient (``compression_decay=0.9``, the ``from_scratch`` preset's). State: this rank's
+    than with a raw gradient (``compression_decay=0.9``). State: this rank's
     ``signal_momentum`` (fp32, 4 bytes per parameter of a matrix; its own, like DeMo's momentum). One
     Newton-Schulz iteration more per matrix and step, on each rank; no traffic."""
 
