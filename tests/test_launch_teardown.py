@@ -212,13 +212,13 @@ def test_quiesce_waits_until_the_gloo_workers_are_idle(tmp_path):
 
     t0 = time.monotonic()
     assert teardown.quiesce(timeout=0.2, task_dir=str(tmp_path)) is False  # busy throughout: gives up
-    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert 0.2 <= time.monotonic() - t0 < 8.0  # gives up, not hangs (the bound leaves room for a loaded machine)
 
     timer = threading.Timer(0.3, _fake_thread, (tmp_path, 4, "pt_gloo_runloop", "S"))  # the worker finishes
     timer.start()
     t0 = time.monotonic()
     assert teardown.quiesce(timeout=10.0, settle=3, interval=0.01, task_dir=str(tmp_path)) is True
-    assert 0.3 <= time.monotonic() - t0 < 5.0
+    assert 0.3 <= time.monotonic() - t0 < 10.0  # True: it saw the worker finish, before its timeout
     timer.join()
 
 
