@@ -41,7 +41,8 @@ NOT_SETTINGS = {
     "ops",
     "compute",
     "compute_s",
-}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s
+    "lr",
+}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s, recipes/compare.py's --demo_lr
 MODULE = re.compile(r"(?<![\w.])hf_demo(?:\.[A-Za-z_]\w*)+")
 MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
 SCRIPT = re.compile(r"^((?:recipes|benchmarks|examples|scripts)/[\w/]+\.py)$")
