@@ -131,7 +131,7 @@ def _faulty_run(rank, world, mode):
     model = tiny_mlp(0)
     kw = dict(compression_chunk=8, compression_topk=4)
     if mode == "slow":
-        kw.update(comm_budget=0.15)
+        kw.update(comm_budget=0.15, policy_patience=16)  # only a severe step (the fault) moves the tier
     else:
         kw.update(full_sync_every=3, check_every=4)
     opt = DeMo(model.parameters(), lr=1e-3, **kw)
@@ -142,8 +142,9 @@ def _faulty_run(rank, world, mode):
 
     handle = register_collective_hook(slow)
     monitor = StepMonitor(rank, rank, 1, None, sync_cuda=False)
-    rules = HealthRules(HealthSettings(link_bandwidth="1gbit"))
-    alerts, sent = [], []
+    # alerts need 0.15 s above their baseline: a loaded machine's stalls stay under it, the 0.4 s fault does not
+    rules = HealthRules(HealthSettings(link_bandwidth="1gbit", min_excess_s=0.15))
+    alerts, sent, tiers = [], [], []
     for step in range(16):
         monitor.step_begin(opt)
         monitor.record_loss(loss_and_backward(model, rank, step))
@@ -156,18 +157,27 @@ def _faulty_run(rank, world, mode):
         monitor.optimizer_done()
         sample = monitor.step_end(step + 1, opt)
         sent.append(sample.bytes_sent)
+        tiers.append(sample.tier)
         alerts += [a.as_dict() for a in rules.observe(sample, opt.settings.full_sync_every)]
     handle.remove()
     monitor.close()
-    planned = demo_collectives([tuple(p.shape) for p in model.parameters()], opt.settings, world, 1)
-    return alerts, sent, sum(c.nbytes for c in planned)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    planned = {  # the planner's bytes per step in each every-step tier
+        i: sum(c.nbytes for c in demo_collectives(shapes, opt.settings, world, 1, t.value_format, t.topk_divisor, 1))
+        for i, t in enumerate(opt.tiers)
+        if t.sync_every == 1
+    }
+    return alerts, list(zip(tiers, sent)), planned
 
 
 @pytest.mark.ranks
 def test_a_slowed_link_is_seen_as_slow_exchange_slow_step_and_a_tier_change():
     results = expect_ok(run_ranks(_faulty_run, 2, "slow", timeout=120))
     (a0, sent0, planned), (a1, _, _) = results
-    assert sent0[1:8] == [planned] * 7  # the planner's bytes are what DeMo sent, byte for byte
+    # the planner's bytes are what DeMo sent, byte for byte, in whichever every-step tier a step ran: a loaded
+    # machine can move the policy before the fault (a move down re-prepares its step: one header more)
+    steady = [(t, n) for (before, _), (t, n) in zip([(0, 0), *sent0], sent0) if t == before and t in planned]
+    assert len(steady) >= 6 and [n for _, n in steady] == [planned[t] for t, _ in steady], (sent0, planned)
     kinds0, kinds1 = {a["kind"] for a in a0}, {a["kind"] for a in a1}
     assert {"exchange_time", "slow_link", "step_time", "tier_change"} <= kinds0, a0
     assert {"step_time", "tier_change"} <= kinds1, a1  # the sleeper: its own step is slow, its wait is not
