@@ -45,7 +45,7 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 scale from the shape, or from the step's own RMS), ``ortho_beta=X`` (orthogonal_momentum's beta),
                 ``signal_beta=X`` (muon_signal's), ``ns_steps=N`` (the rules' Newton-Schulz steps).
                 ``inner_rule=orthogonal`` (``sync_every > 1``) trains Muon-style groups too: local Muon steps for the
-                hidden matrices, ``others_inner=RULE`` (default adam) for the rest. ``shared_positions=true`` (any
+                hidden matrices, local Adam steps for the rest. ``shared_positions=true`` (any
                 configuration; a prototype): every rank sends the same randomly drawn positions instead of its own
                 top-k. Bytes = ``comm_stats.bytes_sent`` (headers included).
 
@@ -253,10 +253,10 @@ def _orthogonal_groups(model, kw: dict):
     the schedule through the group's ``lr_scale``), ``ortho_rms=X`` (the orthogonal rule's target RMS, 0.2),
     ``ortho_scale=shape|measured`` (the rule's scale from the matrix's shape, or from the step's own RMS),
     ``ns_steps=N`` (the rules' Newton-Schulz steps, 5), ``shared_positions=true`` (:func:`_shared_positions`).
-    With ``inner_rule=orthogonal`` (``sync_every > 1``): the hidden matrices take local Muon steps, the rest
-    ``others_inner=RULE``'s (default adam)."""
+    With ``inner_rule=orthogonal`` (``sync_every > 1``): ``model_groups``'s (local Muon steps for the hidden
+    matrices, local Adam steps for the rest)."""
     from hf_demo.optim import update_rules
-    from hf_demo.optim.param_groups import muon_style_groups
+    from hf_demo.optim.param_groups import model_groups, muon_style_groups
 
     others = {"update_rule": kw.pop("others", "sign")}
     if "others_lr" in kw:
@@ -278,9 +278,8 @@ def _orthogonal_groups(model, kw: dict):
         _shared_positions()
     if kw.get("update_rule") in update_rules.ORTHOGONAL:
         return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
-    if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the rest's local steps are adam's
-        others = {"inner_rule": kw.pop("others_inner", "adam")}
-        return muon_style_groups(model, hidden={"inner_rule": kw["inner_rule"]}, others=others)
+    if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the groups create_optimizer builds
+        return model_groups(model, None, kw.get("update_rule", "sign"), kw["inner_rule"])
     if len(others) > 1 or others["update_rule"] != "sign":
         raise ValueError("others and others_lr are settings of update_rule=orthogonal's groups")
     return None
