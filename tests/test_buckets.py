@@ -95,3 +95,30 @@ def test_the_batched_step_is_bitwise_one_step_per_parameter():
         F.apply_step(p, d, lr, wd)
     F.apply_steps(params, directions, lrs, wds)
     assert all(torch.equal(a, b) for a, b in zip(params, one))
+
+
+def test_the_batched_local_steps_are_bitwise_one_inner_step_per_parameter():
+    """local_steps.inner_steps (every parameter at once) against inner_step (one at a time): mixed inner rules,
+    learning rates and weight decays, a parameter without a gradient, bf16 parameters rounded stochastically."""
+    from hf_demo.optim import local_steps
+
+    torch.manual_seed(3)
+    shapes = [(6, 4), (5,), (6, 4), (4, 6), (3,), (8, 2)]
+    params = [torch.randn(s) for s in shapes[:4]] + [torch.randn(s).bfloat16() for s in shapes[4:]]
+    rules = [update_rules.get(n) for n in ("orthogonal", "adam", "orthogonal", "sign", "adamw", "adam")]
+    lrs, wds = [1e-2, 1e-3, 1e-2, 3e-3, 1e-3, 1e-3], [0.1, 0.0, 0.1, 0.0, 0.01, 0.0]
+    states = [{} for _ in params]
+    for step in range(3):  # fresh states, then states of a few steps
+        grads = [torch.randn(p.shape) for p in params]
+        grads[1] = None if step == 1 else grads[1]
+        gen_one, gen_all = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
+        one = [
+            local_steps.inner_step(p, g, s, r, lr, wd, gen_one)
+            for p, g, s, r, lr, wd in zip(params, grads, states, rules, lrs, wds)
+        ]
+        found = local_steps.inner_steps(params, grads, states, rules, lrs, wds, gen_all)
+        for (a, m, rs), (b, n, ss) in zip(found, one):
+            assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(m, n)
+            assert rs.keys() == ss.keys() and all(torch.equal(rs[k], ss[k]) for k in rs)
+        for p, s, (after, m_in, rule_state) in zip(params, states, found):
+            local_steps.commit_inner(p, s, after, m_in, rule_state)

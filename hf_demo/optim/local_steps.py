@@ -54,7 +54,8 @@ def forget(state: dict) -> None:
 
 
 def inner_step(param, grad, state: dict, rule, lr: float, weight_decay: float, generator):
-    """One local step on copies: (new parameter value, new inner momentum, new rule state); nothing committed."""
+    """One local step on copies: (new parameter value, new inner momentum, new rule state); nothing committed.
+    The definition, one parameter at a time: :func:`inner_steps` takes the step of many at once, bit for bit."""
     m_in = state.get("inner_momentum")
     m_in = torch.zeros(param.shape, dtype=torch.float32, device=param.device) if m_in is None else m_in.clone()
     if grad is not None:
@@ -64,6 +65,35 @@ def inner_step(param, grad, state: dict, rule, lr: float, weight_decay: float, g
     after = param.detach().clone()
     F.apply_step(after, direction, lr, weight_decay, generator)
     return after, m_in, rule_state
+
+
+def inner_steps(params: list, grads: list, states: list[dict], rules: list, lrs: list, weight_decays: list, generator):
+    """:func:`inner_step` of every parameter, on copies, the same bits: the inner momenta with
+    ``torch._foreach_*``, each inner rule's :meth:`~hf_demo.optim.update_rules.Rule.directions` once for all the
+    parameters it steps, the steps once per (learning rate, weight decay) (``functional.apply_steps``)."""
+    momenta = [
+        s["inner_momentum"].clone()
+        if "inner_momentum" in s
+        else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        for p, s in zip(params, states)
+    ]
+    fed = [i for i, g in enumerate(grads) if g is not None]
+    if fed:
+        torch._foreach_mul_([momenta[i] for i in fed], INNER_BETA)
+        torch._foreach_add_([momenta[i] for i in fed], [grads[i].float() for i in fed], alpha=1.0 - INNER_BETA)
+    by_rule: dict[str, list[int]] = {}
+    for i, rule in enumerate(rules):
+        by_rule.setdefault(rule.name, []).append(i)
+    directions, rule_states = [None] * len(params), [None] * len(params)
+    for members in by_rule.values():
+        own = [{k: states[i][INNER + k] for k in STATE_KEYS if INNER + k in states[i]} for i in members]
+        updates = [momenta[i].clone() for i in members]
+        found, new = rules[members[0]].directions([params[i] for i in members], updates, own)
+        for i, direction, state in zip(members, found, new):
+            directions[i], rule_states[i] = direction, state
+    afters = [p.detach().clone() for p in params]
+    F.apply_steps(afters, directions, lrs, weight_decays, generator)
+    return list(zip(afters, momenta, rule_states))
 
 
 def _keep(state: dict, m_in, rule_state: dict) -> None:

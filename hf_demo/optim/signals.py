@@ -89,12 +89,16 @@ class LocalSignal:
                 anchor = local(p).detach().clone()
                 ctx.tx.set(opt.state[p], "anchor", anchor)
             ctx.anchors.append(anchor)
-        ctx.inner = [
-            local_steps.inner_step(
-                local(p), grad, opt.state[p], opt.inner_rule(g), g["lr"], g["weight_decay"], ctx.generator
-            )
-            for (p, g, _), grad in zip(ctx.items, ctx.grads)
-        ]
+        groups = [g for _, g, _ in ctx.items]
+        ctx.inner = local_steps.inner_steps(
+            [local(p) for p in ctx.params],
+            ctx.grads,
+            [opt.state[p] for p in ctx.params],
+            [opt.inner_rule(g) for g in groups],
+            [g["lr"] for g in groups],
+            [g["weight_decay"] for g in groups],
+            ctx.generator,
+        )
         ctx.replicas = ctx.anchors
         if local_steps.is_sync_step(tier.sync_every, ctx.transport.step):
             ctx.signals = [local_steps.pseudo_gradient(a, after) for a, (after, _, _) in zip(ctx.anchors, ctx.inner)]
