@@ -50,7 +50,11 @@ SITE_PACKAGES = ("hf_demo", "pytorch_optimizer", os.path.join("torch", "optim"))
 # ops whose output shape depends on the data: on a GPU the host waits for the device to know it (a sync)
 DATA_DEPENDENT = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "bincount")
 # reads of step counters the optimizers keep on the host on every device (no device sync there): listed, not counted
-HOST_COUNTER_SITES = ("update_rules.py:next_step", "optimizer.py:_get_value")  # hf-demo's rule_step, AdamW's step
+HOST_COUNTER_SITES = (  # hf-demo's rule_step (one parameter, many at once), AdamW's step
+    "update_rules.py:next_step",
+    "update_rules.py:next_steps",
+    "optimizer.py:_get_value",
+)
 
 # name -> (label, DeMo settings or a builder name); a sync_every mode is counted at a synchronising and a local step
 METHODS = {
@@ -139,9 +143,12 @@ class StepCounter(TorchDispatchMode):
         count = self.count
 
         def read(tensor, *args, **kwargs):
-            if tensor.device.type == "cpu":
+            site = _call_site()
+            if site in HOST_COUNTER_SITES:  # the step counters: on the host on every device
+                count.counter_reads += 1
+            elif tensor.device.type == "cpu":
                 count.list_reads += 1
-                count.sites[_call_site()] += 1
+                count.sites[site] += 1
             return original(tensor, *args, **kwargs)
 
         self._patches.append((method, original))
