@@ -126,63 +126,78 @@ class ReferenceDeMo:
         updates = []
         for p, m, rule in zip(self.params, self.momentum, self.rules):
             rows, cols, b0, b1, prows, pcols = self._blocks(p)
-            m.mul_(self.decay)
-            if p.grad is not None:
-                grad = self._signal(p, p.grad.double(), rule)
-                m[:rows, :cols].add_(grad.reshape(rows, cols), alpha=self.lr)
-            k = min(self.topk, b0 * b1)
-            blocks = self._forward(m, b0, b1)
-            idx = torch.stack([b.abs().topk(k).indices for b in blocks])
-            val = torch.stack([b[i] for b, i in zip(blocks, idx)])
-            sent = [torch.zeros(b0 * b1, dtype=torch.float64) for _ in blocks]
-            for s, i, v in zip(sent, idx, val):
-                s[i] = v
-            m.sub_(self._inverse(sent, b0, b1, prows, pcols))
-
-            all_idx, all_val = [idx], [val]
-            if world > 1:
-                all_idx = [torch.empty_like(idx) for _ in range(world)]
-                all_val = [torch.empty_like(val) for _ in range(world)]
-                dist.all_gather(all_idx, idx)
-                dist.all_gather(all_val, val)
-            averaged = []
-            for b in range(len(blocks)):
-                sums, counts = {}, {}
-                for ridx, rval in zip(all_idx, all_val):
-                    for j, v in zip(ridx[b].tolist(), rval[b].tolist()):
-                        sums[j] = sums.get(j, 0.0) + v
-                        counts[j] = counts.get(j, 0) + 1
-                dense = torch.zeros(b0 * b1, dtype=torch.float64)
-                for j in sums:
-                    dense[j] = sums[j] / counts[j]
-                averaged.append(dense)
+            idx, val = self._compress(p, m, rule)
+            averaged = self._average(idx, val, world, b0 * b1)
             update = self._inverse(averaged, b0, b1, prows, pcols)[:rows, :cols].reshape(p.shape)
-            if rule == "sign":
-                update = update.sign()
-            elif rule == "adam":  # Adam's second moment of the averaged update, bias-corrected
-                v = self._v(p)
-                v.mul_(0.999).add_(0.001 * update * update)
-                update = update / ((v / (1 - 0.999 ** (self.t + 1))).sqrt() + 1e-8)
-            elif rule == "adamw":  # AdamW's two moments (0.9, 0.95) of the averaged update, bias-corrected
-                m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
-                v = self._v(p)
-                m.mul_(0.9).add_(0.1 * update)
-                v.mul_(0.95).add_(0.05 * update * update)
-                t = self.t + 1
-                update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-            elif rule in ("orthogonal", "orthogonal_signal", "muon_signal"):
-                update = orthogonalised(update)
-            elif rule == "orthogonal_momentum":  # Muon's Nesterov momentum (0.95) of the averaged update first
-                if update.dim() >= 2:
-                    m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
-                    m.mul_(0.95).add_(0.05 * update)
-                    update = 0.05 * update + 0.95 * m
-                update = orthogonalised(update)
-            updates.append(update)
+            updates.append(self._rule(p, update, rule))
         if self.delay:
             updates, self.pending = self.pending, updates
         self._apply(updates)
         self.t += 1
+
+    def _compress(self, p, m, rule):
+        """Momentum decay, the signal in, each block's top-k out of the momentum: (positions, values)."""
+        rows, cols, b0, b1, prows, pcols = self._blocks(p)
+        m.mul_(self.decay)
+        if p.grad is not None:
+            grad = self._signal(p, p.grad.double(), rule)
+            m[:rows, :cols].add_(grad.reshape(rows, cols), alpha=self.lr)
+        k = min(self.topk, b0 * b1)
+        blocks = self._forward(m, b0, b1)
+        idx = torch.stack([b.abs().topk(k).indices for b in blocks])
+        val = torch.stack([b[i] for b, i in zip(blocks, idx)])
+        sent = [torch.zeros(b0 * b1, dtype=torch.float64) for _ in blocks]
+        for s, i, v in zip(sent, idx, val):
+            s[i] = v
+        m.sub_(self._inverse(sent, b0, b1, prows, pcols))
+        return idx, val
+
+    @staticmethod
+    def _average(idx, val, world, bsize):
+        """Every rank's (positions, values) gathered; each block's mean over the ranks that sent a position."""
+        all_idx, all_val = [idx], [val]
+        if world > 1:
+            all_idx = [torch.empty_like(idx) for _ in range(world)]
+            all_val = [torch.empty_like(val) for _ in range(world)]
+            dist.all_gather(all_idx, idx)
+            dist.all_gather(all_val, val)
+        averaged = []
+        for b in range(idx.shape[0]):
+            sums, counts = {}, {}
+            for ridx, rval in zip(all_idx, all_val):
+                for j, v in zip(ridx[b].tolist(), rval[b].tolist()):
+                    sums[j] = sums.get(j, 0.0) + v
+                    counts[j] = counts.get(j, 0) + 1
+            dense = torch.zeros(bsize, dtype=torch.float64)
+            for j in sums:
+                dense[j] = sums[j] / counts[j]
+            averaged.append(dense)
+        return averaged
+
+    def _rule(self, p, update, rule):
+        """The update rule's direction for the averaged update (its moments kept here, per parameter)."""
+        if rule == "sign":
+            return update.sign()
+        if rule == "adam":  # Adam's second moment of the averaged update, bias-corrected
+            v = self._v(p)
+            v.mul_(0.999).add_(0.001 * update * update)
+            return update / ((v / (1 - 0.999 ** (self.t + 1))).sqrt() + 1e-8)
+        if rule == "adamw":  # AdamW's two moments (0.9, 0.95) of the averaged update, bias-corrected
+            m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
+            v = self._v(p)
+            m.mul_(0.9).add_(0.1 * update)
+            v.mul_(0.95).add_(0.05 * update * update)
+            t = self.t + 1
+            return (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
+        if rule in ("orthogonal", "orthogonal_signal", "muon_signal"):
+            return orthogonalised(update)
+        if rule == "orthogonal_momentum":  # Muon's Nesterov momentum (0.95) of the averaged update first
+            if update.dim() >= 2:
+                m = next(m for q, m in zip(self.params, self.first_moment) if q is p)
+                m.mul_(0.95).add_(0.05 * update)
+                update = 0.05 * update + 0.95 * m
+            return orthogonalised(update)
+        return update
 
     @torch.no_grad()
     def flush(self):
