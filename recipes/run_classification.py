@@ -223,6 +223,27 @@ def make_compute_metrics(num_labels: int):
 
 
 # ---------------------------------------------------------------------------------------------- main
+def load_classifier(model_path: str, label_names: list[str], model_args):
+    """The sequence classifier with a head for ``label_names``, averaging its loss per micro-batch."""
+    id2label = dict(enumerate(label_names))
+    config = AutoConfig.from_pretrained(model_path, cache_dir=model_args.cache_dir)
+    config.num_labels = len(label_names)
+    config.id2label, config.label2id = id2label, {n: i for i, n in id2label.items()}
+    config.problem_type = "single_label_classification"
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_path,
+        config=config,
+        cache_dir=model_args.cache_dir,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+    )
+    # One label per example and a mean loss per micro-batch. Sequence classifiers such as BERT take **kwargs
+    # in forward but ignore num_items_in_batch; Trainer (transformers 5) would then take the loss as already
+    # divided by the global label count and multiply it by the world size (2x loss and gradients on 2
+    # processes) and skip the division by gradient_accumulation_steps. False: Trainer averages the usual way.
+    model.accepts_loss_kwargs = False
+    return model
+
+
 def main(argv: list[str] | None = None) -> dict:
     # recipe defaults: a learning rate that suits short fine-tunes (0.48 -> 0.90 accuracy in 30 steps), a short
     # logging interval (DeMo's figures reach the logs), bigger batches
@@ -259,22 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_dataset = tokenize(eval_dataset, tokenizer, text_column, data_args)
             compute_metrics, f1_average = make_compute_metrics(len(label_names))
 
-        id2label = dict(enumerate(label_names))
-        config = AutoConfig.from_pretrained(model_path, cache_dir=model_args.cache_dir)
-        config.num_labels = len(label_names)
-        config.id2label, config.label2id = id2label, {n: i for i, n in id2label.items()}
-        config.problem_type = "single_label_classification"
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_path,
-            config=config,
-            cache_dir=model_args.cache_dir,
-            ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
-        )
-        # One label per example and a mean loss per micro-batch. Sequence classifiers such as BERT take **kwargs
-        # in forward but ignore num_items_in_batch; Trainer (transformers 5) would then take the loss as already
-        # divided by the global label count and multiply it by the world size (2x loss and gradients on 2
-        # processes) and skip the division by gradient_accumulation_steps. False: Trainer averages the usual way.
-        model.accepts_loss_kwargs = False
+        model = load_classifier(model_path, label_names, model_args)
         model = models.apply_lora(model, model_args, "SEQ_CLS")  # --lora_r N: adapters plus the (new) head
 
         trainer = hf_demo.DeMoTrainer(
