@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def methods(args) -> dict[str, list[str]]:
             "--learning_rate",
             str(args.demo_lr),
             *(["--demo_preset", args.demo_preset] if args.demo_preset else []),
+            *shlex.split(args.demo_args),
         ],
         "DDP-AdamW": ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr)],
         "DDP-AdamW+PowerSGD": [
@@ -138,6 +140,11 @@ def main(argv=None):
     ap.add_argument("--config_file", default=None, help="accelerate config (default: the CPU one without a GPU)")
     ap.add_argument("--demo_lr", type=float, default=1e-4)
     ap.add_argument("--demo_preset", default=None, help="DeMo's preset (hf_demo.settings.PRESETS), e.g. from_scratch")
+    ap.add_argument(
+        "--demo_args",
+        default="",
+        help="more recipe arguments for the DeMo run alone, e.g. '--demo_sync_every 4 --demo_compression_topk 48'",
+    )
     ap.add_argument("--adamw_lr", type=float, default=1e-4)
     ap.add_argument("--powersgd_rank", type=int, default=4)
     ap.add_argument("--methods", default="DeMo,DDP-AdamW,DDP-AdamW+PowerSGD")

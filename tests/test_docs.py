@@ -42,7 +42,8 @@ NOT_SETTINGS = {
     "compute",
     "compute_s",
     "lr",
-}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s, recipes/compare.py's --demo_lr
+    "args",
+}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s, compare.py's --demo_lr/--demo_args
 MODULE = re.compile(r"(?<![\w.])hf_demo(?:\.[A-Za-z_]\w*)+")
 MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
 SCRIPT = re.compile(r"^((?:recipes|benchmarks|examples|scripts)/[\w/]+\.py)$")
@@ -151,6 +152,8 @@ def flag_problems(words: list[str]) -> list[str]:
         if arg in ("--", "|", ";", "&&", ">"):
             break  # what follows goes to another program
         flag = arg[2:].split("=", 1)[0]
+        if " " in arg:  # a quoted value (compare.py --demo_args "--demo_sync_every 4 ..."), not a flag
+            continue
         if arg.startswith("--") and flag.replace("-", "_") not in script_flags(script):
             problems.append(f"{script} has no flag --{flag}")
     return problems

@@ -141,8 +141,8 @@ def test_the_from_scratch_preset_trains_local_muon_steps_in_muon_style_groups(tm
     assert [g["inner_rule"] for g in opt.param_groups] == ["orthogonal", "adam", "adam"]
     assert {g["update_rule"] for g in opt.param_groups} == {"sign"}
     settings = opt.settings
-    assert (settings.sync_every, settings.value_format, settings.compression_chunk) == (4, "sign", 32)
-    assert settings.compression_topk == 48
+    assert (settings.sync_every, settings.value_format, settings.compression_chunk) == (2, "sign", 32)
+    assert settings.compression_topk == 24
     args = hf_demo.DeMoTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo", demo_preset="from_scratch"
     )

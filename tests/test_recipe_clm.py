@@ -158,7 +158,9 @@ def test_compare_methods_are_what_they_claim(method, tiny_llama_dir, tmp_path):
     passthrough = ["--model_name_or_path", str(tiny_llama_dir), "--per_device_train_batch_size", "2"]
     passthrough += ["--block_size", "64", "--max_train_samples", "32", "--max_eval_samples", "4"]
     passthrough += ["--disable_tqdm", "true"]
-    args = argparse.Namespace(steps=4, eval_steps=4, demo_lr=3e-3, adamw_lr=3e-3, powersgd_rank=4, demo_preset=None)
+    args = argparse.Namespace(
+        steps=4, eval_steps=4, demo_lr=3e-3, adamw_lr=3e-3, powersgd_rank=4, demo_preset=None, demo_args=""
+    )
     args.passthrough = passthrough
     recipe_args = compare.recipe_args(compare.methods(args)[method], args, tmp_path / "out")
     accelerate_launch(RECORD_RECIPE, "--record_dir", tmp_path / "rec", "--record_steps", "1,4", *recipe_args)
@@ -313,14 +315,22 @@ def test_compare_gives_demo_alone_its_preset(run_clm, recipelib, tmp_path):
     """``compare.py --demo_preset from_scratch``: the DeMo run's recipe arguments resolve to the preset's local
     Muon steps; the baselines' command lines do not carry it."""
     compare = import_recipe("compare")
-    args = argparse.Namespace(demo_lr=1e-3, adamw_lr=1e-4, powersgd_rank=4, demo_preset="from_scratch")
+    args = argparse.Namespace(demo_lr=1e-3, adamw_lr=1e-4, powersgd_rank=4, demo_preset="from_scratch", demo_args="")
     commands = compare.methods(args)
     assert all("--demo_preset" not in extra for name, extra in commands.items() if name != "DeMo")
     types = (run_clm.ModelArguments, run_clm.DataTrainingArguments, hf_demo.DeMoTrainingArguments)
     argv = ["--output_dir", tmp_path, "--use_cpu", "true", *commands["DeMo"]]
     _, _, parsed = recipelib.arguments.parse_args(types, argv)
     settings = hf_demo.settings.DeMoSettings.resolve(parsed.demo_preset)
-    assert parsed.learning_rate == 1e-3 and (settings.inner_rule, settings.sync_every) == ("orthogonal", 4)
+    assert parsed.learning_rate == 1e-3 and (settings.inner_rule, settings.sync_every) == ("orthogonal", 2)
+    # --demo_args: settings of the DeMo run alone, over its preset's
+    args.demo_args = "--demo_sync_every 4 --demo_compression_topk 48"
+    commands = compare.methods(args)
+    assert all("--demo_sync_every" not in extra for name, extra in commands.items() if name != "DeMo")
+    _, _, parsed = recipelib.arguments.parse_args(
+        types, ["--output_dir", tmp_path, "--use_cpu", "true", *commands["DeMo"]]
+    )
+    assert (parsed.demo_sync_every, parsed.demo_compression_topk, parsed.demo_preset) == (4, 48, "from_scratch")
 
 
 def test_split_take_and_text_column(recipelib):
