@@ -125,8 +125,9 @@ class ReferenceDeMo:
         world = dist.get_world_size() if dist.is_initialized() else 1
         updates = []
         for p, m, rule in zip(self.params, self.momentum, self.rules):
-            rows, cols, b0, b1, prows, pcols = self._blocks(p)
-            idx, val = self._compress(p, m, rule)
+            shape = self._blocks(p)
+            rows, cols, b0, b1, prows, pcols = shape
+            idx, val = self._compress(p, m, rule, shape)
             averaged = self._average(idx, val, world, b0 * b1)
             update = self._inverse(averaged, b0, b1, prows, pcols)[:rows, :cols].reshape(p.shape)
             updates.append(self._rule(p, update, rule))
@@ -135,9 +136,10 @@ class ReferenceDeMo:
         self._apply(updates)
         self.t += 1
 
-    def _compress(self, p, m, rule):
-        """Momentum decay, the signal in, each block's top-k out of the momentum: (positions, values)."""
-        rows, cols, b0, b1, prows, pcols = self._blocks(p)
+    def _compress(self, p, m, rule, shape):
+        """Momentum decay, the signal in, each block's top-k out of the momentum: (positions, values).
+        ``shape``: :meth:`_blocks` of ``p``."""
+        rows, cols, b0, b1, prows, pcols = shape
         m.mul_(self.decay)
         if p.grad is not None:
             grad = self._signal(p, p.grad.double(), rule)
