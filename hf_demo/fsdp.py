@@ -81,6 +81,9 @@ def shard_with_accelerate(model: torch.nn.Module, accelerator):
     from torch.distributed.device_mesh import init_device_mesh
 
     plugin = accelerator.state.fsdp_plugin
+    # Accelerate resolves its auto-wrap policy from the model's layer class names when it prepares the model; after
+    # fully_shard those classes are FSDP subclasses (FSDPLlamaDecoderLayer), so resolve it now, on the plain model
+    plugin.set_auto_wrap_policy(model)
     kwargs = {"reshard_after_forward": plugin.reshard_after_forward}
     if plugin.mixed_precision_policy is not None:
         kwargs["mp_policy"] = plugin.mixed_precision_policy

@@ -15,7 +15,8 @@
 # Exit status: 0 every check passed; 1 a check failed; 77 no CUDA GPU visible to torch (nothing was checked:
 # the automake convention for "skipped"; a CPU-only torch build on a GPU machine also ends here).
 # Environment: VENV (default .venv; `make setup` installs the CUDA torch where nvidia-smi works),
-# GPU_CHECK_LAYERS (benchmark layers, default 2), GPU_CHECK_STEPS (steps per mode, default 12).
+# GPU_CHECK_LAYERS (benchmark layers, default 2), GPU_CHECK_STEPS (steps per mode, default 12),
+# GPU_CHECK_TIMEOUT (seconds per check, default 240: a hung check fails alone instead of stalling the rest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -45,7 +46,7 @@ check() {  # check "label" command...
   local t0=$SECONDS
   echo
   echo "=== $label: $*"
-  if "$@"; then
+  if timeout --kill-after 10 "${GPU_CHECK_TIMEOUT:-240}" "$@"; then
     summary+=("PASS  $label ($((SECONDS - t0)) s)")
   else
     summary+=("FAIL  $label ($((SECONDS - t0)) s, exit $?)")

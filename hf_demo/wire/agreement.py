@@ -19,10 +19,17 @@ REFUSED = 1
 VOTE_BYTES = 8  # what each rank sends in the vote
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; to a GPU from pinned memory without making the host wait for the device."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gather_headers(transport, header: codec.Header, payload: torch.Tensor, secret, device) -> list[codec.Header]:
     """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank)."""
     header = codec.sign(header, payload, secret)
-    rows = transport.all_gather(header.to_bytes().to(device), "header").cpu()  # one copy to the host for all ranks
+    rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
     headers = [codec.Header.from_bytes(row) for row in rows]
     codec.verify_headers(headers, secret, transport.rank, transport.step)
     codec.check_headers(headers, transport.rank)

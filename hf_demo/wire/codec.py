@@ -71,12 +71,15 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
+@functools.cache
+def _byte_bits_table(device: torch.device) -> torch.Tensor:
+    """byte -> its 8 bits, (256, 8) uint8, built once per device (a copy to a GPU per call would make the host wait)."""
+    return ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).to(torch.uint8)
 
 
 def byte_bits(packed: torch.Tensor) -> torch.Tensor:
     """uint8 (..., nbytes) -> (..., 8 * nbytes) uint8 bits, least significant first (one table lookup)."""
-    bits = _BYTE_BITS.to(packed.device).index_select(0, packed.reshape(-1).int())
+    bits = _byte_bits_table(packed.device).index_select(0, packed.reshape(-1).int())
     return bits.view(*packed.shape[:-1], 8 * packed.shape[-1])
 
 
