@@ -238,6 +238,15 @@ class DeMoSettings:
                 "others={'inner_rule': 'adam'})) and leave update_rule at 'sign'; or synchronise every step"
             )
 
+        if group["update_rule"] in update_rules.ORTHOGONAL and self.comm_budget > 0 and self.policy_sync_every > 1:
+            raise ValueError(
+                f"DeMo: update_rule={group['update_rule']!r} with comm_budget: the budget policy's local-step tiers "
+                f"(policy_sync_every={self.policy_sync_every}) apply the ranks' averaged change as it is, so the "
+                "orthogonal rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every "
+                "tier synchronises every step), or take Muon steps between synchronisations with "
+                "inner_rule='orthogonal' (the from_scratch preset) and update_rule='sign'"
+            )
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))

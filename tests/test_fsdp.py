@@ -47,12 +47,15 @@ def backward(model, rank: int, step: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
-def sharded(rank, shard=2, seed=0, **kw):
-    """This rank's model, sharded by FSDP2 on a (world/shard, shard) mesh, and DeMo over its replicate group."""
+def sharded(rank, shard=2, seed=0, factory=False, **kw):
+    """This rank's model, sharded by FSDP2 on a (world/shard, shard) mesh, and DeMo over its replicate group
+    (``factory``: built by ``hf_demo.create_optimizer(model, device_mesh=...)``)."""
     mesh = fsdp.hsdp_mesh(shard=shard)
     model = awkward_model(seed)
     fsdp.shard_model(model, mesh, layers=[model[i] for i in LAYERS])
     hsdp = shard < dist.get_world_size()
+    if factory:
+        return model, hf_demo.create_optimizer(model, device_mesh=mesh if hsdp else None, **{**KW, **kw})
     return model, hf_demo.DeMo(model.parameters(), device_mesh=mesh if hsdp else None, **{**KW, **kw})
 
 
@@ -108,6 +111,14 @@ def test_hsdp_equals_flat_demo_between_nodes_on_each_shards_rows(mode):
     flat = expect_ok(run_ranks(_flat_on_shard_pieces, 2, 2, 2, STEPS, MODES[mode]))[0]
     for a, b in zip(results[0][0], flat):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_the_factory_takes_the_device_mesh_and_builds_the_same_optimizer():
+    by_class = expect_ok(run_ranks(_hsdp, 4, 2, None, 3))
+    by_factory = expect_ok(run_ranks(_hsdp, 4, 2, {"factory": True}, 3))
+    for (params, steps, stats), (params_f, steps_f, stats_f) in zip(by_class, by_factory):
+        assert steps == steps_f == 3 and stats["total_bytes_sent"] == stats_f["total_bytes_sent"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(params, params_f))
 
 
 def test_pure_fsdp_is_a_local_optimizer_over_shards():

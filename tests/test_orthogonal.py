@@ -273,6 +273,16 @@ def test_orthogonalised_synchronisations_are_refused_with_the_fix():
         hf_demo.DeMo(muon_style_groups(tiny_mlp()), sync_every=4)
 
 
+def test_orthogonal_updates_with_a_budget_whose_tiers_take_local_steps_are_refused_with_the_fix():
+    # the policy's local-step tiers apply the averaged change as it is: the rule would silently stop running
+    with pytest.raises(ValueError, match="comm_budget.*policy_sync_every=8.*policy_sync_every=1"):
+        hf_demo.DeMo(tiny_mlp().parameters(), update_rule="orthogonal", comm_budget=0.2)
+    with pytest.raises(ValueError, match="update_rule='orthogonal' with comm_budget"):
+        hf_demo.create_optimizer(tiny_mlp(), update_rule="orthogonal", comm_budget=0.2)
+    opt = hf_demo.DeMo(tiny_mlp().parameters(), update_rule="orthogonal", comm_budget=0.2, policy_sync_every=1)
+    assert all(t.sync_every == 1 for t in opt.tiers)  # every tier runs the rule
+
+
 def test_a_local_step_with_the_orthogonal_inner_rule_is_muons():
     model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]

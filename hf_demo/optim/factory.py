@@ -16,6 +16,10 @@ SETTINGS: dict[str, tuple[type, object, str]] = {
 }
 
 
+# where DeMo communicates, not how it steps: passed to DeMo as they are, never settings
+PLACEMENT = ("process_group", "device_mesh")
+
+
 def _convert(key: str, raw: str):
     if key == "preset":
         return raw
@@ -56,7 +60,7 @@ def parse_optim_args(text: str | None) -> dict:
 
 def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
     """``(DeMo, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (Trainer builds the groups)."""
-    unknown = set(settings) - set(SETTINGS) - {"process_group", "preset"}
+    unknown = set(settings) - set(SETTINGS) - set(PLACEMENT) - {"preset"}
     if unknown:
         raise ValueError(f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(SETTINGS)}")
     return DeMo, {"lr": lr, "weight_decay": weight_decay, **settings}
@@ -67,11 +71,12 @@ def create_optimizer(
 ) -> DeMo:
     """Build a DeMo optimizer for a model (its groups from :func:`hf_demo.optim.param_groups.model_groups`:
     decay/no-decay as Trainer makes them, Muon-style for an orthogonal ``update_rule`` or ``inner_rule``) or
-    parameters."""
+    parameters. ``process_group`` or ``device_mesh`` (a model sharded by FSDP2: :mod:`hf_demo.fsdp`) say where DeMo
+    exchanges, as for :class:`hf_demo.DeMo`."""
     cls, kwargs = optimizer_cls_and_kwargs(lr=lr, weight_decay=weight_decay, **settings)
     params = model_or_params
     if isinstance(model_or_params, torch.nn.Module):
-        chosen = {k: v for k, v in settings.items() if k not in ("process_group", "preset")}
+        chosen = {k: v for k, v in settings.items() if k not in PLACEMENT and k != "preset"}
         resolved = DeMoSettings.resolve(settings.get("preset"), **chosen)
         params = model_groups(model_or_params, weight_decay, resolved.update_rule, resolved.inner_rule)
     return cls(params, **kwargs)
