@@ -101,6 +101,7 @@ def test_the_batched_local_steps_are_bitwise_one_inner_step_per_parameter():
     """local_steps.inner_steps (every parameter at once) against inner_step (one at a time): mixed inner rules,
     learning rates and weight decays, a parameter without a gradient, bf16 parameters rounded stochastically."""
     from hf_demo.optim import local_steps
+    from hf_demo.topology.flat import WholeMatrices
 
     torch.manual_seed(3)
     shapes = [(6, 4), (5,), (6, 4), (4, 6), (3,), (8, 2)]
@@ -116,7 +117,7 @@ def test_the_batched_local_steps_are_bitwise_one_inner_step_per_parameter():
             local_steps.inner_step(p, g, s, r, lr, wd, gen_one)
             for p, g, s, r, lr, wd in zip(params, grads, states, rules, lrs, wds)
         ]
-        found = local_steps.inner_steps(params, grads, states, rules, lrs, wds, gen_all)
+        found = local_steps.inner_steps(params, grads, states, rules, lrs, wds, gen_all, WholeMatrices())
         for (a, m, rs), (b, n, ss) in zip(found, one):
             assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(m, n)
             assert rs.keys() == ss.keys() and all(torch.equal(rs[k], ss[k]) for k in rs)

@@ -315,8 +315,9 @@ def _layouts_refused(rank, world):
     for name, build in {
         "native_hsdp": lambda m: fully_shard(m, mesh=native),
         "mixed": lambda m: fully_shard(m[0], mesh=mesh),
-        "orthogonal": lambda m: fully_shard(m, mesh=mesh),
+        "orthogonal": lambda m: fully_shard(m, mesh=mesh),  # gathers each matrix whole: steps
         "orthogonal_signal": lambda m: fully_shard(m, mesh=mesh),
+        "orthogonal_momentum": lambda m: fully_shard(m, mesh=mesh),
         "budget": lambda m: fully_shard(m, mesh=mesh),
     }.items():
         model = awkward_model()
@@ -335,14 +336,91 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
     for errors in expect_ok(run_ranks(_layouts_refused, 2)):
         assert "FSDP2's own HSDP" in errors["native_hsdp"] and "mesh['shard']" in errors["native_hsdp"]
         assert "plain one(s)" in errors["mixed"] and "fully_shard the root module" in errors["mixed"]
-        assert "Newton-Schulz" in errors["orthogonal"]
-        assert "'orthogonal_signal' is not combined" in errors["orthogonal_signal"]
+        assert "orthogonal" not in errors  # pure FSDP over 2 shards: each matrix orthogonalised whole
+        assert (
+            "'orthogonal_signal' is not combined" in errors["orthogonal_signal"]
+            and "each rank's own gradient" in (errors["orthogonal_signal"])
+        )
+        assert "'orthogonal_momentum' is not combined" in errors["orthogonal_momentum"]
         assert "comm_budget is not combined" in errors["budget"] and "own timings" in errors["budget"]
 
 
 def test_the_retired_node_hierarchy_names_its_replacement():
     with pytest.raises(ValueError, match="replaced by HSDP on PyTorch's FSDP2.*hf_demo.fsdp.shard_model"):
         hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node")
+
+
+# ---------------------------------------------------------------- orthogonal rules on sharded matrices
+def _zeroed_raw_updates(opt, pieces) -> list[torch.Tensor]:
+    """Each parameter's averaged update of this step, read off flat DeMo with the raw rule at lr 1 on zeroed pieces
+    (``piece = 0 - 1 * update``): DeMo's momentum and what it sends depend on the gradients, not on the values."""
+    with torch.no_grad():
+        for cs in pieces:
+            for c in cs:
+                c.zero_()
+    opt.step()
+    return [-torch.cat([c.detach() for c in cs]).double() for cs in pieces]
+
+
+def _flat_orthogonal_reference(rank, world, steps=STEPS):
+    """The slow spelling of HSDP with update_rule="orthogonal": flat DeMo between the 2 nodes on each shard's rows
+    (fed the node's mean gradient) gives each whole matrix's averaged update, which is orthogonalised whole in
+    float64 (``reference.orthogonalised``: Muon's step; vectors take their sign) and applied at lr 3e-3."""
+    from hf_demo.optim.reference import orthogonalised
+
+    model = awkward_model()
+    params = list(model.parameters())
+    pieces = [[torch.nn.Parameter(c.clone()) for c in p.detach().chunk(2, dim=0)] for p in params]
+    opt = hf_demo.DeMo([c for cs in pieces for c in cs], **{**KW, "update_rule": "raw", "lr": 1.0})
+    for step in range(steps):
+        grads = []
+        for r in (2 * rank, 2 * rank + 1):
+            backward(model, r, step)
+            grads.append([p.grad.clone() for p in params])
+        for i, cs in enumerate(pieces):
+            for c, gc in zip(cs, ((grads[0][i] + grads[1][i]) / 2).chunk(2, dim=0)):
+                c.grad = gc.clone()
+        with torch.no_grad():
+            for p, update in zip(params, _zeroed_raw_updates(opt, pieces)):
+                p.copy_((p.double() - KW["lr"] * orthogonalised(update)).float())
+    return [p.detach().clone() for p in params]
+
+
+def test_hsdp_orthogonalises_each_sharded_matrix_whole_as_the_flat_reference_does():
+    """Uneven (3 and 2 rows) and empty (1 and 0) shards: each node gathers its matrices' rows over the shard group,
+    orthogonalises them whole and keeps its rows; nothing dense crosses the replicate dimension."""
+    results = expect_ok(run_ranks(_hsdp, 4, 2, {"update_rule": "orthogonal"}))
+    for params, steps, _ in results:
+        assert steps == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))  # every replica, every shard
+    flat = expect_ok(run_ranks(_flat_orthogonal_reference, 2))[0]
+    for a, b in zip(results[0][0], flat):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+def _first_local_step(rank, world):
+    model, opt = sharded(rank, sync_every=4, inner_rule="orthogonal", update_rule="sign")
+    start = full(model)
+    backward(model, rank, 0)
+    opt.step()  # a local step: inner momentum 0.1 * the node's mean gradient, orthogonalised whole
+    return start, full(model), opt.comm_stats.as_dict()
+
+
+def test_a_local_muon_step_on_hsdp_orthogonalises_the_whole_matrix_of_the_nodes_mean_gradient():
+    from hf_demo.optim.reference import orthogonalised
+
+    results = expect_ok(run_ranks(_first_local_step, 4))
+    model = awkward_model()
+    for node in (0, 1):
+        grads = []
+        for r in (2 * node, 2 * node + 1):
+            backward(model, r, 0)
+            grads.append([p.grad.double() for p in model.parameters()])
+        for shard in (0, 1):
+            start, after, _ = results[2 * node + shard]
+            for p0, p1, g0, g1 in zip(start, after, *grads):
+                expected = p0.double() - KW["lr"] * orthogonalised(0.1 * (g0 + g1) / 2)
+                torch.testing.assert_close(p1.double(), expected, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- checkpoints (torch.distributed.checkpoint)
@@ -370,8 +448,9 @@ def _resumed(rank, world, where, kw, resume_at=None, shard_after=2):
         {},
         {"update_rule": "sign", "value_format": "sign"},
         {"exchange": "all_reduce", "value_format": "bf16", "sync_every": 2, "inner_rule": "adamw"},
+        {"factory": True, "preset": "from_scratch", "update_rule": "sign", "value_format": "sign"},
     ],
-    ids=["adam", "sign", "all_reduce_local_steps"],
+    ids=["adam", "sign", "all_reduce_local_steps", "from_scratch_preset"],
 )
 def test_hsdp_resumes_bit_for_bit_from_a_dcp_checkpoint(tmp_path, kw):
     straight = expect_ok(run_ranks(_resumed, 4, str(tmp_path / "a"), kw))

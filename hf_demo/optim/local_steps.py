@@ -67,10 +67,14 @@ def inner_step(param, grad, state: dict, rule, lr: float, weight_decay: float, g
     return after, m_in, rule_state
 
 
-def inner_steps(params: list, grads: list, states: list[dict], rules: list, lrs: list, weight_decays: list, generator):
+def inner_steps(
+    params: list, grads: list, states: list[dict], rules: list, lrs: list, weight_decays: list, generator, matrices
+):
     """:func:`inner_step` of every parameter, on copies, the same bits: the inner momenta with
     ``torch._foreach_*``, each inner rule's :meth:`~hf_demo.optim.update_rules.Rule.directions` once for all the
-    parameters it steps, the steps once per (learning rate, weight decay) (``functional.apply_steps``)."""
+    parameters it steps (on whole matrices where the rule needs them: ``matrices``, the topology's view of the
+    parameters, :func:`~hf_demo.optim.update_rules.directions_of`), the steps once per (learning rate, weight
+    decay) (``functional.apply_steps``)."""
     momenta = [
         s["inner_momentum"].clone()
         if "inner_momentum" in s
@@ -81,14 +85,16 @@ def inner_steps(params: list, grads: list, states: list[dict], rules: list, lrs:
     if fed:
         torch._foreach_mul_([momenta[i] for i in fed], INNER_BETA)
         torch._foreach_add_([momenta[i] for i in fed], [grads[i].float() for i in fed], alpha=1.0 - INNER_BETA)
+    whole = matrices.gather([m.clone() for m in momenta])
     by_rule: dict[str, list[int]] = {}
     for i, rule in enumerate(rules):
         by_rule.setdefault(rule.name, []).append(i)
     directions, rule_states = [None] * len(params), [None] * len(params)
     for members in by_rule.values():
         own = [{k: states[i][INNER + k] for k in STATE_KEYS if INNER + k in states[i]} for i in members]
-        updates = [momenta[i].clone() for i in members]
-        found, new = rules[members[0]].directions([params[i] for i in members], updates, own)
+        rule = rules[members[0]]
+        found, new = rule.directions([params[i] for i in members], [whole[i] for i in members], own)
+        found = matrices.scatter(members, found) if rule.whole_matrix else found
         for i, direction, state in zip(members, found, new):
             directions[i], rule_states[i] = direction, state
     afters = [p.detach().clone() for p in params]

@@ -14,7 +14,7 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic
-from hf_demo.optim.signals import rule_directions
+from hf_demo.optim.signals import rule_directions, whole_matrix_params
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.sharded import local, local_shape
@@ -67,16 +67,18 @@ def finish(opt, traffic: Traffic) -> list[torch.Tensor]:
     return exchanges.build(pending.exchange, spec).finish(pending.in_flight, traffic)
 
 
-def stage_late(opt, tx: Transaction, updates) -> None:
+def stage_late(opt, tx: Transaction, updates, stepping) -> None:
     """The update of the exchange in flight, applied at the commit with the learning rates it was computed with
-    (stochastic rounding seeded by the step that started it)."""
+    (stochastic rounding seeded by the step that started it); ``stepping``: the transport of the step that lands it
+    (where a rule gathers whole matrices)."""
     if updates is None:
         return
     pending = opt.pending
     generator = F.rounding_noise(opt.settings.param_rounding, pending.step)
     params = [p for p, _ in targets(opt, pending)]
     groups = [opt.group_of(p) for p in params]
-    directions, rule_states = rule_directions(opt, params, groups, updates, pending.layouts)
+    matrices = opt.topology.matrices(params, whole_matrix_params(opt, opt.rule), stepping)
+    directions, rule_states = rule_directions(opt, params, groups, updates, pending.layouts, matrices)
     for p, rule_state in zip(params, rule_states):
         tx.update(opt.state[p], rule_state)
     lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]
@@ -96,7 +98,7 @@ def flush(opt) -> None:
     elif refusal is not None:
         raise refusal
     tx = Transaction()
-    stage_late(opt, tx, updates)
+    stage_late(opt, tx, updates, transport)
     tx.stage(lambda: opt.land_in_flight(None))
     tx.commit()
     opt.comm_stats.add(transport.traffic)

@@ -49,7 +49,8 @@ class GradientSignal:
         for p, m in zip(params, ctx.working):
             ctx.tx.set(opt.state[p], "momentum", m)
         groups = [g for _, g, _ in ctx.items]
-        directions, rule_states = rule_directions(opt, params, groups, ctx.updates, ctx.layouts)
+        matrices = opt.topology.matrices(params, whole_matrix_params(opt, opt.rule), ctx.transport)
+        directions, rule_states = rule_directions(opt, params, groups, ctx.updates, ctx.layouts, matrices)
         for p, rule_state in zip(params, rule_states):
             ctx.tx.update(opt.state[p], rule_state)
         lrs, wds = [g["lr"] for g in groups], [g["weight_decay"] for g in groups]
@@ -57,10 +58,17 @@ class GradientSignal:
         ctx.tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, ctx.generator))
 
 
-def rule_directions(opt, params, groups, updates, layouts):
+def whole_matrix_params(opt, rule_of) -> list:
+    """Every trainable parameter, in the optimizer's order (the same on every rank), whose rule (``rule_of`` its
+    group: ``opt.rule`` or ``opt.inner_rule``) needs the whole matrix."""
+    return [p for g in opt.param_groups if rule_of(g).whole_matrix for p in g["params"] if p.requires_grad]
+
+
+def rule_directions(opt, params, groups, updates, layouts, matrices):
     """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
-    transform once per bucket, each rule once for all the parameters it steps."""
-    decoded = F.decode_many(updates, layouts, opt.transform)
+    transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
+    needs them: ``matrices``, the topology's view of ``params``)."""
+    decoded = matrices.gather(F.decode_many(updates, layouts, opt.transform))
     by_rule: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         by_rule.setdefault(g["update_rule"], []).append(i)
@@ -70,6 +78,7 @@ def rule_directions(opt, params, groups, updates, layouts):
         rule = opt.rule(groups[members[0]])
         ps = [params[i] for i in members]
         found, new = rule.directions([local(p) for p in ps], [decoded[i] for i in members], [opt.state[p] for p in ps])
+        found = matrices.scatter(members, found) if rule.whole_matrix else found
         for i, direction, state in zip(members, found, new):
             directions[i], states[i] = direction, state
     return directions, states
@@ -98,6 +107,7 @@ class LocalSignal:
             [g["lr"] for g in groups],
             [g["weight_decay"] for g in groups],
             ctx.generator,
+            opt.topology.matrices(ctx.params, whole_matrix_params(opt, opt.inner_rule), ctx.transport),
         )
         ctx.replicas = ctx.anchors
         if local_steps.is_sync_step(tier.sync_every, ctx.transport.step):

@@ -237,7 +237,7 @@ class LandLate:
     def run(self, ctx: StepContext) -> None:
         opt = ctx.opt
         if ctx.settings.overlap or ctx.late is not None:
-            overlap.stage_late(opt, ctx.tx, ctx.late)
+            overlap.stage_late(opt, ctx.tx, ctx.late, ctx.transport)
             ctx.tx.stage(lambda: opt.land_in_flight(overlap.pending_from(ctx, ctx.in_flight)))
 
 

@@ -190,7 +190,11 @@ def orthogonal_step(update: torch.Tensor, rms: float, steps: int, measured: bool
 class Rule:
     """What every rule has: ``directions`` of many parameters at once, here one :meth:`direction` after another
     on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it. The gradient
-    enters DeMo's momentum as it is (:meth:`signal`), unless a rule says otherwise."""
+    enters DeMo's momentum as it is (:meth:`signal`), unless a rule says otherwise. ``whole_matrix``: the
+    direction of a matrix depends on all of it, not element by element: where the model is sharded, the topology
+    gathers each matrix whole before the rule and keeps this rank's rows after (``matrices`` of a topology)."""
+
+    whole_matrix = False
 
     def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
         """(what of ``grad`` enters DeMo's momentum, the new :data:`SIGNAL_KEYS` entries of ``state``); ``state``
@@ -276,6 +280,7 @@ class OrthogonalRule(Rule):
     rms = 0.2
     ns_steps = 5
     measured_rms = False
+    whole_matrix = True  # its direction of a matrix needs the whole matrix (gathered where the model is sharded)
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         if update.dim() < 2:
@@ -381,6 +386,8 @@ RULES = {
 UPDATE_RULES = tuple(RULES)
 ORTHOGONAL = ("orthogonal", "orthogonal_momentum", "orthogonal_signal", "muon_signal")  # Muon-style groups
 NOT_INNER = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")  # need DeMo's momentum or averaged updates
+# orthogonalise each rank's gradient (signal) or keep a matrix state: not on FSDP2 shards (orthogonal gathers)
+WHOLE_STATE = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")
 
 
 def get(name: str):

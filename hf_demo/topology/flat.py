@@ -46,6 +46,21 @@ class FlatTopology:
         """Every rank's mean of ``params`` (dense all-reduces by device and dtype, fp32 or wider)."""
         return dense_mean(params, transport, name)
 
+    def matrices(self, params: list, every: list, stepping) -> WholeMatrices:
+        """Every parameter is whole on this rank: rules that need the whole matrix take the tensors as they are."""
+        return WholeMatrices()
+
+
+class WholeMatrices:
+    """The view of parameters that are whole on every rank (see ``ShardedMatrices`` for shards): ``gather`` and
+    ``scatter`` return the tensors as they are."""
+
+    def gather(self, tensors: list) -> list:
+        return list(tensors)
+
+    def scatter(self, members: list[int], tensors: list) -> list:
+        return list(tensors)
+
 
 def dense_mean(params, transport, name: str) -> dict:
     """{param: its mean over the ranks of ``transport``}: one all-reduce per (device, dtype), in the same order on

@@ -20,6 +20,7 @@ This module is where DeMo handles ``DTensor``: :func:`local` gives the tensor ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,8 @@ def exchange_group(opt, spec: ShardSpec):
 
 
 def refuse_unshardable(opt) -> None:
-    """What cannot step a shard of a model on its own: a rule that needs the whole matrix, and the budget policy,
+    """What cannot step a shard of a model on its own: a rule that needs the whole matrix of a state or of each
+    rank's gradient (``update_rules.WHOLE_STATE``; ``orthogonal`` gathers its averaged update), and the budget policy,
     whose tier each replicate group would choose from its own timings (the shards of one model would take
     different tiers, local steps in some and not in others)."""
     if opt.settings.comm_budget > 0:
@@ -125,13 +127,13 @@ def refuse_unshardable(opt) -> None:
             "yourself (value_format, compression_topk, sync_every; docs/guides/choosing-settings.md)"
         )
     for group in opt.param_groups:
-        rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.ORTHOGONAL)
+        rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.WHOLE_STATE)
         if rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
             raise ValueError(
-                f"DeMo: update_rule/inner_rule={min(rules)!r} is not combined with FSDP2-sharded parameters: "
-                "Newton-Schulz orthogonalises the whole matrix, and each rank holds only some of its rows "
-                "(orthogonalising the rows one by one is another, untested step). Use update_rule='sign' or "
-                "'adamw' for these groups, or train with DDP-DeMo (docs/guides/large-models.md)"
+                f"DeMo: update_rule/inner_rule={min(rules)!r} is not combined with FSDP2-sharded parameters: it "
+                "orthogonalises each rank's own gradient or keeps a matrix-shaped state, which would need the "
+                "whole matrix on every rank at every step. Use update_rule='orthogonal' (orthogonalised as if "
+                "unsharded) or inner_rule='orthogonal' (the from_scratch preset) for these groups"
             )
 
 
@@ -183,6 +185,11 @@ class ShardedTopology:
         views = [local(p) for p in params]
         means = dense_mean(views, transport, name)
         return {p: means[v] for p, v in zip(params, views)}
+
+    def matrices(self, params: list, every: list, stepping) -> ShardedMatrices:
+        """Whole matrices of the sharded parameters for the rules that need them (:class:`ShardedMatrices`: its
+        gather over the shard group at ``stepping``'s step, counted in that step's traffic)."""
+        return ShardedMatrices(params, every, self.shards.at(stepping.step, stepping.traffic))
 
     # ------------------------------------------------------------ what every shard of the model agrees on
     def agree_step(self, ctx, bits: int) -> int:
@@ -240,6 +247,71 @@ class ShardedTopology:
         mine = torch.tensor([value], dtype=torch.int64).view(torch.uint8).to(ctx.device)
         rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(mine, name)
         return rows.cpu().contiguous().view(torch.int64).flatten().tolist()
+
+
+def shard_rows(rows: int, shards: int) -> list[int]:
+    """The rows each shard holds of a dimension of ``rows`` cut by FSDP2's ``Shard(0)``: torch.chunk's pieces, then
+    empty shards (5 rows over 4 shards: 2, 2, 1, 0)."""
+    size = -(-rows // shards)
+    return [max(0, min(size, rows - r * size)) for r in range(shards)]
+
+
+class ShardedMatrices:
+    """Whole matrices for the rules that need them (Newton-Schulz orthogonalises the whole matrix). ``params``:
+    the parameters this rank steps (a parameter whose shard is empty here is not among them); ``every``: every
+    parameter, in the optimizer's order on every rank, whose rule needs its whole matrix. :meth:`gather`
+    all-gathers the rows of each sharded one of 2 or more dimensions from the other shards of this replica: one
+    collective over the shard group (the fast link inside a node; nothing crosses ``replicate``), the same on
+    every rank of it. Every rank of the shard group holds the same averaged update, so each computes the same
+    whole result; :meth:`scatter` keeps this rank's rows. Vectors and unsharded parameters are elementwise for
+    every rule: they stay as they are."""
+
+    def __init__(self, params: list, every: list, shards):
+        self.params, self.shards = params, shards  # shards: the shard group's transport at this step
+        self.every = [p for p in every if is_sharded(p) and p.dim() >= 2] if shards.world > 1 else []
+        self._whole = {id(p) for p in self.every}
+
+    def gather(self, tensors: list) -> list:
+        """``tensors`` (this rank's rows of ``params``) with each sharded matrix of ``every`` made whole (fp32)."""
+        if not self.every:
+            return list(tensors)
+        mine = {id(p): t for p, t in zip(self.params, tensors)}
+        world, me = self.shards.world, self.shards.rank
+        counts = [shard_rows(p.shape[0], world) for p in self.every]
+        padded = [_padded(mine.get(id(p)), p, c, me) for p, c in zip(self.every, counts)]
+        every = self.shards.all_gather(torch.cat(padded).view(torch.uint8), "node_matrices").view(torch.float32)
+        wholes, start = {}, 0
+        for p, c, flat in zip(self.every, counts, padded):
+            piece = every[:, start : start + flat.numel()].reshape(world, c[0], -1)
+            wholes[id(p)] = torch.cat([piece[r, : c[r]] for r in range(world)]).reshape(p.shape)
+            start += flat.numel()
+        return [wholes.get(id(p), t) for p, t in zip(self.params, tensors)]
+
+    def scatter(self, members: list[int], tensors: list) -> list:
+        """This rank's rows of each whole result (``tensors`` of the parameters at positions ``members``)."""
+        out = list(tensors)
+        for j, i in enumerate(members):
+            p = self.params[i]
+            if id(p) in self._whole:
+                counts = shard_rows(p.shape[0], self.shards.world)
+                start = sum(counts[: self.shards.rank])
+                out[j] = tensors[j][start : start + counts[self.shards.rank]]
+        return out
+
+
+def _padded(t: torch.Tensor | None, p, counts: list[int], me: int) -> torch.Tensor:
+    """This rank's rows of ``p`` (None: an empty shard), flat fp32, padded to the largest shard's rows."""
+    cols = math.prod(p.shape[1:])
+    rows = 0 if t is None else t.shape[0]
+    if rows != counts[me]:
+        raise ValueError(
+            f"DeMo: a parameter of shape {tuple(p.shape)} holds {rows} rows on this rank where FSDP2's Shard(0) "
+            f"would hold {counts[me]}: shard the model with fully_shard (hf_demo.fsdp.shard_model)"
+        )
+    flat = torch.zeros(counts[0], cols, dtype=torch.float32, device=local(p).device)
+    if rows:
+        flat[:rows] = t.detach().float().reshape(rows, cols)
+    return flat.reshape(-1)
 
 
 # ---------------------------------------------------------------- checkpoints through torch.distributed.checkpoint
