@@ -318,11 +318,10 @@ def _layouts_refused(rank, world):
         "orthogonal": lambda m: fully_shard(m, mesh=mesh),  # gathers each matrix whole: steps
         "orthogonal_signal": lambda m: fully_shard(m, mesh=mesh),
         "orthogonal_momentum": lambda m: fully_shard(m, mesh=mesh),
-        "budget": lambda m: fully_shard(m, mesh=mesh),
     }.items():
         model = awkward_model()
         build(model)
-        kw = {"budget": {"comm_budget": 0.2}}.get(name, {"update_rule": name} if "orthogonal" in name else {})
+        kw = {"update_rule": name} if "orthogonal" in name else {}
         opt = hf_demo.DeMo(model.parameters(), **kw)
         backward(model, rank, 0)
         try:
@@ -342,7 +341,6 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
             and "each rank's own gradient" in (errors["orthogonal_signal"])
         )
         assert "'orthogonal_momentum' is not combined" in errors["orthogonal_momentum"]
-        assert "comm_budget is not combined" in errors["budget"] and "own timings" in errors["budget"]
 
 
 def test_the_retired_node_hierarchy_names_its_replacement():
@@ -421,6 +419,43 @@ def test_a_local_muon_step_on_hsdp_orthogonalises_the_whole_matrix_of_the_nodes_
             for p0, p1, g0, g1 in zip(start, after, *grads):
                 expected = p0.double() - KW["lr"] * orthogonalised(0.1 * (g0 + g1) / 2)
                 torch.testing.assert_close(p1.double(), expected, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- the budget policy: one tier for the whole model
+def _slow_shard_timings(self, started):  # DeMo.header_timings: global rank 1 (shard 1 of replica 0) is slow a while
+    slow = dist.get_rank() == 1 and self.steps < 10
+    return {"exchange_ms": 500 if slow else 1, "elapsed_ms": 1000 + 37 * dist.get_rank()}
+
+
+def _hsdp_policy(rank, world, steps, where=None, resume_at=None):
+    """``steps`` steps under the budget policy where only shard 1's replicate group sees the slow link (in its
+    headers); a DCP save and resume into a fresh model at ``resume_at``."""
+    hf_demo.DeMo.header_timings = _slow_shard_timings
+    kw = {"comm_budget": 0.2, "policy_patience": 2, "compression_topk": 8}
+    model, opt = sharded(rank, **kw)
+    tiers = []
+    for step in range(steps):
+        if step == resume_at:
+            fsdp.save_checkpoint(where, model, opt)
+            model, opt = sharded(rank, seed=7, **kw)
+            fsdp.load_checkpoint(where, model, opt)
+        backward(model, rank, step)
+        opt.step()
+        tiers.append(opt.tier)
+    return tiers, full(model), opt.skipped_steps
+
+
+def test_the_budget_policy_takes_one_tier_for_the_whole_sharded_model_and_resumes_exactly(tmp_path):
+    results = expect_ok(run_ranks(_hsdp_policy, 4, 40))
+    tiers = results[0][0]
+    assert max(tiers) == 4 and tiers[-1] == 0, tiers  # down to the local-step tiers for every shard, then back up
+    for other_tiers, params, _ in results[1:]:
+        assert other_tiers == tiers  # the fast shard's replicate group follows the slow one's
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], params))  # every replica, every shard
+    resumed = expect_ok(run_ranks(_hsdp_policy, 4, 40, str(tmp_path / "p"), 2))  # 2: in a lower tier
+    for (tiers_a, params_a, _), (tiers_b, params_b, _) in zip(results, resumed):
+        assert tiers_a == tiers_b
+        assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
 
 
 # ---------------------------------------------------------------- checkpoints (torch.distributed.checkpoint)

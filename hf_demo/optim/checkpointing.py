@@ -105,6 +105,9 @@ def saved_tier(opt, saved: SavedState) -> int | None:
 
 
 def _load_policy(opt, saved: SavedState) -> None:
+    # the figures of an exchange this optimizer ran before the load (torch's DCP state-dict helpers take a step to
+    # create the state they load into) are not the resumed run's: it starts without a last exchange, as a fresh one
+    opt.clock = policies.Clock()
     found = saved_tier(opt, saved)
     opt.policy.load_state_dict({k: v for k, v in saved.policy.items() if k != "tier_spec"})
     if found is not None:

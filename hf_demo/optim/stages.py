@@ -141,12 +141,13 @@ class Policy:
         ctx.policy = ctx.decided or opt.policy
         if not ctx.settings.comm_budget or ctx.decided is not None:
             return
-        ctx.policy = opt.policy.decide(
+        figures = opt.topology.agree_figures(  # the whole model's, where it is sharded
+            ctx,
             max(h.exchange_ms for h in ctx.headers),
             max(h.elapsed_ms for h in ctx.headers),
             opt.bytes_by_tier(ctx.items),
-            opt.clock.last_exchange_tier,
         )
+        ctx.policy = opt.policy.decide(*figures, opt.clock.last_exchange_tier)
         if ctx.policy.tier > opt.policy.tier:
             ctx.retry = ctx.policy
 

@@ -42,6 +42,10 @@ class FlatTopology:
     def agree_refusal(self, ctx, refusal):
         return refusal
 
+    def agree_figures(self, ctx, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
+        """The budget policy's figures: every rank steps the whole model, they are already the model's."""
+        return exchange_ms, elapsed_ms, tier_bytes
+
     def mean_over_ranks(self, params, transport, name: str) -> dict:
         """Every rank's mean of ``params`` (dense all-reduces by device and dtype, fp32 or wider)."""
         return dense_mean(params, transport, name)

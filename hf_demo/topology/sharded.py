@@ -117,15 +117,7 @@ def exchange_group(opt, spec: ShardSpec):
 
 def refuse_unshardable(opt) -> None:
     """What cannot step a shard of a model on its own: a rule that needs the whole matrix of a state or of each
-    rank's gradient (``update_rules.WHOLE_STATE``; ``orthogonal`` gathers its averaged update), and the budget policy,
-    whose tier each replicate group would choose from its own timings (the shards of one model would take
-    different tiers, local steps in some and not in others)."""
-    if opt.settings.comm_budget > 0:
-        raise ValueError(
-            "DeMo: comm_budget is not combined with FSDP2-sharded parameters: each shard's replicate group would "
-            "choose its tier from its own timings, and the shards of one model would step apart. Choose the tier "
-            "yourself (value_format, compression_topk, sync_every; docs/guides/choosing-settings.md)"
-        )
+    rank's gradient (``update_rules.WHOLE_STATE``; ``orthogonal`` gathers its averaged update)."""
     for group in opt.param_groups:
         rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.WHOLE_STATE)
         if rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
@@ -226,6 +218,19 @@ class ShardedTopology:
         for theirs in self._gather(ctx, bits, name):
             out |= theirs
         return out
+
+    def agree_figures(self, ctx, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
+        """The budget policy's figures for the whole model, the same on every rank: the slowest exchange and step
+        of any shard's replicate group, and each tier's bytes summed over the shards (one small all-gather over the
+        shard group). Every rank then takes the same decision: one tier for the whole model."""
+        if self.shards.world == 1:
+            return exchange_ms, elapsed_ms, tier_bytes
+        mine = torch.tensor([exchange_ms, elapsed_ms, *tier_bytes], dtype=torch.float64)
+        rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(
+            mine.view(torch.uint8).to(ctx.device), "node_figures"
+        )
+        every = rows.cpu().contiguous().view(torch.float64)  # (shards, 2 + tiers)
+        return float(every[:, 0].max()), float(every[:, 1].max()), every[:, 2:].sum(dim=0).tolist()
 
     def agree_refusal(self, ctx, refusal: DeMoPayloadError | None) -> DeMoPayloadError | None:
         """A payload refused for any shard of the model: every rank gets an error to raise, none commits."""
