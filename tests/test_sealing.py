@@ -145,8 +145,8 @@ def _wire_and_results(rank, world):
     _env(SECRET, True)
     plain = []
     real_seal = sealing.Sealer.seal
-    sealing.Sealer.seal = lambda self, buf, step, kind: plain.append((kind, buf.clone())) or real_seal(
-        self, buf, step, kind
+    sealing.Sealer.seal = lambda self, buf, step, kind: (
+        plain.append((kind, buf.clone())) or real_seal(self, buf, step, kind)
     )
     wire = Wire(world)
     sealed, opt = _train(rank)
@@ -283,7 +283,9 @@ def _voted(results, tries: int, match: str):
     (errors0, after0, steps0), (errors1, after1, steps1) = results
     assert len(errors0) == len(errors1) == 2 * tries, (errors0, errors1)
     for attempt in range(tries):
-        err0, unchanged0, err1, unchanged1 = errors0[2 * attempt : 2 * attempt + 2] + errors1[2 * attempt : 2 * attempt + 2]
+        err0, unchanged0, err1, unchanged1 = (
+            errors0[2 * attempt : 2 * attempt + 2] + errors1[2 * attempt : 2 * attempt + 2]
+        )
         assert err1.type == "DeMoPayloadError" and match in err1.message, err1.message
         assert err0.type == "DeMoPayloadError", err0
         assert "every rank refused optimizer step 1 because rank(s) [1]" in err0.message, err0.message
@@ -331,7 +333,9 @@ def test_a_different_secret_is_refused_on_every_rank(gloo):
     for rank, error in enumerate(results):
         other = 1 - rank
         assert isinstance(error, RankError) and error.type == "DeMoSyncError", error
-        assert f"the header from rank {other} at optimizer step 0 does not open with rank {other}'s key" in error.message
+        assert (
+            f"the header from rank {other} at optimizer step 0 does not open with rank {other}'s key" in error.message
+        )
 
 
 def test_one_rank_without_the_secret_stops_every_rank_naming_it(gloo):

@@ -26,7 +26,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def gather_headers(transport, header: codec.Header, payload: torch.Tensor, secret, device, sealer=None) -> list[codec.Header]:
+def gather_headers(
+    transport, header: codec.Header, payload: torch.Tensor, secret, device, sealer=None
+) -> list[codec.Header]:
     """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank).
     With a :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead."""
     if sealer is not None:
@@ -91,7 +93,9 @@ def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> No
     if sealer is not None:
         rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
     else:
-        rows = transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
+        rows = (
+            transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
+        )
     refusing = [transport.global_rank(r) for r, verdict in enumerate(rows) if verdict == REFUSED]
     if not refusing:
         return
@@ -110,6 +114,8 @@ def _sealed_verdicts(transport, mine: torch.Tensor, refusal, sealer, device) -> 
     sealed = sealer.seal(mine.view(torch.uint8), transport.step, "vote")
     rows = transport.all_gather(sealed.to(device), "vote").cpu()
     try:
-        return sealer.open_rows(rows, transport.step, "vote", transport.rank).view(torch.int64).flatten().tolist(), refusal
+        return sealer.open_rows(rows, transport.step, "vote", transport.rank).view(
+            torch.int64
+        ).flatten().tolist(), refusal
     except DeMoPayloadError as exc:
         return [REFUSED] * rows.shape[0], refusal or exc

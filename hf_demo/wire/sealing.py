@@ -58,7 +58,9 @@ def _crypto():
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
     except ImportError as exc:
-        raise ImportError(f"DeMo: {ENCRYPT_ENV}=1 encrypts with the cryptography package, not installed: {EXTRA}") from exc
+        raise ImportError(
+            f"DeMo: {ENCRYPT_ENV}=1 encrypts with the cryptography package, not installed: {EXTRA}"
+        ) from exc
 
     def derive(secret: bytes, salt: bytes, info: bytes) -> bytes:
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
@@ -212,7 +214,9 @@ class Sealer:
         ``buf``'s device."""
         mine = self.mine
         plain = buf.detach().cpu().contiguous().numpy().tobytes()
-        sealed = self._key(mine.sender, mine.session).encrypt(nonce(step, mine.tries, mine.sender, kind), plain, mine.aad)
+        sealed = self._key(mine.sender, mine.session).encrypt(
+            nonce(step, mine.tries, mine.sender, kind), plain, mine.aad
+        )
         return torch.frombuffer(bytearray(sealed), dtype=torch.uint8).to(buf.device)
 
     def open_rows(self, rows: torch.Tensor, step: int, kind: str, rank: int, only=None) -> torch.Tensor:
