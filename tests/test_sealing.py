@@ -87,6 +87,15 @@ def test_a_sealed_header_is_as_long_as_a_clear_one_and_a_payload_16_bytes_longer
     assert torch.equal(sealer.open_rows(sealed[None], 3, "payload", 0)[0], payload)
 
 
+def test_the_transit_cost_benchmark_prints_its_table(capsys):
+    import transit_cost
+
+    text = transit_cost.main(["--sizes", "1000", "--worlds", "2", "--repeats", "1"])
+    assert "| payload | W | clear (CRC32) ms | HMAC-SHA256 ms | AES-256-GCM ms |" in text
+    assert "| 0.001 MiB | 2 |" in capsys.readouterr().out
+    assert transit_cost.smollm2_payload_bytes() > 3 * 2**20  # DeMo's 3.3 MB per step (docs/results.md)
+
+
 # ------------------------------------------------------------------ 2 gloo ranks
 class Wire:
     """Every all-gather of this rank: what it sent and received, and a ``tamper(kind, rows, call)`` applied to
