@@ -96,6 +96,37 @@ def test_the_transit_cost_benchmark_prints_its_table(capsys):
     assert transit_cost.smollm2_payload_bytes() > 3 * 2**20  # DeMo's 3.3 MB per step (docs/results.md)
 
 
+def test_every_try_of_a_step_seals_under_a_new_nonce(monkeypatch):
+    """The same header and payload sealed twice at one step (a step run again): new nonces, new ciphertexts."""
+    from hf_demo.wire import codec, sealing
+
+    used = []
+    real = sealing.nonce
+    monkeypatch.setattr(sealing, "nonce", lambda *a: used.append(real(*a)) or used[-1])
+    sealer = sealing.Sealer(b"s")
+    header = codec.Header(step=7, layout_checksum=1, settings_checksum=2, flags=0, world_size=1, payload_bytes=8)
+    payload = torch.zeros(8, dtype=torch.uint8)
+    sent = []
+    for _ in range(2):
+        sent.append(sealer.seal_header(header, 7, 0).numpy().tobytes())
+        sent.append(sealer.seal(payload, 7, "payload").numpy().tobytes())
+    assert len(set(used)) == len(used) == 4
+    assert len(set(sent)) == 4
+
+
+def test_a_row_opens_only_with_its_senders_key():
+    """Two senders of one session id (one process) still have two keys: the key is derived per sender rank."""
+    from hf_demo.errors import DeMoSyncError
+    from hf_demo.wire import codec, sealing
+
+    sealer = sealing.Sealer(b"s")
+    header = codec.Header(step=0, layout_checksum=1, settings_checksum=2, flags=0, world_size=2, payload_bytes=8)
+    row = sealer.seal_header(header, 0, 0)
+    with pytest.raises(DeMoSyncError, match="the header from rank 0 at optimizer step 0 does not open with rank 0's"):
+        sealer.open_headers(row[None], 0, [1], 0)  # opened as rank 1's
+    assert sealer.open_headers(row[None], 0, [0], 0)[0] == header  # as rank 0's
+
+
 # ------------------------------------------------------------------ 2 gloo ranks
 class Wire:
     """Every all-gather of this rank: what it sent and received, and a ``tamper(kind, rows, call)`` applied to
