@@ -176,12 +176,12 @@ def _train(rank, steps: int = 3, **kw):
     return model, opt
 
 
-def _wire_and_results(rank, world):
-    """The same 3 steps HMAC-signed, then encrypted (capturing the wire); and what the sealer was given."""
+def _wire_and_results(rank, world, kw):
+    """The same 4 steps HMAC-signed, then encrypted (capturing the wire); and what the sealer was given."""
     from hf_demo.wire import sealing
 
     _env(SECRET, False)
-    signed, _ = _train(rank)
+    signed, _ = _train(rank, 4, **kw)
     _env(SECRET, True)
     plain = []
     real_seal = sealing.Sealer.seal
@@ -189,28 +189,31 @@ def _wire_and_results(rank, world):
         plain.append((kind, buf.clone())) or real_seal(self, buf, step, kind)
     )
     wire = Wire(world)
-    sealed, opt = _train(rank)
+    sealed, opt = _train(rank, 4, **kw)
     return _params(signed), _params(sealed), plain, wire.sent, opt.comm_stats.bytes_sent
 
 
-def test_nothing_readable_crosses_the_link_and_training_is_the_same(gloo):
+@pytest.mark.parametrize("kw", [{}, {"sync_every": 2, "value_format": "sign"}], ids=["defaults", "sync_every 2"])
+def test_nothing_readable_crosses_the_link_and_training_is_the_same(gloo, kw):
     from hf_demo.wire import codec, sealing
 
-    for rank, (signed, sealed, plain, sent, bytes_sent) in enumerate(expect_ok(run_ranks(_wire_and_results, 2))):
+    exchanges = 4 // kw.get("sync_every", 1)
+    results = expect_ok(run_ranks(_wire_and_results, 2, kw))
+    for rank, (signed, sealed, plain, sent, bytes_sent) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(signed, sealed)), f"rank {rank}: encryption changed training"
         payloads = [buf for kind, buf in plain if kind == "payload"]
         wire_payloads = [buf for kind, buf in sent if kind == "payload"]
-        assert len(payloads) == len(wire_payloads) == 3
+        assert len(payloads) == len(wire_payloads) == exchanges
         for clear, wire in zip(payloads, wire_payloads):
             assert wire.numel() == clear.numel() + sealing.TAG_BYTES  # a fixed length per layout
             assert clear.numpy().tobytes() not in wire.numpy().tobytes()
             assert (wire[: clear.numel()] == clear).float().mean() < 0.1  # ~1/256 of the bytes equal by chance
         headers = [buf for kind, buf in sent if kind == "header"]
-        assert len(headers) == 3 and all(sealing.is_sealed(h) for h in headers)
+        assert len(headers) == exchanges and all(sealing.is_sealed(h) for h in headers)
         magic = codec.MAGIC.to_bytes(8, "little")
         assert not any(magic in h.numpy().tobytes() for h in headers)  # no header word in the clear
         votes = [buf for kind, buf in sent if kind == "vote"]
-        assert len(votes) == 3 and all(v.numel() == 8 + sealing.TAG_BYTES for v in votes)
+        assert len(votes) == exchanges and all(v.numel() == 8 + sealing.TAG_BYTES for v in votes)
         assert bytes_sent == codec.HEADER_BYTES + wire_payloads[-1].numel() + votes[-1].numel()
 
 
