@@ -127,6 +127,23 @@ def test_a_row_opens_only_with_its_senders_key():
     assert sealer.open_headers(row[None], 0, [0], 0)[0] == header  # as rank 0's
 
 
+def test_one_process_trains_bitwise_the_same_encrypted_on_its_device(device, monkeypatch):
+    """A world of one seals and opens its own rows too: on the parameters' device, the same training."""
+    monkeypatch.setenv("HF_DEMO_SECRET", SECRET)
+    runs = []
+    for encrypt in ("0", "1"):
+        monkeypatch.setenv("HF_DEMO_ENCRYPT", encrypt)
+        model = tiny_mlp().to(device)
+        opt = small_demo(model)
+        assert (opt.sealer is not None) == (encrypt == "1")
+        for step in range(3):
+            loss_and_backward(model, 0, step)
+            opt.step()
+        assert opt.sealer is None or opt.sealer.tries == 3  # every step's header sealed
+        runs.append(_params(model))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 # ------------------------------------------------------------------ 2 gloo ranks
 class Wire:
     """Every all-gather of this rank: what it sent and received, and a ``tamper(kind, rows, call)`` applied to
@@ -218,8 +235,8 @@ def test_nothing_readable_crosses_the_link_and_training_is_the_same(gloo, kw):
 
 
 def _tampered(rank, world, secrets, fault):
-    """Step 0 clean, then ``fault`` on step 1: (error of step 1, state unchanged?, error of step 1 again,
-    parameters after the retry)."""
+    """Step 0 clean, then ``fault`` on step 1, which is run until it commits (3 tries at most): ([error, state
+    unchanged?] of each refused try, the parameters after, the optimizer's step count)."""
     _env(secrets[rank], secrets[rank] is not None)
     model = tiny_mlp()
     opt = small_demo(model, comm_timeout=20.0)
