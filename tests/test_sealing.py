@@ -144,6 +144,19 @@ def test_one_process_trains_bitwise_the_same_encrypted_on_its_device(device, mon
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_sealed_resync_returns_every_parameter_whatever_its_dtype_and_size():
+    """Rank 0's parameters travel as one buffer of bytes: a bf16 tensor of odd size before an fp32 one."""
+    from hf_demo.exchange.transport import Transport
+    from hf_demo.wire import agreement, codec, sealing
+
+    sealer = sealing.Sealer(b"s")
+    header = codec.Header(step=0, layout_checksum=1, settings_checksum=2, flags=0, world_size=1, payload_bytes=0)
+    sealer.open_headers(sealer.seal_header(header, 0, 0)[None], 0, [0], 0)
+    params = [torch.randn(3, dtype=torch.bfloat16), torch.randn(2, 5), torch.tensor(7, dtype=torch.int64)]
+    fresh = agreement.fetch_rank0(params, Transport.alone().at(0), sealer)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(params, fresh))
+
+
 # ------------------------------------------------------------------ 2 gloo ranks
 class Wire:
     """Every all-gather of this rank: what it sent and received, and a ``tamper(kind, rows, call)`` applied to

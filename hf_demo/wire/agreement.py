@@ -82,7 +82,7 @@ def _fetch_sealed(params: list[torch.Tensor], transport, sealer) -> list[torch.T
         raise DeMoSyncError(str(exc)) from None
     out = []
     for p, part in zip(params, opened.split([f.numel() for f in flat])):
-        out.append(part.view(p.dtype).view(p.shape).clone())
+        out.append(part.clone().view(p.dtype).view(p.shape))  # a copy first: its own, aligned storage
     return out
 
 
