@@ -61,6 +61,7 @@ class ExchangeSpec:
     average: str | None = None  # "pickers" or "world" (functional.WEIGHTS); None: the exchange's own rule
     world: int = 1
     positions: str = REDUCE_POSITIONS[0]  # exchange="all_reduce"; the optimizer passes the setting
+    sealer: object = None  # HF_DEMO_ENCRYPT=1: the payloads travel sealed (hf_demo.wire.sealing), not HMAC-tagged
 
 
 @dataclasses.dataclass
@@ -119,6 +120,7 @@ class AllGatherExchange:
         self.codec = codec.PayloadCodec(spec.layouts, spec.value_format, spec.index_coding)
         self.payload_nbytes = self.codec.nbytes
         self.secret = spec.secret
+        self.sealer = spec.sealer
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
         """Top-k, the payload and error feedback, once per bucket (``working``: the per-parameter momenta, best
@@ -135,6 +137,8 @@ class AllGatherExchange:
         return payload
 
     def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
+        if self.sealer is not None:
+            payload = self.sealer.seal(payload, transport.step, "payload")
         if background:
             rows = transport.start_all_gather(payload, "payload")
         else:
@@ -144,6 +148,8 @@ class AllGatherExchange:
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         received = in_flight.wait(traffic)
+        if self.sealer is not None:
+            received = self.sealer.open_rows(received, in_flight.step, "payload", in_flight.rank)
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         bucketing = self.codec.bucketing
         dense = [

@@ -28,6 +28,7 @@ from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
 from hf_demo.settings import DeMoSettings
 from hf_demo.topology import choose as choose_topology
+from hf_demo.wire import sealing
 
 logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
@@ -76,7 +77,8 @@ class DeMo(torch.optim.Optimizer):
         **settings: every other setting, by name: see :class:`hf_demo.settings.DeMoSettings`.
 
     With ``HF_DEMO_SECRET`` set in the environment, every payload carries an HMAC-SHA256 tag and payloads
-    without the right tag are refused (see SECURITY.md).
+    without the right tag are refused; with ``HF_DEMO_ENCRYPT=1`` beside it, every header and payload travels
+    encrypted and bound to its sender instead (AES-256-GCM, :mod:`hf_demo.wire.sealing`; see SECURITY.md).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, process_group=None, *,
@@ -89,6 +91,7 @@ class DeMo(torch.optim.Optimizer):
         self.transform = transforms.get(self.settings.transform)
         secret = os.environ.get(SECRET_ENV)
         self.secret = secret.encode() if secret else None
+        self.sealer = sealing.from_env(self.secret, self.settings)  # HF_DEMO_ENCRYPT=1: encrypted traffic
         self.comm_stats = CommStats()
         self.counters = Counters()
         self.policy = policies.BudgetPolicy(self.settings.comm_budget, self.settings.policy_patience)
@@ -140,7 +143,8 @@ class DeMo(torch.optim.Optimizer):
         """A step's :class:`~hf_demo.exchange.exchanges.ExchangeSpec` from the settings (the tier's value format)."""
         s = self.settings
         coding, positions = index_coding or s.index_coding, positions or s.reduce_positions
-        return exchanges.ExchangeSpec(layouts, value_format, coding, self.secret, average, world, positions)
+        secret = None if self.sealer is not None else self.secret  # sealed: the AEAD tag replaces the HMAC
+        return exchanges.ExchangeSpec(layouts, value_format, coding, secret, average, world, positions, self.sealer)
 
     @property
     def topology(self):

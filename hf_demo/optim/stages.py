@@ -128,7 +128,7 @@ class Agreement:
             grad_fingerprint=ctx.grad_print,
             **opt.header_timings(ctx.started),
         )
-        ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device)
+        ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device, opt.sealer)
 
 
 class Policy:
@@ -161,7 +161,7 @@ class Judge:
         verdicts.judge(ctx)
         if not ctx.resync:
             return
-        ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport)
+        ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport, ctx.opt.sealer)
         for r, value in zip(ctx.replicas, ctx.fresh):
             ctx.tx.copy(r, value)
         cause = "drift" if ctx.drifted else "non-finite parameters" if ctx.bad_param_ranks else "full_sync_every"
@@ -204,7 +204,7 @@ class Vote:
         alone = ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
         if not alone and ctx.settings.commit_vote == "on":
             try:
-                agreement.vote(ctx.transport, ctx.refusal, ctx.device)
+                agreement.vote(ctx.transport, ctx.refusal, ctx.device, ctx.opt.sealer)
             except DeMoPayloadError as exc:
                 refusal = exc
         refusal = ctx.opt.topology.agree_refusal(ctx, refusal)  # every shard of the model, where sharded

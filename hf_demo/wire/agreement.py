@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_demo.errors import DeMoPayloadError
-from hf_demo.wire import codec
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.wire import codec, sealing
 
 REFUSED = 1
 VOTE_BYTES = 8  # what each rank sends in the vote
@@ -26,18 +26,38 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def gather_headers(transport, header: codec.Header, payload: torch.Tensor, secret, device) -> list[codec.Header]:
-    """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank)."""
+def gather_headers(
+    transport, header: codec.Header, payload: torch.Tensor, secret, device, sealer=None
+) -> list[codec.Header]:
+    """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank).
+    With a :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead."""
+    if sealer is not None:
+        return _gather_sealed(transport, codec.sign(header, payload, None), sealer, device)
     header = codec.sign(header, payload, secret)
     rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
+    sealing.check_uniform(rows, transport.rank)
     headers = [codec.Header.from_bytes(row) for row in rows]
     codec.verify_headers(headers, secret, transport.rank, transport.step)
     codec.check_headers(headers, transport.rank)
     return headers
 
 
-def fetch_rank0(params: list[torch.Tensor], transport) -> list[torch.Tensor]:
-    """Rank 0's values of ``params``, into copies (committed only with the step)."""
+def _gather_sealed(transport, header: codec.Header, sealer, device) -> list[codec.Header]:
+    """:func:`gather_headers` with every header sealed (its payload CRC32 inside, no HMAC: the AEAD tag is it)."""
+    me = transport.global_rank(transport.rank)
+    sealed = sealer.seal_header(header, transport.step, me)
+    rows = transport.all_gather(to_device(sealed, device), "header").cpu()
+    sealing.check_uniform(rows, transport.rank)
+    senders = [transport.global_rank(r) for r in range(rows.shape[0])]
+    headers = sealer.open_headers(rows, transport.step, senders, transport.rank)
+    codec.check_headers(headers, transport.rank)
+    return headers
+
+
+def fetch_rank0(params: list[torch.Tensor], transport, sealer=None) -> list[torch.Tensor]:
+    """Rank 0's values of ``params``, into copies (committed only with the step); sealed with a sealer."""
+    if sealer is not None:
+        return _fetch_sealed(params, transport, sealer)
     out = []
     for p in params:
         buf = p.detach().clone().contiguous()
@@ -46,10 +66,36 @@ def fetch_rank0(params: list[torch.Tensor], transport) -> list[torch.Tensor]:
     return out
 
 
-def vote(transport, refusal: DeMoPayloadError | None, device) -> None:
-    """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed)."""
+def _fetch_sealed(params: list[torch.Tensor], transport, sealer) -> list[torch.Tensor]:
+    """:func:`fetch_rank0` as one sealed broadcast of every parameter's bytes (raises DeMoSyncError where rank 0's
+    does not open)."""
+    flat = [p.detach().contiguous().reshape(-1).view(torch.uint8) for p in params]
+    plain = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    if transport.rank == 0:
+        buf = sealer.seal(plain, transport.step, "resync")
+    else:
+        buf = torch.zeros(plain.numel() + sealing.TAG_BYTES, dtype=torch.uint8, device=plain.device)
+    transport.broadcast(buf, 0, "resync")
+    try:
+        opened = sealer.open_rows(buf[None], transport.step, "resync", transport.rank)[0]
+    except DeMoPayloadError as exc:
+        raise DeMoSyncError(str(exc)) from None
+    out = []
+    for p, part in zip(params, opened.split([f.numel() for f in flat])):
+        out.append(part.clone().view(p.dtype).view(p.shape))  # a copy first: its own, aligned storage
+    return out
+
+
+def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> None:
+    """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed).
+    With a sealer the verdicts travel sealed, and a verdict that does not open is a refusal."""
     mine = torch.tensor([REFUSED if refusal is not None else 0], dtype=torch.int64, device="cpu")
-    rows = transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
+    if sealer is not None:
+        rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
+    else:
+        rows = (
+            transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
+        )
     refusing = [transport.global_rank(r) for r, verdict in enumerate(rows) if verdict == REFUSED]
     if not refusing:
         return
@@ -61,3 +107,15 @@ def vote(transport, refusal: DeMoPayloadError | None, device) -> None:
     if refusal is not None:
         raise DeMoPayloadError(f"{refusal}; {everyone}") from refusal
     raise DeMoPayloadError(f"rank {transport.global_rank(transport.rank)}: {everyone}")
+
+
+def _sealed_verdicts(transport, mine: torch.Tensor, refusal, sealer, device) -> tuple[list[int], object]:
+    """Every rank's sealed verdict, opened; one that does not open counts as a refusal of this rank's."""
+    sealed = sealer.seal(mine.view(torch.uint8), transport.step, "vote")
+    rows = transport.all_gather(sealed.to(device), "vote").cpu()
+    try:
+        return sealer.open_rows(rows, transport.step, "vote", transport.rank).view(
+            torch.int64
+        ).flatten().tolist(), refusal
+    except DeMoPayloadError as exc:
+        return [REFUSED] * rows.shape[0], refusal or exc
