@@ -35,6 +35,7 @@ import contextlib
 import json
 import resource
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +46,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.ranks import expect_ok, run_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUTS = ("ddp-demo", "hsdp-demo", "fsdp-adamw", "hsdp-adamw")
+DEFAULT_LAYOUTS = ("ddp-demo", "hsdp-demo", "fsdp-adamw", "hsdp-adamw")
+# DeMo's best recipes on a layout: update_rule="orthogonal" (Muon-style groups), the from_scratch preset
+RECIPES = {"orthogonal": {"update_rule": "orthogonal"}, "preset": {"preset": "from_scratch"}}
+LAYOUTS = DEFAULT_LAYOUTS + tuple(f"{base}-{r}" for r in RECIPES for base in ("ddp-demo", "hsdp-demo"))
+
+
+def split_layout(layout: str) -> tuple[str, dict]:
+    """("hsdp-demo", {"update_rule": "orthogonal"}) for "hsdp-demo-orthogonal"; a plain layout has no recipe."""
+    for name, settings in RECIPES.items():
+        if layout.endswith(f"-{name}"):
+            return layout.removesuffix(f"-{name}"), settings
+    return layout, {}
+
+
 FSDP_OPS = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast")
 MB = 1e6
 
@@ -130,6 +144,7 @@ def shard(layout: str, cfg: Config, model):
     """``model`` sharded for ``layout`` (in place), and the mesh DeMo is given (None for DDP-DeMo and AdamW)."""
     from hf_demo import fsdp
 
+    layout, _ = split_layout(layout)
     if layout == "ddp-demo":
         return None
     if layout == "hsdp-demo":
@@ -172,7 +187,8 @@ def build(layout: str, cfg: Config):
         model.init_weights()
     if layout.endswith("adamw"):
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), n_params
-    return model, hf_demo.DeMo(model.parameters(), lr=cfg.lr, device_mesh=mesh), n_params
+    _, recipe = split_layout(layout)
+    return model, hf_demo.create_optimizer(model, lr=cfg.lr, device_mesh=mesh, **recipe), n_params
 
 
 def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
@@ -181,14 +197,15 @@ def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
     from hf_demo.exchange import transport
     from hf_demo.stdlib_corpus import stdlib_bytes
 
-    shard = 1 if layout == "ddp-demo" else world if layout == "fsdp-adamw" else cfg.shard
+    base, _ = split_layout(layout)
+    shard = 1 if base == "ddp-demo" else world if base == "fsdp-adamw" else cfg.shard
     links = Links(*groups(rank, world, shard))
     rss0 = rss_now()
     model, opt, n_params = build(layout, cfg)
     rss_built = rss_now()
     data = Data(stdlib_bytes(cfg.corpus_bytes), rank, world, cfg.seq_len, cfg.batch, cfg.seed, 0.05, 1)
     restore, hook = links.patch_fsdp(), transport.register_collective_hook(links.demo_hook)
-    losses, counted = [], {}
+    losses, counted, step_s = [], {}, 0.0
     try:
         for step in range(cfg.steps):
             if step == 1:  # the first step plans and checks: count the steady steps
@@ -199,9 +216,10 @@ def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
             loss.backward()
             losses.append(float(loss.detach()))
             grads = sum(local_bytes(p.grad) for p in model.parameters())
-            links.in_step = True
+            links.in_step, started = True, time.perf_counter()
             opt.step()
             links.in_step = False
+            step_s += time.perf_counter() - started if step else 0.0
         counted = {k: v / max(cfg.steps - 1, 1) for k, v in links.bytes.items()}
     finally:
         hook.remove()
@@ -211,7 +229,7 @@ def _worker(rank: int, world: int, layout: str, cfg: Config) -> dict:
     return dict(
         layout=layout, rank=rank, n_params=n_params, params=params, grads=grads, state=state_bytes(opt),
         peak_rss=peak, rss_growth=peak - rss0, rss_built=rss_built - rss0, rss_end=rss_now() - rss0,
-        per_step=counted, losses=losses,
+        per_step=counted, losses=losses, step_s=step_s / max(cfg.steps - 1, 1),
     )  # fmt: skip
 
 
@@ -264,8 +282,8 @@ def summary(rows: list[dict]) -> list[str]:
     out = [
         "| layout | held per rank MB | × ddp-demo | peak RSS MB | RSS growth MB: built / peak / end "
         "| across replicate B/step/rank "
-        "| inside shard group B/step/rank |",
-        "|---|---|---|---|---|---|---|",
+        "| inside shard group B/step/rank | optimizer step s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for lay, rs in by.items():
         h = max(held(r) for r in rs)
@@ -276,7 +294,8 @@ def summary(rows: list[dict]) -> list[str]:
 
         out.append(
             f"| {lay} | {h / MB:.1f} | {x} | {max(r['peak_rss'] for r in rs) / MB:.0f} "
-            f"| {growths(max(rs, key=lambda r: r['rss_growth']))} | {mean('replicate'):,.0f} | {mean('shard'):,.0f} |"
+            f"| {growths(max(rs, key=lambda r: r['rss_growth']))} | {mean('replicate'):,.0f} | {mean('shard'):,.0f} "
+            f"| {max(r.get('step_s', float('nan')) for r in rs):.3f} |"
         )
     return out
 
@@ -365,7 +384,12 @@ def parse_args(argv=None):
         "mesh, DTensor's random init gives every shard the same values: meta is for the RSS figures only there",
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model and 3 steps: seconds (the smoke test)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument(
+        "--layouts",
+        default=",".join(DEFAULT_LAYOUTS),
+        help=f"comma-separated, from {', '.join(LAYOUTS)} (-orthogonal: update_rule='orthogonal' in Muon-style "
+        "groups; -preset: the from_scratch preset)",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--report-only", action="store_true", help="the tables again from --results-dir's fsdp_memory.json")
     p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster, RSS less clean")
