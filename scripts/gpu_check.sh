@@ -9,7 +9,9 @@
 #   4b. host syncs:             scripts/gpu_sync_check.py: a steady-state step under set_sync_debug_mode, the
 #                                count the same at 128 and 512 tensors; a CUDA-graph capture of a step, tried
 #   5. HSDP-DeMo (FSDP2):        scripts/gpu_fsdp_check.py: a custom loop (hf_demo.fsdp, NCCL, a DCP resume that
-#                                must end bit for bit) and DeMoTrainer through accelerate_configs/fsdp2_hsdp.yaml:
+#                                must end bit for bit), the same with the from_scratch preset (local Muon steps,
+#                                each sharded matrix orthogonalised whole) and DeMoTrainer through
+#                                accelerate_configs/fsdp2_hsdp.yaml:
 #                                2 x 2 HSDP with >= 4 GPUs, pure FSDP over 2 with 2 or 3, one process otherwise
 # Then a summary, one line per check.
 # Exit status: 0 every check passed; 1 a check failed; 77 no CUDA GPU visible to torch (nothing was checked:
@@ -75,6 +77,9 @@ LOOP_PROCS=$([ "$gpus" -ge 4 ] && echo 4 || echo "$WORLD")
 LOOP_SHARD=$([ "$gpus" -ge 4 ] && echo 2 || echo 1)
 check "HSDP-DeMo custom loop ($LOOP_PROCS rank(s), shard $LOOP_SHARD, NCCL, DCP resume)" "$VENV/bin/torchrun" \
   --standalone --nproc_per_node "$LOOP_PROCS" scripts/gpu_fsdp_check.py loop --shard "$LOOP_SHARD"
+check "HSDP-DeMo custom loop, the from_scratch preset ($LOOP_PROCS rank(s), shard $LOOP_SHARD: local Muon steps)" \
+  "$VENV/bin/torchrun" --standalone --nproc_per_node "$LOOP_PROCS" scripts/gpu_fsdp_check.py loop \
+  --shard "$LOOP_SHARD" --preset from_scratch
 if [ "$gpus" -ge 4 ]; then TRAINER=(4 2 2); elif [ "$gpus" -ge 2 ]; then TRAINER=(2 1 2); else TRAINER=(1 1 1); fi
 check "HSDP-DeMo DeMoTrainer (${TRAINER[0]} process(es): replicate ${TRAINER[1]} x shard ${TRAINER[2]})" \
   "$VENV/bin/accelerate" launch --config_file accelerate_configs/fsdp2_hsdp.yaml --num_machines 1 --machine_rank 0 \

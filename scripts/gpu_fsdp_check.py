@@ -1,6 +1,7 @@
 """HSDP-DeMo on real ranks, for scripts/gpu_check.sh (it also runs on CPU ranks over gloo: `--device cpu`).
 
     torchrun --nproc_per_node N scripts/gpu_fsdp_check.py loop --shard S      # custom loop, hf_demo.fsdp
+    torchrun --nproc_per_node N scripts/gpu_fsdp_check.py loop --shard S --preset from_scratch  # local Muon steps
     accelerate launch --config_file accelerate_configs/fsdp2_hsdp.yaml --num_machines 1 --num_processes N \\
         --parallelism_config_dp_replicate_size R --parallelism_config_dp_shard_size S \\
         scripts/gpu_fsdp_check.py trainer                                     # DeMoTrainer, --optim demo
@@ -24,6 +25,7 @@ import hf_demo
 from hf_demo import fsdp
 
 STEPS = 6
+HALF = 2  # the DCP resume: after a synchronisation of every sync_every up to 2 (the from_scratch preset's)
 
 
 def tiny_llama(seed: int = 0):
@@ -51,11 +53,12 @@ def full_print(model) -> torch.Tensor:
 def loop(args) -> list[tuple[str, bool]]:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     mesh = fsdp.hsdp_mesh(shard=args.shard, device_type=device.type)
-    kw = dict(lr=1e-3, compression_chunk=16, compression_topk=8, update_rule="adamw")
+    kw = dict(lr=1e-3, compression_chunk=16, compression_topk=8)
+    kw.update({"preset": args.preset} if args.preset else {"update_rule": "adamw"})
 
     def build(seed):
         model = fsdp.shard_model(tiny_llama(seed).to(device), mesh)
-        return model, hf_demo.DeMo(model.parameters(), device_mesh=mesh, **kw)
+        return model, hf_demo.create_optimizer(model, device_mesh=mesh, **kw)  # Muon-style groups for a preset
 
     def train(model, opt, steps, start=0):
         for step in range(start, start + steps):
@@ -70,11 +73,11 @@ def loop(args) -> list[tuple[str, bool]]:
     holder = [where]
     dist.broadcast_object_list(holder, src=0)
     model, opt = build(0)
-    train(model, opt, STEPS // 2)
+    train(model, opt, HALF)
     fsdp.save_checkpoint(holder[0], model, opt)
     model, opt = build(7)
     fsdp.load_checkpoint(holder[0], model, opt)
-    train(model, opt, STEPS - STEPS // 2, STEPS // 2)
+    train(model, opt, STEPS - HALF, HALF)
     return checks(model, opt, mesh.size(0)) + [("a DCP resume ends bit for bit as the straight run", bool(
         torch.equal(full_print(model), straight)))]  # fmt: skip
 
@@ -115,6 +118,7 @@ def main() -> int:
     parser.add_argument("mode", choices=["loop", "trainer"])
     parser.add_argument("--shard", type=int, default=None, help="ranks per shard group (default: per node)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--preset", default=None, help="loop: a DeMo preset (from_scratch: local Muon steps)")
     args = parser.parse_args()
     if args.mode == "loop":
         if args.device == "cuda":
