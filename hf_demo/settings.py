@@ -238,6 +238,7 @@ class DeMoSettings:
                 "others={'inner_rule': 'adam'})) and leave update_rule at 'sign'; or synchronise every step"
             )
 
+        self._check_rules_run(group)
         if group["update_rule"] in update_rules.ORTHOGONAL and self.comm_budget > 0 and self.policy_sync_every > 1:
             raise ValueError(
                 f"DeMo: update_rule={group['update_rule']!r} with comm_budget: the budget policy's local-step tiers "
@@ -245,6 +246,25 @@ class DeMoSettings:
                 "orthogonal rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every "
                 "tier synchronises every step), or take Muon steps between synchronisations with "
                 "inner_rule='orthogonal' (the from_scratch preset) and update_rule='sign'"
+            )
+
+    def _check_rules_run(self, group: dict) -> None:
+        """A rule named away from its default must run: ``update_rule`` in steps that synchronise every step,
+        ``inner_rule`` in local steps (``sync_every > 1``, or a budget policy whose tiers take local steps)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        local_tiers = self.sync_every > 1 or (self.comm_budget > 0 and self.policy_sync_every > 1)
+        if group["update_rule"] != defaults["update_rule"] and self.sync_every > 1:
+            raise ValueError(
+                f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: no step would run it "
+                "(a synchronisation applies the ranks' averaged change as it is, DiLoCo's outer step at outer lr 1). "
+                "Leave update_rule at its default and choose the local steps' rule with inner_rule, or synchronise "
+                "every step (sync_every=1)"
+            )
+        if group["inner_rule"] != defaults["inner_rule"] and not local_tiers:
+            raise ValueError(
+                f"DeMo: inner_rule={group['inner_rule']!r} without local steps: no step would run it (sync_every=1"
+                f"{', no comm_budget' if self.comm_budget == 0 else ', policy_sync_every=1'}). Set sync_every > 1 "
+                "(the from_scratch preset: sync_every=2, inner_rule='orthogonal'), or leave inner_rule at its default"
             )
 
     @classmethod

@@ -28,7 +28,7 @@ MODES = {
     "sign": dict(value_format="sign"),
     "all_reduce": dict(exchange="all_reduce"),
     "overlap": dict(overlap=True),
-    "sync_every-adam": dict(sync_every=2, update_rule="adam"),
+    "sync_every-adamw": dict(sync_every=2, inner_rule="adamw"),
     "bf16-stochastic": dict(param_rounding="stochastic"),
 }
 

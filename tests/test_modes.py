@@ -311,7 +311,7 @@ def test_an_exchange_in_flight_is_not_resumed_where_it_cannot_be_applied():
     losing the update silently."""
     state, _ = _in_flight()
     model = tiny_mlp(seed=7)
-    opt = small_demo(model, value_format="fp32", update_rule="raw", lr=1e-2, sync_every=2)
+    opt = small_demo(model, value_format="fp32", lr=1e-2, sync_every=2)
     with pytest.raises(hf_demo.DeMoStateError, match="exchange still in flight.*flush"):
         opt.load_state_dict(state["opt"])
     assert opt.steps == 0 and not opt.in_flight and not opt.state  # refused before anything was loaded

@@ -283,6 +283,17 @@ def test_orthogonal_updates_with_a_budget_whose_tiers_take_local_steps_are_refus
     assert all(t.sync_every == 1 for t in opt.tiers)  # every tier runs the rule
 
 
+def test_a_rule_no_step_would_run_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="update_rule='adam' with sync_every=2: no step would run it.*inner_rule"):
+        hf_demo.DeMo(tiny_mlp().parameters(), update_rule="adam", sync_every=2)
+    with pytest.raises(ValueError, match="inner_rule='orthogonal' without local steps.*sync_every > 1"):
+        hf_demo.DeMo(tiny_mlp().parameters(), inner_rule="orthogonal")
+    with pytest.raises(ValueError, match="inner_rule='adamw' without local steps.*policy_sync_every=1"):
+        hf_demo.DeMo(tiny_mlp().parameters(), inner_rule="adamw", comm_budget=0.2, policy_sync_every=1)
+    hf_demo.DeMo(tiny_mlp().parameters(), inner_rule="adamw", comm_budget=0.2)  # the policy's last tier runs it
+    hf_demo.DeMo(tiny_mlp().parameters(), update_rule="adam", comm_budget=0.2)  # its every-step tiers run it
+
+
 def test_a_local_step_with_the_orthogonal_inner_rule_is_muons():
     model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]

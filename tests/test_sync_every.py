@@ -141,7 +141,9 @@ def test_sync_every_resumes_exactly_between_synchronisations():
 @pytest.mark.parametrize("update_rule", ["sign", "adam"])
 def test_the_inner_rule_keeps_its_state_apart_from_the_update_rule(update_rule):
     model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), sync_every=4, update_rule=update_rule, **SETTINGS)  # one process
+    # the budget policy's last tier takes local steps; its every-step tiers run the update rule
+    opt = hf_demo.DeMo(model.parameters(), comm_budget=0.2, update_rule=update_rule, **SETTINGS)  # one process
+    opt.policy.tier = len(opt.tiers) - 1
     loss_and_backward(model, 0, 0)
     opt.step()  # a local step: inner Adam (the default inner_rule), whatever the every-step rule
     state = opt.state[model[0].weight]
