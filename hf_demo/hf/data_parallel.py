@@ -93,13 +93,17 @@ def fsdp_requested(args=None) -> bool:
 
 
 def prepare(accelerator, model, optimizer, *others):
-    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients.
+    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients, hands the optimizer
+    back with DeMo's calls (``flush()``, ``comm_stats``, ...: :class:`hf_demo.hf.accelerated.DeMoAcceleratedOptimizer`)
+    and makes ``accelerator.save_state``/``load_state`` save and restore every rank's DeMo state, with a manifest
+    checked on every rank (:class:`hf_demo.hf.accelerated.AcceleratorCheckpoints`).
 
     A model already sharded by FSDP2 (:mod:`hf_demo.fsdp`) is returned as it is where Accelerate does not run
     FSDP itself (on CPU it would wrap it in DDP): the optimizer and the rest are prepared.
     Returns what ``accelerator.prepare(model, optimizer, *others)`` returns.
     """
     from hf_demo.fsdp import is_fsdp2
+    from hf_demo.hf import accelerated
 
     check_supported(accelerator, fsdp_requested=fsdp_requested())
     if is_fsdp2(model):
@@ -108,8 +112,26 @@ def prepare(accelerator, model, optimizer, *others):
     else:
         prepared = accelerator.prepare(model, optimizer, *others)
     disable_gradient_allreduce(prepared[0])
+    if unwrap_optimizer(prepared[1]) is not None:
+        accelerated.adopt(prepared[1])
+        accelerated.register(accelerator)
     install_exit_handler()
     return prepared
+
+
+def log_metrics(accelerator, optimizer, step: int | None = None) -> dict[str, float]:
+    """Log the ``demo/*`` figures of ``optimizer`` (what :func:`prepare` returned) with ``accelerator.log``: bytes
+    and seconds per step since the last call and in total, skipped steps, resyncs, tier (the dict DeMoTrainer
+    logs, docs/reference/metrics.md). Call it on every rank (trackers write on the main process). Returns the dict.
+    """
+    if not hasattr(optimizer, "demo_metrics"):
+        raise TypeError(
+            f"hf_demo.log_metrics needs the optimizer hf_demo.prepare returned, not {type(optimizer).__name__}: "
+            "model, optimizer, ... = hf_demo.prepare(accelerator, model, optimizer, ...)"
+        )
+    metrics = optimizer.demo_metrics()
+    accelerator.log(metrics, step=step)
+    return metrics
 
 
 def install_step_guard() -> None:

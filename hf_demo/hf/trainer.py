@@ -35,7 +35,7 @@ from hf_demo import fsdp
 from hf_demo.errors import DeMoSetupError, DeMoStateError
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
-from hf_demo.hf import runtime_classes
+from hf_demo.hf import metrics, runtime_classes
 from hf_demo.hf.data_parallel import (
     check_supported,
     disable_gradient_allreduce,
@@ -65,7 +65,7 @@ class DeMoTrainerMixin:
     def __init__(self, *args, demo_ops=None, **kwargs):
         self.demo_ops = None  # the ops callbacks (hf_demo.ops): demo_ops=OpsSettings(...), or False for none
         super().__init__(*args, **kwargs)
-        self._demo_last_log = None
+        self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
         if _distributed() and dist.get_world_size() != self.args.world_size:
             raise DeMoSetupError(
                 f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
@@ -177,36 +177,8 @@ class DeMoTrainerMixin:
             if self.demo_ops is not None:  # every rank's step split, alerts, cost (gathered on every rank)
                 logs.update(self.demo_ops.log_metrics(self.state.global_step))
         elif opt is not None and "train_loss" in logs:  # the end-of-training summary: totals only
-            logs.update({k: v for k, v in self._demo_metrics(opt).items() if "total" in k or "skipped" in k})
+            logs.update(metrics.totals(self._demo_metrics(opt)))
         super().log(logs, start_time)
-
-    def _demo_metrics(self, opt: DeMo) -> dict:
-        s = opt.comm_stats
-        last = self._demo_last_log or {"steps": 0, "sent": 0, "received": 0, "seconds": 0.0}
-        steps = max(s.steps - last["steps"], 1)
-        sent = (s.total_bytes_sent - last["sent"]) / steps
-        metrics = {
-            "demo/bytes_sent_per_step": sent,
-            "demo/bytes_received_per_step": (s.total_bytes_received - last["received"]) / steps,
-            "demo/comm_seconds_per_step": (s.total_seconds - last["seconds"]) / steps,
-            "demo/total_bytes_sent": float(s.total_bytes_sent),
-            "demo/total_bytes_received": float(s.total_bytes_received),
-            "demo/total_comm_seconds": s.total_seconds,
-            "demo/dense_allreduce_bytes_per_step": float(s.dense_bytes),
-            "demo/ratio_to_dense": sent / s.dense_bytes if s.dense_bytes else 0.0,
-            "demo/skipped_steps": float(opt.skipped_steps),
-            "demo/resyncs": float(opt.resyncs),
-            "demo/tier": float(opt.tier),
-            "demo/tier_moves_down": float(opt.policy.moves_down),
-            "demo/tier_moves_up": float(opt.policy.moves_up),
-        }
-        self._demo_last_log = {
-            "steps": s.steps,
-            "sent": s.total_bytes_sent,
-            "received": s.total_bytes_received,
-            "seconds": s.total_seconds,
-        }
-        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -252,25 +224,7 @@ class DeMoTrainerMixin:
 
     def _verify_checkpoint(self, folder: str) -> None:
         """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
-        try:
-            ckpt.verify_checkpoint(folder, self.args.world_size if self.uses_demo else None)
-            problem = None
-        except ckpt.CheckpointError as exc:
-            problem = str(exc)
-        problems = [problem]
-        if _distributed() and dist.get_world_size() > 1:
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-        failed = [(rank, p) for rank, p in enumerate(problems) if p]
-        if not failed:
-            return
-        message = failed[0][1]
-        if len(failed) < len(problems) or any(p != message for _, p in failed):
-            message = (
-                f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
-                "problems: do all processes see the same checkpoint folder?)"
-            )
-        raise ckpt.CheckpointError(message)
+        ckpt.verify_on_every_rank(folder, self.args.world_size if self.uses_demo else None)
 
     def _averaged(self):
         """The ranks' mean parameters for the ``with`` block inside a local phase (DeMo.averaged_parameters)."""
