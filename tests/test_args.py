@@ -227,6 +227,50 @@ def test_with_demo_makes_any_trainer_and_config_demo_aware():
         hf_demo.with_demo(object, trl.SFTConfig)
 
 
+def test_with_demo_training_args_unpickle_in_a_fresh_process(tmp_path):
+    """training_args.bin of a with_demo(DPOTrainer, DPOConfig) run loads in a process that never called with_demo
+    (it used to fail: Can't get attribute 'DeMoDPOConfig'); the trainer class pickles the same way (issue 44)."""
+    import subprocess
+    import sys
+
+    import trl
+
+    dpo_trainer, dpo_config = hf_demo.with_demo(trl.DPOTrainer, trl.DPOConfig)
+    args = dpo_config(output_dir=str(tmp_path / "out"), use_cpu=True, optim="demo", demo_compression_topk=8)
+    torch.save(args, tmp_path / "training_args.bin")  # as Trainer writes it
+    torch.save(dpo_trainer, tmp_path / "trainer_class.bin")
+    check = (
+        "import sys, torch\n"
+        "args = torch.load(sys.argv[1] + '/training_args.bin', weights_only=False)\n"
+        "cls = torch.load(sys.argv[1] + '/trainer_class.bin', weights_only=False)\n"
+        "import trl\n"
+        "assert isinstance(args, trl.DPOConfig) and args.demo_compression_topk == 8 and args.optim == 'demo'\n"
+        "assert issubclass(cls, trl.DPOTrainer) and cls.__name__ == 'DeMoDPOTrainer', cls\n"
+        "print('loaded', type(args).__module__, type(args).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded hf_demo.hf.runtime_classes DeMoDPOConfig" in proc.stdout
+
+
+class _UserConfig(TrainingArguments):  # a user's own subclass of a made class pickles by its own name
+    pass
+
+
+def test_a_subclass_of_a_made_class_pickles_by_its_own_name():
+    import pickle
+
+    made = hf_demo.with_demo(hf_demo.DeMoTrainer, _UserConfig)[1]
+    sub = type("Sub", (made,), {"__module__": __name__})
+    globals()["Sub"] = sub
+    try:
+        assert pickle.loads(pickle.dumps(sub)) is sub and pickle.loads(pickle.dumps(made)) is made
+    finally:
+        del globals()["Sub"]
+
+
 def test_every_training_arguments_subclass_accepts_optim_demo():
     """Once hf_demo is imported, 'demo' is an OptimizerNames member: TRL's configs take it as a value and
     as a command-line choice; their plain trainers refuse to build it (they would keep DDP's all-reduce)."""

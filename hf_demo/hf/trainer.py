@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 import warnings
 
 import torch
@@ -316,6 +317,32 @@ class DeMoTrainer(DeMoTrainerMixin, Trainer):
 _MADE: dict = {}
 
 
+def demo_trainer_class(trainer_cls: type) -> type:
+    """``trainer_cls`` with :class:`DeMoTrainerMixin` first (once per class; as it is when DeMo-aware already)."""
+    if issubclass(trainer_cls, DeMoTrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _MADE:
+        made = types.new_class(
+            f"DeMo{trainer_cls.__name__}",
+            (DeMoTrainerMixin, trainer_cls, runtime_classes.Made),
+            exec_body=lambda ns: ns.update(
+                __doc__=f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."
+            ),
+        )
+        _MADE[trainer_cls] = runtime_classes.publish(made, "trainer", trainer_cls)
+    return _MADE[trainer_cls]
+
+
+def demo_config_class(config_cls: type) -> type:
+    """``config_cls`` plus the ``--demo_*`` fields (once per class; as it is when it has them already)."""
+    if issubclass(config_cls, DeMoArguments):
+        return config_cls
+    if config_cls not in _MADE:
+        made = with_demo_arguments(config_cls, bases=(runtime_classes.Made,))
+        _MADE[config_cls] = runtime_classes.publish(made, "config", config_cls)
+    return _MADE[config_cls]
+
+
 def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
     """DeMo versions of any Trainer subclass and its config class: ``(trainer class, config class)``.
 
@@ -324,8 +351,9 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
 
     The trainer class is ``trainer_cls`` with :class:`DeMoTrainerMixin` first; the config class is
     ``config_cls`` first (its own defaults hold: SFTConfig's learning rate, bf16, logging) plus the
-    ``--demo_*`` fields. The classes are made once per pair and live in :mod:`hf_demo.hf.runtime_classes`, so
-    Trainer can pickle the arguments with each checkpoint.
+    ``--demo_*`` fields. The classes are made once per class and live in :mod:`hf_demo.hf.runtime_classes`, so
+    Trainer can pickle the arguments with each checkpoint, and a fresh process unpickles them without calling
+    ``with_demo`` first.
     """
     from transformers import TrainingArguments
 
@@ -333,18 +361,4 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
         raise TypeError(f"with_demo: {trainer_cls!r} is not a transformers.Trainer subclass")
     if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments)):
         raise TypeError(f"with_demo: {config_cls!r} is not a transformers.TrainingArguments subclass")
-    key = (trainer_cls, config_cls)
-    if key not in _MADE:
-        trainer, config = trainer_cls, config_cls  # already DeMo-aware: as they are
-        if not issubclass(trainer_cls, DeMoTrainerMixin):
-            trainer = runtime_classes.publish(
-                type(
-                    f"DeMo{trainer_cls.__name__}",
-                    (DeMoTrainerMixin, trainer_cls),
-                    {"__doc__": f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."},
-                )
-            )
-        if not issubclass(config_cls, DeMoArguments):
-            config = runtime_classes.publish(with_demo_arguments(config_cls))
-        _MADE[key] = (trainer, config)
-    return _MADE[key]
+    return demo_trainer_class(trainer_cls), demo_config_class(config_cls)

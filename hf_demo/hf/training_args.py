@@ -246,8 +246,9 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
         self._check_demo_arguments()
 
 
-def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
-    """``config_cls`` (a TrainingArguments subclass, e.g. TRL's SFTConfig) plus :class:`DeMoArguments`.
+def with_demo_arguments(config_cls: type, name: str | None = None, bases: tuple[type, ...] = ()) -> type:
+    """``config_cls`` (a TrainingArguments subclass, e.g. TRL's SFTConfig) plus :class:`DeMoArguments` (and
+    ``bases``, last).
 
     ``config_cls`` stays first in the bases, so its defaults (SFTConfig's bf16, learning rate, ...) hold.
     """
@@ -260,7 +261,7 @@ def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
     cls = dataclasses.make_dataclass(
         name or f"DeMo{config_cls.__name__}",
         [],
-        bases=(config_cls, DeMoArguments),
+        bases=(config_cls, DeMoArguments, *bases),
         namespace={"__post_init__": __post_init__},
     )
     return cls
