@@ -10,9 +10,11 @@ refused payload then raises on the refusing rank only, and the drift check finds
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from hf_demo.errors import DeMoPayloadError
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
 
 REFUSED = 1
@@ -26,14 +28,48 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def gather_headers(transport, header: codec.Header, payload: torch.Tensor, secret, device) -> list[codec.Header]:
-    """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank)."""
+def gather_headers(
+    transport, header: codec.Header, payload: torch.Tensor, secret, device, settings: Callable[[], dict[str, str]]
+) -> list[codec.Header]:
+    """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank).
+    ``settings``: this rank's settings by name (:func:`hf_demo.optim.groups.settings_view`), gathered only when the
+    settings checksums differ, to name each setting that differs with every rank's value."""
     header = codec.sign(header, payload, secret)
     rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
     headers = [codec.Header.from_bytes(row) for row in rows]
     codec.verify_headers(headers, secret, transport.rank, transport.step)
-    codec.check_headers(headers, transport.rank)
+    try:
+        codec.check_headers(headers, transport.rank)
+    except DeMoSyncError as exc:
+        if not codec.settings_differ(headers):
+            raise
+        raise DeMoSyncError(f"{exc}\n{name_settings(transport, settings())}") from None
     return headers
+
+
+def name_settings(transport, mine: dict[str, str]) -> str:
+    """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree), the
+    differing ones named with each rank's value."""
+    import torch.distributed as dist
+
+    views = [mine]
+    if transport.world > 1:
+        views = [None] * transport.world
+        dist.all_gather_object(views, mine, group=transport.transport.group)
+    lines = differing_settings(views)
+    if not lines:
+        return "the settings by name agree: the difference is in a value not shown by name"
+    return "settings that differ:\n    " + "\n    ".join(lines)
+
+
+def differing_settings(views: list[dict[str, str]]) -> list[str]:
+    """``name: rank 0 value, rank 1 value, ...`` for each setting on which ``views`` (one per rank) differ."""
+    names = sorted({k for v in views for k in v}, key=lambda k: (k.startswith("param_groups"), k))
+    return [
+        f"{k}: " + ", ".join(f"rank {r} {v.get(k, '(none)')}" for r, v in enumerate(views))
+        for k in names
+        if len({v.get(k) for v in views}) > 1
+    ]
 
 
 def fetch_rank0(params: list[torch.Tensor], transport) -> list[torch.Tensor]:
