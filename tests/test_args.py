@@ -347,6 +347,40 @@ def test_unsupported_setups_stop_at_start_up():
         check_supported(fsdp_requested=True)  # asked for, but Accelerate did not turn it on (a CPU run)
 
 
+def _launch_env(config: str) -> dict:
+    """The environment `ACCELERATE_USE_CPU=1 accelerate launch --config_file <config> --num_machines 1
+    --num_processes 2` gives each process (Accelerate's own launcher code)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", config, "--num_machines", "1", "--num_processes", "2", "--machine_rank", "0", "x.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE", "FSDP", "PARALLEL"))}
+
+
+def test_fsdp_config_on_cpu_stops_with_demos_message_first(tmp_path, monkeypatch):
+    """accelerate_configs/fsdp2_hsdp.yaml on CPU: Accelerate's `ParallelismConfig is only compatible ...` error
+    came before the documented DeMoSetupError; DeMo's message now comes first, from the arguments and from the
+    trainer given plain arguments and a DeMo (issue 44, item 3)."""
+    from launch_utils import ROOT
+
+    env = _launch_env(str(ROOT / "accelerate_configs" / "fsdp2_hsdp.yaml"))
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    for k, v in {**env, "ACCELERATE_USE_CPU": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), optim="demo", report_to="none")
+    import trl
+
+    config = hf_demo.with_demo(trl.SFTTrainer, trl.SFTConfig)[1]
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        config(output_dir=str(tmp_path), optim="demo", report_to="none")
+    model = _tiny_llama()
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        hf_demo.DeMoTrainer(model=model, args=plain, optimizers=(hf_demo.DeMo(model.parameters(), lr=1e-3), None))
+
+
 def test_trainer_refuses_fp16_with_demo(tmp_path):
     try:
         trainer_args = {"optim": "demo", "fp16": True}

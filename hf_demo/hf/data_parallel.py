@@ -47,6 +47,14 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     return registered
 
 
+FSDP_NOT_RUN = (
+    "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate does not "
+    "run it here: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead (or stop in "
+    "Accelerate's ParallelismConfig check). On CPU, drop the FSDP setting to train DDP-DeMo, or shard in a custom "
+    "loop with hf_demo.fsdp (torchrun + fully_shard, docs/guides/large-models.md); or run on GPUs"
+)
+
+
 def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False,
                     fsdp_requested: bool = False) -> None:  # fmt: skip
     """Stop at start-up, with a message, for set-ups DeMo cannot run in (instead of a hang or silent drift).
@@ -71,12 +79,7 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
             "the accelerate config (accelerate_configs/fsdp2_hsdp.yaml), or --fsdp_config with fsdp_version 2"
         )
     if fsdp_requested and not fsdp:
-        raise DeMoSetupError(
-            "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate did not "
-            "turn it on: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead. On CPU, drop "
-            "the FSDP setting to train DDP-DeMo, or shard in a custom loop with hf_demo.fsdp (torchrun + fully_shard, "
-            "docs/guides/large-models.md); or run on GPUs"
-        )
+        raise DeMoSetupError(FSDP_NOT_RUN)
     if fp16:
         raise ValueError(
             "DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
@@ -90,6 +93,25 @@ def fsdp_requested(args=None) -> bool:
 
     asked = bool(getattr(args, "fsdp", None)) if args is not None else False
     return asked or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
+def on_cpu(args=None) -> bool:
+    """Whether this process trains on the CPU: ``use_cpu`` in ``args``, ``ACCELERATE_USE_CPU``, or no accelerator."""
+    import os
+
+    if args is not None and getattr(args, "use_cpu", False):
+        return True
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return True
+    available = getattr(getattr(torch, "accelerator", None), "is_available", torch.cuda.is_available)
+    return not available()
+
+
+def refuse_fsdp_on_cpu(args=None) -> None:
+    """Stop with :data:`FSDP_NOT_RUN` when FSDP is asked for (:func:`fsdp_requested`) on the CPU: called before
+    Accelerate builds anything, so DeMo's message comes before Accelerate's own errors for that set-up."""
+    if fsdp_requested(args) and on_cpu(args):
+        raise DeMoSetupError(FSDP_NOT_RUN)
 
 
 def prepare(accelerator, model, optimizer, *others):

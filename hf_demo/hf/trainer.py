@@ -41,6 +41,7 @@ from hf_demo.hf.data_parallel import (
     check_supported,
     disable_gradient_allreduce,
     fsdp_requested,
+    refuse_fsdp_on_cpu,
     unwrap_optimizer,
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
@@ -60,11 +61,25 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
+    """FSDP asked for on the CPU, with DeMo to train (``--optim demo`` or a DeMo given), stops with DeMo's message
+    before Trainer builds the Accelerator (whose checks would stop it with another)."""
+    optimizer = (kwargs.get("optimizers") or (None, None))[0]
+    cls = (kwargs.get("optimizer_cls_and_kwargs") or (None, None))[0]
+    if (
+        selects_demo(getattr(args, "optim", None))
+        or unwrap_optimizer(optimizer) is not None
+        or (isinstance(cls, type) and issubclass(cls, DeMo))
+    ):
+        refuse_fsdp_on_cpu(args)
+
+
 class DeMoTrainerMixin:
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
     def __init__(self, *args, demo_ops=None, **kwargs):
         self.demo_ops = None  # the ops callbacks (hf_demo.ops): demo_ops=OpsSettings(...), or False for none
+        _refuse_fsdp_on_cpu(args[1] if len(args) > 1 else kwargs.get("args"), kwargs)  # before Accelerate's checks
         super().__init__(*args, **kwargs)
         self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
         if _distributed() and dist.get_world_size() != self.args.world_size:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from hf_demo.hf.data_parallel import refuse_fsdp_on_cpu
 from hf_demo.hf.launch_env import prepare_launch
 from hf_demo.optim.factory import parse_optim_args
 from hf_demo.settings import PRESETS, DeMoSettings
@@ -213,6 +214,12 @@ class DeMoArguments:
         """DeMo keyword arguments (besides lr and weight decay): see :func:`demo_settings`."""
         return demo_settings(self)
 
+    def _refuse_fsdp_on_cpu(self) -> None:
+        """Before TrainingArguments and Accelerate look at the launch: FSDP asked for on the CPU stops with DeMo's
+        message (:func:`hf_demo.hf.data_parallel.refuse_fsdp_on_cpu`)."""
+        if selects_demo(self.optim):
+            refuse_fsdp_on_cpu(self)
+
     def _check_demo_arguments(self) -> None:
         """Start-up checks (unknown, malformed or invalid settings); called by ``__post_init__`` of the
         classes defined here."""
@@ -242,6 +249,7 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
 
     def __post_init__(self):
         prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.hf.launch_env)
+        self._refuse_fsdp_on_cpu()
         super().__post_init__()
         self._check_demo_arguments()
 
@@ -255,6 +263,7 @@ def with_demo_arguments(config_cls: type, name: str | None = None, bases: tuple[
 
     def __post_init__(self):
         prepare_launch(self)
+        self._refuse_fsdp_on_cpu()
         super(cls, self).__post_init__()
         self._check_demo_arguments()
 
