@@ -440,7 +440,7 @@ def _accelerate_loop(rank, world):
 def test_prepare_keeps_an_fsdp2_model_and_demo_trains_it_in_an_accelerate_loop():
     results = expect_ok(run_ranks(_accelerate_loop, 4))
     for name, opt_name, params, processes in results:
-        assert name.startswith("FSDP") and opt_name == "AcceleratedOptimizer" and processes == 4
+        assert name.startswith("FSDP") and opt_name == "DeMoAcceleratedOptimizer" and processes == 4
         assert all(torch.equal(a, b) for a, b in zip(results[0][2], params))
     straight = expect_ok(run_ranks(_hsdp, 4, 2, None, 4))[0][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], straight))
