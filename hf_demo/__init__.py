@@ -14,6 +14,7 @@ from hf_demo.hf.checkpoint import last_complete_checkpoint
 from hf_demo.hf.data_parallel import (
     disable_gradient_allreduce,
     install_step_guard,
+    log_metrics,
     prepare,
 )
 from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, parse_optim_args
@@ -52,6 +53,7 @@ __all__ = [
     "disable_gradient_allreduce",
     "install_step_guard",
     "last_complete_checkpoint",
+    "log_metrics",
     "muon_style_groups",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",

@@ -20,6 +20,7 @@ piece of a DTensor, so every rank resumes its own, bit for bit, on the same mesh
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,10 @@ MESH_DIMS = ("replicate", "shard")
 
 def hsdp_mesh(shard: int | None = None, device_type: str | None = None):
     """A (replicate, shard) DeviceMesh over every rank: ``shard`` ranks per shard group (default: the processes
-    per node, ``LOCAL_WORLD_SIZE`` as torchrun and accelerate launch set it), ``world // shard`` replicas."""
+    per node, ``LOCAL_WORLD_SIZE`` as torchrun and accelerate launch set it), ``world // shard`` replicas.
+
+    On one node the default is one shard group of every rank (1 x world: pure FSDP, nothing for DeMo to exchange);
+    rank 0 warns, naming the ``shard=`` that gives replicas on one machine (``shard=2`` on 4 processes: 2 x 2)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
@@ -43,11 +47,24 @@ def hsdp_mesh(shard: int | None = None, device_type: str | None = None):
                 "with torchrun/accelerate launch, or pass shard=<ranks per shard group>"
             )
         shard = int(raw)
+        if shard == world > 1 and dist.get_rank() == 0:
+            warnings.warn(one_node_message(world), stacklevel=2)
     if shard < 1 or world % shard:
         raise ValueError(f"hsdp_mesh: shard={shard} must divide the world size {world}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=MESH_DIMS)
+
+
+def one_node_message(world: int) -> str:
+    """What :func:`hsdp_mesh` says when every rank is on one node (``LOCAL_WORLD_SIZE`` = world size)."""
+    try_shard = next((d for d in range(world // 2, 0, -1) if world % d == 0 and d < world), 1)
+    return (
+        f"hsdp_mesh(): all {world} processes are on one node (LOCAL_WORLD_SIZE = world size {world}), so the mesh "
+        f"is 1 x {world}: no replicate dimension, DeMo exchanges nothing, this is pure FSDP. To try HSDP-DeMo on one "
+        f"machine pass shard=<processes per shard group>, e.g. hsdp_mesh(shard={try_shard}) for "
+        f"{world // try_shard} x {try_shard}; hsdp_mesh(shard={world}) says pure FSDP is meant (no warning)"
+    )
 
 
 def layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

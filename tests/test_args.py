@@ -227,6 +227,50 @@ def test_with_demo_makes_any_trainer_and_config_demo_aware():
         hf_demo.with_demo(object, trl.SFTConfig)
 
 
+def test_with_demo_training_args_unpickle_in_a_fresh_process(tmp_path):
+    """training_args.bin of a with_demo(DPOTrainer, DPOConfig) run loads in a process that never called with_demo
+    (it used to fail: Can't get attribute 'DeMoDPOConfig'); the trainer class pickles the same way (issue 44)."""
+    import subprocess
+    import sys
+
+    import trl
+
+    dpo_trainer, dpo_config = hf_demo.with_demo(trl.DPOTrainer, trl.DPOConfig)
+    args = dpo_config(output_dir=str(tmp_path / "out"), use_cpu=True, optim="demo", demo_compression_topk=8)
+    torch.save(args, tmp_path / "training_args.bin")  # as Trainer writes it
+    torch.save(dpo_trainer, tmp_path / "trainer_class.bin")
+    check = (
+        "import sys, torch\n"
+        "args = torch.load(sys.argv[1] + '/training_args.bin', weights_only=False)\n"
+        "cls = torch.load(sys.argv[1] + '/trainer_class.bin', weights_only=False)\n"
+        "import trl\n"
+        "assert isinstance(args, trl.DPOConfig) and args.demo_compression_topk == 8 and args.optim == 'demo'\n"
+        "assert issubclass(cls, trl.DPOTrainer) and cls.__name__ == 'DeMoDPOTrainer', cls\n"
+        "print('loaded', type(args).__module__, type(args).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded hf_demo.hf.runtime_classes DeMoDPOConfig" in proc.stdout
+
+
+class _UserConfig(TrainingArguments):  # a user's own subclass of a made class pickles by its own name
+    pass
+
+
+def test_a_subclass_of_a_made_class_pickles_by_its_own_name():
+    import pickle
+
+    made = hf_demo.with_demo(hf_demo.DeMoTrainer, _UserConfig)[1]
+    sub = type("Sub", (made,), {"__module__": __name__})
+    globals()["Sub"] = sub
+    try:
+        assert pickle.loads(pickle.dumps(sub)) is sub and pickle.loads(pickle.dumps(made)) is made
+    finally:
+        del globals()["Sub"]
+
+
 def test_every_training_arguments_subclass_accepts_optim_demo():
     """Once hf_demo is imported, 'demo' is an OptimizerNames member: TRL's configs take it as a value and
     as a command-line choice; their plain trainers refuse to build it (they would keep DDP's all-reduce)."""
@@ -301,6 +345,40 @@ def test_unsupported_setups_stop_at_start_up():
     check_supported(fsdp=True)  # FSDP2: DeMo steps its shards (tests/test_fsdp.py)
     with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs.*hf_demo.fsdp"):
         check_supported(fsdp_requested=True)  # asked for, but Accelerate did not turn it on (a CPU run)
+
+
+def _launch_env(config: str) -> dict:
+    """The environment `ACCELERATE_USE_CPU=1 accelerate launch --config_file <config> --num_machines 1
+    --num_processes 2` gives each process (Accelerate's own launcher code)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", config, "--num_machines", "1", "--num_processes", "2", "--machine_rank", "0", "x.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE", "FSDP", "PARALLEL"))}
+
+
+def test_fsdp_config_on_cpu_stops_with_demos_message_first(tmp_path, monkeypatch):
+    """accelerate_configs/fsdp2_hsdp.yaml on CPU: Accelerate's `ParallelismConfig is only compatible ...` error
+    came before the documented DeMoSetupError; DeMo's message now comes first, from the arguments and from the
+    trainer given plain arguments and a DeMo (issue 44, item 3)."""
+    from launch_utils import ROOT
+
+    env = _launch_env(str(ROOT / "accelerate_configs" / "fsdp2_hsdp.yaml"))
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    for k, v in {**env, "ACCELERATE_USE_CPU": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), optim="demo", report_to="none")
+    import trl
+
+    config = hf_demo.with_demo(trl.SFTTrainer, trl.SFTConfig)[1]
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        config(output_dir=str(tmp_path), optim="demo", report_to="none")
+    model = _tiny_llama()
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
+        hf_demo.DeMoTrainer(model=model, args=plain, optimizers=(hf_demo.DeMo(model.parameters(), lr=1e-3), None))
 
 
 def test_trainer_refuses_fp16_with_demo(tmp_path):

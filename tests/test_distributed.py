@@ -98,6 +98,29 @@ def test_mismatch_across_ranks_raises_on_every_rank(what, match):
     _expect_error_everywhere(run_ranks(_mismatch, 2, what), "DeMoSyncError", match, started)
 
 
+def _settings_differ(rank, world):
+    model = tiny_mlp()
+    opt = small_demo(model, lr=3e-3 if rank == 0 else 1e-3, nonfinite="skip" if rank == 0 else "raise")
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    return "no error"
+
+
+def test_settings_mismatch_names_each_setting_with_every_ranks_value():
+    """The error used to list what might differ; it names what does, with each rank's value (issue 44, item 6)."""
+    started = time.monotonic()
+    results = run_ranks(_settings_differ, 2)
+    _expect_error_everywhere(results, "DeMoSyncError", "different optimizer settings", started)
+    assert (
+        results[0].message.split("(seen by")[1].split("\n", 1)[1]
+        == results[1].message.split("(seen by")[1].split("\n", 1)[1]
+    )
+    message = results[0].message
+    assert "nonfinite: rank 0 'skip', rank 1 'raise'" in message, message
+    assert "param_groups[0].lr: rank 0 0.003, rank 1 0.001" in message, message
+    assert "weight_decay:" not in message
+
+
 def _corrupt_payload(rank, world, what):
     from hf_demo.wire import codec
 

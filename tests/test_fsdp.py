@@ -331,6 +331,27 @@ def _layouts_refused(rank, world):
     return out
 
 
+def _one_node_mesh(rank, world):
+    import warnings
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # torchrun --nproc_per_node <world> on one machine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        default = fsdp.hsdp_mesh()
+        explicit = fsdp.hsdp_mesh(shard=2)
+        pure = fsdp.hsdp_mesh(shard=world)
+    return tuple(default.shape), tuple(explicit.shape), tuple(pure.shape), [str(w.message) for w in caught]
+
+
+def test_hsdp_mesh_on_one_node_says_there_is_no_replica_and_how_to_get_one():
+    """torchrun --nproc_per_node 4 on one machine built a 1 x 4 mesh without a word (issue 44, item 5)."""
+    results = expect_ok(run_ranks(_one_node_mesh, 4))
+    assert all(r[:3] == ((1, 4), (2, 2), (1, 4)) for r in results)
+    (message,) = results[0][3]
+    assert "no replicate dimension" in message and "hsdp_mesh(shard=2) for 2 x 2" in message, message
+    assert all(r[3] == [] for r in results[1:])  # rank 0 says it, once
+
+
 def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
     for errors in expect_ok(run_ranks(_layouts_refused, 2)):
         assert "FSDP2's own HSDP" in errors["native_hsdp"] and "mesh['shard']" in errors["native_hsdp"]
@@ -544,7 +565,7 @@ def _accelerate_loop(rank, world):
 def test_prepare_keeps_an_fsdp2_model_and_demo_trains_it_in_an_accelerate_loop():
     results = expect_ok(run_ranks(_accelerate_loop, 4))
     for name, opt_name, params, processes in results:
-        assert name.startswith("FSDP") and opt_name == "AcceleratedOptimizer" and processes == 4
+        assert name.startswith("FSDP") and opt_name == "DeMoAcceleratedOptimizer" and processes == 4
         assert all(torch.equal(a, b) for a, b in zip(results[0][2], params))
     straight = expect_ok(run_ranks(_hsdp, 4, 2, None, 4))[0][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], straight))

@@ -286,5 +286,5 @@ def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
     """Trainer's --fsdp on CPU: Accelerate turns FSDP off, and the run trained as plain DDP + DeMo without a word."""
     proc = _train(tmp_path, "fsdp", "--optim", "demo", "--fsdp", "full_shard", "--max_steps", "2", check=False)
     assert proc.returncode != 0
-    assert "Accelerate did not turn it on: it runs FSDP only on GPUs" in proc.stdout and "hf_demo.fsdp" in proc.stdout
+    assert "Accelerate does not run it here: it runs FSDP only on GPUs" in proc.stdout and "hf_demo.fsdp" in proc.stdout
     assert not (tmp_path / "fsdp" / "rec").exists() or not list((tmp_path / "fsdp" / "rec").iterdir())

@@ -48,11 +48,11 @@ def _files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(folder: str, world_size: int, global_step: int | None = None) -> dict:
+def write_manifest(folder: str, world_size: int, global_step: int | None = None, skip: tuple[str, ...] = ()) -> dict:
     """Write ``folder/MANIFEST`` for the files in ``folder`` now (atomically: temporary file, then rename).
 
     Call it once every rank has written its files (``DeMoTrainer`` does, after a barrier). Also the way to
-    vouch, by hand, for a checkpoint written by something else.
+    vouch, by hand, for a checkpoint written by something else. ``skip``: files written after the manifest.
     """
     manifest = {
         "format": FORMAT,
@@ -61,6 +61,7 @@ def write_manifest(folder: str, world_size: int, global_step: int | None = None)
         "files": {
             rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
             for rel in _files(folder)
+            if rel not in skip
         },
     }
     tmp = os.path.join(folder, MANIFEST + ".tmp")
@@ -101,7 +102,8 @@ def verify_checkpoint(folder: str, world_size: int | None = None) -> dict:
     manifest = read_manifest(folder)
     if manifest is None:
         raise CheckpointError(
-            f"checkpoint {folder} is incomplete: it has no {MANIFEST}, which DeMoTrainer writes last, once every "
+            f"checkpoint {folder} is incomplete: it has no {MANIFEST}, which hf_demo writes last (DeMoTrainer, or "
+            "accelerator.save_state after hf_demo.prepare), once every "
             "process has saved its files (the run stopped while saving?). Resume from an earlier checkpoint, "
             "or, if you know the files are whole, vouch for them with "
             f"hf_demo.hf.checkpoint.write_manifest({folder!r}, world_size)."
@@ -126,6 +128,33 @@ def verify_checkpoint(folder: str, world_size: int | None = None) -> dict:
             f"process's DeMo momentum is its own; resume with {saved} processes (or start the optimizer afresh)."
         )
     return manifest
+
+
+def verify_on_every_rank(folder: str, world_size: int | None = None) -> dict | None:
+    """:func:`verify_checkpoint` on every rank, the verdicts compared: every rank raises the same
+    :class:`CheckpointError` when any rank found a problem (one that sees another folder is named). Call it on
+    every rank of the default process group. Returns this rank's manifest."""
+    import torch.distributed as dist
+
+    manifest = problem = None
+    try:
+        manifest = verify_checkpoint(folder, world_size)
+    except CheckpointError as exc:
+        problem = str(exc)
+    problems = [problem]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    if not failed:
+        return manifest
+    message = failed[0][1]
+    if len(failed) < len(problems) or any(p != message for _, p in failed):
+        message = (
+            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
+            "problems: do all processes see the same checkpoint folder?)"
+        )
+    raise CheckpointError(message)
 
 
 def checkpoints(output_dir: str) -> list[str]:

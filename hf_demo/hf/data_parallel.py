@@ -47,6 +47,14 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     return registered
 
 
+FSDP_NOT_RUN = (
+    "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate does not "
+    "run it here: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead (or stop in "
+    "Accelerate's ParallelismConfig check). On CPU, drop the FSDP setting to train DDP-DeMo, or shard in a custom "
+    "loop with hf_demo.fsdp (torchrun + fully_shard, docs/guides/large-models.md); or run on GPUs"
+)
+
+
 def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False,
                     fsdp_requested: bool = False) -> None:  # fmt: skip
     """Stop at start-up, with a message, for set-ups DeMo cannot run in (instead of a hang or silent drift).
@@ -71,12 +79,7 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
             "the accelerate config (accelerate_configs/fsdp2_hsdp.yaml), or --fsdp_config with fsdp_version 2"
         )
     if fsdp_requested and not fsdp:
-        raise DeMoSetupError(
-            "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate did not "
-            "turn it on: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead. On CPU, drop "
-            "the FSDP setting to train DDP-DeMo, or shard in a custom loop with hf_demo.fsdp (torchrun + fully_shard, "
-            "docs/guides/large-models.md); or run on GPUs"
-        )
+        raise DeMoSetupError(FSDP_NOT_RUN)
     if fp16:
         raise ValueError(
             "DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
@@ -92,14 +95,37 @@ def fsdp_requested(args=None) -> bool:
     return asked or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
 
 
+def on_cpu(args=None) -> bool:
+    """Whether this process trains on the CPU: ``use_cpu`` in ``args``, ``ACCELERATE_USE_CPU``, or no accelerator."""
+    import os
+
+    if args is not None and getattr(args, "use_cpu", False):
+        return True
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return True
+    available = getattr(getattr(torch, "accelerator", None), "is_available", torch.cuda.is_available)
+    return not available()
+
+
+def refuse_fsdp_on_cpu(args=None) -> None:
+    """Stop with :data:`FSDP_NOT_RUN` when FSDP is asked for (:func:`fsdp_requested`) on the CPU: called before
+    Accelerate builds anything, so DeMo's message comes before Accelerate's own errors for that set-up."""
+    if fsdp_requested(args) and on_cpu(args):
+        raise DeMoSetupError(FSDP_NOT_RUN)
+
+
 def prepare(accelerator, model, optimizer, *others):
-    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients.
+    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients, hands the optimizer
+    back with DeMo's calls (``flush()``, ``comm_stats``, ...: :class:`hf_demo.hf.accelerated.DeMoAcceleratedOptimizer`)
+    and makes ``accelerator.save_state``/``load_state`` save and restore every rank's DeMo state, with a manifest
+    checked on every rank (:class:`hf_demo.hf.accelerated.AcceleratorCheckpoints`).
 
     A model already sharded by FSDP2 (:mod:`hf_demo.fsdp`) is returned as it is where Accelerate does not run
     FSDP itself (on CPU it would wrap it in DDP): the optimizer and the rest are prepared.
     Returns what ``accelerator.prepare(model, optimizer, *others)`` returns.
     """
     from hf_demo.fsdp import is_fsdp2
+    from hf_demo.hf import accelerated
 
     check_supported(accelerator, fsdp_requested=fsdp_requested())
     if is_fsdp2(model):
@@ -108,8 +134,26 @@ def prepare(accelerator, model, optimizer, *others):
     else:
         prepared = accelerator.prepare(model, optimizer, *others)
     disable_gradient_allreduce(prepared[0])
+    if unwrap_optimizer(prepared[1]) is not None:
+        accelerated.adopt(prepared[1])
+        accelerated.register(accelerator)
     install_exit_handler()
     return prepared
+
+
+def log_metrics(accelerator, optimizer, step: int | None = None) -> dict[str, float]:
+    """Log the ``demo/*`` figures of ``optimizer`` (what :func:`prepare` returned) with ``accelerator.log``: bytes
+    and seconds per step since the last call and in total, skipped steps, resyncs, tier (the dict DeMoTrainer
+    logs, docs/reference/metrics.md). Call it on every rank (trackers write on the main process). Returns the dict.
+    """
+    if not hasattr(optimizer, "demo_metrics"):
+        raise TypeError(
+            f"hf_demo.log_metrics needs the optimizer hf_demo.prepare returned, not {type(optimizer).__name__}: "
+            "model, optimizer, ... = hf_demo.prepare(accelerator, model, optimizer, ...)"
+        )
+    metrics = optimizer.demo_metrics()
+    accelerator.log(metrics, step=step)
+    return metrics
 
 
 def install_step_guard() -> None:

@@ -1,27 +1,63 @@
-"""Where the classes made by :func:`hf_demo.with_demo` live, so pickle can find them by name.
+"""Where the classes made by :func:`hf_demo.with_demo` live, and how pickle finds them in a fresh process.
 
-Trainer pickles its arguments into every checkpoint (``training_args.bin``); a class made at run time
-must be reachable as ``module.name`` for that. Loading such a file needs the class made again in the
-loading process (``with_demo`` with the same pair), except for ``hf_demo.trl``'s, which load on demand.
+Trainer pickles its arguments into every checkpoint (``training_args.bin``). A class made at run time is named
+``hf_demo.hf.runtime_classes.<name>``, and pickled as *how to make it again* (its kind and the module and name of
+the class it was made from, :func:`remake`): a process that never called ``with_demo`` unpickles it, the class
+made again on the way. The metaclass :class:`Remade` carries this (``copyreg``); a user's subclass of such a class
+pickles by its own name, as any class.
 """
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import sys
 
 
-def publish(cls: type) -> type:
-    """Give ``cls`` (made at run time) a unique name in this module and return it."""
+class Remade(type):
+    """The metaclass of the classes ``with_demo`` makes: pickled as :func:`remake` of what they were made from."""
+
+
+class Made(metaclass=Remade):
+    """A base of the classes ``with_demo`` makes; it adds nothing but its metaclass."""
+
+    __slots__ = ()
+
+
+def publish(cls: type, kind: str, base: type) -> type:
+    """Give ``cls`` (made at run time from ``base``; ``kind`` is "trainer" or "config") a unique name in this
+    module, record what it was made from, and return it."""
     module = sys.modules[__name__]
     name, n = cls.__name__, 2
     while getattr(module, name, cls) is not cls:
         name, n = f"{cls.__name__}_{n}", n + 1
     cls.__name__ = cls.__qualname__ = name
     cls.__module__ = __name__
+    cls._hf_demo_made = (kind, base.__module__, base.__qualname__)
     setattr(module, name, cls)
     return cls
 
+
+def remake(kind: str, module: str, qualname: str) -> type:
+    """The class ``with_demo`` makes of ``module.qualname`` (the same one, made on first use in this process)."""
+    from hf_demo.hf import trainer  # noqa: PLC0415 - trainer imports this module
+
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    if kind == "trainer":
+        return trainer.demo_trainer_class(base)
+    if kind == "config":
+        return trainer.demo_config_class(base)
+    raise ValueError(f"hf_demo: cannot remake a class of kind {kind!r} (a pickle from another hf_demo version?)")
+
+
+def _reduce(cls: type):
+    made = cls.__dict__.get("_hf_demo_made")
+    return cls.__qualname__ if made is None else (remake, made)
+
+
+copyreg.pickle(Remade, _reduce)
 
 # checkpoints written before this module moved pickled their classes as hf_demo.generated.<name>
 sys.modules.setdefault("hf_demo.generated", sys.modules[__name__])
@@ -30,7 +66,7 @@ MADE_ON_IMPORT = {"DeMoSFTTrainer": "hf_demo.trl", "DeMoSFTConfig": "hf_demo.trl
 
 
 def __getattr__(name: str):
-    if name in MADE_ON_IMPORT:  # unpickling in a process that has not imported hf_demo.trl yet
+    if name in MADE_ON_IMPORT:  # pickles by name (older hf_demo) in a process that has not imported hf_demo.trl
         importlib.import_module(MADE_ON_IMPORT[name])
         if name in globals():
             return globals()[name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 import warnings
 
 import torch
@@ -35,11 +36,12 @@ from hf_demo import fsdp
 from hf_demo.errors import DeMoSetupError, DeMoStateError
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
-from hf_demo.hf import runtime_classes
+from hf_demo.hf import metrics, runtime_classes
 from hf_demo.hf.data_parallel import (
     check_supported,
     disable_gradient_allreduce,
     fsdp_requested,
+    refuse_fsdp_on_cpu,
     unwrap_optimizer,
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
@@ -59,13 +61,27 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
+    """FSDP asked for on the CPU, with DeMo to train (``--optim demo`` or a DeMo given), stops with DeMo's message
+    before Trainer builds the Accelerator (whose checks would stop it with another)."""
+    optimizer = (kwargs.get("optimizers") or (None, None))[0]
+    cls = (kwargs.get("optimizer_cls_and_kwargs") or (None, None))[0]
+    if (
+        selects_demo(getattr(args, "optim", None))
+        or unwrap_optimizer(optimizer) is not None
+        or (isinstance(cls, type) and issubclass(cls, DeMo))
+    ):
+        refuse_fsdp_on_cpu(args)
+
+
 class DeMoTrainerMixin:
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
     def __init__(self, *args, demo_ops=None, **kwargs):
         self.demo_ops = None  # the ops callbacks (hf_demo.ops): demo_ops=OpsSettings(...), or False for none
+        _refuse_fsdp_on_cpu(args[1] if len(args) > 1 else kwargs.get("args"), kwargs)  # before Accelerate's checks
         super().__init__(*args, **kwargs)
-        self._demo_last_log = None
+        self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
         if _distributed() and dist.get_world_size() != self.args.world_size:
             raise DeMoSetupError(
                 f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
@@ -177,36 +193,8 @@ class DeMoTrainerMixin:
             if self.demo_ops is not None:  # every rank's step split, alerts, cost (gathered on every rank)
                 logs.update(self.demo_ops.log_metrics(self.state.global_step))
         elif opt is not None and "train_loss" in logs:  # the end-of-training summary: totals only
-            logs.update({k: v for k, v in self._demo_metrics(opt).items() if "total" in k or "skipped" in k})
+            logs.update(metrics.totals(self._demo_metrics(opt)))
         super().log(logs, start_time)
-
-    def _demo_metrics(self, opt: DeMo) -> dict:
-        s = opt.comm_stats
-        last = self._demo_last_log or {"steps": 0, "sent": 0, "received": 0, "seconds": 0.0}
-        steps = max(s.steps - last["steps"], 1)
-        sent = (s.total_bytes_sent - last["sent"]) / steps
-        metrics = {
-            "demo/bytes_sent_per_step": sent,
-            "demo/bytes_received_per_step": (s.total_bytes_received - last["received"]) / steps,
-            "demo/comm_seconds_per_step": (s.total_seconds - last["seconds"]) / steps,
-            "demo/total_bytes_sent": float(s.total_bytes_sent),
-            "demo/total_bytes_received": float(s.total_bytes_received),
-            "demo/total_comm_seconds": s.total_seconds,
-            "demo/dense_allreduce_bytes_per_step": float(s.dense_bytes),
-            "demo/ratio_to_dense": sent / s.dense_bytes if s.dense_bytes else 0.0,
-            "demo/skipped_steps": float(opt.skipped_steps),
-            "demo/resyncs": float(opt.resyncs),
-            "demo/tier": float(opt.tier),
-            "demo/tier_moves_down": float(opt.policy.moves_down),
-            "demo/tier_moves_up": float(opt.policy.moves_up),
-        }
-        self._demo_last_log = {
-            "steps": s.steps,
-            "sent": s.total_bytes_sent,
-            "received": s.total_bytes_received,
-            "seconds": s.total_seconds,
-        }
-        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -252,25 +240,7 @@ class DeMoTrainerMixin:
 
     def _verify_checkpoint(self, folder: str) -> None:
         """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
-        try:
-            ckpt.verify_checkpoint(folder, self.args.world_size if self.uses_demo else None)
-            problem = None
-        except ckpt.CheckpointError as exc:
-            problem = str(exc)
-        problems = [problem]
-        if _distributed() and dist.get_world_size() > 1:
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-        failed = [(rank, p) for rank, p in enumerate(problems) if p]
-        if not failed:
-            return
-        message = failed[0][1]
-        if len(failed) < len(problems) or any(p != message for _, p in failed):
-            message = (
-                f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
-                "problems: do all processes see the same checkpoint folder?)"
-            )
-        raise ckpt.CheckpointError(message)
+        ckpt.verify_on_every_rank(folder, self.args.world_size if self.uses_demo else None)
 
     def _averaged(self):
         """The ranks' mean parameters for the ``with`` block inside a local phase (DeMo.averaged_parameters)."""
@@ -362,6 +332,32 @@ class DeMoTrainer(DeMoTrainerMixin, Trainer):
 _MADE: dict = {}
 
 
+def demo_trainer_class(trainer_cls: type) -> type:
+    """``trainer_cls`` with :class:`DeMoTrainerMixin` first (once per class; as it is when DeMo-aware already)."""
+    if issubclass(trainer_cls, DeMoTrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _MADE:
+        made = types.new_class(
+            f"DeMo{trainer_cls.__name__}",
+            (DeMoTrainerMixin, trainer_cls, runtime_classes.Made),
+            exec_body=lambda ns: ns.update(
+                __doc__=f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."
+            ),
+        )
+        _MADE[trainer_cls] = runtime_classes.publish(made, "trainer", trainer_cls)
+    return _MADE[trainer_cls]
+
+
+def demo_config_class(config_cls: type) -> type:
+    """``config_cls`` plus the ``--demo_*`` fields (once per class; as it is when it has them already)."""
+    if issubclass(config_cls, DeMoArguments):
+        return config_cls
+    if config_cls not in _MADE:
+        made = with_demo_arguments(config_cls, bases=(runtime_classes.Made,))
+        _MADE[config_cls] = runtime_classes.publish(made, "config", config_cls)
+    return _MADE[config_cls]
+
+
 def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
     """DeMo versions of any Trainer subclass and its config class: ``(trainer class, config class)``.
 
@@ -370,8 +366,9 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
 
     The trainer class is ``trainer_cls`` with :class:`DeMoTrainerMixin` first; the config class is
     ``config_cls`` first (its own defaults hold: SFTConfig's learning rate, bf16, logging) plus the
-    ``--demo_*`` fields. The classes are made once per pair and live in :mod:`hf_demo.hf.runtime_classes`, so
-    Trainer can pickle the arguments with each checkpoint.
+    ``--demo_*`` fields. The classes are made once per class and live in :mod:`hf_demo.hf.runtime_classes`, so
+    Trainer can pickle the arguments with each checkpoint, and a fresh process unpickles them without calling
+    ``with_demo`` first.
     """
     from transformers import TrainingArguments
 
@@ -379,18 +376,4 @@ def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
         raise TypeError(f"with_demo: {trainer_cls!r} is not a transformers.Trainer subclass")
     if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments)):
         raise TypeError(f"with_demo: {config_cls!r} is not a transformers.TrainingArguments subclass")
-    key = (trainer_cls, config_cls)
-    if key not in _MADE:
-        trainer, config = trainer_cls, config_cls  # already DeMo-aware: as they are
-        if not issubclass(trainer_cls, DeMoTrainerMixin):
-            trainer = runtime_classes.publish(
-                type(
-                    f"DeMo{trainer_cls.__name__}",
-                    (DeMoTrainerMixin, trainer_cls),
-                    {"__doc__": f"{trainer_cls.__name__} with DeMo (``optim='demo'``): see hf_demo.with_demo."},
-                )
-            )
-        if not issubclass(config_cls, DeMoArguments):
-            config = runtime_classes.publish(with_demo_arguments(config_cls))
-        _MADE[key] = (trainer, config)
-    return _MADE[key]
+    return demo_trainer_class(trainer_cls), demo_config_class(config_cls)

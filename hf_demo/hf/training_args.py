@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from hf_demo.hf.data_parallel import refuse_fsdp_on_cpu
 from hf_demo.hf.launch_env import prepare_launch
 from hf_demo.optim.factory import parse_optim_args
 from hf_demo.settings import PRESETS, DeMoSettings
@@ -213,6 +214,12 @@ class DeMoArguments:
         """DeMo keyword arguments (besides lr and weight decay): see :func:`demo_settings`."""
         return demo_settings(self)
 
+    def _refuse_fsdp_on_cpu(self) -> None:
+        """Before TrainingArguments and Accelerate look at the launch: FSDP asked for on the CPU stops with DeMo's
+        message (:func:`hf_demo.hf.data_parallel.refuse_fsdp_on_cpu`)."""
+        if selects_demo(self.optim):
+            refuse_fsdp_on_cpu(self)
+
     def _check_demo_arguments(self) -> None:
         """Start-up checks (unknown, malformed or invalid settings); called by ``__post_init__`` of the
         classes defined here."""
@@ -242,25 +249,28 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
 
     def __post_init__(self):
         prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.hf.launch_env)
+        self._refuse_fsdp_on_cpu()
         super().__post_init__()
         self._check_demo_arguments()
 
 
-def with_demo_arguments(config_cls: type, name: str | None = None) -> type:
-    """``config_cls`` (a TrainingArguments subclass, e.g. TRL's SFTConfig) plus :class:`DeMoArguments`.
+def with_demo_arguments(config_cls: type, name: str | None = None, bases: tuple[type, ...] = ()) -> type:
+    """``config_cls`` (a TrainingArguments subclass, e.g. TRL's SFTConfig) plus :class:`DeMoArguments` (and
+    ``bases``, last).
 
     ``config_cls`` stays first in the bases, so its defaults (SFTConfig's bf16, learning rate, ...) hold.
     """
 
     def __post_init__(self):
         prepare_launch(self)
+        self._refuse_fsdp_on_cpu()
         super(cls, self).__post_init__()
         self._check_demo_arguments()
 
     cls = dataclasses.make_dataclass(
         name or f"DeMo{config_cls.__name__}",
         [],
-        bases=(config_cls, DeMoArguments),
+        bases=(config_cls, DeMoArguments, *bases),
         namespace={"__post_init__": __post_init__},
     )
     return cls

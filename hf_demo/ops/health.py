@@ -1,7 +1,10 @@
 """Deviation alerts: :class:`DeMoHealthCallback` watches every rank's steps and says when one goes wrong.
 
 What it detects (per rank, against the rank's own rolling median of the last ``baseline_steps`` steps; the
-thresholds are :class:`~hf_demo.ops.settings.HealthSettings`), each an :class:`Alert` with the step and rank:
+thresholds are :class:`~hf_demo.ops.settings.HealthSettings`), each an :class:`Alert` with the step and rank.
+Alerts on time are calibrated for busy hosts: the excess over the baseline must pass ``min_excess_s`` and the
+rank's own jitter (``noise_factor`` robust standard deviations), for ``persist_steps`` steps in a row, or
+:data:`SEVERE` times that floor at once.
 
 - ``step_time``: a step far above the baseline (a slow rank, a stall in data loading or on the host);
 - ``exchange_time``: the wait on DeMo's exchange far above the baseline (the network, or a slow peer);
@@ -33,6 +36,7 @@ from hf_demo.ops.monitor import StepMonitor, StepSample
 from hf_demo.ops.settings import HealthSettings
 
 logger = logging.getLogger("hf_demo.ops")
+SEVERE = 2.0  # a time this many times its floor above the baseline alerts at once, without persist_steps
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class HealthRules:
         self.seen = 0
         self.tier: int | None = None
         self.last_alert: dict[str, int] = {}
+        self.deviating: dict[str, int] = {}  # time alerts: deviating steps in a row, per kind
 
     def observe(self, sample: StepSample, full_sync_every: int = 0) -> list[Alert]:
         self.seen += 1
@@ -99,15 +104,41 @@ class HealthRules:
         return Alert(kind, sample.step, sample.rank, sample.node, message, float(value), float(baseline), severity)
 
     def _above(self, history, value, factor) -> float | None:
-        """The baseline when ``value`` is far above it, else None."""
+        """The baseline (median of ``history``) when ``value`` is ``factor`` times above it, else None."""
         if factor <= 0 or len(history) < self.s.min_baseline:
             return None
         base = statistics.median(history)
-        return base if value > factor * base and value - base > self.s.min_excess_s else None
+        return base if value > factor * base else None
+
+    def _floor(self, history) -> float:
+        """The least excess of a time over its baseline worth an alert: ``min_excess_s``, or more where this rank's
+        own times jitter widely (``noise_factor`` robust standard deviations: 1.4826 x the median absolute
+        deviation, which a few stalled steps do not move)."""
+        if len(history) < 2:
+            return self.s.min_excess_s
+        mid = statistics.median(history)
+        spread = 1.4826 * statistics.median(abs(x - mid) for x in history)
+        return max(self.s.min_excess_s, self.s.noise_factor * spread)
+
+    def _persists(self, kind: str, excess: float, floor: float) -> bool:
+        """Whether a time alert of ``kind`` is due: ``excess`` above ``floor`` for ``persist_steps`` steps in a row
+        (this one included), or at once when it is :data:`SEVERE` times the floor."""
+        deviating = excess > floor
+        self.deviating[kind] = self.deviating.get(kind, 0) + 1 if deviating else 0
+        return deviating and (excess > SEVERE * floor or self.deviating[kind] >= self.s.persist_steps)
+
+    def _slow(self, kind: str, history, value: float, factor: float) -> float | None:
+        """The baseline (median of ``history``) when time ``value`` is ``factor`` times above it, past this rank's
+        floor (:meth:`_floor`) and persisting (:meth:`_persists`), else None."""
+        if factor <= 0 or len(history) < self.s.min_baseline:
+            return None
+        base = statistics.median(history)
+        excess = value - base if value > factor * base else 0.0
+        return base if self._persists(kind, excess, self._floor(history)) else None
 
     def _times(self, s: StepSample) -> list[Alert]:
         out = []
-        base = self._above(self.step_times, s.step_s, self.s.step_time_factor)
+        base = self._slow("step_time", self.step_times, s.step_s, self.s.step_time_factor)
         if base is not None:
             split = (
                 f"forward+backward {s.forward_backward_s:.3g} s, exchange {s.exchange_s:.3g} s, "
@@ -115,8 +146,10 @@ class HealthRules:
             )
             why = f"step took {s.step_s:.3g} s, {s.step_s / base:.1f}x its baseline {base:.3g} s ({split})"
             out.append(self._alert(s, "step_time", why, s.step_s, base))
-        base = self._above(self.exchange_times, s.exchange_s, self.s.exchange_time_factor)
-        if base is not None and s.bytes_received > 0:
+        if s.bytes_received <= 0:  # a local step: no exchange to judge
+            return out
+        base = self._slow("exchange_time", self.exchange_times, s.exchange_s, self.s.exchange_time_factor)
+        if base is not None:
             why = f"waited {s.exchange_s:.3g} s on the exchange, {s.exchange_s / base:.1f}x its baseline {base:.3g} s"
             out.append(self._alert(s, "exchange_time", why, s.exchange_s, base))
         return out
@@ -125,7 +158,8 @@ class HealthRules:
         if self.link is None or s.bytes_received <= 0 or s.world < 2:
             return []
         expected = s.bytes_received / self.link.bandwidth + s.collectives * (s.world - 1) * self.link.latency
-        if s.exchange_s <= self.s.slow_link_factor * expected + self.s.min_excess_s:
+        excess = s.exchange_s - self.s.slow_link_factor * expected
+        if not self._persists("slow_link", excess, self._floor(self.exchange_times)):
             return []
         rate = s.bytes_received / s.exchange_s
         why = (

@@ -32,7 +32,18 @@ class HealthSettings:
     min_baseline: int = _opt(5, "steps the baseline needs before step-time, exchange and loss alerts")
     step_time_factor: float = _opt(3.0, "alert when a step takes this many times the baseline (0 = off)")
     exchange_time_factor: float = _opt(3.0, "alert when the wait on the exchange is this many times the baseline")
-    min_excess_s: float = _opt(0.05, "an alert on time needs at least this many seconds above the baseline")
+    min_excess_s: float = _opt(0.1, "an alert on time needs at least this many seconds above the baseline")
+    noise_factor: float = _opt(
+        4.0,
+        "an alert on time also needs its excess above this many robust standard deviations (1.4826 x the median "
+        "absolute deviation) of the rank's own baseline: a host whose times jitter widely raises its own bar",
+    )
+    persist_steps: int = _opt(
+        2,
+        "alerts on time (step_time, exchange_time, slow_link) need this many deviating steps in a row (steps with "
+        "an exchange, for the exchange's), unless a step is twice the least excess above its baseline: one stalled "
+        "step on a loaded host is not a fault (1: every step alone)",
+    )
     link_bandwidth: str = _opt("", "the link between nodes the plan assumed (e.g. 10gbit; empty: from plan or off)")
     link_latency: str = _opt("0", "its one-way latency (e.g. 20ms)")
     plan: str = _opt("", "a `hf-demo plan --json` file: its link between nodes (link_bandwidth wins)")

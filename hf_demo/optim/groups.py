@@ -18,10 +18,8 @@ GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
 def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier):
     """([(param, group, layout)] of every trainable parameter, layout checksum, settings checksum) for a tier."""
     items, layout_key = [], []
-    settings_key = [sorted(settings.as_dict().items()), secret is not None, tier]
     for group in param_groups:
         validate_group(group)
-        settings_key.append(tuple(group[k] if isinstance(group[k], str) else float(group[k]) for k in GROUP_KEYS))
         for p in group["params"]:
             if not p.requires_grad or 0 in local_shape(p):  # an FSDP2 shard may hold no rows of a small tensor
                 continue
@@ -30,7 +28,21 @@ def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier)
             )
             items.append((p, group, layout))
             layout_key.append((layout, str(p.dtype)))
-    return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(settings_key))
+    view = settings_view(param_groups, settings, secret, tier)
+    return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(view.items()))
+
+
+def settings_view(param_groups, settings: DeMoSettings, secret: bytes | None, tier) -> dict[str, str]:
+    """Every setting the ranks must share, by name, with its value (what the settings checksum covers): DeMo's
+    settings, whether payloads are signed, the tier, and each group's learning rate, weight decay and per-group
+    settings. Ranks whose checksums differ compare these to name what differs."""
+    view = {k: repr(v) for k, v in sorted(settings.as_dict().items())}
+    view["signed payloads (HF_DEMO_SECRET)"] = repr(secret is not None)
+    view["tier"] = repr(tier)
+    for i, group in enumerate(param_groups):
+        for k in GROUP_KEYS:
+            view[f"param_groups[{i}].{k}"] = repr(group[k] if isinstance(group[k], str) else float(group[k]))
+    return view
 
 
 def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:

@@ -165,6 +165,9 @@ class DeMo(torch.optim.Optimizer):
     def plan(self, tier: policies.Tier):
         return groups.plan_items(self.param_groups, self.settings, self.secret, tier)
 
+    def settings_view(self, tier: policies.Tier) -> dict[str, str]:
+        return groups.settings_view(self.param_groups, self.settings, self.secret, tier)
+
     def bytes_by_tier(self, items) -> list[float]:
         return groups.bytes_by_tier(items, self.tiers, self.settings.index_coding)
 

@@ -128,7 +128,9 @@ class Agreement:
             grad_fingerprint=ctx.grad_print,
             **opt.header_timings(ctx.started),
         )
-        ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device, opt.sealer)
+        ctx.headers = agreement.gather_headers(
+            ctx.transport, header, ctx.payload, opt.secret, ctx.device, lambda: opt.settings_view(ctx.tier), opt.sealer
+        )
 
 
 class Policy:

@@ -10,6 +10,8 @@ refused payload then raises on the refusing rank only, and the drift check finds
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
@@ -27,19 +29,64 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def gather_headers(
-    transport, header: codec.Header, payload: torch.Tensor, secret, device, sealer=None
+    transport,
+    header: codec.Header,
+    payload: torch.Tensor,
+    secret,
+    device,
+    settings: Callable[[], dict[str, str]],
+    sealer=None,
 ) -> list[codec.Header]:
     """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank).
-    With a :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead."""
+    ``settings``: this rank's settings by name (:func:`hf_demo.optim.groups.settings_view`), gathered only when the
+    settings checksums differ, to name each setting that differs with every rank's value. With a
+    :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead."""
     if sealer is not None:
-        return _gather_sealed(transport, codec.sign(header, payload, None), sealer, device)
+        headers = _gather_sealed(transport, codec.sign(header, payload, None), sealer, device)
+        _check_naming_settings(transport, headers, settings)
+        return headers
     header = codec.sign(header, payload, secret)
     rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
     sealing.check_uniform(rows, transport.rank)
     headers = [codec.Header.from_bytes(row) for row in rows]
     codec.verify_headers(headers, secret, transport.rank, transport.step)
-    codec.check_headers(headers, transport.rank)
+    _check_naming_settings(transport, headers, settings)
     return headers
+
+
+def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], dict[str, str]]) -> None:
+    """:func:`codec.check_headers`; where the settings checksums differ, the error names each differing setting."""
+    try:
+        codec.check_headers(headers, transport.rank)
+    except DeMoSyncError as exc:
+        if not codec.settings_differ(headers):
+            raise
+        raise DeMoSyncError(f"{exc}\n{name_settings(transport, settings())}") from None
+
+
+def name_settings(transport, mine: dict[str, str]) -> str:
+    """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree), the
+    differing ones named with each rank's value."""
+    import torch.distributed as dist
+
+    views = [mine]
+    if transport.world > 1:
+        views = [None] * transport.world
+        dist.all_gather_object(views, mine, group=transport.transport.group)
+    lines = differing_settings(views)
+    if not lines:
+        return "the settings by name agree: the difference is in a value not shown by name"
+    return "settings that differ:\n    " + "\n    ".join(lines)
+
+
+def differing_settings(views: list[dict[str, str]]) -> list[str]:
+    """``name: rank 0 value, rank 1 value, ...`` for each setting on which ``views`` (one per rank) differ."""
+    names = sorted({k for v in views for k in v}, key=lambda k: (k.startswith("param_groups"), k))
+    return [
+        f"{k}: " + ", ".join(f"rank {r} {v.get(k, '(none)')}" for r, v in enumerate(views))
+        for k in names
+        if len({v.get(k) for v in views}) > 1
+    ]
 
 
 def _gather_sealed(transport, header: codec.Header, sealer, device) -> list[codec.Header]:
@@ -49,9 +96,7 @@ def _gather_sealed(transport, header: codec.Header, sealer, device) -> list[code
     rows = transport.all_gather(to_device(sealed, device), "header").cpu()
     sealing.check_uniform(rows, transport.rank)
     senders = [transport.global_rank(r) for r in range(rows.shape[0])]
-    headers = sealer.open_headers(rows, transport.step, senders, transport.rank)
-    codec.check_headers(headers, transport.rank)
-    return headers
+    return sealer.open_headers(rows, transport.step, senders, transport.rank)
 
 
 def fetch_rank0(params: list[torch.Tensor], transport, sealer=None) -> list[torch.Tensor]:

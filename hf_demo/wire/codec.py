@@ -716,5 +716,17 @@ def check_headers(headers: list[Header], rank: int) -> None:
         raise DeMoSyncError(f"DeMo ranks disagree (seen by rank {rank}):\n  " + "\n  ".join(problems))
 
 
+def settings_differ(headers: list[Header]) -> bool:
+    """Whether the ranks' settings checksums differ (same wire format, both signing or both not)."""
+    ref = headers[0]
+    return any(
+        h.magic == ref.magic
+        and h.version == ref.version
+        and (h.flags & FLAG_AUTH) == (ref.flags & FLAG_AUTH)
+        and h.settings_checksum != ref.settings_checksum
+        for h in headers
+    )
+
+
 def flagged(headers: list[Header], flag: int) -> list[int]:
     return [r for r, h in enumerate(headers) if h.flags & flag]
