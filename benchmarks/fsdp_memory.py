@@ -90,7 +90,7 @@ def rss_now() -> int:
 
 
 def local_bytes(t) -> int:
-    from hf_demo.topology.sharded import local
+    from hf_demo.topology.dtensor import local
 
     t = local(t)
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

@@ -185,7 +185,7 @@ def _unasked(path, model, optim_sd: dict) -> list[str]:
     parameters with rows on this rank)."""
     import torch.distributed.checkpoint as dcp
 
-    from hf_demo.topology.sharded import local_shape
+    from hf_demo.topology.dtensor import local_shape
 
     held = {name for name, p in model.named_parameters() if 0 not in local_shape(p)}
     wanted = {f"optimizer.state.{fqn}.{key}" for fqn, entry in optim_sd["state"].items() for key in entry}

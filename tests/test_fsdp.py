@@ -17,7 +17,7 @@ import torch.distributed as dist
 import hf_demo
 from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
-from hf_demo.topology.sharded import local
+from hf_demo.topology.dtensor import local
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -191,7 +191,7 @@ def _state(model, opt):
 
 def _one_bad_gradient(rank, world):
     """A NaN in rank 1's gradient shard (replica 0, shard 1) at step 1: every shard of every replica skips."""
-    from hf_demo.topology.sharded import local
+    from hf_demo.topology.dtensor import local
 
     model, opt = sharded(rank, comm_timeout=20.0)
     for step in range(4):
@@ -210,7 +210,7 @@ def test_a_nan_in_one_shard_skips_the_step_for_every_shard_and_replica():
 
 def _one_replica_drifts(rank, world, drift):
     """Rank 3 (replica 1, shard 1) holds a wrong copy of its shard of parameter 0 from step 2 on."""
-    from hf_demo.topology.sharded import local
+    from hf_demo.topology.dtensor import local
 
     model, opt = sharded(rank, check_every=1, drift=drift, comm_timeout=20.0)
     error = None
@@ -503,7 +503,13 @@ def _resumed(rank, world, where, kw, resume_at=None, shard_after=2):
     [
         {},
         {"update_rule": "sign", "value_format": "sign"},
-        {"exchange": "all_reduce", "value_format": "bf16", "sync_every": 2, "inner_rule": "adamw"},
+        {
+            "exchange": "all_reduce",
+            "value_format": "bf16",
+            "sync_every": 2,
+            "inner_rule": "adamw",
+            "update_rule": "sign",
+        },
         {"factory": True, "preset": "from_scratch", "update_rule": "sign", "value_format": "sign"},
     ],
     ids=["adam", "sign", "all_reduce_local_steps", "from_scratch_preset"],

@@ -19,7 +19,7 @@ from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
 from hf_demo.optim.state import PendingExchange, SavedState, saved_tensors
 from hf_demo.settings import DeMoSettings
-from hf_demo.topology.sharded import local
+from hf_demo.topology.dtensor import local
 
 
 def save(opt, sd: dict) -> dict:

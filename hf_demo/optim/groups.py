@@ -9,7 +9,7 @@ import torch
 from hf_demo.compression.blocks import MAX_BLOCK_SIZE, plan
 from hf_demo.errors import DeMoStateError
 from hf_demo.settings import DeMoSettings
-from hf_demo.topology.sharded import local_shape
+from hf_demo.topology.dtensor import local_shape
 from hf_demo.wire import codec
 
 GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()

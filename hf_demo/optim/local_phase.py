@@ -10,7 +10,7 @@ import torch
 from hf_demo.errors import DeMoNonFiniteError
 from hf_demo.exchange.transport import Traffic
 from hf_demo.guards.checks import any_nonfinite
-from hf_demo.topology.sharded import local
+from hf_demo.topology.dtensor import local
 
 
 def in_local_phase(opt) -> bool:

@@ -17,7 +17,7 @@ from hf_demo.exchange.transport import Traffic
 from hf_demo.optim.signals import rule_directions, whole_matrix_params
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
-from hf_demo.topology.sharded import local, local_shape
+from hf_demo.topology.dtensor import local, local_shape
 from hf_demo.wire import agreement
 
 

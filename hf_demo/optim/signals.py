@@ -14,7 +14,7 @@ from __future__ import annotations
 from hf_demo.compression import functional as F
 from hf_demo.guards.checks import any_nonfinite
 from hf_demo.optim import local_steps
-from hf_demo.topology.sharded import local
+from hf_demo.topology.dtensor import local
 
 
 class GradientSignal:

@@ -7,8 +7,9 @@ lists them by name; :func:`choose` picks one for an optimizer: ``sharded`` when 
 (:mod:`hf_demo.topology.sharded`), ``flat`` otherwise.
 """
 
+from hf_demo.topology.dtensor import is_sharded
 from hf_demo.topology.flat import FlatTopology
-from hf_demo.topology.sharded import ShardedTopology, is_sharded
+from hf_demo.topology.sharded import ShardedTopology
 
 TOPOLOGIES = {cls.name: cls for cls in (FlatTopology, ShardedTopology)}
 

@@ -29,21 +29,7 @@ import torch.distributed as dist
 from hf_demo.errors import DeMoPayloadError
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
-
-
-def is_sharded(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The tensor this rank computes on: a DTensor's local shard (a view: writes reach the parameter), else itself."""
-    return t.to_local() if t is not None and is_sharded(t) else t
-
-
-def local_shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple(local(p).shape)
+from hf_demo.topology.dtensor import is_sharded, local, local_shape, shard_rows
 
 
 @dataclass(frozen=True)
@@ -252,13 +238,6 @@ class ShardedTopology:
         mine = torch.tensor([value], dtype=torch.int64).view(torch.uint8).to(ctx.device)
         rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(mine, name)
         return rows.cpu().contiguous().view(torch.int64).flatten().tolist()
-
-
-def shard_rows(rows: int, shards: int) -> list[int]:
-    """The rows each shard holds of a dimension of ``rows`` cut by FSDP2's ``Shard(0)``: torch.chunk's pieces, then
-    empty shards (5 rows over 4 shards: 2, 2, 1, 0)."""
-    size = -(-rows // shards)
-    return [max(0, min(size, rows - r * size)) for r in range(shards)]
 
 
 class ShardedMatrices:
