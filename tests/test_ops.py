@@ -18,6 +18,8 @@ import torch
 from dist_utils import expect_ok, free_port, run_ranks
 from hf_demo.ops import HealthSettings, OpsSettings, cli, prices, shapes
 from hf_demo.ops import settings as ops_settings
+from hf_demo.ops.callbacks import _log_row, _window_summary
+from hf_demo.ops.exporters import Snapshot
 from hf_demo.ops.links import Link, edge_bytes
 from hf_demo.ops.methods import METHODS, Cluster, Workload, _demo_memory
 from hf_demo.ops.traffic import demo_collectives
@@ -142,52 +144,72 @@ def _faulty_run(rank, world, mode):
 
     handle = register_collective_hook(slow)
     monitor = StepMonitor(rank, rank, 1, None, sync_cuda=False)
+    # the same ranks seen as one node of 2 devices: nothing crosses nodes, the price table bills device-hours only
+    one_node = StepMonitor(rank, 0, 2, prices.load(PRICES), sync_cuda=False)
     # alerts need 0.15 s above their baseline: a loaded machine's stalls stay under it, the 0.4 s fault does not
     rules = HealthRules(HealthSettings(link_bandwidth="1gbit", min_excess_s=0.15))
-    alerts, sent, tiers = [], [], []
+    alerts, sent, tiers, samples, one_node_samples = [], [], [], [], []
     for step in range(16):
         monitor.step_begin(opt)
+        one_node.step_begin(opt)
         monitor.record_loss(loss_and_backward(model, rank, step))
         time.sleep(0.1)  # the step's computation: the exchange is a few % of it until the fault
         if mode == "resync" and step == 15 and rank == 1:
             with torch.no_grad():
                 model[0].weight.add_(1e-3)
         monitor.pre_optimizer()
+        one_node.pre_optimizer()
         opt.step()
         monitor.optimizer_done()
+        one_node.optimizer_done()
         sample = monitor.step_end(step + 1, opt)
+        one_node_samples.append(one_node.step_end(step + 1, opt))
+        samples.append(sample)
         sent.append(sample.bytes_sent)
         tiers.append(sample.tier)
         alerts += [a.as_dict() for a in rules.observe(sample, opt.settings.full_sync_every)]
     handle.remove()
     monitor.close()
+    one_node.close()
     shapes = [tuple(p.shape) for p in model.parameters()]
     planned = {  # the planner's bytes per step in each every-step tier
         i: sum(c.nbytes for c in demo_collectives(shapes, opt.settings, world, 1, t.value_format, t.topk_divisor, 1))
         for i, t in enumerate(opt.tiers)
         if t.sync_every == 1
     }
-    return alerts, list(zip(tiers, sent)), planned
+    # what this rank adds to the log row of steps 8-13 (the fault's), and the one-node view
+    window = (rank, _window_summary(samples[7:13]), Snapshot(monitor.totals, samples[12], 13, ""), {})
+    return alerts, list(zip(tiers, sent)), planned, window, one_node_samples
 
 
 @pytest.mark.ranks
-def test_a_slowed_link_is_seen_as_slow_exchange_slow_step_and_a_tier_change():
-    results = expect_ok(run_ranks(_faulty_run, 2, "slow", timeout=120))
-    (a0, sent0, planned), (a1, _, _) = results
+def test_a_slow_rank_is_named_the_straggler_and_the_waiting_rank_sees_a_slow_exchange():
+    """Rank 1 is slow before its payload at two steps; rank 0 waits for it inside the exchange. The step_time
+    alert and ops/slowest_rank name rank 1 (the rank the other waited for), not rank 0 (whose step is as long)."""
+    (a0, sent0, planned, window0, _), (a1, _, _, window1, one_node) = expect_ok(
+        run_ranks(_faulty_run, 2, "slow", timeout=120)
+    )
     # the planner's bytes are what DeMo sent, byte for byte, in whichever every-step tier a step ran: a loaded
     # machine can move the policy before the fault (a move down re-prepares its step: one header more)
     steady = [(t, n) for (before, _), (t, n) in zip([(0, 0), *sent0], sent0) if t == before and t in planned]
     assert len(steady) >= 6 and [n for _, n in steady] == [planned[t] for t, _ in steady], (sent0, planned)
     kinds0, kinds1 = {a["kind"] for a in a0}, {a["kind"] for a in a1}
-    assert {"exchange_time", "slow_link", "step_time", "tier_change"} <= kinds0, a0
-    assert {"step_time", "tier_change"} <= kinds1, a1  # the sleeper: its own step is slow, its wait is not
+    assert {"exchange_time", "slow_link", "tier_change"} <= kinds0 and "step_time" not in kinds0, a0
+    assert {"step_time", "tier_change"} <= kinds1, a1  # the sleeper: its own time is long, its wait is not
     assert all(a["step"] >= 10 for a in a0 + a1) and {a["rank"] for a in a0} == {0}
+    assert all(isinstance(a["time"], float) and abs(a["time"] - time.time()) < 600 for a in a0 + a1)
+    row = _log_row([window0, window1])
+    assert row["ops/slowest_rank"] == 1.0, (row, window0[1], window1[1])
+    # one node: DeMo's bytes crossed no site, so the running cost is device-hours alone
+    assert sum(s.bytes_received for s in one_node) > 0 and all(s.bytes_between_nodes == 0 for s in one_node)
+    hours = one_node[-1].wall_s / 3600
+    assert one_node[-1].cost == pytest.approx(hours * prices.load(PRICES).per_device_hour(2))
 
 
 @pytest.mark.ranks
 def test_forced_resyncs_repeat_and_a_drift_is_named():
     results = expect_ok(run_ranks(_faulty_run, 2, "resync", timeout=120))
-    for alerts, _, _ in results:
+    for alerts, *_ in results:
         by_kind = {}
         for a in alerts:
             by_kind.setdefault(a["kind"], []).append(a["step"])
@@ -313,9 +335,20 @@ def test_alerts_reach_the_log_the_metrics_and_other_callbacks(trainer_run):
     assert all(step == at for _, step, at in faults.alerts)  # delivered at the step they were seen
     rows = [r for r in trainer.state.log_history if "ops/alerts" in r]
     assert sum(r["ops/alerts"] for r in rows) == len(faults.alerts)
-    assert any(r.get("ops/alerts/loss_spike") for r in rows)
+    assert any(r.get("ops/alerts_loss_spike") for r in rows)
     written = [json.loads(line) for line in (tmp / "out" / "ops" / "alerts-rank0.jsonl").read_text().splitlines()]
     assert [(a["kind"], a["step"]) for a in written] == kinds
+    times = [a["time"] for a in written]  # wall-clock time on every alert, in order
+    assert times == sorted(times) and all(abs(t - time.time()) < 3600 for t in times)
+    assert all(a["time_utc"].endswith("Z") for a in written)
+
+
+def test_no_log_key_is_both_a_value_and_a_prefix(trainer_run):
+    """MLflow's file store keeps a metric as a file under its name's folders: `ops/alerts` and
+    `ops/alerts/<kind>` cannot both be stored."""
+    _, trainer, _ = trainer_run
+    keys = {k for row in trainer.state.log_history for k in row}
+    assert not [(a, b) for a in keys for b in keys if b.startswith(a + "/")]
 
 
 def test_the_parquet_log_reads_back_with_pandas(trainer_run):
@@ -340,6 +373,11 @@ def test_mlflow_gets_the_demo_and_ops_metrics(trainer_run):
     assert {"demo/ratio_to_dense", "ops/step_s", "ops/exchange_wait_s", "ops/cost", "ops/alerts", "eval_loss"} <= names
     history = client.get_metric_history(run.info.run_id, "ops/step_s")
     assert [m.step for m in history] == [5, 10, 15, 20, 25, 30] and all(m.value > 0 for m in history)
+    # every log row reached the store whole: epoch on each, and the alerts by kind
+    epochs = {m.step for m in client.get_metric_history(run.info.run_id, "epoch")}
+    assert {5, 10, 15, 20, 25, 30} <= epochs, epochs
+    by_kind = client.get_metric_history(run.info.run_id, "ops/alerts_loss_spike")
+    assert [m.value for m in by_kind if m.step == 15] == [1.0]
 
 
 # ---------------------------------------------------------------- the report, in a real browser
@@ -406,4 +444,77 @@ def test_rank0_endpoint_serves_every_ranks_series_over_http():
     sent = {s.labels["rank"]: s.value for s in samples if s.name == "hf_demo_bytes_sent_total"}
     assert sent == {"0": 100.0, "1": 200.0}
     assert {s.labels["run"] for s in samples} == {"r1"} and {s.labels["node"] for s in samples} == {"0", "1"}
-    assert [s.value for s in samples if s.name == "hf_demo_alerts_total"] == [0.0, 1.0]
+    alerts = {(s.labels["rank"], s.labels["kind"]): s.value for s in samples if s.name == "hf_demo_alerts_total"}
+    # every kind's counter from 0, so increase() sees the first alert of each kind
+    assert alerts == {(r, k): float(r == "1" and k == "step_time") for r in "01" for k in ops_settings.ALERT_KINDS}
+
+
+def _sample(step: int, step_s: float, rank: int = 0):
+    from hf_demo.ops.monitor import StepSample
+
+    return StepSample(step, rank, 0, 1.0, step_s, step_s / 2, 0.0, 0.0, 0.0, 50, 50, 400, 0, math.nan, 0, 0, 0, 0,
+                      1, 2, step, 1.0, math.nan, time.time())  # fmt: skip
+
+
+def test_the_endpoint_has_a_step_histogram_a_heartbeat_and_serves_until_the_last_step_is_scraped():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_demo.ops.exporters import PrometheusExporter, Snapshot
+    from hf_demo.ops.monitor import Totals
+
+    totals, port = Totals(), free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1", "r1")
+    for step, step_s in enumerate([0.2, 0.3, 0.4, 7.0], 1):
+        totals.add(_sample(step, step_s))
+        exporter.update(0, Snapshot(totals, _sample(step, step_s), step, ""))
+    exporter.close_later(linger_s=60)  # training ended: the last step has not been scraped yet
+    time.sleep(0.3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exporter._closer.join(timeout=30)  # then it stops, well before the linger is over
+    assert not exporter._closer.is_alive()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["hf_demo_step_duration_seconds"].type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in fams["hf_demo_step_duration_seconds"].samples if "le" in s.labels}
+    assert buckets["0.25"] == 1 and buckets["0.5"] == 3 and buckets["5.0"] == 3 and buckets["+Inf"] == 4
+    [beat] = fams["hf_demo_last_step_timestamp_seconds"].samples
+    assert abs(beat.value - time.time()) < 60
+    assert [s.value for s in fams["hf_demo_global_step"].samples] == [4.0]  # the last step, scraped
+
+
+def test_a_taken_port_is_a_clear_error():
+    import socket
+
+    from hf_demo.ops.exporters import PortInUseError, PrometheusExporter
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*HF_DEMO_OPS_PROMETHEUS_PORT"):
+            PrometheusExporter(port, "127.0.0.1", "r1")
+
+
+_TABLE_SCRIPT = """
+import os, signal, sys
+from hf_demo.ops.exporters import TableLog
+table = TableLog(sys.argv[1], 0, sys.argv[2], flush_steps=20)
+for step in range(14):
+    table.add({"step": step, "step_s": 0.1})
+if sys.argv[3] == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_the_table_log_keeps_every_row_at_exit_and_on_sigterm(tmp_path, fmt, end):
+    import pandas as pd
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _TABLE_SCRIPT, str(tmp_path), fmt, end], env=env, timeout=120)
+    assert done.returncode == (-15 if end == "sigterm" else 0)  # SIGTERM still ends the process as SIGTERM
+    table = pd.read_csv(tmp_path / "steps-rank0.csv") if fmt == "csv" else pd.read_parquet(tmp_path / "steps")
+    assert list(table["step"]) == list(range(14))

@@ -7,8 +7,9 @@ gathered from every rank at that row (one small all-gather of Python objects on 
 rank, where Trainer logs):
 
 =============================  ==========================================================================
-``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the slowest rank's, which is
-                               ``ops/slowest_rank``
+``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the longest rank's
+``ops/slowest_rank``           the rank the others waited for: the most own time (step and time outside it,
+                               less the wait on the exchange), which is ``ops/own_s_max``
 ``ops/forward_backward_s``     forward+backward per step (mean over ranks)
 ``ops/demo_compute_s``         DeMo's own computation per step (mean over ranks)
 ``ops/exchange_wait_s``        the wait on DeMo's exchange per step (mean over ranks; max: ``_max``)
@@ -18,7 +19,8 @@ rank, where Trainer logs):
 ``ops/bytes_saved_total``      the same since the start, summed over ranks
 ``ops/drift_checks``           fingerprint comparisons so far
 ``ops/cost``                   running cost estimate of every rank together (with a price table)
-``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts/<kind>`` by kind
+``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts_<kind>`` by kind (no key is
+                               both a value and a prefix of another: MLflow's file store keeps both)
 =============================  ==========================================================================
 """
 
@@ -80,8 +82,10 @@ class DeMoOpsCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.table is not None:
             self.table.flush()
-        if self.prometheus is not None:
-            self.prometheus.close()
+        if self.prometheus is not None:  # serves on until the last step is scraped (or the linger is over)
+            if self.settings.prometheus_mode == "rank0" and self.last is not None:
+                self.prometheus.update(self.rank, self._snapshot(state.global_step))
+            self.prometheus.close_later(self.settings.prometheus_linger_s)
             self.prometheus = None
         if self.monitor is not None:
             self.monitor.close()
@@ -154,7 +158,7 @@ def _window_summary(samples: list[StepSample]) -> dict:
         values = [getattr(s, key) for s in samples if not math.isnan(getattr(s, key))]
         return statistics.fmean(values) if values else math.nan
 
-    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s")}
+    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s", "own_s")}
     out["bandwidth"] = mean("bandwidth")
     out["saved"] = mean("bytes_saved") if samples else math.nan
     return out
@@ -169,11 +173,12 @@ def _log_row(everyone: list) -> dict:
         values = [w[key] for _, w in summaries if not math.isnan(w[key])]
         return statistics.fmean(values) if values else math.nan
 
-    slowest = max(summaries, key=lambda rw: rw[1]["step_s"])
+    slowest = max(summaries, key=lambda rw: rw[1]["own_s"])  # the rank the others waited for
     row = {
         "ops/step_s": mean("step_s"),
-        "ops/step_s_max": slowest[1]["step_s"],
+        "ops/step_s_max": max(w["step_s"] for _, w in summaries),
         "ops/slowest_rank": float(slowest[0]),
+        "ops/own_s_max": slowest[1]["own_s"],
         "ops/forward_backward_s": mean("forward_backward_s"),
         "ops/demo_compute_s": mean("demo_compute_s"),
         "ops/exchange_wait_s": mean("exchange_s"),
@@ -192,7 +197,7 @@ def _log_row(everyone: list) -> dict:
         for kind, n in counts.items():
             alerts[kind] = alerts.get(kind, 0) + n
     row["ops/alerts"] = float(sum(alerts.values()))
-    row.update({f"ops/alerts/{kind}": float(n) for kind, n in sorted(alerts.items())})
+    row.update({f"ops/alerts_{kind}": float(n) for kind, n in sorted(alerts.items())})
     return {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
