@@ -47,7 +47,9 @@ def main():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    ops = OpsSettings(run="launch-test", prometheus_port=script.prometheus_port, table_log="csv")
+    ops = OpsSettings(
+        run="launch-test", prometheus_port=script.prometheus_port, table_log="csv", prometheus_linger_s=1.0
+    )
     trainer = hf_demo.DeMoTrainer(
         model=LlamaForCausalLM(config), args=args, train_dataset=stdlib_blocks(64, 32), callbacks=[Scraper(script)],
         demo_ops=ops,
