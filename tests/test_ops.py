@@ -579,3 +579,56 @@ def test_promtool_checks_the_rules_and_they_fire_on_the_first_alert(tmp_path):
     tested = subprocess.run([promtool, "test", "rules", str(tmp_path / "t.yml")], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+# ---------------------------------------------------------------- the planner's sizes, without tensors
+@pytest.mark.parametrize("exchange", ["all_gather", "all_reduce"])
+@pytest.mark.parametrize("value_format", ["fp32", "bf16", "sign"])
+@pytest.mark.parametrize("index_coding", ["uint16", "elias_fano"])
+@pytest.mark.parametrize("positions", ["leader", "union"])
+def test_the_planned_payload_sizes_are_the_built_exchanges(exchange, value_format, index_coding, positions):
+    import dataclasses
+
+    from hf_demo.exchange import exchanges
+    from hf_demo.ops.traffic import demo_layouts, demo_payload
+
+    shapes_ = [(96, 40), (7, 130), (33,), (64, 64), (5, 3, 8)]
+    settings = DeMoSettings(compression_chunk=16, compression_topk=6, exchange=exchange, index_coding=index_coding,
+                            reduce_positions=positions)  # fmt: skip
+    spec = exchanges.ExchangeSpec(demo_layouts(shapes_, settings), value_format, index_coding, world=3,
+                                  positions=positions)  # fmt: skip
+    try:
+        built = exchanges.build(exchange, spec)
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=str(refused)[:40]):
+            demo_payload(shapes_, settings, 3, value_format)
+        return
+    sized = demo_payload(shapes_, settings, 3, value_format)
+    fields = ["payload_nbytes"] + (["index_nbytes", "dtype", "union", "nominated"] if exchange == "all_reduce" else [])
+    assert {f: getattr(sized, f) for f in fields} == {f: getattr(built, f) for f in fields}
+    assert dataclasses.is_dataclass(sized)
+
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+            "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+
+_PLAN_7B = """
+import resource, sys, time
+from hf_demo.ops import cli
+start = time.perf_counter()
+cli.main(["plan", "--model", sys.argv[1], "--nodes", "4", "--devices-per-node", "8", "--inter-node", "10gbit",
+          "--inter-latency", "20ms", "--compute-s", "1", "--steps-per-epoch", "100"])
+print("PLAN", time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_7b_plan_reads_shapes_from_the_config_in_seconds_and_little_memory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _PLAN_7B, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "6738M parameters" in done.stdout
+    seconds, peak = map(float, done.stdout.split("PLAN")[-1].split())
+    assert seconds < 5 and peak < 1e9, (seconds, peak)  # it took 95 s and 12.4 GB when it built the codecs
