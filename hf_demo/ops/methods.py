@@ -195,7 +195,10 @@ def demo_method(variant: str):
         refusal = _sharded_refusal(settings) if layout == "hsdp" else None
         if refusal:
             return _refused(variant, label, quality, refusal)
-        return demo_estimate(variant, label, quality, settings, cluster, work, layout)
+        try:
+            return demo_estimate(variant, label, quality, settings, cluster, work, layout)
+        except ValueError as exc:  # the exchange refuses this variant's settings (e.g. all_reduce with sign)
+            return _refused(variant, label, quality, str(exc))
 
     return estimate
 
