@@ -3,6 +3,8 @@ injected faults, the run report (rendered by a real headless Chromium)."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import math
 import os
@@ -725,3 +727,38 @@ def test_a_7b_plan_reads_shapes_from_the_config_in_seconds_and_little_memory(tmp
     assert "6738M parameters" in done.stdout
     seconds, peak = map(float, done.stdout.split("PLAN")[-1].split())
     assert seconds < 5 and peak < 1e9, (seconds, peak)  # it took 95 s and 12.4 GB when it built the codecs
+
+
+# ---------------------------------------------------------------- DeMo's parts in profiler traces
+def test_a_profiler_trace_names_demos_parts(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_demo import DeMo
+
+    model = tiny_mlp(0)
+    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4)
+    loss_and_backward(model, 0, 0)
+    opt.step()  # the first step's set-up outside the trace
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_and_backward(model, 0, 1)
+        opt.step()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))  # what TensorBoard and Perfetto open
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    wanted = {f"DeMo.{part}" for part in ("step", "plan", "momentum", "compress", "exchange", "vote", "update")}
+    assert wanted <= names, wanted - names
+    [step] = [e for e in events if e.get("name") == "DeMo.step"]
+    inside = [e for e in events if e.get("name") in wanted - {"DeMo.step"}]
+    assert all(step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1 for e in inside)
+
+
+def test_python_3_10_reads_price_tables_with_tomli_or_says_how(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10, which has no tomllib
+    if importlib.util.find_spec("tomli") is None:
+        monkeypatch.setitem(sys.modules, "tomli", None)
+        with pytest.raises(ImportError, match="pip install tomli"):
+            prices.load(PRICES)
+    else:
+        assert prices.load(PRICES).per_gb == 0.02
+    tree = ast.parse((ROOT / "hf_demo" / "ops" / "prices.py").read_text())  # importing it needs no tomllib
+    assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and "toml" in ast.dump(n)]
