@@ -488,10 +488,9 @@ def pct(a, b):
 
 
 def load_prices(path: Path) -> dict:
-    from hf_demo.ops.prices import _toml
+    from hf_demo.ops.prices import read_toml
 
-    with open(path, "rb") as f:
-        return _toml().load(f)
+    return read_toml(path)
 
 
 def ddp_wait(s: dict, ref: dict | None) -> float | None:

@@ -44,11 +44,16 @@ class Prices:
         return device_hours * self.per_device_hour(devices_per_node) + gb_between_sites * self.per_gb
 
 
-def load(path: str | Path) -> Prices:
-    """Read a price table; a missing key is named with the file."""
+def read_toml(path: str | Path) -> dict:
+    """A TOML file as a dict (``tomllib``, or ``tomli`` on Python 3.10)."""
     toml = _toml()
     with open(path, "rb") as f:
-        table = toml.load(f)
+        return toml.load(f)
+
+
+def load(path: str | Path) -> Prices:
+    """Read a price table; a missing key is named with the file."""
+    table = read_toml(path)
     compute, traffic = table.get("compute", {}), table.get("traffic", {})
     device, node = compute.get("device_per_hour"), compute.get("node_per_hour")
     if device is None and node is None:
