@@ -762,3 +762,55 @@ def test_python_3_10_reads_price_tables_with_tomli_or_says_how(monkeypatch):
         assert prices.load(PRICES).per_gb == 0.02
     tree = ast.parse((ROOT / "hf_demo" / "ops" / "prices.py").read_text())  # importing it needs no tomllib
     assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and "toml" in ast.dump(n)]
+
+
+# ---------------------------------------------------------------- the report's whole-run figures
+def test_the_report_states_the_whole_run_its_configuration_and_every_rank(tmp_path):
+    from hf_demo.ops import report
+
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    rows = [  # the last window's ratio (0.21: a synchronisation) is not the run's
+        {"step": 10, "loss": 2.0, "demo/total_bytes_sent": 60.0, "demo/dense_allreduce_bytes_per_step": 1000.0,
+         "demo/ratio_to_dense": 0.006, "ops/tokens_per_s": 100.0},
+        {"step": 20, "loss": 1.5, "demo/total_bytes_sent": 2160.0, "demo/dense_allreduce_bytes_per_step": 1000.0,
+         "demo/ratio_to_dense": 0.21, "ops/tokens_per_s": 120.0},
+    ]  # fmt: skip
+    (ops / "log_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.run_ratio(rows, []) == pytest.approx(2160 / 20000)
+    for rank in (0, 1):  # rank 1 is the straggler: its own time is long, rank 0 waits for it
+        lines = ["step,rank,wall_s,step_s,other_s,exchange_s,bytes_sent,dense_bytes,tokens"]
+        lines += [f"{s},{rank},{s * 0.6},0.6,0.0,{0.5 if rank == 0 else 0.0},{3 if s < 20 else 30},1000,64"
+                  for s in range(1, 21)]  # fmt: skip
+        (ops / f"steps-rank{rank}.csv").write_text("\n".join(lines) + "\n")
+    (ops / "run.json").write_text(json.dumps({"run": "r", "world_size": 2, "demo": {"compression_topk": 32},
+                                              "trainer": {"learning_rate": 0.001}}))  # fmt: skip
+    alert = {"kind": "step_time", "step": 12, "rank": 1, "node": 0, "message": "slow", "value": 1.0,
+             "baseline": 0.1, "severity": "warning", "time": 0.0, "time_utc": "1970-01-01T00:00:00Z"}  # fmt: skip
+    (ops / "alerts-rank1.jsonl").write_text(json.dumps(alert) + "\n")
+    steps = report.step_rows(tmp_path)
+    assert report.run_ratio(rows, steps) == pytest.approx((19 * 3 + 30) * 2 / 40000)  # the table's sums
+    assert report.run_tokens_per_s(rows, steps) == pytest.approx(40 * 64 / 12.0)
+    assert report.alert_marks(report.alerts(tmp_path)) == [(12, "step_time r1")]
+    own = dict(report._per_rank(report._with_own_time(steps), "own_s"))
+    assert own["rank 1"][1][0] == pytest.approx(0.6) and own["rank 0"][1][0] == pytest.approx(0.1)
+    page = report.render(tmp_path)
+    assert "whole run</td><td>0.00435<" in page and "last logging window</td><td>0.21" in page
+    assert "DeMo compression_topk</td><td>32" in page and "1970-01-01T00:00:00Z" in page
+    assert "Own time per rank" in page and "Tokens per second" in page
+
+
+def test_tokens_are_counted_from_the_inputs_at_the_steps_end():
+    from hf_demo.ops.monitor import StepMonitor
+
+    monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
+    try:
+        monitor.step_begin()
+        monitor.record_tokens(
+            {"input_ids": torch.ones(2, 8), "attention_mask": torch.tensor([[1] * 8, [1] * 5 + [0] * 3])}
+        )
+        monitor.record_tokens({"input_ids": torch.ones(4, 8)})
+        monitor.record_tokens({"x": torch.ones(3)})  # no tokens there
+        assert monitor.step_end(1).tokens == 13 + 32
+    finally:
+        monitor.close()

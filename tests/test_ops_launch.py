@@ -1,6 +1,7 @@
 """The Prometheus endpoint of every rank, scraped over loopback HTTP during a real 2-process DeMoTrainer run."""
 
 import csv
+import json
 import socket
 
 import pytest
@@ -48,7 +49,12 @@ def test_every_ranks_prometheus_endpoint_is_scraped_during_training(tmp_path):
         assert mine["hf_demo_bytes_received_total"].value > 0 and mine["hf_demo_dense_bytes_total"].value > 0
         waited = [s for s in samples if s.name == "hf_demo_step_seconds_total" and s.labels["part"] == "exchange"]
         assert waited and waited[0].value > 0
+        assert {s.labels["kind"] for s in samples if s.name == "hf_demo_alerts_total"} >= {"step_time", "drift"}
+        assert mine["hf_demo_step_duration_seconds_count"].value == mine["hf_demo_steps_total"].value
     rows = [list(csv.DictReader(open(out / "ops" / f"steps-rank{r}.csv"))) for r in (0, 1)]
     assert [len(r) for r in rows] == [6, 6] and rows[0][0]["bytes_sent"] == rows[1][0]["bytes_sent"]
     logged = [r for r in (out / "ops" / "log_history.jsonl").read_text().splitlines() if "ops/step_s_max" in r]
     assert len(logged) == 2  # rank 0's log rows, with every rank's figures gathered
+    assert all(json.loads(r)["ops/tokens_per_s"] > 0 for r in logged)  # the batches' tokens, every rank
+    config = json.loads((out / "ops" / "run.json").read_text())
+    assert config["world_size"] == 2 and config["demo"]["compression_topk"] > 0

@@ -167,6 +167,7 @@ class DeMoTrainerMixin:
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.demo_ops is not None:
             self.demo_ops.record_loss(loss)
+            self.demo_ops.record_inputs(inputs)
         return loss
 
     # ------------------------------------------------------------------ metrics

@@ -19,6 +19,7 @@ rank, where Trainer logs):
 ``ops/bytes_saved_total``      the same since the start, summed over ranks
 ``ops/drift_checks``           fingerprint comparisons so far
 ``ops/cost``                   running cost estimate of every rank together (with a price table)
+``ops/tokens_per_s``           every rank's input tokens over the window's wall time (inputs with input_ids)
 ``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts_<kind>`` by kind (no key is
                                both a value and a prefix of another: MLflow's file store keeps both)
 =============================  ==========================================================================
@@ -26,6 +27,7 @@ rank, where Trainer logs):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -40,6 +42,12 @@ from hf_demo.ops.health import Alert, DeMoHealthCallback
 from hf_demo.ops.monitor import StepMonitor, StepSample
 from hf_demo.ops.prices import load as load_prices
 from hf_demo.ops.settings import OpsSettings
+
+TRAINER_KEYS = (  # the Trainer arguments ops/run.json keeps
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
+    "warmup_steps", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs", "seed", "bf16", "fp16",
+    "optim", "logging_steps", "output_dir",
+)  # fmt: skip
 
 
 def rank_and_node(args) -> tuple[int, int, int]:
@@ -63,6 +71,7 @@ class DeMoOpsCallback(TrainerCallback):
         self.window_alerts: dict[str, int] = {}
         self.last: StepSample | None = None
         self.run, self.folder, self.rank, self.currency = "", Path("."), 0, ""
+        self._config_written = False
 
     # ---------------------------------------------------------------- lifecycle
     def on_train_begin(self, args, state, control, **kwargs):
@@ -108,6 +117,8 @@ class DeMoOpsCallback(TrainerCallback):
             return
         opt = unwrap_optimizer(optimizer)
         sample = self.monitor.step_end(state.global_step, opt)
+        if not self._config_written:
+            self._write_run_config(args, opt)
         self.last = sample
         self.window.append(sample)
         if self.health is not None:
@@ -126,6 +137,22 @@ class DeMoOpsCallback(TrainerCallback):
     def record_loss(self, loss) -> None:
         if self.monitor is not None:
             self.monitor.record_loss(loss)
+
+    def record_inputs(self, inputs) -> None:
+        """A micro-batch's inputs (their tokens: ``ops/tokens_per_s``)."""
+        if self.monitor is not None:
+            self.monitor.record_tokens(inputs)
+
+    def _write_run_config(self, args, opt) -> None:
+        """Rank 0 writes ``ops/run.json``: the run's DeMo settings, world and Trainer arguments (the report's)."""
+        self._config_written = True
+        if self.rank != 0 or opt is None:
+            return
+        chosen = {k: getattr(args, k, None) for k in TRAINER_KEYS}
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        config = {"run": self.run, "world_size": world, "demo": opt.settings.as_dict(), "trainer": chosen}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "run.json").write_text(json.dumps(config, indent=1, default=str))
 
     def _snapshot(self, global_step: int) -> exporters.Snapshot:
         return exporters.Snapshot(self.monitor.totals, self.last, global_step, self.currency)
@@ -161,6 +188,8 @@ def _window_summary(samples: list[StepSample]) -> dict:
     out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s", "own_s")}
     out["bandwidth"] = mean("bandwidth")
     out["saved"] = mean("bytes_saved") if samples else math.nan
+    out["tokens"] = float(sum(s.tokens for s in samples))
+    out["span_s"] = float(sum(s.step_s + s.other_s for s in samples))  # the window's wall time on this rank
     return out
 
 
@@ -189,6 +218,9 @@ def _log_row(everyone: list) -> dict:
         "ops/bytes_saved_total": float(sum(s.totals.dense_bytes - s.totals.bytes_sent for _, _, s, _ in everyone)),
         "ops/drift_checks": float(max(s.totals.drift_checks for _, _, s, _ in everyone)),
     }
+    tokens, span = sum(w.get("tokens", 0.0) for _, w in summaries), mean("span_s")
+    if tokens > 0 and span > 0:
+        row["ops/tokens_per_s"] = tokens / span  # every rank's tokens over the window's wall time
     costs = [s.last.cost for _, _, s, _ in everyone if s.last is not None and not math.isnan(s.last.cost)]
     if costs:
         row["ops/cost"] = float(sum(costs))

@@ -62,6 +62,7 @@ class StepSample:
     loss: float | None  # the step's training loss as the trainer sums it (None: none recorded)
     cost: float  # this rank's running cost estimate (nan without a price table)
     timestamp: float = math.nan  # Unix time at the step's end
+    tokens: float = 0.0  # tokens of the step's inputs on this rank (0: none recorded)
 
     @property
     def bytes_saved(self) -> float:
@@ -144,6 +145,7 @@ class StepMonitor:
         self._last_end = self.start
         self._before = None
         self._losses: list = []
+        self._tokens: list = []
         self._node_bytes = _NodeBytes()
         self._first_exchange = True
         self._remote_share: dict = {}
@@ -160,6 +162,7 @@ class StepMonitor:
         self._marks = {"begin": self._now()}
         self._before = _counters(opt)
         self._losses = []
+        self._tokens = []
 
     def pre_optimizer(self) -> None:
         self._marks["pre_optimizer"] = self._now()
@@ -170,6 +173,17 @@ class StepMonitor:
     def record_loss(self, loss) -> None:
         """A micro-batch's loss as the trainer sums it (a tensor is read at the step's end, once)."""
         self._losses.append(loss.detach() if torch.is_tensor(loss) else float(loss))
+
+    def record_tokens(self, inputs) -> None:
+        """A micro-batch's tokens: its attention mask's ones, else its ``input_ids``' count (read at the step's
+        end, once; inputs without either count nothing)."""
+        if not hasattr(inputs, "get"):
+            return
+        mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+        if torch.is_tensor(mask):
+            self._tokens.append(mask.detach().sum())
+        elif torch.is_tensor(ids):
+            self._tokens.append(ids.numel())
 
     def step_end(self, step: int, opt=None) -> StepSample:
         end = self._now()
@@ -207,6 +221,7 @@ class StepMonitor:
             loss=self._loss(),
             cost=math.nan,
             timestamp=time.time(),
+            tokens=float(sum(int(t) for t in self._tokens)),
         )
         self.totals.add(sample)
         sample.cost = self.cost(sample.wall_s)
