@@ -814,3 +814,52 @@ def test_tokens_are_counted_from_the_inputs_at_the_steps_end():
         assert monitor.step_end(1).tokens == 13 + 32
     finally:
         monitor.close()
+
+
+# ---------------------------------------------------------------- the planner's time model and its sources
+def test_latency_is_paid_per_hop_on_the_link_the_hop_crosses():
+    from hf_demo.ops.links import collective_seconds
+
+    inter, intra = Link(10e9 / 8, 0.05), Link(100e9 / 8, 5e-6)
+    n = 25 * 2**20
+    flat = collective_seconds("all_reduce", n, 32, inter)  # the old model: 31 hops at 50 ms, twice
+    aware = collective_seconds("all_reduce", n, 32, inter, intra, per_node=8)
+    transfer = 2 * 31 / 32 * n / inter.bandwidth
+    assert aware == pytest.approx(transfer + 2 * (3 * 0.05 + 28 * 5e-6))  # 3 hops between the 4 nodes, 28 inside
+    assert flat == pytest.approx(transfer + 2 * 31 * 0.05)
+    one_per_node = collective_seconds("all_gather", 1000, 4, inter, intra, per_node=1)
+    assert one_per_node == pytest.approx(3 * 1000 / inter.bandwidth + 3 * 0.05)
+
+
+def test_a_4x8_ddp_step_pays_latency_between_nodes_only_where_a_ring_crosses_them():
+    work = Workload(shapes.parse_shapes("49152x576,576x1536*90,576x576*120"), 1.0)
+    cluster = Cluster(4, 8, Link.parse("400gbit", "5us"), Link.parse("10gbit", "50ms"))
+    est = METHODS["ddp-adamw"](cluster, work)
+    buckets = len(est.collectives)
+    latency = buckets * 2 * (3 * 0.05 + 28 * 5e-6)
+    assert est.exchange_s(cluster) < latency + 2 * 31 / 32 * 4 * work.n_params / (10e9 / 8)  # not 2 x 31 x 50 ms
+    assert est.exchange_s(cluster) > latency * 0.5
+
+
+def _slugs(markdown: str) -> set[str]:
+    import re
+
+    heads = [line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_the_recommendation_states_its_loss_cost_from_pages_that_exist(capsys):
+    import re
+
+    from hf_demo.ops.methods import LOSS_COST
+
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert {section for _, section in LOSS_COST.values()} <= _slugs(results)
+    assert cli.main([*PLAN, *SHAPES, "--inter-latency", "20ms"]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Recommended")]
+    assert "its cost in loss: " in line
+    for page, anchor in re.findall(r"(docs/[\w/.-]+\.md)#?([\w-]*)", line):
+        assert (ROOT / page).is_file(), page
+        assert not anchor or anchor in _slugs((ROOT / page).read_text()), anchor
+    sources = [*(ROOT / "hf_demo" / "ops").glob("*.py"), ROOT / "docs" / "guides" / "operations.md"]
+    assert not [p for p in sources if "CONVERGENCE.md" in p.read_text() or "docs/WAN.md" in p.read_text()]
