@@ -863,3 +863,14 @@ def test_the_recommendation_states_its_loss_cost_from_pages_that_exist(capsys):
         assert not anchor or anchor in _slugs((ROOT / page).read_text()), anchor
     sources = [*(ROOT / "hf_demo" / "ops").glob("*.py"), ROOT / "docs" / "guides" / "operations.md"]
     assert not [p for p in sources if "CONVERGENCE.md" in p.read_text() or "docs/WAN.md" in p.read_text()]
+
+
+def test_plan_check_compares_the_kept_runs_and_says_what_latency_would_add(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    out = tmp_path / "plan_check.md"
+    assert plan_check.main(["--out", str(out), "--latency", "20ms"]) == 0
+    text = out.read_text()
+    assert "| 4 nodes, 100mbit per link | adamw |" in text and "## Latency: predicted only" in text
+    assert "no wan_runs.json beside it" in text  # a folder it cannot plan is named, not a traceback
