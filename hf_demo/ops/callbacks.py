@@ -31,9 +31,11 @@ import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from hf_demo.hf.data_parallel import unwrap_optimizer
@@ -72,6 +74,8 @@ class DeMoOpsCallback(TrainerCallback):
         self.last: StepSample | None = None
         self.run, self.folder, self.rank, self.currency = "", Path("."), 0, ""
         self._config_written = False
+        self._hooks: list = []
+        self._watched = None
 
     # ---------------------------------------------------------------- lifecycle
     def on_train_begin(self, args, state, control, **kwargs):
@@ -96,6 +100,7 @@ class DeMoOpsCallback(TrainerCallback):
                 self.prometheus.update(self.rank, self._snapshot(state.global_step))
             self.prometheus.close_later(self.settings.prometheus_linger_s)
             self.prometheus = None
+        self._unwatch()
         if self.monitor is not None:
             self.monitor.close()
 
@@ -137,6 +142,29 @@ class DeMoOpsCallback(TrainerCallback):
     def record_loss(self, loss) -> None:
         if self.monitor is not None:
             self.monitor.record_loss(loss)
+
+    def watch_forward(self, wrapped) -> None:
+        """Time DDP's work before the model's forward at every micro-batch (its broadcast of the buffers: a
+        collective in which the ranks wait for the slowest), so a rank's own time leaves it out."""
+        inner = getattr(wrapped, "module", None)
+        if self.monitor is None or not isinstance(wrapped, DistributedDataParallel) or self._watched is wrapped:
+            return
+        self._unwatch()
+        self._watched, started = wrapped, []
+
+        def enter(*_):
+            started.append(time.perf_counter())
+
+        def inside(*_):
+            if started and self.monitor is not None:
+                self.monitor.record_forward_wait(time.perf_counter() - started.pop())
+
+        self._hooks = [wrapped.register_forward_pre_hook(enter), inner.register_forward_pre_hook(inside)]
+
+    def _unwatch(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._watched = [], None
 
     def record_inputs(self, inputs) -> None:
         """A micro-batch's inputs (their tokens: ``ops/tokens_per_s``)."""

@@ -117,7 +117,8 @@ class HealthRules:
         if base is not None:
             split = (
                 f"forward+backward {s.forward_backward_s:.3g} s, DeMo compute {s.demo_compute_s:.3g} s, "
-                f"outside the step {s.other_s:.3g} s; waited on the exchange {s.exchange_s:.3g} s"
+                f"outside the step {s.other_s:.3g} s; waited on the exchange {s.exchange_s:.3g} s and on DDP's "
+                f"buffer broadcast {s.forward_wait_s:.3g} s"
             )
             why = (
                 f"this rank's own time was {s.own_s:.3g} s, {s.own_s / base:.1f}x its baseline {base:.3g} s "

@@ -63,6 +63,7 @@ class StepSample:
     cost: float  # this rank's running cost estimate (nan without a price table)
     timestamp: float = math.nan  # Unix time at the step's end
     tokens: float = 0.0  # tokens of the step's inputs on this rank (0: none recorded)
+    forward_wait_s: float = 0.0  # inside forward_backward: DDP's work before the model's forward (its buffer broadcast)
 
     @property
     def bytes_saved(self) -> float:
@@ -70,8 +71,9 @@ class StepSample:
 
     @property
     def own_s(self) -> float:
-        """The rank's own time: the step and the time outside it, less the wait on DeMo's exchange."""
-        return max(0.0, self.step_s + self.other_s - self.exchange_s)
+        """The rank's own time: the step and the time outside it, less the waits on DeMo's exchange and on DDP's
+        broadcast of the buffers before each forward."""
+        return max(0.0, self.step_s + self.other_s - self.exchange_s - self.forward_wait_s)
 
     def row(self, run: str) -> dict:
         return {"run": run, **asdict(self), "bytes_saved": self.bytes_saved, "own_s": self.own_s}
@@ -146,6 +148,7 @@ class StepMonitor:
         self._before = None
         self._losses: list = []
         self._tokens: list = []
+        self._forward_wait = 0.0
         self._node_bytes = _NodeBytes()
         self._first_exchange = True
         self._remote_share: dict = {}
@@ -163,6 +166,7 @@ class StepMonitor:
         self._before = _counters(opt)
         self._losses = []
         self._tokens = []
+        self._forward_wait = 0.0
 
     def pre_optimizer(self) -> None:
         self._marks["pre_optimizer"] = self._now()
@@ -173,6 +177,10 @@ class StepMonitor:
     def record_loss(self, loss) -> None:
         """A micro-batch's loss as the trainer sums it (a tensor is read at the step's end, once)."""
         self._losses.append(loss.detach() if torch.is_tensor(loss) else float(loss))
+
+    def record_forward_wait(self, seconds: float) -> None:
+        """Time spent before a micro-batch's forward in a collective (DDP's buffer broadcast)."""
+        self._forward_wait += seconds
 
     def record_tokens(self, inputs) -> None:
         """A micro-batch's tokens: its attention mask's ones, else its ``input_ids``' count (read at the step's
@@ -222,6 +230,7 @@ class StepMonitor:
             cost=math.nan,
             timestamp=time.time(),
             tokens=float(sum(int(t) for t in self._tokens)),
+            forward_wait_s=self._forward_wait,
         )
         self.totals.add(sample)
         sample.cost = self.cost(sample.wall_s)
