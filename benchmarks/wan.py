@@ -488,10 +488,9 @@ def pct(a, b):
 
 
 def load_prices(path: Path) -> dict:
-    import tomllib
+    from hf_demo.ops.prices import read_toml
 
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    return read_toml(path)
 
 
 def ddp_wait(s: dict, ref: dict | None) -> float | None:

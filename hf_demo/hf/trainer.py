@@ -180,9 +180,12 @@ class DeMoTrainerMixin:
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
             unwrap_optimizer(self.optimizer).context = "trainer"  # its errors name Trainer's switches
+        if self.demo_ops is not None:
+            self.demo_ops.watch_forward(model)  # DDP's buffer broadcast: a wait, not this rank's own time
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.demo_ops is not None:
             self.demo_ops.record_loss(loss)
+            self.demo_ops.record_inputs(inputs)
         return loss
 
     # ------------------------------------------------------------------ metrics

@@ -7,8 +7,9 @@ gathered from every rank at that row (one small all-gather of Python objects on 
 rank, where Trainer logs):
 
 =============================  ==========================================================================
-``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the slowest rank's, which is
-                               ``ops/slowest_rank``
+``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the longest rank's
+``ops/slowest_rank``           the rank the others waited for: the most own time (step and time outside it,
+                               less the wait on the exchange), which is ``ops/own_s_max``
 ``ops/forward_backward_s``     forward+backward per step (mean over ranks)
 ``ops/demo_compute_s``         DeMo's own computation per step (mean over ranks)
 ``ops/exchange_wait_s``        the wait on DeMo's exchange per step (mean over ranks; max: ``_max``)
@@ -18,18 +19,23 @@ rank, where Trainer logs):
 ``ops/bytes_saved_total``      the same since the start, summed over ranks
 ``ops/drift_checks``           fingerprint comparisons so far
 ``ops/cost``                   running cost estimate of every rank together (with a price table)
-``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts/<kind>`` by kind
+``ops/tokens_per_s``           every rank's input tokens over the window's wall time (inputs with input_ids)
+``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts_<kind>`` by kind (no key is
+                               both a value and a prefix of another: MLflow's file store keeps both)
 =============================  ==========================================================================
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from hf_demo.hf.data_parallel import unwrap_optimizer
@@ -38,6 +44,12 @@ from hf_demo.ops.health import Alert, DeMoHealthCallback
 from hf_demo.ops.monitor import StepMonitor, StepSample
 from hf_demo.ops.prices import load as load_prices
 from hf_demo.ops.settings import OpsSettings
+
+TRAINER_KEYS = (  # the Trainer arguments ops/run.json keeps
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
+    "warmup_steps", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs", "seed", "bf16", "fp16",
+    "optim", "logging_steps", "output_dir",
+)  # fmt: skip
 
 
 def rank_and_node(args) -> tuple[int, int, int]:
@@ -61,6 +73,9 @@ class DeMoOpsCallback(TrainerCallback):
         self.window_alerts: dict[str, int] = {}
         self.last: StepSample | None = None
         self.run, self.folder, self.rank, self.currency = "", Path("."), 0, ""
+        self._config_written = False
+        self._hooks: list = []
+        self._watched = None
 
     # ---------------------------------------------------------------- lifecycle
     def on_train_begin(self, args, state, control, **kwargs):
@@ -80,9 +95,12 @@ class DeMoOpsCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.table is not None:
             self.table.flush()
-        if self.prometheus is not None:
-            self.prometheus.close()
+        if self.prometheus is not None:  # serves on until the last step is scraped (or the linger is over)
+            if self.settings.prometheus_mode == "rank0" and self.last is not None:
+                self.prometheus.update(self.rank, self._snapshot(state.global_step))
+            self.prometheus.close_later(self.settings.prometheus_linger_s)
             self.prometheus = None
+        self._unwatch()
         if self.monitor is not None:
             self.monitor.close()
 
@@ -104,6 +122,8 @@ class DeMoOpsCallback(TrainerCallback):
             return
         opt = unwrap_optimizer(optimizer)
         sample = self.monitor.step_end(state.global_step, opt)
+        if not self._config_written:
+            self._write_run_config(args, opt)
         self.last = sample
         self.window.append(sample)
         if self.health is not None:
@@ -122,6 +142,45 @@ class DeMoOpsCallback(TrainerCallback):
     def record_loss(self, loss) -> None:
         if self.monitor is not None:
             self.monitor.record_loss(loss)
+
+    def watch_forward(self, wrapped) -> None:
+        """Time DDP's work before the model's forward at every micro-batch (its broadcast of the buffers: a
+        collective in which the ranks wait for the slowest), so a rank's own time leaves it out."""
+        inner = getattr(wrapped, "module", None)
+        if self.monitor is None or not isinstance(wrapped, DistributedDataParallel) or self._watched is wrapped:
+            return
+        self._unwatch()
+        self._watched, started = wrapped, []
+
+        def enter(*_):
+            started.append(time.perf_counter())
+
+        def inside(*_):
+            if started and self.monitor is not None:
+                self.monitor.record_forward_wait(time.perf_counter() - started.pop())
+
+        self._hooks = [wrapped.register_forward_pre_hook(enter), inner.register_forward_pre_hook(inside)]
+
+    def _unwatch(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._watched = [], None
+
+    def record_inputs(self, inputs) -> None:
+        """A micro-batch's inputs (their tokens: ``ops/tokens_per_s``)."""
+        if self.monitor is not None:
+            self.monitor.record_tokens(inputs)
+
+    def _write_run_config(self, args, opt) -> None:
+        """Rank 0 writes ``ops/run.json``: the run's DeMo settings, world and Trainer arguments (the report's)."""
+        self._config_written = True
+        if self.rank != 0 or opt is None:
+            return
+        chosen = {k: getattr(args, k, None) for k in TRAINER_KEYS}
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        config = {"run": self.run, "world_size": world, "demo": opt.settings.as_dict(), "trainer": chosen}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "run.json").write_text(json.dumps(config, indent=1, default=str))
 
     def _snapshot(self, global_step: int) -> exporters.Snapshot:
         return exporters.Snapshot(self.monitor.totals, self.last, global_step, self.currency)
@@ -154,9 +213,11 @@ def _window_summary(samples: list[StepSample]) -> dict:
         values = [getattr(s, key) for s in samples if not math.isnan(getattr(s, key))]
         return statistics.fmean(values) if values else math.nan
 
-    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s")}
+    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s", "own_s")}
     out["bandwidth"] = mean("bandwidth")
     out["saved"] = mean("bytes_saved") if samples else math.nan
+    out["tokens"] = float(sum(s.tokens for s in samples))
+    out["span_s"] = float(sum(s.step_s + s.other_s for s in samples))  # the window's wall time on this rank
     return out
 
 
@@ -169,11 +230,12 @@ def _log_row(everyone: list) -> dict:
         values = [w[key] for _, w in summaries if not math.isnan(w[key])]
         return statistics.fmean(values) if values else math.nan
 
-    slowest = max(summaries, key=lambda rw: rw[1]["step_s"])
+    slowest = max(summaries, key=lambda rw: rw[1]["own_s"])  # the rank the others waited for
     row = {
         "ops/step_s": mean("step_s"),
-        "ops/step_s_max": slowest[1]["step_s"],
+        "ops/step_s_max": max(w["step_s"] for _, w in summaries),
         "ops/slowest_rank": float(slowest[0]),
+        "ops/own_s_max": slowest[1]["own_s"],
         "ops/forward_backward_s": mean("forward_backward_s"),
         "ops/demo_compute_s": mean("demo_compute_s"),
         "ops/exchange_wait_s": mean("exchange_s"),
@@ -184,6 +246,9 @@ def _log_row(everyone: list) -> dict:
         "ops/bytes_saved_total": float(sum(s.totals.dense_bytes - s.totals.bytes_sent for _, _, s, _ in everyone)),
         "ops/drift_checks": float(max(s.totals.drift_checks for _, _, s, _ in everyone)),
     }
+    tokens, span = sum(w.get("tokens", 0.0) for _, w in summaries), mean("span_s")
+    if tokens > 0 and span > 0:
+        row["ops/tokens_per_s"] = tokens / span  # every rank's tokens over the window's wall time
     costs = [s.last.cost for _, _, s, _ in everyone if s.last is not None and not math.isnan(s.last.cost)]
     if costs:
         row["ops/cost"] = float(sum(costs))
@@ -192,7 +257,7 @@ def _log_row(everyone: list) -> dict:
         for kind, n in counts.items():
             alerts[kind] = alerts.get(kind, 0) + n
     row["ops/alerts"] = float(sum(alerts.values()))
-    row.update({f"ops/alerts/{kind}": float(n) for kind, n in sorted(alerts.items())})
+    row.update({f"ops/alerts_{kind}": float(n) for kind, n in sorted(alerts.items())})
     return {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
 
 

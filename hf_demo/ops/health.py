@@ -6,7 +6,9 @@ Alerts on time are calibrated for busy hosts: the excess over the baseline must 
 rank's own jitter (``noise_factor`` robust standard deviations), for ``persist_steps`` steps in a row, or
 :data:`SEVERE` times that floor at once.
 
-- ``step_time``: a step far above the baseline (a slow rank, a stall in data loading or on the host);
+- ``step_time``: the rank's own time (its step and the time outside it, less the wait on DeMo's exchange:
+  :attr:`~hf_demo.ops.monitor.StepSample.own_s`) far above the baseline: this rank is the one the others wait
+  for (a slow host, a stall in data loading); the ranks that waited for it see ``exchange_time`` instead;
 - ``exchange_time``: the wait on DeMo's exchange far above the baseline (the network, or a slow peer);
 - ``slow_link``: the exchange far slower than the link the plan assumed would carry its bytes;
 - ``loss_spike``: the training loss far above its baseline; ``nonfinite_streak``: steps skipped in a row for
@@ -15,10 +17,10 @@ rank's own jitter (``noise_factor`` robust standard deviations), for ``persist_s
   parameters); ``repeated_resyncs``: ``resync_limit`` resyncs within ``resync_window`` steps;
 - ``tier_change``: the budget policy moved to another tier (the network changed).
 
-Each alert is logged as a warning (logger ``hf_demo.ops``), counted as a metric event (the exporters'
-``hf_demo_alerts_total{kind}``, the log rows' ``ops/alerts``, ``ops/alerts-rank<r>.jsonl``), and delivered as
-a Trainer callback event: every callback of the trainer with an ``on_demo_alert(args, state, control, alert,
-**kwargs)`` method is called with it.
+Each alert carries its wall-clock time (``time``, Unix seconds). Each is logged as a warning (logger
+``hf_demo.ops``), counted as a metric event (the exporters' ``hf_demo_alerts_total{kind}``, the log rows'
+``ops/alerts``, ``ops/alerts-rank<r>.jsonl``), and delivered as a Trainer callback event: every callback of
+the trainer with an ``on_demo_alert(args, state, control, alert, **kwargs)`` method is called with it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from transformers import TrainerCallback
 
@@ -49,9 +52,12 @@ class Alert:
     value: float
     baseline: float
     severity: str = "warning"
+    time: float = field(default_factory=time.time)  # Unix seconds when it was raised
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time))
+        return out
 
 
 def plan_link(settings: HealthSettings) -> Link | None:
@@ -88,7 +94,7 @@ class HealthRules:
         if judged:
             found += self._times(sample) + self._link(sample)
         found += self._loss(sample, judged) + self._resyncs(sample, full_sync_every) + self._tier(sample)
-        self.step_times.append(sample.step_s)
+        self.step_times.append(sample.own_s)
         if sample.bytes_received > 0:
             self.exchange_times.append(sample.exchange_s)
         return [a for a in found if self._fresh(a)]
@@ -138,14 +144,18 @@ class HealthRules:
 
     def _times(self, s: StepSample) -> list[Alert]:
         out = []
-        base = self._slow("step_time", self.step_times, s.step_s, self.s.step_time_factor)
+        base = self._slow("step_time", self.step_times, s.own_s, self.s.step_time_factor)
         if base is not None:
             split = (
-                f"forward+backward {s.forward_backward_s:.3g} s, exchange {s.exchange_s:.3g} s, "
-                f"DeMo compute {s.demo_compute_s:.3g} s"
+                f"forward+backward {s.forward_backward_s:.3g} s, DeMo compute {s.demo_compute_s:.3g} s, "
+                f"outside the step {s.other_s:.3g} s; waited on the exchange {s.exchange_s:.3g} s and on DDP's "
+                f"buffer broadcast {s.forward_wait_s:.3g} s"
             )
-            why = f"step took {s.step_s:.3g} s, {s.step_s / base:.1f}x its baseline {base:.3g} s ({split})"
-            out.append(self._alert(s, "step_time", why, s.step_s, base))
+            why = (
+                f"this rank's own time was {s.own_s:.3g} s, {s.own_s / base:.1f}x its baseline {base:.3g} s "
+                f"({split}): the other ranks waited for it"
+            )
+            out.append(self._alert(s, "step_time", why, s.own_s, base))
         if s.bytes_received <= 0:  # a local step: no exchange to judge
             return out
         base = self._slow("exchange_time", self.exchange_times, s.exchange_s, self.s.exchange_time_factor)

@@ -11,6 +11,12 @@ A link is its bandwidth (bytes per second, each direction) and its one-way laten
 
 Ranks spread over several nodes are limited by the link between nodes (a ring ordered by node crosses each
 node's link once each way); ranks of one node by the link inside it.
+
+Latency is paid per hop on the link that hop crosses: over ``W`` ranks of which ``L`` share each of ``N``
+nodes, a chunk's ``W - 1`` ring hops are ``N - 1`` between nodes and ``W - N`` inside one, so an all-gather
+waits ``(N - 1) a_inter + (W - N) a_intra`` (an all-reduce twice that). That is also the latency of the
+hierarchical form NCCL takes across nodes (inside each node, then between nodes, then inside again:
+``2 (L - 1) a_intra + 2 (N - 1) a_inter`` for an all-reduce), not ``W - 1`` hops at the latency between nodes.
 """
 
 from __future__ import annotations
@@ -75,14 +81,22 @@ def reduce_scatter_edge_bytes(nbytes: float, world: int) -> float:
 HOPS = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}  # times W - 1
 
 
-def collective_seconds(kind: str, nbytes: float, world: int, link: Link) -> float:
+def collective_seconds(
+    kind: str, nbytes: float, world: int, link: Link, inner: Link | None = None, per_node: int = 1
+) -> float:
     """Seconds of one collective of ``kind`` (all_gather, all_reduce, reduce_scatter, broadcast) handing
-    ``nbytes`` per rank."""
+    ``nbytes`` per rank, its bytes limited by ``link``; with ``inner`` and ``per_node`` ranks on each node, the
+    hops inside a node pay ``inner``'s latency and only those between nodes ``link``'s (module docstring)."""
     if kind not in HOPS:
         raise ValueError(f"unknown collective {kind!r}")
     if world <= 1:
         return 0.0
-    return link.seconds(edge_bytes(kind, nbytes, world), HOPS[kind] * (world - 1))
+    between = world - 1
+    if inner is not None and per_node > 1:
+        between = max(1, world // per_node) - 1
+    within = world - 1 - between
+    latency = HOPS[kind] * (between * link.latency + within * (inner or link).latency)
+    return edge_bytes(kind, nbytes, world) / link.bandwidth + latency
 
 
 def edge_bytes(kind: str, nbytes: float, world: int) -> float:

@@ -2,8 +2,9 @@
 
 Each method turns a :class:`Cluster` and a :class:`Workload` into an :class:`Estimate`: its collectives
 (:mod:`hf_demo.ops.traffic`), its computation, the memory per device, and how close it trains to dense
-AdamW at equal steps (``quality``, lower is closer: the order measured in docs/CONVERGENCE.md and
-docs/WAN.md). Add a method by writing one function here and listing it in :data:`METHODS`.
+AdamW at equal steps (``quality``, lower is closer: the order of the figures in docs/results.md) and what
+that costs in loss as measured there (:data:`LOSS_COST`, each with the section it comes from). Add a method
+by writing one function here and listing it in :data:`METHODS`.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ class Estimate:
     quality: int
     settings: dict | None = None  # DeMo's settings (None: not DeMo)
     note: str = ""
+    loss_cost: str = ""  # what it costs in loss, measured (docs/results.md), with the section
 
     def exchange_s(self, cluster: Cluster) -> float:
         """Seconds per step (amortised over ``every``) that the step waits on the network."""
         fixed = hidden = 0.0
         for c in self.collectives:  # side by side on one link (parallel): the link carries their sum
-            t = collective_seconds(c.kind, c.nbytes * c.parallel, c.world, cluster.link(c.scope)) / c.every
+            spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
+            inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
+            link = cluster.link(c.scope)
+            t = collective_seconds(c.kind, c.nbytes * c.parallel, c.world, link, inner, per_node) / c.every
             if c.hideable:
                 hidden += t
             else:
@@ -115,6 +120,7 @@ def ddp_adamw(cluster: Cluster, work: Workload) -> Estimate:
         work.backward_fraction * work.compute_s,
         memory_bytes=2 * pb * n + 4 * n + 8 * n,  # parameters, gradients, DDP's buckets, AdamW's two moments
         quality=0,
+        loss_cost=loss_cost("ddp-adamw"),
     )
 
 
@@ -129,6 +135,7 @@ def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
         0.0,  # the hook's P and Q all-reduces run one after the other at the end of the backward pass
         memory_bytes=2 * pb * n + 4 * n + 8 * n + 4 * n + factors,  # + error feedback and the factors
         quality=1,
+        loss_cost=loss_cost("ddp-powersgd"),
     )
 
 
@@ -152,7 +159,63 @@ def _hsdp_memory(shapes, settings: DeMoSettings, param_bytes: int, devices_per_n
     return _demo_memory(shard_shapes(shapes, devices_per_node, 0), settings, param_bytes) + 2 * param_bytes * largest
 
 
-PRESET_QUALITY = {"balanced": 3, "many_nodes": 3, "lean": 5, "extreme": 7}  # docs/CONVERGENCE.md's order
+PRESET_QUALITY = {"balanced": 3, "many_nodes": 3, "lean": 5, "extreme": 7}  # docs/results.md's order
+
+RESULTS = "docs/results.md"
+SCRATCH = "0.46M Llama from scratch, 1000 steps"
+LOSS_COST = {  # method -> (its loss against DDP-AdamW or every-step DeMo as measured, the section of RESULTS)
+    "ddp-adamw": ("the reference the others are measured against", "summary"),
+    "ddp-powersgd": (f"1.107x DDP-AdamW's held-out loss ({SCRATCH})", "training-from-scratch"),
+    "demo": (
+        "2.2957 against DDP-AdamW's 2.2927 held-out loss (1.001x; SmolLM2-135M fine-tune, 20 steps, 3 seeds)",
+        "against-ddp-adamw-and-powersgd-on-a-fine-tune",
+    ),
+    "demo-hsdp": ("not measured yet: the defaults' exchange, each rank's shard between nodes", "many-workers"),
+    "demo-all_reduce": (
+        "not measured at top-32; the union all-reduce at top-128 (many_nodes): -9.0% (2 workers) to +0.72% "
+        "(16 workers) final held-out loss against the all-gather",
+        "many-workers",
+    ),
+    "demo-overlap": (
+        "+14.9% held-out loss at lr 1e-3, +2.6% at 5e-4, +1.8% at 2.5e-4 against every-step DeMo (0.46M Llama, "
+        "300 steps)",
+        "overlap",
+    ),
+    "demo-sync8": (
+        "not measured with the defaults; sync_every=8 with sign values and top-96: within 1.2% of every-step DeMo "
+        "at 300 steps, +20% at 1000 steps",
+        "fewer-messages-and-bf16-weights",
+    ),
+    "demo-balanced": ("not measured (sign values at top-64; lean, top-32: 1.036x DDP-AdamW)", "training-from-scratch"),
+    "demo-lean": (f"1.036x DDP-AdamW's held-out loss ({SCRATCH})", "training-from-scratch"),
+    "demo-extreme": (
+        "not measured (sign values at top-4: far fewer coefficients than lean's 1.036x DDP-AdamW)",
+        "training-from-scratch",
+    ),
+    "demo-many_nodes": (
+        "-9.0% (2 workers) to +0.72% (16 workers) final held-out loss against the all-gather (0.46M Llama, 300 steps)",
+        "many-workers",
+    ),
+    "demo-from_scratch": (
+        "1.016x DDP-Muon's and 0.875x DDP-AdamW's held-out loss from scratch; 1.013x DDP-AdamW's on the SmolLM2 "
+        "fine-tune",
+        "training-from-scratch-against-ddp-muon",
+    ),
+}
+BUDGET_LOSS = (
+    "not measured in this tier ({tier}); the nearest measured: sync_every=8 with sign values and top-96, within "
+    "1.2% of every-step DeMo at 300 steps and +20% at 1000 steps",
+    "fewer-messages-and-bf16-weights",
+)
+
+
+def loss_cost(method: str, tier: str | None = None) -> str:
+    """The measured loss cost of ``method`` with its source, or a plain "no figure"."""
+    text, section = LOSS_COST.get(method, ("no figure in docs/results.md", "summary"))
+    if tier is not None:
+        text, section = BUDGET_LOSS[0].format(tier=tier), BUDGET_LOSS[1]
+    return f"{text} ({RESULTS}#{section})"
+
 
 DEMO_VARIANTS = {  # name -> (label, settings on top of the workload's, quality)
     "demo": ("DeMo (defaults: all_gather)", {}, 2),
@@ -195,7 +258,10 @@ def demo_method(variant: str):
         refusal = _sharded_refusal(settings) if layout == "hsdp" else None
         if refusal:
             return _refused(variant, label, quality, refusal)
-        return demo_estimate(variant, label, quality, settings, cluster, work, layout)
+        try:
+            return demo_estimate(variant, label, quality, settings, cluster, work, layout)
+        except ValueError as exc:  # the exchange refuses this variant's settings (e.g. all_reduce with sign)
+            return _refused(variant, label, quality, str(exc))
 
     return estimate
 
@@ -237,6 +303,7 @@ def demo_estimate(
         settings.as_dict(),
         "hf_demo.fsdp.shard_model(model, hsdp_mesh()); DeMo(..., device_mesh=mesh)" if hsdp else "",
     )
+    est.loss_cost = loss_cost(variant)
     if settings.comm_budget > 0:
         return _settle_budget(est, settings, cluster, work, layout)
     return est
@@ -262,6 +329,8 @@ def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work
         f"settles in tier {index} of {len(tiers) - 1} ({tier.value_format} values, top-k/{tier.topk_divisor}, "
         f"sync every {tier.sync_every})"
     )
+    if index > 0:  # tier 0 is the configured settings
+        est.loss_cost = loss_cost(est.method, est.note.removeprefix("settles in "))
     return est
 
 

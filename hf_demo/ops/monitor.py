@@ -13,6 +13,14 @@
   reduce-scatters are not DeMo's and are not counted), the effective bandwidth (bytes received over the
   wait), and the tier, skips, resyncs and drift checks (fingerprint comparisons, counted from ``check_every``
   at each communicating step).
+
+``bytes_between_nodes`` (what the price table bills as traffic between sites) is the received bytes of the
+collectives over DeMo's group (the ``node_*`` ones excluded) times the share of the group's other ranks that
+sit on another node (rank // devices per node): 0 when every rank of the group shares this node.
+
+A rank's **own time** (:attr:`StepSample.own_s`) is its step and the time outside it less the wait on DeMo's
+exchange: the ranks of a synchronous step all take about as long, and the one the others waited for is the one
+with the most own time (``ops/slowest_rank``; the ``step_time`` alert judges it).
 """
 
 from __future__ import annotations
@@ -53,13 +61,26 @@ class StepSample:
     optimizer_steps: int  # DeMo's own step count after this step (skipped steps included)
     loss: float | None  # the step's training loss as the trainer sums it (None: none recorded)
     cost: float  # this rank's running cost estimate (nan without a price table)
+    timestamp: float = math.nan  # Unix time at the step's end
+    tokens: float = 0.0  # tokens of the step's inputs on this rank (0: none recorded)
+    forward_wait_s: float = 0.0  # inside forward_backward: DDP's work before the model's forward (its buffer broadcast)
 
     @property
     def bytes_saved(self) -> float:
         return self.dense_bytes - self.bytes_sent
 
+    @property
+    def own_s(self) -> float:
+        """The rank's own time: the step and the time outside it, less the waits on DeMo's exchange and on DDP's
+        broadcast of the buffers before each forward."""
+        return max(0.0, self.step_s + self.other_s - self.exchange_s - self.forward_wait_s)
+
     def row(self, run: str) -> dict:
-        return {"run": run, **asdict(self), "bytes_saved": self.bytes_saved}
+        return {"run": run, **asdict(self), "bytes_saved": self.bytes_saved, "own_s": self.own_s}
+
+
+# the upper bounds (seconds) of the step-time histogram's buckets (+Inf added by the exporter)
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 @dataclass
@@ -76,9 +97,14 @@ class Totals:
     resyncs: int = 0
     drift_checks: int = 0
     alerts: dict = field(default_factory=dict)
+    step_buckets: list = field(default_factory=lambda: [0] * len(STEP_BUCKETS))  # steps at or under each bound
+    last_timestamp: float = math.nan
 
     def add(self, s: StepSample) -> None:
         self.steps += 1
+        self.last_timestamp = s.timestamp
+        for i, bound in enumerate(STEP_BUCKETS):
+            self.step_buckets[i] += s.step_s <= bound
         for part in PARTS:
             self.seconds[part] += getattr(s, f"{part}_s")
         self.bytes_sent += s.bytes_sent
@@ -121,8 +147,11 @@ class StepMonitor:
         self._last_end = self.start
         self._before = None
         self._losses: list = []
+        self._tokens: list = []
+        self._forward_wait = 0.0
         self._node_bytes = _NodeBytes()
         self._first_exchange = True
+        self._remote_share: dict = {}
 
     def close(self) -> None:
         self._node_bytes.handle.remove()
@@ -136,6 +165,8 @@ class StepMonitor:
         self._marks = {"begin": self._now()}
         self._before = _counters(opt)
         self._losses = []
+        self._tokens = []
+        self._forward_wait = 0.0
 
     def pre_optimizer(self) -> None:
         self._marks["pre_optimizer"] = self._now()
@@ -146,6 +177,21 @@ class StepMonitor:
     def record_loss(self, loss) -> None:
         """A micro-batch's loss as the trainer sums it (a tensor is read at the step's end, once)."""
         self._losses.append(loss.detach() if torch.is_tensor(loss) else float(loss))
+
+    def record_forward_wait(self, seconds: float) -> None:
+        """Time spent before a micro-batch's forward in a collective (DDP's buffer broadcast)."""
+        self._forward_wait += seconds
+
+    def record_tokens(self, inputs) -> None:
+        """A micro-batch's tokens: its attention mask's ones, else its ``input_ids``' count (read at the step's
+        end, once; inputs without either count nothing)."""
+        if not hasattr(inputs, "get"):
+            return
+        mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+        if torch.is_tensor(mask):
+            self._tokens.append(mask.detach().sum())
+        elif torch.is_tensor(ids):
+            self._tokens.append(ids.numel())
 
     def step_end(self, step: int, opt=None) -> StepSample:
         end = self._now()
@@ -171,7 +217,7 @@ class StepMonitor:
             bytes_sent=after["sent"] - before["sent"],
             bytes_received=received,
             dense_bytes=after["dense"] if after["steps"] > before["steps"] else 0.0,
-            bytes_between_nodes=max(0.0, received - node_bytes),
+            bytes_between_nodes=max(0.0, received - node_bytes) * self._share_between_nodes(opt),
             bandwidth=received / exchange if exchange > 0 and received > 0 else math.nan,
             tier=after["tier"],
             skipped=after["skipped"] - before["skipped"],
@@ -182,6 +228,9 @@ class StepMonitor:
             optimizer_steps=after["steps_taken"],
             loss=self._loss(),
             cost=math.nan,
+            timestamp=time.time(),
+            tokens=float(sum(int(t) for t in self._tokens)),
+            forward_wait_s=self._forward_wait,
         )
         self.totals.add(sample)
         sample.cost = self.cost(sample.wall_s)
@@ -192,6 +241,19 @@ class StepMonitor:
         if self.prices is None:
             return math.nan
         return self.prices.cost(wall_s / 3600, self.totals.bytes_between_nodes / 1e9, self.devices_per_node)
+
+    def _share_between_nodes(self, opt) -> float:
+        """The share of DeMo's group's other ranks on another node than this one (1 without a group)."""
+        if opt is None or not (dist.is_available() and dist.is_initialized()):
+            return 1.0
+        key = id(opt.process_group)
+        if key not in self._remote_share:
+            ranks = dist.get_process_group_ranks(opt.process_group or dist.group.WORLD)
+            others = [r for r in ranks if r != dist.get_rank()]
+            local = max(1, self.devices_per_node)
+            remote = sum(r // local != self.node for r in others)
+            self._remote_share[key] = remote / len(others) if others else 0.0
+        return self._remote_share[key]
 
     def _loss(self) -> float | None:
         if not self._losses:

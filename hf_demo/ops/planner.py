@@ -36,6 +36,7 @@ class Row:
     quality: int
     note: str
     settings: dict | None
+    loss_cost: str = ""
 
 
 def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: Prices | None = None) -> list[Row]:
@@ -50,7 +51,7 @@ def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: P
 def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices | None) -> Row:
     if not est.collectives and math.isinf(est.compute_s):  # refused settings
         nan = math.nan
-        return Row(est.method, est.label, nan, nan, nan, nan, nan, nan, None, nan, est.quality, est.note, None)
+        return Row(est.method, est.label, nan, nan, nan, nan, nan, nan, None, nan, est.quality, est.note, None, "")
     step = est.step_s(cluster)
     inter = est.link_bytes("inter", cluster) if cluster.nodes > 1 else 0.0
     hours = steps_per_epoch * step / 3600
@@ -72,6 +73,7 @@ def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices
         est.quality,
         est.note,
         est.settings,
+        est.loss_cost,
     )
 
 
@@ -86,13 +88,16 @@ def recommend(rows: list[Row], tolerance: float = 0.1) -> tuple[Row, str]:
     if pick is not fastest:
         why.append(
             f"within {tolerance:.0%} of the fastest ({fastest.label}, {fastest.step_s:.3g} s) and closer to dense "
-            "AdamW's training at equal steps (docs/CONVERGENCE.md)"
+            "AdamW's training at equal steps (docs/results.md)"
         )
     else:
         why.append("the fastest step of all methods")
     if dense is not None and dense is not pick:
         share = dense.exchange_s / dense.step_s if dense.step_s else 0.0
         why.append(f"DDP AdamW would take {dense.step_s:.3g} s per step, {share:.0%} of it on the exchange")
+    why.append(f"its cost in loss: {pick.loss_cost}")
+    if "not measured" in pick.loss_cost:
+        why.append("try it on a short run of your job against the defaults before a long one")
     return pick, "; ".join(why)
 
 

@@ -6,15 +6,25 @@
     [traffic]
     per_gb = 0.02             # one GB leaving a site towards another
 
-The planner prices an epoch and the training monitor a running run with the same :class:`Prices`.
+The planner prices an epoch and the training monitor a running run with the same :class:`Prices`. TOML is
+read with the standard library's ``tomllib`` (Python 3.11+), on Python 3.10 with ``tomli`` (a dependency there).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+
+def _toml():
+    """``tomllib``, else (Python 3.10) ``tomli``, its backport; an ImportError saying how to get it."""
+    for name in ("tomllib", "tomli"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("reading a price table on Python 3.10 needs tomli (pip install tomli; Python 3.11+ has tomllib)")
 
 
 @dataclass(frozen=True)
@@ -34,10 +44,16 @@ class Prices:
         return device_hours * self.per_device_hour(devices_per_node) + gb_between_sites * self.per_gb
 
 
+def read_toml(path: str | Path) -> dict:
+    """A TOML file as a dict (``tomllib``, or ``tomli`` on Python 3.10)."""
+    toml = _toml()
+    with open(path, "rb") as f:
+        return toml.load(f)
+
+
 def load(path: str | Path) -> Prices:
     """Read a price table; a missing key is named with the file."""
-    with open(path, "rb") as f:
-        table = tomllib.load(f)
+    table = read_toml(path)
     compute, traffic = table.get("compute", {}), table.get("traffic", {})
     device, node = compute.get("device_per_hour"), compute.get("node_per_hour")
     if device is None and node is None:

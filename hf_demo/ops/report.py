@@ -3,8 +3,11 @@
 It reads, from a finished or a running run: the log rows (``ops/log_history.jsonl``, written at every
 logging step by :class:`~hf_demo.ops.callbacks.DeMoOpsCallback`; else ``trainer_state.json`` of the output
 folder or of its newest checkpoint), the per-step table if one was kept (``ops/steps-rank*.csv`` or
-``ops/steps/*.parquet``) and the alerts (``ops/alerts-rank*.jsonl``). The page: loss (train and held-out),
-bytes per step against a dense all-reduce, the step-time split, the tier timeline, the alerts, the cost.
+``ops/steps/*.parquet``), the alerts (``ops/alerts-rank*.jsonl``) and the run's configuration (``ops/run.json``).
+The page: the run's figures over the whole run (bytes sent against a dense all-reduce, tokens per second),
+its configuration, loss (train and held-out), bytes per step against a dense all-reduce, the step-time split,
+every rank's own time and wait (the straggler stands out), tokens per second, the tier timeline, the cost,
+and the alerts (a table, and labelled markers on the plots).
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def _num(v):
         return v
 
 
+def run_config(folder: Path) -> dict:
+    """``ops/run.json`` (written by DeMoOpsCallback at the first step), or {}."""
+    path = folder / "ops" / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def alerts(folder: Path) -> list[dict]:
     found = [a for p in sorted((folder / "ops").glob("alerts-rank*.jsonl")) for a in _jsonl(p)]
     return sorted(found, key=lambda a: (a["step"], a["rank"]))
@@ -94,6 +103,31 @@ def _per_step_mean(steps: list[dict], column: str) -> tuple[list[float], list[fl
     return xs, [sum(by_step[x]) / len(by_step[x]) for x in xs]
 
 
+def _per_rank(steps: list[dict], column: str) -> list[tuple[str, tuple[list[float], list[float]]]]:
+    ranks = sorted({r["rank"] for r in steps if isinstance(r.get("rank"), (int, float))})
+    return [(f"rank {int(k)}", _per_step_mean([r for r in steps if r.get("rank") == k], column)) for k in ranks]
+
+
+def _with_own_time(steps: list[dict]) -> list[dict]:
+    """Rows with ``own_s`` (tables written before it was a column: step and outside time less the wait)."""
+    out = []
+    for r in steps:
+        if not isinstance(r.get("own_s"), (int, float)) and all(
+            isinstance(r.get(k), (int, float)) for k in ("step_s", "other_s", "exchange_s")
+        ):
+            r = {**r, "own_s": max(0.0, r["step_s"] + r["other_s"] - r["exchange_s"])}
+        out.append(r)
+    return out
+
+
+def alert_marks(found: list[dict]) -> list[tuple[float, str]]:
+    """(step, label) of each alert marker: the kinds raised at that step, with the ranks."""
+    by_step: dict = {}
+    for a in found:
+        by_step.setdefault(a["step"], set()).add(f"{a['kind']} r{a['rank']}")
+    return [(step, ", ".join(sorted(labels))) for step, labels in sorted(by_step.items())]
+
+
 def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tuple[str, str]]:
     """(title, base64 PNG) of every plot there is data for."""
     require("matplotlib", "hf-demo report's plots")
@@ -111,18 +145,21 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
                 (ax.step if kind == "step" else ax.plot)(
                     xs, ys, label=label, **({"where": "post"} if kind == "step" else {})
                 )
-        for step in marks:
+        for step, label in marks:
             ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1)
+            ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        color="tab:red", ha="right", va="top")  # fmt: skip
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
         out.append((title, _png(fig)))
         plt.close(fig)
 
-    marks = sorted({a["step"] for a in found})
+    marks = alert_marks(found)
     losses = [("train", _series(rows, "loss")), ("held-out", _series(rows, "eval_loss"))]
     values = [v for _, (_, ys) in losses for v in ys if v > 0]
     spread = bool(values) and max(values) > 100 * min(values)  # a spike: on a log scale the rest stays readable
@@ -139,6 +176,14 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
     else:
         split = [(label, _series(rows, key)) for key, _, label in PARTS]
     plot("Step-time split (mean over ranks)", split, "seconds", marks=marks)
+    if steps:
+        steps = _with_own_time(steps)
+        plot("Own time per rank (step and outside it, less the wait: the straggler is highest)",
+             _per_rank(steps, "own_s"), "seconds", marks=marks)  # fmt: skip
+        plot("Wait on the exchange per rank", _per_rank(steps, "exchange_s"), "seconds", marks=marks)
+    tokens = _series(rows, "ops/tokens_per_s")
+    if tokens[0]:
+        plot("Tokens per second (every rank)", [("tokens/s", tokens)], "tokens/s", marks=marks)
     tier = _per_step_mean(steps, "tier") if steps else _series(rows, "demo/tier")
     plot("Tier timeline (0: the configured settings)", [("tier", tier)], "tier", kind="step")
     cost = _series(rows, "ops/cost")
@@ -150,16 +195,46 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
 def _alert_table(found: list[dict]) -> str:
     if not found:
         return "<p>No alerts.</p>"
-    head = "<tr><th>step</th><th>rank</th><th>node</th><th>kind</th><th>what</th></tr>"
+    head = "<tr><th>step</th><th>time (UTC)</th><th>rank</th><th>node</th><th>kind</th><th>what</th></tr>"
     body = "".join(
-        f"<tr class='{html.escape(a.get('severity', 'warning'))}'><td>{a['step']}</td><td>{a['rank']}</td>"
+        f"<tr class='{html.escape(a.get('severity', 'warning'))}'><td>{a['step']}</td>"
+        f"<td>{html.escape(str(a.get('time_utc', '')))}</td><td>{a['rank']}</td>"
         f"<td>{a['node']}</td><td>{html.escape(a['kind'])}</td><td>{html.escape(a['message'])}</td></tr>"
         for a in found
     )
     return f"<table>{head}{body}</table>"
 
 
-def _summary(rows: list[dict], found: list[dict]) -> list[tuple[str, str]]:
+def _numbers(steps: list[dict], column: str) -> list[float]:
+    return [r[column] for r in steps if isinstance(r.get(column), (int, float)) and math.isfinite(r[column])]
+
+
+def run_ratio(rows: list[dict], steps: list[dict]) -> float | None:
+    """Bytes sent over a dense fp32 all-reduce's over the whole run: the per-step table's sums, else the last
+    log row's totals (rank 0's bytes since the start over the dense bytes of as many steps)."""
+    sent, dense = sum(_numbers(steps, "bytes_sent")), sum(_numbers(steps, "dense_bytes"))
+    if dense > 0:
+        return sent / dense
+    last = next((r for r in reversed(rows) if "demo/total_bytes_sent" in r), None)
+    per_step = (last or {}).get("demo/dense_allreduce_bytes_per_step", 0)
+    if not last or not per_step or not last.get("step"):
+        return None
+    return last["demo/total_bytes_sent"] / (per_step * last["step"])
+
+
+def run_tokens_per_s(rows: list[dict], steps: list[dict]) -> float | None:
+    """Every rank's tokens over the run's wall time (the per-step table), else the mean of the log rows'."""
+    tokens = sum(_numbers(steps, "tokens"))
+    ranks = {r.get("rank") for r in steps}
+    wall = max((max(_numbers([r for r in steps if r.get("rank") == k], "wall_s"), default=0) for k in ranks),
+               default=0)  # fmt: skip
+    if tokens > 0 and wall > 0:
+        return tokens / wall
+    logged = [r["ops/tokens_per_s"] for r in rows if isinstance(r.get("ops/tokens_per_s"), (int, float))]
+    return sum(logged) / len(logged) if logged else None
+
+
+def _summary(rows: list[dict], found: list[dict], steps: list[dict] = ()) -> list[tuple[str, str]]:
     train = [r for r in rows if "loss" in r]
     last = train[-1] if train else {}
     evals = [r for r in rows if "eval_loss" in r]
@@ -168,8 +243,14 @@ def _summary(rows: list[dict], found: list[dict]) -> list[tuple[str, str]]:
         out.append(("last training loss", f"{last['loss']:.4g}"))
     if evals:
         out.append(("last held-out loss", f"{evals[-1]['eval_loss']:.4g}"))
+    ratio = run_ratio(rows, list(steps))
+    if ratio is not None:
+        out.append(("bytes sent / dense all-reduce, whole run", f"{ratio:.4g}"))
     if "demo/ratio_to_dense" in last:
-        out.append(("bytes sent / dense all-reduce", f"{last['demo/ratio_to_dense']:.4g}"))
+        out.append(("bytes sent / dense all-reduce, last logging window", f"{last['demo/ratio_to_dense']:.4g}"))
+    speed = run_tokens_per_s(rows, list(steps))
+    if speed is not None:
+        out.append(("tokens per second, whole run (every rank)", f"{speed:.4g}"))
     if "ops/cost" in last:
         out.append(("cost so far", f"{last['ops/cost']:.4g}"))
     out.append(("alerts", str(len(found))))
@@ -182,12 +263,25 @@ td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}tr.warning td{backgr
 tr.info td{background:#e8f4fd}img{max-width:100%;border:1px solid #eee}.k{color:#555}"""
 
 
+def _config_table(config: dict) -> str:
+    if not config:
+        return "<p>No ops/run.json (written by DeMoOpsCallback at the first step).</p>"
+    flat = {"run": config.get("run"), "world size": config.get("world_size")}
+    flat.update({f"trainer {k}": v for k, v in (config.get("trainer") or {}).items()})
+    flat.update({f"DeMo {k}": v for k, v in (config.get("demo") or {}).items()})
+    cells = "".join(
+        f"<tr><td class='k'>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in flat.items()
+    )
+    return f"<table>{cells}</table>"
+
+
 def render(folder: str | Path) -> str:
     folder = Path(folder)
     rows, source = log_rows(folder)
     steps, found = step_rows(folder), alerts(folder)
     summary = "".join(
-        f"<tr><td class='k'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(rows, found)
+        f"<tr><td class='k'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+        for k, v in _summary(rows, found, steps)
     )
     plots = "".join(
         f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
@@ -197,7 +291,8 @@ def render(folder: str | Path) -> str:
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>hf-demo run report: {html.escape(folder.name)}"
         f"</title><style>{STYLE}</style></head><body><h1>hf-demo run report: {html.escape(folder.name)}</h1>"
         f"<p class='k'>From {html.escape(source)}{' and the per-step table' if steps else ''}.</p>"
-        f"<table>{summary}</table>{plots}<h2>Alerts</h2>{_alert_table(found)}</body></html>"
+        f"<table>{summary}</table><h2>Configuration</h2>{_config_table(run_config(folder))}{plots}"
+        f"<h2>Alerts</h2>{_alert_table(found)}</body></html>"
     )
 
 

@@ -15,6 +15,17 @@ from dataclasses import dataclass, field
 
 PROMETHEUS_MODES = ("per_rank", "rank0")
 TABLE_FORMATS = ("none", "csv", "parquet")
+# every kind of alert DeMoHealthCallback raises (the Prometheus counter has a child for each from the start)
+ALERT_KINDS = (
+    "step_time",
+    "exchange_time",
+    "slow_link",
+    "loss_spike",
+    "nonfinite_streak",
+    "drift",
+    "repeated_resyncs",
+    "tier_change",
+)
 
 
 def _opt(default, help: str):
@@ -71,8 +82,14 @@ class OpsSettings:
         "per_rank (every rank serves its own, each step) or rank0 (rank 0 serves every rank's, gathered at each "
         "logging step)",
     )
+    prometheus_linger_s: float = _opt(
+        10.0,
+        "after training, the endpoint serves on until a scrape has read the last step, at most this many seconds",
+    )
     table_log: str = _opt("none", "a per-step, per-rank table under output_dir/ops: csv, parquet or none")
-    table_flush_steps: int = _opt(20, "rows buffered before they are written (parquet: one file per flush)")
+    table_flush_steps: int = _opt(
+        20, "parquet: rows per part file (written at exit and on SIGTERM too); csv writes every row at once"
+    )
     prices: str = _opt("", "a price table (TOML, as benchmarks/prices.toml) for the running cost estimate")
     sync_cuda: bool = _opt(True, "on CUDA, synchronise at the step's boundaries so the time split is the device's")
     health: HealthSettings = field(default_factory=HealthSettings, metadata={"help": "the alerts' settings"})

@@ -11,9 +11,13 @@ inside a node and exchanges each rank's shard between nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
+from hf_demo.compression import buckets
 from hf_demo.compression.blocks import plan
 from hf_demo.exchange import exchanges
 from hf_demo.ops.shapes import Shape
@@ -47,18 +51,56 @@ def demo_layouts(shapes: list[Shape], settings: DeMoSettings, topk_divisor: int 
     return [plan(tuple(s), settings.compression_chunk, topk) for s in shapes]
 
 
+@dataclass(frozen=True)
+class PayloadSize:
+    """What the exchange the optimizer builds for these layouts sends (its attributes of the same names), sized
+    as :func:`hf_demo.wire.codec.wire_map` lays a payload out, without building its index tensors (a 7B model's
+    would take gigabytes). tests/test_ops.py checks it against the built exchange in every combination."""
+
+    layouts: list
+    payload_nbytes: int
+    index_nbytes: int
+    dtype: torch.dtype | None
+    union: bool
+    nominated: list
+
+
+def _map_nbytes(layouts, fmt: str | None, coding: str) -> int:
+    """``wire_map(plan(layouts), fmt, coding).nbytes``: every parameter's padded index and value slots."""
+    indices, values = codec.index_coding(coding), None if fmt is None else codec.value_format(fmt)
+    total = 0
+    for layout in layouts:
+        total += indices.nbytes(layout)
+        if values is not None:
+            total += sum(padded for _, padded in values.segments(layout.nblocks, layout.k))
+    return total
+
+
 def demo_payload(shapes, settings: DeMoSettings, world: int, value_format: str | None = None, topk_divisor=1):
-    """The exchange object the optimizer builds for these shapes (its buffers sized by the codec)."""
+    """The sizes of the exchange the optimizer builds for these shapes (:class:`PayloadSize`). The settings are
+    checked by building that exchange on one small block first, so a refused combination raises the library's
+    own ValueError."""
     average = "world" if settings.sync_every > 1 else None
+    layouts = demo_layouts(shapes, settings, topk_divisor)
     spec = exchanges.ExchangeSpec(
-        demo_layouts(shapes, settings, topk_divisor),
+        layouts,
         value_format or settings.value_format,
         settings.index_coding,
         average=average,
         world=max(world, 1),
         positions=settings.reduce_positions,
     )
-    return exchanges.build(settings.exchange, spec)
+    chunk = settings.compression_chunk
+    probe = [plan((chunk, chunk), chunk, max(1, settings.compression_topk // topk_divisor))]
+    built = exchanges.build(settings.exchange, dataclasses.replace(spec, layouts=probe))
+    if settings.exchange == "all_gather":
+        return PayloadSize(layouts, _map_nbytes(layouts, spec.value_format, spec.index_coding), 0, None, False, [])
+    union = built.union
+    picked = buckets.plan(tuple(layouts))
+    if union:
+        picked = picked.with_k(lambda k: max(1, k // spec.world))
+    index_nbytes = _map_nbytes(picked.layouts, None, spec.index_coding)
+    return PayloadSize(layouts, index_nbytes if union else 0, index_nbytes, built.dtype, union, list(picked.layouts))
 
 
 def _exchange_collectives(shapes, settings, world, scope, every, value_format, topk_divisor, overlap):

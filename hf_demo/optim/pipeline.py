@@ -10,10 +10,15 @@ is chosen from a registry by a setting: the topology by ``hierarchy`` (:mod:`hf_
 the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the transform by ``transform``
 (:mod:`hf_demo.compression.transforms`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.exchanges`), the
 update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIGN.md`` shows how to add one.
+
+Traces: the step is a ``torch.profiler.record_function`` range ``DeMo.step``, each part one named
+``DeMo.<part>`` (:data:`TRACE_NAMES`: ``prepare`` is ``DeMo.compress``, ``communicate`` ``DeMo.exchange``), so
+the PyTorch profiler, TensorBoard and Perfetto show them; on CUDA the same names are NVTX ranges too (Nsight).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -98,6 +103,26 @@ class StepContext:
         return StepContext(self.opt, self.transport, decided=decided)
 
 
+TRACE_NAMES = {"prepare": "compress", "communicate": "exchange"}  # a part's name in traces, where it differs
+
+
+@contextlib.contextmanager
+def traced(name: str, cuda: bool):
+    """A ``record_function`` range named ``name`` (and an NVTX range on CUDA)."""
+    with torch.profiler.record_function(name):
+        if cuda:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.nvtx.range_pop()
+
+
+def _on_cuda(opt) -> bool:
+    return any(p.is_cuda for group in opt.param_groups for p in group["params"][:1])
+
+
 class Pipeline:
     """The parts of a step, in order. A part that sets ``ctx.communicates`` False (a local step) leaves out the
     parts of the exchange (those whose ``exchanging`` is true, the default); one that sets ``ctx.retry`` ends
@@ -106,11 +131,12 @@ class Pipeline:
     def __init__(self, parts):
         self.parts = list(parts)
 
-    def run(self, ctx: StepContext) -> StepContext:
+    def run(self, ctx: StepContext, cuda: bool = False) -> StepContext:
         for part in self.parts:
             if not ctx.communicates and getattr(part, "exchanging", True):
                 continue  # a local step: no exchange this time
-            part.run(ctx)
+            with traced(f"DeMo.{TRACE_NAMES.get(part.name, part.name)}", cuda):
+                part.run(ctx)
             if ctx.retry is not None:
                 break
         return ctx
@@ -122,7 +148,9 @@ class Pipeline:
 def run_step(opt, pipeline: Pipeline, transport: StepTransport) -> StepContext:
     """The step, again in a lower tier as long as the policy moves down at its headers (a loop, not recursion):
     every try's traffic is counted; the returned context's transaction holds the step's writes."""
-    ctx = pipeline.run(StepContext(opt, transport))
-    while ctx.retry is not None:
-        ctx = pipeline.run(ctx.again(ctx.retry))
+    cuda = _on_cuda(opt)
+    with traced("DeMo.step", cuda):
+        ctx = pipeline.run(StepContext(opt, transport), cuda)
+        while ctx.retry is not None:
+            ctx = pipeline.run(ctx.again(ctx.retry), cuda)
     return ctx

@@ -6,6 +6,7 @@ and writes the texts to ``<record_dir>/scrape-rank<r>.txt``. Used by tests/test_
 
 import os
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny_llama import stdlib_blocks  # noqa: E402
 
 import hf_demo  # noqa: E402
-from hf_demo.ops import OpsSettings  # noqa: E402
+from hf_demo.ops import HealthSettings, OpsSettings  # noqa: E402
 
 
 @dataclass
@@ -26,6 +27,19 @@ class ScriptArgs:
     record_dir: str = field(default="")
     prometheus_port: int = field(default=0)
     scrape_step: int = field(default=4)
+    slow_step: int = field(default=0)  # rank 1 sleeps slow_s before this step (0: never)
+    slow_s: float = field(default=1.0)
+
+
+class SlowRank(TrainerCallback):
+    """Rank 1 is late for one step (a stall before it: data, the host), the others wait for it."""
+
+    def __init__(self, script):
+        self.script = script
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if args.process_index == 1 and state.global_step + 1 == self.script.slow_step:
+            time.sleep(self.script.slow_s)
 
 
 class Scraper(TrainerCallback):
@@ -47,10 +61,14 @@ def main():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    ops = OpsSettings(run="launch-test", prometheus_port=script.prometheus_port, table_log="csv")
+    health = HealthSettings(warmup_steps=2, min_baseline=3, min_excess_s=0.3)
+    ops = OpsSettings(
+        run="launch-test", prometheus_port=script.prometheus_port, table_log="csv", prometheus_linger_s=1.0,
+        health=health,
+    )  # fmt: skip
     trainer = hf_demo.DeMoTrainer(
-        model=LlamaForCausalLM(config), args=args, train_dataset=stdlib_blocks(64, 32), callbacks=[Scraper(script)],
-        demo_ops=ops,
+        model=LlamaForCausalLM(config), args=args, train_dataset=stdlib_blocks(64, 32),
+        callbacks=[SlowRank(script), Scraper(script)], demo_ops=ops,
     )  # fmt: skip
     trainer.train()
 
