@@ -312,7 +312,7 @@ def test_forced_resyncs_repeat_and_a_drift_is_named():
         assert by_kind.get("drift") == [16]  # unscheduled: the fingerprints differed
 
 
-def _hsdp_named_bytes(rank, world, sync_every):
+def _hsdp_named_bytes(rank, world, kw):
     """DeMo's own collectives (name -> bytes this rank handed to them) over steps 3 to 6 of HSDP on a
     (2 nodes x 2 ranks) mesh, after the first exchange's checks."""
     from hf_demo import DeMo, fsdp
@@ -321,8 +321,7 @@ def _hsdp_named_bytes(rank, world, sync_every):
     mesh = fsdp.hsdp_mesh(shard=2)
     model = tiny_mlp(0)
     fsdp.shard_model(model, mesh, layers=[m for m in model if isinstance(m, torch.nn.Linear)])
-    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4, sync_every=sync_every,
-               device_mesh=mesh)  # fmt: skip
+    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4, device_mesh=mesh, **kw)
     named = {}
     handle = None
     for step in range(6):
@@ -335,10 +334,15 @@ def _hsdp_named_bytes(rank, world, sync_every):
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("sync_every", [1, 2])
-def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(sync_every):
-    results = expect_ok(run_ranks(_hsdp_named_bytes, 4, sync_every))
-    settings = DeMoSettings(compression_chunk=8, compression_topk=4, sync_every=sync_every)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"sync_every": 2}, {"update_rule": "orthogonal"}, {"sync_every": 2, "inner_rule": "orthogonal"}],
+    ids=["every_step", "sync_every_2", "orthogonal", "local_muon_steps"],
+)
+def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(kw):
+    """Named collective by collective, the whole-matrix gathers of the orthogonal rules included."""
+    results = expect_ok(run_ranks(_hsdp_named_bytes, 4, kw))
+    settings = DeMoSettings(compression_chunk=8, compression_topk=4, **kw)
     shape_list = [tuple(p.shape) for p in tiny_mlp(0).parameters()]
     planned = demo_collectives(shape_list, settings, 2, 2, layout="hsdp")
     expected = {c.name: 2 * c.nbytes * 4 / c.every for c in planned if not c.name.startswith("fsdp_")}
@@ -349,6 +353,7 @@ def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(sync_every):
             for name, n in named.items():
                 sent[name] = sent.get(name, 0) + n
         assert sent == pytest.approx(expected), (sent, expected)
+        assert ("node_matrices" in sent) == ("orthogonal" in kw.values())
 
 
 def _recorded_loaded_runs():

@@ -171,6 +171,11 @@ LOSS_COST = {  # method -> (its loss against DDP-AdamW or every-step DeMo as mea
         "against-ddp-adamw-and-powersgd-on-a-fine-tune",
     ),
     "demo-hsdp": ("not measured yet: the defaults' exchange, each rank's shard between nodes", "many-workers"),
+    "demo-hsdp-from_scratch": (
+        "the from_scratch preset's (its loss is measured flat; on HSDP each matrix is orthogonalised whole, the same "
+        "steps)",
+        "training-from-scratch-against-ddp-muon",
+    ),
     "demo-all_reduce": (
         "not measured at top-32; the union all-reduce at top-128 (many_nodes): -9.0% (2 workers) to +0.72% "
         "(16 workers) final held-out loss against the all-gather",
@@ -220,6 +225,11 @@ def loss_cost(method: str, tier: str | None = None) -> str:
 DEMO_VARIANTS = {  # name -> (label, settings on top of the workload's, quality)
     "demo": ("DeMo (defaults: all_gather)", {}, 2),
     "demo-hsdp": ("HSDP-DeMo (hf_demo.fsdp: FSDP2 in a node, DeMo between)", {"layout": "hsdp"}, 2),
+    "demo-hsdp-from_scratch": (
+        "HSDP-DeMo, preset from_scratch (local Muon steps)",
+        {"layout": "hsdp", "preset": "from_scratch"},
+        PRESET_QUALITY.get("from_scratch", 4),
+    ),
     "demo-all_reduce": ("DeMo exchange=all_reduce", {"exchange": "all_reduce"}, 4),
     "demo-overlap": ("DeMo overlap", {"overlap": True}, 5),
     "demo-sync8": ("DeMo sync_every=8", {"sync_every": 8}, 6),
@@ -268,10 +278,9 @@ def demo_method(variant: str):
 
 def _sharded_refusal(settings: DeMoSettings) -> str | None:
     """Why DeMo refuses these settings on FSDP2-sharded parameters (hf_demo.topology.sharded), or None."""
-    if settings.comm_budget > 0:
-        return "comm_budget is not combined with FSDP2-sharded parameters"
-    if {settings.update_rule, settings.inner_rule} & set(update_rules.ORTHOGONAL):
-        return "the orthogonal rule is not combined with FSDP2-sharded parameters"
+    refused = {settings.update_rule, settings.inner_rule} & set(update_rules.WHOLE_STATE)
+    if refused:
+        return f"{min(refused)} is not combined with FSDP2-sharded parameters"
     return None
 
 
@@ -301,7 +310,9 @@ def demo_estimate(
         else _demo_memory(work.shapes, settings, work.param_bytes),
         quality,
         settings.as_dict(),
-        "hf_demo.fsdp.shard_model(model, hsdp_mesh()); DeMo(..., device_mesh=mesh)" if hsdp else "",
+        "hf_demo.fsdp.shard_model(model, hsdp_mesh()); hf_demo.create_optimizer(model, ..., device_mesh=mesh)"
+        if hsdp
+        else "",
     )
     est.loss_cost = loss_cost(variant)
     if settings.comm_budget > 0:

@@ -193,6 +193,7 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
         out.append(Collective("node_drift", "all_gather", agreement.VOTE_BYTES, L, "intra", settings.check_every))
     if every > 1:  # once per local step: every shard skips a non-finite local step alike
         out.append(Collective("node_flags", "all_gather", agreement.VOTE_BYTES, L, "intra", every / (every - 1)))
+    out += _whole_matrix_collectives(shapes, settings, L, every)
     if nodes < 2:
         return out
     per_rank = [
@@ -207,6 +208,30 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
         out.append(
             Collective("resync", "broadcast", 4 * n_params / L, nodes, "inter", settings.full_sync_every, parallel=L)
         )
+    return out
+
+
+def _whole_matrix_collectives(shapes, settings, shards: int, every: int) -> list[Collective]:
+    """What DeMo adds inside a node for the rules that need whole matrices and for the budget policy on sharded
+    parameters (:class:`hf_demo.topology.sharded.ShardedMatrices`, ``agree_figures``): ``node_matrices``, each
+    rank's fp32 rows of every matrix padded to the largest shard's, once per step that runs such a rule (an
+    update rule at every-step synchronisations, an inner rule at every step of a local phase); counted for every
+    tensor of 2 or more dimensions, an upper bound where Muon-style groups leave the embeddings and head out.
+    ``node_figures``: the policy's figures at each exchange."""
+    from hf_demo.optim import policy as policies
+    from hf_demo.optim import update_rules
+
+    out = []
+    runs = update_rules.RULES[settings.update_rule].whole_matrix and every == 1
+    runs = runs or (update_rules.RULES[settings.inner_rule].whole_matrix and every > 1)
+    if runs:
+        rows = sum(4 * -(-s[0] // shards) * math.prod(s[1:]) for s in shapes if len(s) >= 2)
+        out.append(Collective("node_matrices", "all_gather", rows, shards, "intra"))
+    if settings.comm_budget > 0:
+        tiers = policies.tiers(
+            settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every
+        )
+        out.append(Collective("node_figures", "all_gather", 8 * (2 + len(tiers)), shards, "intra", every))
     return out
 
 
