@@ -80,7 +80,10 @@ def test_the_hsdp_plan_counts_fsdp2_inside_a_node_and_shards_between_nodes():
     assert 4 * payload.nbytes == pytest.approx(whole.nbytes, abs=4 * 8)  # each shard's own byte alignment
     assert METHODS["demo-hsdp"](Cluster(3, 1, Link(1e10), Link(1e8)), work) is None  # one device: nothing to shard
     budget = Workload(shape_list, compute_s=1.0, demo_settings={"comm_budget": 0.1})
-    assert METHODS["demo-hsdp"](cluster, budget).note.startswith("refused: comm_budget")  # as DeMo refuses it
+    assert METHODS["demo-hsdp"](cluster, budget).note.startswith("settles in tier")  # one tier for the whole model
+    assert any(c.name == "node_figures" for c in METHODS["demo-hsdp"](cluster, budget).collectives)
+    signal = Workload(shape_list, compute_s=1.0, demo_settings={"update_rule": "muon_signal"})
+    assert METHODS["demo-hsdp"](cluster, signal).note.startswith("refused: muon_signal")  # as DeMo refuses it
 
 
 def test_plan_refuses_a_model_given_twice_or_not_at_all():

@@ -158,9 +158,6 @@ class AllGatherExchange:
         ]
         return buckets.Bucketed.of(dense, bucketing)
 
-    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
-        return self.finish(self.start(transport, headers, payload, working), transport.traffic)
-
 
 class AllReduceExchange:
     name = "all_reduce"
@@ -311,9 +308,6 @@ class AllReduceExchange:
                 mean = part.float().view_as(idx) / in_flight.world
                 out.append(F.densify(idx, mean, bucket))  # runs of one rank's nominations: no repeats within
         return buckets.Bucketed.of(out, self.bucketing)
-
-    def communicate(self, transport, headers, payload, working) -> list[torch.Tensor]:
-        return self.finish(self.start(transport, headers, payload, working), transport.traffic)
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """(senders, index_nbytes) -> per bucket (senders, rows, k_nominated) positions."""

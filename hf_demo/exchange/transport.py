@@ -170,10 +170,6 @@ class Pending:
         self.waited = 0.0  # seconds wait() spent, once it has
         self.device = rows.device if device is None else device  # where the caller wants the rows
 
-    @property
-    def done(self) -> bool:
-        return self.work is None
-
     def wait(self, traffic: Traffic) -> torch.Tensor:
         """The rows, once every rank's have arrived; the wait counts into ``traffic`` (the waiting step's)."""
         if self.work is not None:

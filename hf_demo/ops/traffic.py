@@ -22,6 +22,7 @@ from hf_demo.compression.blocks import plan
 from hf_demo.exchange import exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
+from hf_demo.topology.dtensor import shard_rows
 from hf_demo.wire import agreement, codec
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
@@ -159,8 +160,7 @@ def shard_shapes(shapes: list[Shape], shards: int, index: int) -> list[Shape]:
     with no rows there is left out, as DeMo leaves it out."""
     out = []
     for s in shapes:
-        rows = -(-s[0] // shards)  # torch.chunk's piece size
-        mine = max(0, min(rows, s[0] - index * rows))
+        mine = shard_rows(s[0], shards)[index]
         if mine:
             out.append((mine, *s[1:]))
     return out
@@ -225,7 +225,7 @@ def _whole_matrix_collectives(shapes, settings, shards: int, every: int) -> list
     runs = update_rules.RULES[settings.update_rule].whole_matrix and every == 1
     runs = runs or (update_rules.RULES[settings.inner_rule].whole_matrix and every > 1)
     if runs:
-        rows = sum(4 * -(-s[0] // shards) * math.prod(s[1:]) for s in shapes if len(s) >= 2)
+        rows = sum(4 * shard_rows(s[0], shards)[0] * math.prod(s[1:]) for s in shapes if len(s) >= 2)
         out.append(Collective("node_matrices", "all_gather", rows, shards, "intra"))
     if settings.comm_budget > 0:
         tiers = policies.tiers(

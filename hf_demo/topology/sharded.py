@@ -305,14 +305,7 @@ SAME_ON_REPLICAS = ("exp_avg", "exp_avg_sq", "anchor")  # computed from the aver
 def shard_shapes(p, shards: int) -> list[tuple[int, ...]]:
     """The local shape of ``p`` on each rank of its shard group (FSDP2 cuts the sharded dimension as torch.chunk)."""
     dim = p.placements[0].dim
-    size = p.shape[dim]
-    step = -(-size // shards)
-    shapes = []
-    for j in range(shards):
-        shape = list(p.shape)
-        shape[dim] = max(0, min(step, size - j * step))
-        shapes.append(tuple(shape))
-    return shapes
+    return [(*p.shape[:dim], rows, *p.shape[dim + 1 :]) for rows in shard_rows(p.shape[dim], shards)]
 
 
 def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
