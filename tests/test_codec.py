@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_demo.compression.blocks import plan
-from hf_demo.errors import DeMoSyncError
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
 
 
@@ -119,6 +119,17 @@ def test_payload_decode_names_out_of_range_indices_and_nan_values():
     bad[off : off + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # fp32 NaN
     with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[0\]"):
         pc.decode(torch.stack([bad, payload]))
+
+
+def test_payload_decode_refuses_repeated_uint16_positions_before_a_count_can_wrap():
+    """256 copies of one position wrapped the uint8 picker count to 0 (an Inf coefficient past the NaN check)."""
+    layout = plan((64, 64), 64, 256)
+    pc = codec.PayloadCodec([layout], "fp32", "uint16")
+    idx, values = torch.full((1, 256), 5, dtype=torch.int64), torch.ones(1, 256)
+    payload = pc.encode([(idx, values)], "cpu")[0]
+    good = pc.encode([(torch.arange(256)[None], values)], "cpu")[0]
+    with pytest.raises(DeMoPayloadError, match=r"repeated positions .* parameter 0 .* rank\(s\) \[1\]"):
+        pc.decode(torch.stack([good, payload]))
 
 
 @pytest.mark.parametrize(

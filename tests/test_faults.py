@@ -50,6 +50,10 @@ def _fail_on_second_step(rank, world, fault, kw):
     before = _snapshot(model, opt)
     if fault == "index" and rank == world - 1:
         corrupt_indices(codec.index_coding(opt.settings.index_coding))
+    if fault == "repeat" and rank == world - 1:  # every block names its first position k times
+        coding = codec.index_coding(opt.settings.index_coding)
+        real_pack = coding.pack_rows
+        coding.pack_rows = lambda idx, bsize, k: real_pack(idx[:, :1].expand_as(idx).contiguous(), bsize, k)
     if fault == "nan" and rank == world - 1:
         fmt = codec.value_format(kw.get("value_format", "bf16"))
         real_encode = fmt.encode_rows  # a bucket's values (the step encodes per bucket)
@@ -70,6 +74,35 @@ def _fail_on_second_step(rank, world, fault, kw):
     except Exception as exc:  # noqa: BLE001 - reported with the state check
         return (RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started)
     return ("no error", _same(before, _snapshot(model, opt)), time.monotonic() - started)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (
+            {"value_format": "fp32", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16)) from rank(s) [1]",
+        ),
+        (
+            {"value_format": "sign", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16)) from rank(s) [1]",
+        ),
+        (
+            {"value_format": "fp32", "exchange": "all_reduce", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16), block of 64) "
+            "nominated by rank(s) [1]",
+        ),
+    ],
+    ids=["all_gather", "sign", "all_reduce nominations"],
+)
+def test_repeated_positions_are_refused_by_every_rank_and_change_nothing(kw, match):
+    """A block naming one position k times counted its sender k times among the pickers (and 256 copies wrapped
+    the uint8 count to 0: an Inf coefficient): every rank now refuses the step alike, through the vote."""
+    results = expect_ok(run_ranks(_fail_on_second_step, 2, "repeat", kw))
+    for rank, (error, unchanged, _) in enumerate(results):
+        assert isinstance(error, RankError) and error.type == "DeMoPayloadError", f"rank {rank}: {error}"
+        assert (match if rank == 1 else "every rank refused optimizer step 1 because rank(s) [0, 1]") in error.message
+        assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
 
 
 @pytest.mark.parametrize(

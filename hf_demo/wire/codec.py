@@ -287,6 +287,12 @@ class Uint16Indices:
         """Every sender's bytes (world, rows * 2k) -> positions (world, rows, k) int64."""
         return (stream.view(torch.int16).to(torch.int64) & 0xFFFF).view(stream.shape[0], rows, k)
 
+    def repeated(self, idx: torch.Tensor) -> torch.Tensor:
+        """Positions (..., k) -> (...) bool: a block that names one position twice (a top-k never does; a
+        repeat would count one sender as several pickers). Sorted on the device, no host read."""
+        ordered = idx.sort(dim=-1).values
+        return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+
     def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
         return [pack_indices(idx) for idx in idxs]
 
@@ -318,6 +324,11 @@ class EliasFanoIndices:
         """(low bits per position, upper-vector bits per block)."""
         low = max(0, (bsize // k).bit_length() - 1)
         return low, k + ((bsize - 1) >> low)
+
+    def repeated(self, idx: torch.Tensor) -> torch.Tensor:
+        """Never: :meth:`unpack` turns a record whose positions are not strictly increasing into out-of-range
+        positions (flagged by the range check)."""
+        return torch.zeros(idx.shape[:-1], dtype=torch.bool, device=idx.device)
 
     def record_bytes(self, bsize: int, k: int) -> int:
         low, upper = self.split(bsize, k)
@@ -523,20 +534,21 @@ class PayloadCodec:
     def decode_buckets(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of every rank (world, nbytes) -> [(positions, values) each (world, rows, k)] per bucket, validated.
 
-        Raises :class:`DeMoSyncError` naming the parameter and the sending ranks on out-of-range indices or
-        NaN/Inf values; nothing is returned half-decoded. Every bucket's checks are made on the device and
-        read back at once (one host read per payload, whatever the number of parameters); the culprit is
-        looked for only when that read says something is wrong.
+        Raises :class:`DeMoPayloadError` naming the parameter and the sending ranks on out-of-range or repeated
+        positions (a block naming a position twice) or NaN/Inf values; nothing is returned half-decoded. Every
+        bucket's checks are made on the device and read back at once (one host read per payload, whatever the
+        number of parameters); the culprit is looked for only when that read says something is wrong.
         """
         streams = iter(self.map.extract(received))
         out, flags = [], []
         for bucket in self.bucketing.buckets:
             idx = self.indices.unpack_rows(next(streams), bucket.rows, bucket.bsize, bucket.k)
             values = self.format.decode_rows([next(streams) for _ in self.format.segments(1, 1)], bucket)
-            flags.append(torch.stack([(idx >= bucket.bsize).any(-1), (~values.isfinite()).any(-1)]))
+            in_range = (idx >= bucket.bsize).any(-1)
+            flags.append(torch.stack([in_range, self.indices.repeated(idx), (~values.isfinite()).any(-1)]))
             out.append((idx, values))
         if flags:
-            bad = torch.cat(flags, dim=2)  # (2, senders, rows): out-of-range positions, NaN/Inf values
+            bad = torch.cat(flags, dim=2)  # (3, senders, rows): out-of-range or repeated positions, NaN/Inf values
             if bool(bad.any()):
                 raise self.refusal(self.by_parameter(bad))
         return out
@@ -552,8 +564,8 @@ class PayloadCodec:
         return out
 
     def by_parameter(self, bad: torch.Tensor) -> list:
-        """Row flags (2, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [NaN/Inf
-        per sender]] (on the host: only when a flag is set)."""
+        """Row flags (3, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [repeated
+        per sender], [NaN/Inf per sender]] (on the host: only when a flag is set)."""
         bad = bad.cpu()
         firsts, base = [], 0
         for bucket in self.bucketing.buckets:
@@ -566,13 +578,18 @@ class PayloadCodec:
         return out
 
     def refusal(self, bad: list) -> DeMoPayloadError:
-        """The error for the first parameter whose flags (``[[out-of-range per sender], [NaN/Inf per sender]]``
-        per parameter) say its positions or values are wrong."""
-        for i, (layout, (bad_idx, bad_val)) in enumerate(zip(self.layouts, bad)):
+        """The error for the first parameter whose flags (``[[out-of-range per sender], [repeated per sender],
+        [NaN/Inf per sender]]`` per parameter) say its positions or values are wrong."""
+        for i, (layout, (bad_idx, repeated, bad_val)) in enumerate(zip(self.layouts, bad)):
             if any(bad_idx):
                 return DeMoPayloadError(
                     f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
                     f"{layout.bsize}) from rank(s) {_senders(bad_idx)}: corrupted payload"
+                )
+            if any(repeated):
+                return DeMoPayloadError(
+                    f"received repeated positions (a block naming one position twice) for parameter {i} (shape "
+                    f"{layout.shape}) from rank(s) {_senders(repeated)}: corrupted payload"
                 )
             if any(bad_val):
                 return DeMoPayloadError(
