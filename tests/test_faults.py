@@ -130,21 +130,27 @@ def test_every_error_leaves_the_whole_state_untouched_on_every_rank(fault, kw, m
         assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
 
 
-def _flip(rank, world, kw):
+def _flip(rank, world, kw, header_byte=None, secret=None):
+    """One byte of rank 0's payload (or, ``header_byte``, of its header) flipped on its way to rank 1."""
     from hf_demo.exchange import transport as comm
     from hf_demo.wire import codec
 
+    if secret is not None:
+        os.environ["HF_DEMO_SECRET"] = secret
     model = tiny_mlp()
     opt = small_demo(model, **{"comm_timeout": 5.0, **kw})
     loss_and_backward(model, rank, 0)
     opt.step()
     real_gather = comm._all_gather
-    if rank == 1:  # one byte of rank 0's payload flipped on its way to rank 1
+    if rank == 1:
 
         def flipping_gather(out, buf, group=None):
             real_gather(out, buf, group=group)
-            if buf.numel() != codec.HEADER_BYTES:
+            is_header = buf.numel() == codec.HEADER_BYTES
+            if header_byte is None and not is_header:
                 out[buf.numel() // 2] ^= 0x01
+            elif header_byte is not None and is_header:
+                out[header_byte] ^= 0x01  # rank 0's row of the header all-gather
 
         comm._all_gather = flipping_gather
     loss_and_backward(model, rank, 1)
@@ -172,6 +178,31 @@ def test_a_byte_flipped_on_the_way_to_one_rank_stops_that_step_on_every_rank_and
     assert "the payload from rank 0 at optimizer step 1 fails its CRC32 check" in err1.message, err1.message
     assert isinstance(err0, RankError) and err0.type == "DeMoPayloadError", err0
     assert "every rank refused optimizer step 1 because rank(s) [1]" in err0.message, err0.message
+    assert secs0 < 5.0, secs0  # the vote answers at once: nobody waits for comm_timeout (5 s)
+    assert unchanged0 and unchanged1
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+
+
+@pytest.mark.parametrize(
+    "kw,byte,secret",
+    [
+        ({}, 5 * 8, None),  # the flags word: rank 1 alone would skip the step (skip flag) and abort in gloo
+        ({"exchange": "all_reduce"}, 9 * 8, None),  # the replica fingerprint: rank 1 alone would see drift
+        ({}, 14 * 8, "s3cret"),  # the header's HMAC tag
+    ],
+    ids=["flags", "fingerprint all_reduce", "hmac tag"],
+)
+def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_and_the_retry_commits(kw, byte, secret):
+    """Rank 1 refuses rank 0's header (its own CRC32, or the HMAC); rank 0 received every header intact. Rank 1
+    goes on into the step's collectives like rank 0, and the vote makes both raise the same refusal at once,
+    naming the header and its sender (not a peer that 'did not answer'); nothing is applied, the retry commits."""
+    results = expect_ok(run_ranks(_flip, 2, kw, byte, secret, timeout=90))
+    (err0, unchanged0, secs0, after0), (err1, unchanged1, _, after1) = results
+    assert isinstance(err1, RankError) and err1.type == "DeMoPayloadError", err1
+    why = "HMAC-SHA256" if secret else "CRC32"
+    assert "rank 1: the header from rank 0 at optimizer step 1" in err1.message and why in err1.message, err1.message
+    assert isinstance(err0, RankError) and err0.type == "DeMoPayloadError", err0
+    assert "rank 1 refused the header from rank 0" in err0.message, err0.message
     assert secs0 < 5.0, secs0  # the vote answers at once: nobody waits for comm_timeout (5 s)
     assert unchanged0 and unchanged1
     assert all(torch.equal(a, b) for a, b in zip(after0, after1))
@@ -274,6 +305,8 @@ def test_authenticated_payloads():
     )
     missing = run_ranks(_secret, 2, ("s3cret", None))
     assert all(isinstance(r, RankError) and "HF_DEMO_SECRET" in r.message for r in missing), missing
+    # the rank with the secret gets the same named mismatch, not a refused HMAC
+    assert all("rank 1 does not sign its payloads and rank 0 does" in r.message for r in missing), missing
 
 
 def _drift(rank, world, policy, full_sync_every):

@@ -144,6 +144,8 @@ class AllGatherExchange:
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         received = in_flight.wait(traffic)
+        if in_flight.refused is not None:  # a header refused when it started (overlap)
+            raise in_flight.refused
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         bucketing = self.codec.bucketing
         dense = [
@@ -315,6 +317,7 @@ class AllReduceExchange:
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """(senders, index_nbytes) -> per bucket (senders, rows, k_nominated) positions."""
+        codec.check_rows(rows, self.index_nbytes, "position")
         streams = self.map.extract(rows) if self.picked.buckets else []
         return [self.indices.unpack_rows(w, b.rows, b.bsize, b.k) for w, b in zip(streams, self.picked.buckets)]
 

@@ -128,7 +128,8 @@ class Agreement:
             grad_fingerprint=ctx.grad_print,
             **opt.header_timings(ctx.started),
         )
-        ctx.headers = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device)
+        ctx.headers, refusal = agreement.gather_headers(ctx.transport, header, ctx.payload, opt.secret, ctx.device)
+        ctx.header_refusal = ctx.header_refusal or refusal  # raised through the vote (Communicate, Vote)
 
 
 class Policy:
@@ -182,12 +183,15 @@ class Communicate:
         transport = ctx.transport
         if ctx.settings.overlap:
             ctx.in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, background=True)
+            ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
             return
         try:
             in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working)
             ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
         except DeMoPayloadError as exc:
             ctx.refusal = exc
+        if ctx.header_refusal is not None:  # the collectives ran as on every rank; the header is what is refused
+            ctx.refusal, ctx.updates = ctx.header_refusal, None
 
 
 class Vote:
