@@ -288,3 +288,39 @@ def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
     assert proc.returncode != 0
     assert "Accelerate did not turn it on: it runs FSDP only on GPUs" in proc.stdout and "hf_demo.fsdp" in proc.stdout
     assert not (tmp_path / "fsdp" / "rec").exists() or not list((tmp_path / "fsdp" / "rec").iterdir())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["log", "data"])
+def test_a_stopped_rank_under_demotrainer_ends_the_job_within_comm_timeout(tmp_path, where):
+    """Rank 1 stops (SIGSTOP) at step 5: before Trainer's logging gather (not DeMo's collective), or before its
+    batch (rank 0 then waits in DDP's buffer broadcast of the next forward, or in DeMo's exchange). transformers'
+    CPU path gives the group gloo's 30 minutes; with DeMoTrainer the survivor raises within comm_timeout, the
+    launcher ends the job, and no rank outlives it."""
+    import re
+    import time
+
+    started = time.monotonic()
+    proc = _train(
+        tmp_path, where, "--optim", "demo", "--demo_comm_timeout", "10", "--stop_rank", "1", "--stop_at", where,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert time.monotonic() - started < 280, proc.stdout[-3000:]  # the launch's own limit is 300 s; gloo's is 1800
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\): stopping myself", proc.stdout)]
+    assert pids, proc.stdout[-3000:]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "the stopped rank outlived its launcher"
+    # what rank 0 waited in: DeMo's exchange (DeMoSyncError), or a collective of the default group (DDP's buffer
+    # broadcast in the forward, Trainer's nested_gather), now bounded by comm_timeout: gloo's timeout error
+    assert "DeMoSyncError" in proc.stdout or "Timed out waiting 10000ms" in proc.stdout, proc.stdout[-3000:]
