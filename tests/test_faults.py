@@ -208,6 +208,46 @@ def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_
     assert all(torch.equal(a, b) for a, b in zip(after0, after1))
 
 
+def _flip_header_overlap(rank, world):
+    """overlap=True: rank 0's header of step 1 corrupted on its way to rank 1; the steps after it."""
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
+
+    model = tiny_mlp()
+    opt = small_demo(model, overlap=True, comm_timeout=5.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    real_gather = comm._all_gather
+    if rank == 1:
+
+        def flipping_gather(out, buf, group=None):
+            real_gather(out, buf, group=group)
+            if buf.numel() == codec.HEADER_BYTES:
+                out[5 * 8] ^= 0x01  # rank 0's flags word
+                comm._all_gather = real_gather  # once
+
+        comm._all_gather = flipping_gather
+    errors = []
+    for step in (1, 2):
+        loss_and_backward(model, rank, step)
+        try:
+            opt.step()
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(RankError(exc))
+    return errors
+
+
+def test_with_overlap_a_corrupted_header_stops_every_rank_at_the_next_step():
+    """overlap=True votes in the next step's header: the refused header rides there (flag 64), every rank raises
+    at step 2 naming rank 1, and nothing of the refused exchange is applied."""
+    for rank, (at_1, at_2) in enumerate(expect_ok(run_ranks(_flip_header_overlap, 2, timeout=90))):
+        assert at_1 is None, (rank, at_1)
+        assert isinstance(at_2, RankError) and "rank(s) [1] refused the exchange still in flight" in at_2.message
+        if rank == 1:
+            assert "the header from rank 0 at optimizer step 1 fails its CRC32 check" in at_2.message, at_2.message
+
+
 @pytest.mark.parametrize("vote", ["on", "off"])
 def test_without_the_vote_the_ranks_commit_apart(vote):
     """What the vote prevents: with commit_vote='off' the rank whose payload arrived intact commits the step."""
