@@ -324,3 +324,24 @@ def test_a_stopped_rank_under_demotrainer_ends_the_job_within_comm_timeout(tmp_p
     # what rank 0 waited in: DeMo's exchange (DeMoSyncError), or a collective of the default group (DDP's buffer
     # broadcast in the forward, Trainer's nested_gather), now bounded by comm_timeout: gloo's timeout error
     assert "DeMoSyncError" in proc.stdout or "Timed out waiting 10000ms" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_vouched_checkpoint_holding_another_runs_rank_file_gives_every_rank_the_same_error(straight):
+    """rank 1's optimizer file taken from another run with the same settings, and the checkpoint vouched for
+    with write_manifest (what the incomplete-checkpoint error suggests): it resumed silently on other parameters.
+    Every rank now raises the same DeMoStateError naming rank 1's file, not rank 0 a raw gloo error."""
+    from hf_demo.hf.checkpoint import write_manifest
+
+    tmp, _ = straight
+    _train(tmp, "other", "--optim", "demo", "--seed", "2", "--max_steps", "10")
+    ckpt = tmp / "mixed"
+    shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
+    shutil.copy(tmp / "other" / "out" / "checkpoint-10" / "optimizer.rank1.pt", ckpt / "optimizer.rank1.pt")
+    (ckpt / MANIFEST).unlink()
+    write_manifest(str(ckpt), 2, 10)
+    proc = _train(tmp, "from_mixed", "--optim", "demo", "--resume_from_checkpoint", ckpt, check=False)
+    assert proc.returncode != 0
+    messages = [line.split("DeMoStateError:", 1)[1] for line in proc.stdout.splitlines() if "DeMoStateError:" in line]
+    assert len(messages) == 2 and len(set(messages)) == 1, proc.stdout[-3000:]
+    assert "rank 1's state is another run's" in messages[0], messages[0]
