@@ -638,7 +638,7 @@ class Header:
         return torch.tensor(words, dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def words_bytes(self) -> bytes:
-        return self.body_bytes() + torch.tensor([self.header_crc], dtype=torch.int64).numpy().tobytes()
+        return self.body_bytes() + torch.tensor([self.header_crc], dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def to_bytes(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.words_bytes() + self.tag), dtype=torch.uint8)
