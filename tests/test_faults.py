@@ -208,6 +208,45 @@ def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_
     assert all(torch.equal(a, b) for a, b in zip(after0, after1))
 
 
+def _flip_header_of_a_skip(rank, world):
+    """The documented limit: rank 0's header says skip (NaN gradient) and reaches rank 1 corrupted."""
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=3.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    real_gather = comm._all_gather
+    if rank == 1:
+
+        def flipping_gather(out, buf, group=None):
+            real_gather(out, buf, group=group)
+            if buf.numel() == codec.HEADER_BYTES:
+                out[9 * 8] ^= 0x01  # rank 0's fingerprint word: its CRC32 fails, its skip flag is not read
+
+        comm._all_gather = flipping_gather
+    loss_and_backward(model, rank, 1)
+    if rank == 0:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except Exception as exc:  # noqa: BLE001
+        return RankError(exc)
+    time.sleep(6)  # rank 0 skipped the step; it stays until rank 1 gave up
+    return "no error"
+
+
+def test_a_refused_header_that_said_skip_is_named_not_blamed_on_the_peer():
+    """The limit of a stand-in header: rank 0 skips (its own NaN), rank 1 could not read that and waits in the
+    payload collective; its error names the refused header, not a peer that 'did not answer'."""
+    skipped, error = run_ranks(_flip_header_of_a_skip, 2, timeout=90)
+    assert skipped == "no error"
+    assert isinstance(error, RankError) and error.type == "DeMoSyncError", error
+    assert "the header from rank 0 at optimizer step 1 fails its CRC32 check" in error.message, error.message
+    assert "did not meet it there" in error.message, error.message
+
+
 def _flip_header_overlap(rank, world):
     """overlap=True: rank 0's header of step 1 corrupted on its way to rank 1; the steps after it."""
     from hf_demo.exchange import transport as comm
