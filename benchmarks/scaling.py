@@ -6,7 +6,7 @@ tends to 8 B/param and never exceeds it. With s = DeMo's payload in bytes per pa
 
     received_DeMo / received_ring = (W-1)·s / (2(W-1)/W · 4) = s·W / 8     ->   DeMo stops paying at W* = 8 / s
 
-(plus the 136-byte header and the 8-byte commit vote per rank, negligible).
+(plus the 144-byte header and the 8-byte commit vote per rank, negligible).
 
 Part 1 (measured): for W = 2, 4, 8 local gloo processes (127.0.0.1, one torch thread each; this measures
 bytes, not time), every setting in ``--settings`` builds ``hf_demo.DeMo`` on the model of ``benchlib.toy``
@@ -344,7 +344,7 @@ def main(argv=None):
         "top-32 of 64×64; or 16-bit where the label says so). `all_reduce` exchange = one all-gather of every "
         "rank's top-k/W nominated positions (the default `reduce_positions='union'`), or with `(leader)` one "
         "positions broadcast from a leader rotating every step (the mean over ranks is the average over a "
-        "rotation), + one all-reduce of bf16 values at the agreed positions + the 136-byte header and 8-byte "
+        "rotation), + one all-reduce of bf16 values at the agreed positions + the 144-byte header and 8-byte "
         "commit vote all-gathers. "
         f"**HSDP** = the model sharded by FSDP2 over {L} processes per node (`hf_demo.fsdp`): W processes = "
         f"W/{L} nodes; *between nodes / node* counts only DeMo's collectives across the replicate dimension, "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_demo.compression.blocks import plan
-from hf_demo.errors import DeMoSyncError
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
 
 
@@ -121,6 +121,17 @@ def test_payload_decode_names_out_of_range_indices_and_nan_values():
         pc.decode(torch.stack([bad, payload]))
 
 
+def test_payload_decode_refuses_repeated_uint16_positions_before_a_count_can_wrap():
+    """256 copies of one position wrapped the uint8 picker count to 0 (an Inf coefficient past the NaN check)."""
+    layout = plan((64, 64), 64, 256)
+    pc = codec.PayloadCodec([layout], "fp32", "uint16")
+    idx, values = torch.full((1, 256), 5, dtype=torch.int64), torch.ones(1, 256)
+    payload = pc.encode([(idx, values)], "cpu")[0]
+    good = pc.encode([(torch.arange(256)[None], values)], "cpu")[0]
+    with pytest.raises(DeMoPayloadError, match=r"repeated positions .* parameter 0 .* rank\(s\) \[1\]"):
+        pc.decode(torch.stack([good, payload]))
+
+
 @pytest.mark.parametrize(
     "shape,chunk,k",
     [
@@ -219,13 +230,15 @@ def test_check_headers_names_every_disagreement():
     codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_NONFINITE)], 0)  # flags may differ
 
 
-def test_a_format_2_header_still_parses():
-    """Optimizer states of format 2 may hold the 12-word headers of an in-flight overlap exchange."""
+def test_format_2_and_3_headers_still_parse():
+    """Optimizer states of formats 2 and 3 may hold the 12- and 13-word headers of an in-flight overlap exchange."""
     h = codec.Header(step=3, layout_checksum=1, settings_checksum=2, flags=4, world_size=2, payload_bytes=10,
                      payload_crc=9, fingerprint=7, exchange_ms=5, elapsed_ms=6, grad_fingerprint=11)  # fmt: skip
     raw = h.to_bytes()
-    v2 = torch.cat([raw[: 12 * 8], raw[13 * 8 :]])  # without the 13th word (grad_fingerprint)
-    assert raw.numel() == codec.HEADER_BYTES == 136 and v2.numel() == 128
+    v2 = torch.cat([raw[: 12 * 8], raw[14 * 8 :]])  # without the 13th word (grad_fingerprint) and the CRC32
+    v3 = torch.cat([raw[: 13 * 8], raw[14 * 8 :]])  # without the header's CRC32
+    assert raw.numel() == codec.HEADER_BYTES == 144 and v2.numel() == 128 and v3.numel() == 136
     back = codec.Header.from_bytes(v2)
     assert (back.step, back.fingerprint, back.elapsed_ms, back.grad_fingerprint, back.tag) == (3, 7, 6, 0, h.tag)
+    assert codec.Header.from_bytes(v3).grad_fingerprint == 11
     assert codec.Header.from_bytes(raw) == h

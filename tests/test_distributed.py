@@ -234,3 +234,45 @@ def _state_dict_on_rank0_only(rank, world):
 
 def test_state_dict_calls_no_collective():
     assert expect_ok(run_ranks(_state_dict_on_rank0_only, 2, timeout=60)) == ["ok", "ok"]
+
+
+def _save_run(rank, world, folder, steps):
+    """One run (its own run identity): its states after each of ``steps`` optimizer steps."""
+    model = tiny_mlp(seed=len(folder))
+    opt = small_demo(model)
+    for step in range(max(steps)):
+        loss_and_backward(model, rank, step)
+        opt.step()
+        if step + 1 in steps:
+            torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.step{step + 1}.pt"))
+    return opt.run_id
+
+
+def _load_files(rank, world, files):
+    model = tiny_mlp()
+    opt = small_demo(model)
+    started = time.monotonic()
+    try:
+        opt.load_state_dict(torch.load(files[rank], weights_only=True))
+    except hf_demo.DeMoStateError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+@pytest.mark.parametrize("mix", ["another run", "another step"])
+def test_rank_files_of_another_run_or_step_are_named_on_every_rank(tmp_path, mix):
+    """A checkpoint whose rank 1 file comes from another run with the same settings (or another step), as one
+    vouched for with write_manifest may hold, resumed silently before: every rank now raises, naming rank 1."""
+    run_a, run_b = tmp_path / "a", tmp_path / "bb"
+    run_a.mkdir(), run_b.mkdir()
+    ids_a = expect_ok(run_ranks(_save_run, 2, str(run_a), (1, 2)))
+    ids_b = expect_ok(run_ranks(_save_run, 2, str(run_b), (2,)))
+    assert ids_a[0] == ids_a[1] and ids_b[0] == ids_b[1] and ids_a[0] != ids_b[0]  # one identity per run
+    other = run_b / "rank1.step2.pt" if mix == "another run" else run_a / "rank1.step1.pt"
+    results = expect_ok(run_ranks(_load_files, 2, [str(run_a / "rank0.step2.pt"), str(other)]))
+    for message, seconds in results:
+        assert "do not belong together: rank 1's state is " + mix in message, message
+        assert f"rank 0's: run {ids_a[0]} at step 2" in message, message
+        assert seconds < 30, seconds
+    same = expect_ok(run_ranks(_load_files, 2, [str(run_a / "rank0.step2.pt"), str(run_a / "rank1.step2.pt")]))
+    assert [m for m, _ in same] == ["no error", "no error"]

@@ -50,6 +50,10 @@ def _fail_on_second_step(rank, world, fault, kw):
     before = _snapshot(model, opt)
     if fault == "index" and rank == world - 1:
         corrupt_indices(codec.index_coding(opt.settings.index_coding))
+    if fault == "repeat" and rank == world - 1:  # every block names its first position k times
+        coding = codec.index_coding(opt.settings.index_coding)
+        real_pack = coding.pack_rows
+        coding.pack_rows = lambda idx, bsize, k: real_pack(idx[:, :1].expand_as(idx).contiguous(), bsize, k)
     if fault == "nan" and rank == world - 1:
         fmt = codec.value_format(kw.get("value_format", "bf16"))
         real_encode = fmt.encode_rows  # a bucket's values (the step encodes per bucket)
@@ -70,6 +74,35 @@ def _fail_on_second_step(rank, world, fault, kw):
     except Exception as exc:  # noqa: BLE001 - reported with the state check
         return (RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started)
     return ("no error", _same(before, _snapshot(model, opt)), time.monotonic() - started)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (
+            {"value_format": "fp32", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16)) from rank(s) [1]",
+        ),
+        (
+            {"value_format": "sign", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16)) from rank(s) [1]",
+        ),
+        (
+            {"value_format": "fp32", "exchange": "all_reduce", "index_coding": "uint16"},
+            "repeated positions (a block naming one position twice) for parameter 0 (shape (32, 16), block of 64) "
+            "nominated by rank(s) [1]",
+        ),
+    ],
+    ids=["all_gather", "sign", "all_reduce nominations"],
+)
+def test_repeated_positions_are_refused_by_every_rank_and_change_nothing(kw, match):
+    """A block naming one position k times counted its sender k times among the pickers (and 256 copies wrapped
+    the uint8 count to 0: an Inf coefficient): every rank now refuses the step alike, through the vote."""
+    results = expect_ok(run_ranks(_fail_on_second_step, 2, "repeat", kw))
+    for rank, (error, unchanged, _) in enumerate(results):
+        assert isinstance(error, RankError) and error.type == "DeMoPayloadError", f"rank {rank}: {error}"
+        assert (match if rank == 1 else "every rank refused optimizer step 1 because rank(s) [0, 1]") in error.message
+        assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
 
 
 @pytest.mark.parametrize(
@@ -97,21 +130,27 @@ def test_every_error_leaves_the_whole_state_untouched_on_every_rank(fault, kw, m
         assert unchanged, f"rank {rank}: parameters, momentum or counters changed by a failed step"
 
 
-def _flip(rank, world, kw):
+def _flip(rank, world, kw, header_byte=None, secret=None):
+    """One byte of rank 0's payload (or, ``header_byte``, of its header) flipped on its way to rank 1."""
     from hf_demo.exchange import transport as comm
     from hf_demo.wire import codec
 
+    if secret is not None:
+        os.environ["HF_DEMO_SECRET"] = secret
     model = tiny_mlp()
     opt = small_demo(model, **{"comm_timeout": 5.0, **kw})
     loss_and_backward(model, rank, 0)
     opt.step()
     real_gather = comm._all_gather
-    if rank == 1:  # one byte of rank 0's payload flipped on its way to rank 1
+    if rank == 1:
 
         def flipping_gather(out, buf, group=None):
             real_gather(out, buf, group=group)
-            if buf.numel() != codec.HEADER_BYTES:
+            is_header = buf.numel() == codec.HEADER_BYTES
+            if header_byte is None and not is_header:
                 out[buf.numel() // 2] ^= 0x01
+            elif header_byte is not None and is_header:
+                out[header_byte] ^= 0x01  # rank 0's row of the header all-gather
 
         comm._all_gather = flipping_gather
     loss_and_backward(model, rank, 1)
@@ -142,6 +181,110 @@ def test_a_byte_flipped_on_the_way_to_one_rank_stops_that_step_on_every_rank_and
     assert secs0 < 5.0, secs0  # the vote answers at once: nobody waits for comm_timeout (5 s)
     assert unchanged0 and unchanged1
     assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+
+
+@pytest.mark.parametrize(
+    "kw,byte,secret",
+    [
+        ({}, 5 * 8, None),  # the flags word: rank 1 alone would skip the step (skip flag) and abort in gloo
+        ({"exchange": "all_reduce"}, 9 * 8, None),  # the replica fingerprint: rank 1 alone would see drift
+        ({}, 14 * 8, "s3cret"),  # the header's HMAC tag
+    ],
+    ids=["flags", "fingerprint all_reduce", "hmac tag"],
+)
+def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_and_the_retry_commits(kw, byte, secret):
+    """Rank 1 refuses rank 0's header (its own CRC32, or the HMAC); rank 0 received every header intact. Rank 1
+    goes on into the step's collectives like rank 0, and the vote makes both raise the same refusal at once,
+    naming the header and its sender (not a peer that 'did not answer'); nothing is applied, the retry commits."""
+    results = expect_ok(run_ranks(_flip, 2, kw, byte, secret, timeout=90))
+    (err0, unchanged0, secs0, after0), (err1, unchanged1, _, after1) = results
+    assert isinstance(err1, RankError) and err1.type == "DeMoPayloadError", err1
+    why = "HMAC-SHA256" if secret else "CRC32"
+    assert "rank 1: the header from rank 0 at optimizer step 1" in err1.message and why in err1.message, err1.message
+    assert isinstance(err0, RankError) and err0.type == "DeMoPayloadError", err0
+    assert "rank 1 refused the header from rank 0" in err0.message, err0.message
+    assert secs0 < 5.0, secs0  # the vote answers at once: nobody waits for comm_timeout (5 s)
+    assert unchanged0 and unchanged1
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))
+
+
+def _flip_header_of_a_skip(rank, world):
+    """The documented limit: rank 0's header says skip (NaN gradient) and reaches rank 1 corrupted."""
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=3.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    real_gather = comm._all_gather
+    if rank == 1:
+
+        def flipping_gather(out, buf, group=None):
+            real_gather(out, buf, group=group)
+            if buf.numel() == codec.HEADER_BYTES:
+                out[9 * 8] ^= 0x01  # rank 0's fingerprint word: its CRC32 fails, its skip flag is not read
+
+        comm._all_gather = flipping_gather
+    loss_and_backward(model, rank, 1)
+    if rank == 0:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except Exception as exc:  # noqa: BLE001
+        return RankError(exc)
+    time.sleep(6)  # rank 0 skipped the step; it stays until rank 1 gave up
+    return "no error"
+
+
+def test_a_refused_header_that_said_skip_is_named_not_blamed_on_the_peer():
+    """The limit of a stand-in header: rank 0 skips (its own NaN), rank 1 could not read that and waits in the
+    payload collective; its error names the refused header, not a peer that 'did not answer'."""
+    skipped, error = run_ranks(_flip_header_of_a_skip, 2, timeout=90)
+    assert skipped == "no error"
+    assert isinstance(error, RankError) and error.type == "DeMoSyncError", error
+    assert "the header from rank 0 at optimizer step 1 fails its CRC32 check" in error.message, error.message
+    assert "did not meet it there" in error.message, error.message
+
+
+def _flip_header_overlap(rank, world):
+    """overlap=True: rank 0's header of step 1 corrupted on its way to rank 1; the steps after it."""
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
+
+    model = tiny_mlp()
+    opt = small_demo(model, overlap=True, comm_timeout=5.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    real_gather = comm._all_gather
+    if rank == 1:
+
+        def flipping_gather(out, buf, group=None):
+            real_gather(out, buf, group=group)
+            if buf.numel() == codec.HEADER_BYTES:
+                out[5 * 8] ^= 0x01  # rank 0's flags word
+                comm._all_gather = real_gather  # once
+
+        comm._all_gather = flipping_gather
+    errors = []
+    for step in (1, 2):
+        loss_and_backward(model, rank, step)
+        try:
+            opt.step()
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(RankError(exc))
+    return errors
+
+
+def test_with_overlap_a_corrupted_header_stops_every_rank_at_the_next_step():
+    """overlap=True votes in the next step's header: the refused header rides there (flag 64), every rank raises
+    at step 2 naming rank 1, and nothing of the refused exchange is applied."""
+    for rank, (at_1, at_2) in enumerate(expect_ok(run_ranks(_flip_header_overlap, 2, timeout=90))):
+        assert at_1 is None, (rank, at_1)
+        assert isinstance(at_2, RankError) and "rank(s) [1] refused the exchange still in flight" in at_2.message
+        if rank == 1:
+            assert "the header from rank 0 at optimizer step 1 fails its CRC32 check" in at_2.message, at_2.message
 
 
 @pytest.mark.parametrize("vote", ["on", "off"])
@@ -241,6 +384,8 @@ def test_authenticated_payloads():
     )
     missing = run_ranks(_secret, 2, ("s3cret", None))
     assert all(isinstance(r, RankError) and "HF_DEMO_SECRET" in r.message for r in missing), missing
+    # the rank with the secret gets the same named mismatch, not a refused HMAC
+    assert all("rank 1 does not sign its payloads and rank 0 does" in r.message for r in missing), missing
 
 
 def _drift(rank, world, policy, full_sync_every):

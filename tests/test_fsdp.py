@@ -18,6 +18,7 @@ import hf_demo
 from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
 from hf_demo.topology.dtensor import local
+from hf_demo.wire import codec
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -181,7 +182,7 @@ def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_
     for node in range(2):
         hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if not name.startswith("node_"))
         ddp = sum(n for _, n in flat[node][1])
-        assert 0 <= hsdp - ddp - 4 * (136 + 8) <= 4 * 8, (hsdp, ddp)
+        assert 0 <= hsdp - ddp - 4 * (codec.HEADER_BYTES + 8) <= 4 * 8, (hsdp, ddp)
 
 
 # ---------------------------------------------------------------- the guards, on sharded parameters
@@ -301,7 +302,7 @@ def test_disagreeing_or_frozen_shards_stop_every_rank_within_comm_timeout(fault)
     if fault == "lr":
         assert "different optimizer settings" in first and "shard group" in first
     if fault == "secret":
-        assert "HMAC-SHA256" in first and "shard group" in first
+        assert "HMAC-SHA256" in first and "the header from rank 1" in first  # refused through the vote
 
 
 # ---------------------------------------------------------------- what is refused, and why

@@ -10,7 +10,7 @@ import hf_demo
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import encode, plan
 from hf_demo.wire import codec
-from models import loss_and_backward, tiny_mlp
+from models import loss_and_backward, small_demo, tiny_mlp
 
 
 @pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
@@ -319,3 +319,24 @@ def test_a_chunk_changed_during_training_is_refused_clearly():
     with pytest.raises(hf_demo.DeMoStateError, match="compression_chunk was changed during training.*checkpoint"):
         opt.step()
     assert torch.equal(p, before) and torch.equal(opt.state[p]["momentum"], momentum) and opt.steps == 1
+
+
+def test_a_state_loaded_over_other_weights_is_named_by_check_model():
+    """The model file and an optimizer file from different checkpoints: check_model (DeMoTrainer runs it once
+    the weights are loaded) names the run, the step and both fingerprints."""
+    from hf_demo.optim import checkpointing
+
+    model = tiny_mlp()
+    opt = small_demo(model)
+    loss_and_backward(model, 0, 0)
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["demo"]["run_id"] == opt.run_id and saved["demo"]["params_print"]
+    same = small_demo(model)
+    same.load_state_dict(saved)
+    checkpointing.check_model(same)  # the weights it was saved with
+    other_model = tiny_mlp(seed=1)
+    other = small_demo(other_model)
+    other.load_state_dict(saved)
+    with pytest.raises(hf_demo.DeMoStateError, match=rf"run {opt.run_id}, optimizer step 1; parameter fingerprint"):
+        checkpointing.check_model(other)

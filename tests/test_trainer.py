@@ -288,3 +288,60 @@ def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
     assert proc.returncode != 0
     assert "Accelerate does not run it here: it runs FSDP only on GPUs" in proc.stdout and "hf_demo.fsdp" in proc.stdout
     assert not (tmp_path / "fsdp" / "rec").exists() or not list((tmp_path / "fsdp" / "rec").iterdir())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["log", "data"])
+def test_a_stopped_rank_under_demotrainer_ends_the_job_within_comm_timeout(tmp_path, where):
+    """Rank 1 stops (SIGSTOP) at step 5: before Trainer's logging gather (not DeMo's collective), or before its
+    batch (rank 0 then waits in DDP's buffer broadcast of the next forward, or in DeMo's exchange). transformers'
+    CPU path gives the group gloo's 30 minutes; with DeMoTrainer the survivor raises within comm_timeout, the
+    launcher ends the job, and no rank outlives it."""
+    import re
+    import time
+
+    started = time.monotonic()
+    proc = _train(
+        tmp_path, where, "--optim", "demo", "--demo_comm_timeout", "10", "--stop_rank", "1", "--stop_at", where,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert time.monotonic() - started < 280, proc.stdout[-3000:]  # the launch's own limit is 300 s; gloo's is 1800
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\): stopping myself", proc.stdout)]
+    assert pids, proc.stdout[-3000:]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "the stopped rank outlived its launcher"
+    # what rank 0 waited in: DeMo's exchange (DeMoSyncError), or a collective of the default group (DDP's buffer
+    # broadcast in the forward, Trainer's nested_gather), now bounded by comm_timeout: gloo's timeout error
+    assert "DeMoSyncError" in proc.stdout or "Timed out waiting 10000ms" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_vouched_checkpoint_holding_another_runs_rank_file_gives_every_rank_the_same_error(straight):
+    """rank 1's optimizer file taken from another run with the same settings, and the checkpoint vouched for
+    with write_manifest (what the incomplete-checkpoint error suggests): it resumed silently on other parameters.
+    Every rank now raises the same DeMoStateError naming rank 1's file, not rank 0 a raw gloo error."""
+    from hf_demo.hf.checkpoint import write_manifest
+
+    tmp, _ = straight
+    _train(tmp, "other", "--optim", "demo", "--seed", "2", "--max_steps", "10")
+    ckpt = tmp / "mixed"
+    shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
+    shutil.copy(tmp / "other" / "out" / "checkpoint-10" / "optimizer.rank1.pt", ckpt / "optimizer.rank1.pt")
+    (ckpt / MANIFEST).unlink()
+    write_manifest(str(ckpt), 2, 10)
+    proc = _train(tmp, "from_mixed", "--optim", "demo", "--resume_from_checkpoint", ckpt, check=False)
+    assert proc.returncode != 0
+    messages = [line.split("DeMoStateError:", 1)[1] for line in proc.stdout.splitlines() if "DeMoStateError:" in line]
+    assert len(messages) == 2 and len(set(messages)) == 1, proc.stdout[-3000:]
+    assert "rank 1's state is another run's" in messages[0], messages[0]

@@ -112,6 +112,8 @@ def mean_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -
     idx, values = _rank_runs(idx, values)
     if world == 1:
         return idx, values
+    # a count is at most the world size: the payload check refuses a run that names one position twice
+    # (codec: repeated positions), so a uint8 count cannot wrap below 256 ranks
     count_dtype = torch.uint8 if world < 256 else torch.int32
     count = torch.zeros(nblocks, layout.bsize, dtype=count_dtype, device=idx.device)
     count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=count_dtype, device=idx.device))

@@ -148,6 +148,8 @@ class AllGatherExchange:
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         received = in_flight.wait(traffic)
+        if in_flight.refused is not None:  # a header refused when it started (overlap)
+            raise in_flight.refused
         if self.sealer is not None:
             received = self.sealer.open_rows(received, in_flight.step, "payload", in_flight.rank)
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
@@ -216,9 +218,13 @@ class AllReduceExchange:
         """Per bucket (positions (rows, W*k_nominated), first-occurrence mask or None), validated: every bucket's
         range check is made on the device and read back at once; the culprit is named only then."""
         idxs = self._unpack(rows)
-        if idxs:
-            bad = torch.cat([(idx >= b.bsize).any(-1) for b, idx in zip(self.picked.buckets, idxs)], dim=1)
-            if bool(bad.any()):  # (senders, rows)
+        if idxs:  # (2, senders, rows): out-of-range positions, a position named twice by one sender
+            flags = [
+                torch.stack([(i >= b.bsize).any(-1), self.indices.repeated(i)])
+                for b, i in zip(self.picked.buckets, idxs)
+            ]
+            bad = torch.cat(flags, dim=2)
+            if bool(bad.any()):
                 raise self._refusal(self._by_parameter(bad), rank, step, world)
         chosen = []
         for bucket, idx in zip(self.picked.buckets, idxs):
@@ -228,27 +234,27 @@ class AllReduceExchange:
         return chosen
 
     def _by_parameter(self, bad: torch.Tensor) -> list:
-        """Row flags (senders, rows of every bucket) -> per parameter, per sender (on the host)."""
+        """Row flags (2, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [repeated
+        per sender]] (on the host)."""
         bad, firsts, base = bad.cpu(), [], 0
         for bucket in self.picked.buckets:
             firsts.append(base)
             base += bucket.rows
         return [
-            bad[:, firsts[b] + row : firsts[b] + row + layout.nblocks].any(-1).tolist()
+            bad[:, :, firsts[b] + row : firsts[b] + row + layout.nblocks].any(-1).tolist()
             for (b, row), layout in zip(self.picked.where, self.layouts)
         ]
 
     def _refusal(self, bad: list, rank: int, step: int, world: int) -> DeMoPayloadError:
-        """The error naming the first parameter with out-of-range positions (``bad``: per parameter, per sender)."""
-        i = next(i for i, senders in enumerate(bad) if any(senders))
+        """The error naming the first parameter with out-of-range or repeated positions (``bad``: per parameter
+        [[out-of-range per sender], [repeated per sender]])."""
+        i, kind = next((i, kind) for i, flags in enumerate(bad) for kind in (0, 1) if any(flags[kind]))
         layout = self.layouts[i]
-        source = (
-            f"nominated by rank(s) {[r for r, flag in enumerate(bad[i]) if flag]}"
-            if self.union
-            else f"broadcast by rank {step % world}"
-        )
+        senders = [r for r, flag in enumerate(bad[i][kind]) if flag]
+        source = f"nominated by rank(s) {senders}" if self.union else f"broadcast by rank {step % world}"
+        what = "out-of-range positions" if kind == 0 else "repeated positions (a block naming one position twice)"
         return DeMoPayloadError(
-            f"rank {rank}: out-of-range positions for parameter {i} (shape {layout.shape}, "
+            f"rank {rank}: {what} for parameter {i} (shape {layout.shape}, "
             f"block of {layout.bsize}) {source} at optimizer step {step}: corrupted payload"
         )
 
@@ -311,6 +317,7 @@ class AllReduceExchange:
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """(senders, index_nbytes) -> per bucket (senders, rows, k_nominated) positions."""
+        codec.check_rows(rows, self.index_nbytes, "position")
         streams = self.map.extract(rows) if self.picked.buckets else []
         return [self.indices.unpack_rows(w, b.rows, b.bsize, b.k) for w, b in zip(streams, self.picked.buckets)]
 

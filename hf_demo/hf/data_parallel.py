@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_demo.errors import DeMoSetupError
+from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.guards import ddp as ddp_wrappers
 from hf_demo.optim.optimizer import DeMo
@@ -138,6 +139,9 @@ def prepare(accelerator, model, optimizer, *others):
         accelerated.adopt(prepared[1])
         accelerated.register(accelerator)
     install_exit_handler()
+    settings = getattr(unwrap_optimizer(optimizer), "settings", None)
+    if settings is not None:  # Trainer's and the loop's own collectives: bounded by comm_timeout too
+        liveness.guard(settings.comm_timeout)
     return prepared
 
 

@@ -34,6 +34,7 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
 
 from hf_demo import fsdp
 from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf import metrics, runtime_classes
@@ -46,10 +47,11 @@ from hf_demo.hf.data_parallel import (
 )
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.ops import callbacks as ops_callbacks
-from hf_demo.optim import update_rules
+from hf_demo.optim import checkpointing, update_rules
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
+from hf_demo.settings import DeMoSettings
 
 
 def rank_state_file(rank: int) -> str:
@@ -72,6 +74,25 @@ def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
         or (isinstance(cls, type) and issubclass(cls, DeMo))
     ):
         refuse_fsdp_on_cpu(args)
+
+
+def _agree_on(problem: str | None, error: type, hint: str) -> None:
+    """Every rank's finding (None: fine) gathered, so every rank raises the same ``error`` (once, at resume:
+    a rank raising alone would leave the others waiting in their first collective, and rank 0 would see a raw
+    gloo error)."""
+    problems = [problem]
+    if _distributed() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    if not failed:
+        return
+    message = failed[0][1]
+    if len(failed) < len(problems) or any(p != message for _, p in failed):
+        message = (
+            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found problems: {hint})"
+        )
+    raise error(message)
 
 
 class DeMoTrainerMixin:
@@ -102,7 +123,19 @@ class DeMoTrainerMixin:
                 fsdp=self.is_fsdp_enabled,
                 fsdp_requested=fsdp_requested(self.args),
             )
+            if _distributed():  # Trainer's own collectives (logging gather, batch counts, barriers) bounded too
+                liveness.guard(self._demo_comm_timeout())
         self.demo_ops = ops_callbacks.for_trainer(self, demo_ops)
+
+    def _demo_comm_timeout(self) -> float:
+        """The ``comm_timeout`` DeMo will train with: the built optimizer's, else the arguments' (or the default)."""
+        opt = unwrap_optimizer(self.optimizer) if self.optimizer is not None else None
+        if opt is not None and hasattr(opt, "settings"):
+            return opt.settings.comm_timeout
+        chosen = demo_settings(self.args) if selects_demo(self.args.optim) else {}
+        if self.optimizer_cls_and_kwargs is not None:
+            chosen = {**chosen, **self.optimizer_cls_and_kwargs[1]}
+        return float(chosen.get("comm_timeout", DeMoSettings.__dataclass_fields__["comm_timeout"].default))
 
     def _check_settings_reach_the_optimizer(self) -> None:
         """Say so when DeMo settings given in the arguments are not the ones that train (one source of truth)."""
@@ -321,8 +354,15 @@ class DeMoTrainerMixin:
                 f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
                 f"({rank_state_file(self.args.process_index)})"
             )
-        # DeMo.load_state_dict checks rank and world size, and keeps the requested settings (with a warning)
-        opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        # DeMo.load_state_dict checks rank, world size, and every rank's run and step (keeping the requested
+        # settings, with a warning); then the model's weights, loaded by now, against this rank's state
+        try:
+            opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            checkpointing.check_model(opt)
+            problem = None
+        except DeMoStateError as exc:
+            problem = str(exc)
+        _agree_on(problem, DeMoStateError, "each rank's optimizer file is its own: which one differs is named")
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

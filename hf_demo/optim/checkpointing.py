@@ -7,6 +7,8 @@ over the checkpoint's (a warning names the differences; the momentum is re-plann
 
 from __future__ import annotations
 
+import datetime
+import uuid
 import warnings
 from dataclasses import astuple
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.errors import DeMoStateError
+from hf_demo.guards.checks import fingerprint
 from hf_demo.optim import overlap
 from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
@@ -36,6 +39,8 @@ def save(opt, sd: dict) -> dict:
         comm={k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         pending=overlap.to_state(opt),
         local_params={ids[i]: local(p).detach().clone() for i, p in own_parameters(opt)},
+        run_id=opt.establish_run_id(),
+        params_print=fingerprint(trainable(opt)),
     )
     sd["demo"] = saved.to_dict()
     return opt.topology.to_checkpoint(opt, sd)
@@ -67,6 +72,8 @@ def load(opt, state_dict: dict) -> None:
     )
     opt.comm_stats.load(saved.comm)
     opt.saved_world = (saved.rank, saved.world_size, saved.rank_scope)
+    opt.run_id = saved.run_id or opt.run_id  # a resumed run is the run it resumes
+    opt.saved_identity = (saved.run_id, saved.counters.steps, saved.params_print)
     if dist.is_available() and dist.is_initialized():  # else at the first step, once the group exists
         opt.check_saved_world()
     _restore_own_parameters(opt, ids, [p for p, _, _ in pairs], saved.local_params)
@@ -146,6 +153,93 @@ def _restore_tensors(opt, p, tensors: dict, saved_chunk, group, pid) -> None:
             chunk = group["compression_chunk"]
             value = replan_momentum(pid, value, p, saved_chunk or chunk, chunk, opt.transform)
         opt.state[p][key] = value
+
+
+def trainable(opt) -> list[torch.Tensor]:
+    """This rank's part of every trainable parameter, in order (what a saved state's fingerprint covers)."""
+    return [local(p).detach() for g in opt.param_groups for p in g["params"] if p.requires_grad]
+
+
+def check_model(opt) -> None:
+    """Raise :class:`DeMoStateError` when the parameters now are not those this rank's loaded state was saved
+    with: the model file and the optimizer file come from different checkpoints or runs (call it once the model's
+    weights are loaded; ``DeMoTrainer`` does)."""
+    run_id, step, saved_print = getattr(opt, "saved_identity", (None, None, None))
+    if saved_print is None:
+        return  # saved by an hf_demo without the fingerprint
+    now = fingerprint(trainable(opt))
+    if now != saved_print:
+        rank = opt.identity()[0]
+        raise DeMoStateError(
+            f"rank {rank}: the model's parameters are not those its optimizer state was saved with (run {run_id}, "
+            f"optimizer step {step}; parameter fingerprint {saved_print:#x} saved, {now:#x} now): the model file "
+            "and this rank's optimizer file come from different checkpoints or runs. Resume from a checkpoint "
+            "saved whole by one run (or start the optimizer afresh)"
+        )
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+RUN_KEY = "hf_demo/run_id"
+
+
+def agreed_run_id() -> str:
+    """A new run's identity, the same on every rank: global rank 0's, handed over once per process group through
+    the rendezvous store (no collective; called at a step or a save, which every rank reaches)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return new_run_id()
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0 and not store.check([RUN_KEY]):
+        store.set(RUN_KEY, new_run_id())
+    return store.get(RUN_KEY).decode()
+
+
+_COMPARED = [0]  # resumed states compared in this process (the store keys of each comparison)
+
+
+def compare_resumed(opt, timeout_s: float) -> None:
+    """Every rank's loaded state against every other's (run and optimizer step), through the rendezvous store:
+    each rank publishes its own and reads them all, so every rank raises the same :class:`DeMoStateError`
+    naming the ranks whose state differs from rank 0's and how (another run's file, or another step's)."""
+    run_id, step, _ = getattr(opt, "saved_identity", (None, None, None))
+    if run_id is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    store, ranks = dist.distributed_c10d._get_default_store(), participants(opt)
+    prefix = f"hf_demo/resumed/{_COMPARED[0]}/{ranks[0]}-{len(ranks)}/"
+    _COMPARED[0] += 1
+    store.set(prefix + str(dist.get_rank()), f"{run_id}@{step}")
+    keys = [prefix + str(r) for r in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a rank that never resumed (or froze): named, not a raw store error
+        raise DeMoStateError(
+            f"rank {dist.get_rank()}: not every rank loaded a DeMo optimizer state within {timeout_s:.0f} s "
+            f"({type(exc).__name__}): resume every rank from the same checkpoint"
+        ) from None
+    seen = [store.get(k).decode().split("@") for k in keys]
+    differ = []
+    for r, (rid, st) in zip(ranks, seen):
+        if (rid, st) != tuple(seen[0]):
+            what = "another run's" if rid != seen[0][0] else "another step's"
+            differ.append(f"rank {r}'s state is {what} (run {rid} at optimizer step {st}; rank {ranks[0]}'s: run "
+                          f"{seen[0][0]} at step {seen[0][1]})")  # fmt: skip
+    if differ:
+        raise DeMoStateError(
+            "the ranks resumed optimizer states that do not belong together: " + "; ".join(differ) + ". Resume "
+            "every rank from one checkpoint saved whole by one run (a checkpoint vouched for with write_manifest "
+            "may hold another run's file)"
+        )
+
+
+def participants(opt) -> list[int]:
+    """The global ranks of the optimizer's group (its mesh's, or its process group's; else every rank)."""
+    if opt.device_mesh is not None:
+        return sorted(int(r) for r in opt.device_mesh.mesh.flatten().tolist())
+    if opt.process_group is not None:
+        return sorted(dist.get_process_group_ranks(opt.process_group))
+    return list(range(dist.get_world_size()))
 
 
 def own_parameters(opt):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hf_demo.compression import transforms
 from hf_demo.errors import DeMoStateError
-from hf_demo.exchange import exchanges, teardown
+from hf_demo.exchange import exchanges, liveness, teardown
 from hf_demo.exchange.transport import CommStats, Traffic
 from hf_demo.guards import ddp
 from hf_demo.optim import checkpointing, groups, local_phase, overlap, signals, stages, update_rules
@@ -101,6 +101,8 @@ class DeMo(torch.optim.Optimizer):
         self.context = "loop"  # where DeMo runs, for the fixes its errors name: "trainer" (DeMoTrainer) or "loop"
         self.pending = None  # overlap: the exchange started by the last step (state.PendingExchange)
         self.saved_world: tuple[int, int, str] | None = None  # (rank, world, scope) of a loaded state
+        self.run_id: str | None = None  # this run's identity, saved with the state (checkpointing.agreed_run_id)
+        self.saved_identity: tuple = (None, None, None)  # (run, optimizer step, parameter fingerprint) loaded
         self.first_checked = False  # this process's first exchange compares the replicas and the gradients
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
         self._ddp_wrappers: list[weakref.ref] = []  # live DDP wrappers of its parameters, taken for unused ones
@@ -216,6 +218,7 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         transport = self.transport.at(self.steps)
         self.check_saved_world()
+        self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
         self._first_step_guard(transport)
         try:
             ctx = run_step(self, PIPELINE, transport)
@@ -233,6 +236,7 @@ class DeMo(torch.optim.Optimizer):
         if self.ddp_checked or not (dist.is_available() and dist.is_initialized()):
             return
         teardown.install_exit_handler()
+        liveness.guard(self.settings.comm_timeout)  # a frozen peer caught outside DeMo's collectives too
         teardown.track(self)
         self.watch_ddp_wrappers(ddp.first_step_check([p for g in self.param_groups for p in g["params"]], transport))
         self.ddp_checked = True
@@ -331,10 +335,18 @@ class DeMo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         checkpointing.load(self, state_dict)
 
+    def establish_run_id(self) -> str:
+        """This run's identity, the same on every rank (a resumed run keeps the one it resumed)."""
+        if self.run_id is None:
+            self.run_id = checkpointing.agreed_run_id()
+        return self.run_id
+
     def check_saved_world(self) -> None:
-        """A loaded state must be this rank's, saved with this many ranks (checked once the group exists)."""
+        """A loaded state must be this rank's, saved with this many ranks, by the run and at the step of every
+        other rank's (checked once the group exists)."""
         if self.saved_world is None:
             return
+        checkpointing.compare_resumed(self, self.settings.comm_timeout or 300.0)
         saved_rank, saved_world, scope = self.saved_world
         rank, world, now = self.identity()
         if scope != now and "mesh" in (scope + now):

@@ -68,6 +68,7 @@ class StepContext:
     working: list = field(default_factory=list)
     payload: torch.Tensor | None = None
     headers: list = field(default_factory=list)
+    header_refusal: Exception | None = None  # a header this rank could not trust (raised through the vote)
     policy: policies.BudgetPolicy | None = None
     retry: policies.BudgetPolicy | None = None  # a move down: the step goes again in the lower tier
     # judge, communicate, vote, update

@@ -26,7 +26,7 @@ halve their coefficients instead. Tiers that repeat the configured settings (e.g
 Every rank takes the same decision at the same step: the figures come from the headers (each rank's
 exchange time and its time between communicating steps; the policy uses the largest of each), never from
 a local clock alone. A decision is taken at each communicating step, from the headers that open it. A move
-down applies to that very step: every rank prepares it again in the lower tier (one more header, 136
+down applies to that very step: every rank prepares it again in the lower tier (one more header, 144
 bytes), so a link that collapses costs the one exchange that revealed it and no more. A move up holds from
 the next step (nothing is urgent, and a local phase ends on its synchronisation):
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from hf_demo.compression import functional as F
-from hf_demo.errors import DeMoPayloadError
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange import exchanges
 from hf_demo.guards import verdicts
 from hf_demo.optim import overlap
@@ -128,9 +128,10 @@ class Agreement:
             grad_fingerprint=ctx.grad_print,
             **opt.header_timings(ctx.started),
         )
-        ctx.headers = agreement.gather_headers(
+        ctx.headers, refusal = agreement.gather_headers(
             ctx.transport, header, ctx.payload, opt.secret, ctx.device, lambda: opt.settings_view(ctx.tier), opt.sealer
         )
+        ctx.header_refusal = ctx.header_refusal or refusal  # raised through the vote (Communicate, Vote)
 
 
 class Policy:
@@ -185,12 +186,17 @@ class Communicate:
         transport = ctx.transport
         if ctx.settings.overlap:
             ctx.in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, background=True)
+            ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
             return
         try:
             in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working)
             ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
         except DeMoPayloadError as exc:
             ctx.refusal = exc
+        except DeMoSyncError as exc:
+            raise _parted(ctx, exc) from exc
+        if ctx.header_refusal is not None:  # the collectives ran as on every rank; the header is what is refused
+            ctx.refusal, ctx.updates = ctx.header_refusal, None
 
 
 class Vote:
@@ -209,6 +215,8 @@ class Vote:
                 agreement.vote(ctx.transport, ctx.refusal, ctx.device, ctx.opt.sealer)
             except DeMoPayloadError as exc:
                 refusal = exc
+            except DeMoSyncError as exc:
+                raise _parted(ctx, exc) from exc
         refusal = ctx.opt.topology.agree_refusal(ctx, refusal)  # every shard of the model, where sharded
         if refusal is not None:
             raise refusal
@@ -271,6 +279,18 @@ class Conclude:
             if ctx.communicates:  # a synchronisation: the replicas agree
                 counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
         tx.stage(lambda: setattr(opt, "counters", counters))
+
+
+def _parted(ctx: StepContext, exc: DeMoSyncError) -> DeMoSyncError:
+    """A collective failed after this rank refused a header: the refused header's true content (a skip, a drift)
+    may have taken the others elsewhere, so the peer is not to blame; say so (else the error as it is)."""
+    if ctx.header_refusal is None:
+        return exc
+    return DeMoSyncError(
+        f"{ctx.header_refusal}; this rank went on into the step's collectives with a stand-in for that header, "
+        "and the others, which read it intact, did not meet it there (what it said, a skipped step or a drift, "
+        f"took them elsewhere): {exc}. No state was changed; resume every rank from the last checkpoint"
+    )
 
 
 def _conclude_exchange(ctx: StepContext) -> None:

@@ -101,6 +101,8 @@ class SavedState:
     pending: dict | None = None
     local_params: dict = field(default_factory=dict)  # inside a local phase: this rank's own parameters
     shards: str | None = None
+    run_id: str | None = None  # the run that saved it (inherited on resume): every rank's file must share it
+    params_print: int | None = None  # this rank's parameters when saved (guards.checks.fingerprint): the model's
 
     FIELDS = ("steps", "skipped_steps", "consecutive_skips", "resyncs", "unsynced", "rank", "world_size")
     FIELDS += ("rank_scope", "settings", "policy", "pending", "comm", "local_params")
@@ -108,8 +110,9 @@ class SavedState:
     def to_dict(self) -> dict:
         out = {"format_version": STATE_VERSION, **dataclasses.asdict(self.counters)}
         out.update({k: getattr(self, k) for k in self.FIELDS if not hasattr(self.counters, k)})
-        if self.shards is not None:
-            out["shards"] = self.shards
+        for key in ("shards", "run_id", "params_print"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     @classmethod
@@ -125,7 +128,8 @@ class SavedState:
         _require(saved["policy"], ("tier_spec",), "demo.policy")
         counters = Counters(*(type(getattr(Counters(), k))(saved[k]) for k in dataclasses.asdict(Counters())))
         rest = {k: saved[k] for k in cls.FIELDS if not hasattr(counters, k)}
-        return cls(counters=counters, shards=saved.get("shards"), **rest)
+        identity = {k: saved.get(k) for k in ("shards", "run_id", "params_print")}  # absent in older states
+        return cls(counters=counters, **identity, **rest)
 
     @property
     def tier_spec(self) -> tuple:

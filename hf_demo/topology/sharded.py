@@ -174,7 +174,7 @@ class ShardedTopology:
         """Once per exchanging step, over the shard group (the fast link): the ranks holding the other shards of
         this replica are at the same step with the same settings and secret (the replicate group's headers
         compare one shard's ranks only), and ``bits`` (the flags that decide the whole model's step: skip,
-        resync, refused in flight) OR-ed over them. One signed 136-byte header per rank; raises
+        resync, refused in flight) OR-ed over them. One signed 144-byte header per rank; raises
         :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
         from hf_demo.errors import DeMoSyncError
         from hf_demo.wire import codec
@@ -186,8 +186,8 @@ class ShardedTopology:
         header = codec.sign(header, torch.empty(0, dtype=torch.uint8), ctx.opt.secret)
         rows = shards.all_gather(header.to_bytes().to(ctx.device), "node_header").cpu()
         try:
-            headers = [codec.Header.from_bytes(row) for row in rows]
-            codec.verify_headers(headers, ctx.opt.secret, self.shards.rank, header.step)
+            headers, refusal = codec.receive_headers(rows, header, ctx.opt.secret, self.shards.rank, header.step)
+            ctx.header_refusal = ctx.header_refusal or refusal  # voted with the step (agree_refusal)
             codec.check_headers(headers, self.shards.rank)
         except DeMoSyncError as exc:
             members = [self.shards.global_rank(r) for r in range(self.shards.world)]

@@ -17,7 +17,8 @@ import torch
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec, sealing
 
-REFUSED = 1
+REFUSED = 1  # a payload failed this rank's checks
+HEADER_REFUSED = 2  # a header failed this rank's checks (its sender in the bits above the eighth)
 VOTE_BYTES = 8  # what each rank sends in the vote
 
 
@@ -36,22 +37,26 @@ def gather_headers(
     device,
     settings: Callable[[], dict[str, str]],
     sealer=None,
-) -> list[codec.Header]:
-    """Sign this rank's header for its payload, all-gather every rank's, check them (raises on every rank).
-    ``settings``: this rank's settings by name (:func:`hf_demo.optim.groups.settings_view`), gathered only when the
-    settings checksums differ, to name each setting that differs with every rank's value. With a
-    :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead."""
+) -> tuple[list, object]:
+    """Sign this rank's header for its payload, all-gather every rank's, check them -> (headers, refusal).
+
+    A disagreement between intact headers raises here, on every rank alike (they all hold the same headers);
+    where the settings checksums differ the error names each differing setting with every rank's value
+    (``settings``: this rank's settings by name, :func:`hf_demo.optim.groups.settings_view`, gathered only then).
+    A header this rank cannot trust (its CRC32 or HMAC fails: :func:`codec.receive_headers`) is the refusal
+    returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
+    the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
+    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open raises here."""
     if sealer is not None:
         headers = _gather_sealed(transport, codec.sign(header, payload, None), sealer, device)
         _check_naming_settings(transport, headers, settings)
-        return headers
+        return headers, None
     header = codec.sign(header, payload, secret)
     rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
     sealing.check_uniform(rows, transport.rank)
-    headers = [codec.Header.from_bytes(row) for row in rows]
-    codec.verify_headers(headers, secret, transport.rank, transport.step)
+    headers, refusal = codec.receive_headers(rows, header, secret, transport.rank, transport.step)
     _check_naming_settings(transport, headers, settings)
-    return headers
+    return headers, refusal
 
 
 def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], dict[str, str]]) -> None:
@@ -131,23 +136,38 @@ def _fetch_sealed(params: list[torch.Tensor], transport, sealer) -> list[torch.T
     return out
 
 
+def verdict(refusal: DeMoPayloadError | None) -> int:
+    """What this rank says in the vote: 0 (whole), REFUSED (a payload), or HEADER_REFUSED with the sender of the
+    header it refused in the bits above (:func:`codec.receive_headers`)."""
+    if refusal is None:
+        return 0
+    sender = getattr(refusal, "header_sender", None)
+    return REFUSED if sender is None else HEADER_REFUSED | (sender << 8)
+
+
 def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> None:
     """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed).
     With a sealer the verdicts travel sealed, and a verdict that does not open is a refusal."""
-    mine = torch.tensor([REFUSED if refusal is not None else 0], dtype=torch.int64, device="cpu")
+    mine = torch.tensor([verdict(refusal)], dtype=torch.int64, device="cpu")
     if sealer is not None:
         rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
     else:
         rows = (
             transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
         )
-    refusing = [transport.global_rank(r) for r, verdict in enumerate(rows) if verdict == REFUSED]
+    refusing = [transport.global_rank(r) for r, v in enumerate(rows) if v]
     if not refusing:
         return
+    headers = [
+        f"rank {transport.global_rank(r)} refused the header from rank {transport.global_rank(v >> 8)}"
+        for r, v in enumerate(rows)
+        if v & HEADER_REFUSED
+    ]
     everyone = (
         f"every rank refused optimizer step {transport.step} because rank(s) {refusing} found what they received "
-        "corrupted: nothing was applied on any rank, the replicas are still identical and the step can be "
-        "run again (a faulty link, NIC or memory, or injected traffic, if it repeats)"
+        f"corrupted{' (' + '; '.join(headers) + ')' if headers else ''}: nothing was applied on any rank, the "
+        "replicas are still identical and the step can be run again (a faulty link, NIC or memory, or injected "
+        "traffic, if it repeats)"
     )
     if refusal is not None:
         raise DeMoPayloadError(f"{refusal}; {everyone}") from refusal

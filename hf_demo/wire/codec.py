@@ -2,15 +2,16 @@
 
 Every step a rank sends two buffers (two collectives):
 
-1. a fixed header (:data:`HEADER_BYTES`): thirteen int64 words (magic, format version, step, layout
+1. a fixed header (:data:`HEADER_BYTES`): fourteen int64 words (magic, format version, step, layout
    checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
    the sender's last exchange time and its time between communicating steps, in milliseconds, and at a
-   process's first exchange a fingerprint of its local gradients) and a
+   process's first exchange a fingerprint of its local gradients, then the CRC32 of those 13 words) and a
    32-byte tag (zero unless a shared secret is set: 16 bytes of HMAC-SHA256 over the header, 16 over header
    and payload).
-   Every rank checks every header (:func:`check_headers`) before the payload moves, so ranks with a
-   different model, settings or step stop with a clear error on every rank, and a non-finite gradient on
-   one rank makes every rank skip the step.
+   Every rank checks every header's CRC32 (and HMAC) before acting on it (:func:`receive_headers`: a header
+   it cannot trust is refused through the commit vote, on every rank alike) and compares them
+   (:func:`check_headers`) before the payload moves, so ranks with a different model, settings or step stop
+   with a clear error on every rank, and a non-finite gradient on one rank makes every rank skip the step.
 2. one payload holding every parameter, in parameter order (:class:`PayloadCodec`). A parameter's segment
    is its indices (positions inside the block: 16 bit little endian, or with ``index_coding="elias_fano"``
    each block's sorted positions in the Elias-Fano code, ~9 bits for top-32 of 4096) followed by its
@@ -39,8 +40,9 @@ from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
-FORMAT_VERSION = 3
-HEADER_WORDS = 13
+FORMAT_VERSION = 4  # 4: the header's own CRC32 (the 14th word)
+HEADER_WORDS = 14
+BODY_WORDS = 13  # the words the header CRC32 and the header HMAC cover (all but the CRC32 itself)
 TAG_BYTES = 32
 HEADER_BYTES = HEADER_WORDS * 8 + TAG_BYTES
 
@@ -287,6 +289,12 @@ class Uint16Indices:
         """Every sender's bytes (world, rows * 2k) -> positions (world, rows, k) int64."""
         return (stream.view(torch.int16).to(torch.int64) & 0xFFFF).view(stream.shape[0], rows, k)
 
+    def repeated(self, idx: torch.Tensor) -> torch.Tensor:
+        """Positions (..., k) -> (...) bool: a block that names one position twice (a top-k never does; a
+        repeat would count one sender as several pickers). Sorted on the device, no host read."""
+        ordered = idx.sort(dim=-1).values
+        return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+
     def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
         return [pack_indices(idx) for idx in idxs]
 
@@ -318,6 +326,11 @@ class EliasFanoIndices:
         """(low bits per position, upper-vector bits per block)."""
         low = max(0, (bsize // k).bit_length() - 1)
         return low, k + ((bsize - 1) >> low)
+
+    def repeated(self, idx: torch.Tensor) -> torch.Tensor:
+        """Never: :meth:`unpack` turns a record whose positions are not strictly increasing into out-of-range
+        positions (flagged by the range check)."""
+        return torch.zeros(idx.shape[:-1], dtype=torch.bool, device=idx.device)
 
     def record_bytes(self, bsize: int, k: int) -> int:
         low, upper = self.split(bsize, k)
@@ -523,20 +536,22 @@ class PayloadCodec:
     def decode_buckets(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of every rank (world, nbytes) -> [(positions, values) each (world, rows, k)] per bucket, validated.
 
-        Raises :class:`DeMoSyncError` naming the parameter and the sending ranks on out-of-range indices or
-        NaN/Inf values; nothing is returned half-decoded. Every bucket's checks are made on the device and
-        read back at once (one host read per payload, whatever the number of parameters); the culprit is
-        looked for only when that read says something is wrong.
+        Raises :class:`DeMoPayloadError` naming the parameter and the sending ranks on out-of-range or repeated
+        positions (a block naming a position twice) or NaN/Inf values; nothing is returned half-decoded. Every
+        bucket's checks are made on the device and read back at once (one host read per payload, whatever the
+        number of parameters); the culprit is looked for only when that read says something is wrong.
         """
+        check_rows(received, self.nbytes, "payload")
         streams = iter(self.map.extract(received))
         out, flags = [], []
         for bucket in self.bucketing.buckets:
             idx = self.indices.unpack_rows(next(streams), bucket.rows, bucket.bsize, bucket.k)
             values = self.format.decode_rows([next(streams) for _ in self.format.segments(1, 1)], bucket)
-            flags.append(torch.stack([(idx >= bucket.bsize).any(-1), (~values.isfinite()).any(-1)]))
+            in_range = (idx >= bucket.bsize).any(-1)
+            flags.append(torch.stack([in_range, self.indices.repeated(idx), (~values.isfinite()).any(-1)]))
             out.append((idx, values))
         if flags:
-            bad = torch.cat(flags, dim=2)  # (2, senders, rows): out-of-range positions, NaN/Inf values
+            bad = torch.cat(flags, dim=2)  # (3, senders, rows): out-of-range or repeated positions, NaN/Inf values
             if bool(bad.any()):
                 raise self.refusal(self.by_parameter(bad))
         return out
@@ -552,8 +567,8 @@ class PayloadCodec:
         return out
 
     def by_parameter(self, bad: torch.Tensor) -> list:
-        """Row flags (2, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [NaN/Inf
-        per sender]] (on the host: only when a flag is set)."""
+        """Row flags (3, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [repeated
+        per sender], [NaN/Inf per sender]] (on the host: only when a flag is set)."""
         bad = bad.cpu()
         firsts, base = [], 0
         for bucket in self.bucketing.buckets:
@@ -566,13 +581,18 @@ class PayloadCodec:
         return out
 
     def refusal(self, bad: list) -> DeMoPayloadError:
-        """The error for the first parameter whose flags (``[[out-of-range per sender], [NaN/Inf per sender]]``
-        per parameter) say its positions or values are wrong."""
-        for i, (layout, (bad_idx, bad_val)) in enumerate(zip(self.layouts, bad)):
+        """The error for the first parameter whose flags (``[[out-of-range per sender], [repeated per sender],
+        [NaN/Inf per sender]]`` per parameter) say its positions or values are wrong."""
+        for i, (layout, (bad_idx, repeated, bad_val)) in enumerate(zip(self.layouts, bad)):
             if any(bad_idx):
                 return DeMoPayloadError(
                     f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
                     f"{layout.bsize}) from rank(s) {_senders(bad_idx)}: corrupted payload"
+                )
+            if any(repeated):
+                return DeMoPayloadError(
+                    f"received repeated positions (a block naming one position twice) for parameter {i} (shape "
+                    f"{layout.shape}) from rank(s) {_senders(repeated)}: corrupted payload"
                 )
             if any(bad_val):
                 return DeMoPayloadError(
@@ -603,24 +623,52 @@ class Header:
     magic: int = MAGIC
     version: int = FORMAT_VERSION
     tag: bytes = bytes(TAG_BYTES)
+    header_crc: int = 0  # CRC32 of the 13 words before it (set by :func:`sign`, checked by :func:`receive_headers`)
 
     _WORDS = (
         "magic", "version", "step", "layout_checksum", "settings_checksum", "flags", "world_size",
         "payload_bytes", "payload_crc", "fingerprint", "exchange_ms", "elapsed_ms", "grad_fingerprint",
+        "header_crc",
     )  # fmt: skip
+    OLD_WORDS = (12, 13)  # format versions 2 and 3 (the headers of an overlapped exchange in a checkpoint)
+
+    def body_bytes(self) -> bytes:
+        """The words the header's CRC32 and HMAC cover."""
+        words = [getattr(self, w) for w in self._WORDS[:BODY_WORDS]]
+        return torch.tensor(words, dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def words_bytes(self) -> bytes:
-        return torch.tensor([getattr(self, w) for w in self._WORDS], dtype=torch.int64, device="cpu").numpy().tobytes()
+        return self.body_bytes() + torch.tensor([self.header_crc], dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def to_bytes(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.words_bytes() + self.tag), dtype=torch.uint8)
 
+    def intact(self) -> bool:
+        """The header's own CRC32 matches its words (False: corrupted on the way)."""
+        return zlib.crc32(self.body_bytes()) == self.header_crc
+
     @classmethod
     def from_bytes(cls, buf: torch.Tensor) -> Header:
+        """A header from its bytes (this format's, or format 2's or 3's in an older checkpoint); raises
+        :class:`DeMoSyncError` on any other size."""
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise DeMoSyncError(f"a DeMo header is a flat uint8 tensor, got {_describe(buf)}")
+        words = (buf.numel() - TAG_BYTES) // 8
+        if buf.numel() - TAG_BYTES != words * 8 or words not in (HEADER_WORDS, *cls.OLD_WORDS):
+            raise DeMoSyncError(
+                f"a DeMo header of {buf.numel()} bytes: expected {HEADER_BYTES} (format {FORMAT_VERSION}) or the "
+                f"{', '.join(str(w * 8 + TAG_BYTES) for w in cls.OLD_WORDS)} of formats 2 and 3 (a truncated or "
+                "foreign buffer, or a checkpoint of another hf_demo version)"
+            )
         raw = buf.detach().cpu().contiguous().numpy().tobytes()
-        words = (len(raw) - TAG_BYTES) // 8  # 12 in format version 2 (an overlapped exchange in a checkpoint)
         w = torch.frombuffer(bytearray(raw[: words * 8]), dtype=torch.int64).tolist()
         return cls(**dict(zip(cls._WORDS, w)), tag=raw[words * 8 : words * 8 + TAG_BYTES])
+
+
+def _describe(buf) -> str:
+    if isinstance(buf, torch.Tensor):
+        return f"a {buf.dtype} tensor of shape {tuple(buf.shape)}"
+    return f"a {type(buf).__name__}"
 
 
 assert len(Header._WORDS) == HEADER_WORDS and {f.name for f in fields(Header)} >= set(Header._WORDS)
@@ -630,35 +678,88 @@ def sign(header: Header, payload: torch.Tensor, secret: bytes | None) -> Header:
     """The header with its payload CRC32 and, with a secret, its tag: 16 bytes of HMAC-SHA256 over the header
     (checked before any header field is acted on) and 16 over header and payload (checked on receipt)."""
     header = _replace(header, payload_crc=crc32(payload))
-    if secret is None:
-        return header
-    header = _replace(header, flags=header.flags | FLAG_AUTH)
-    return _replace(header, tag=_tag(header, None, secret) + _tag(header, payload, secret))
+    if secret is not None:
+        header = _replace(header, flags=header.flags | FLAG_AUTH)
+        header = _replace(header, tag=_tag(header, None, secret) + _tag(header, payload, secret))
+    return _replace(header, header_crc=zlib.crc32(header.body_bytes()))
 
 
 def _tag(header: Header, payload: torch.Tensor | None, secret: bytes) -> bytes:
     body = b"" if payload is None else b"payload" + payload.detach().cpu().contiguous().numpy().tobytes()
-    return hmac.new(secret, header.words_bytes() + body, hashlib.sha256).digest()[: TAG_BYTES // 2]
+    return hmac.new(secret, header.body_bytes() + body, hashlib.sha256).digest()[: TAG_BYTES // 2]
 
 
 def _replace(header: Header, **changes) -> Header:
     return Header(**{**{f.name: getattr(header, f.name) for f in fields(Header)}, **changes})
 
 
+def header_refusal(h: Header, secret: bytes | None) -> str | None:
+    """Why this rank cannot trust a received header (None: it can): its CRC32 fails (corrupted on the way), or,
+    where both ends sign, its HMAC does. A header that does not sign while this rank does (or the reverse) is
+    not refused here: :func:`check_headers` names that on every rank alike ("does not sign")."""
+    if not h.intact():
+        return "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+    if secret is not None and h.flags & FLAG_AUTH and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
+        return "carries no valid HMAC-SHA256 tag for this HF_DEMO_SECRET (a different secret, or injected traffic)"
+    return None
+
+
+def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int) -> tuple:
+    """Every rank's header row (world, HEADER_BYTES) -> (headers, refusal or None), checking each header's CRC32
+    (and HMAC) before any of its fields is acted on.
+
+    A refused header is not raised here: the other ranks received it intact and go on into the step's
+    collectives, so this rank must too (raising alone would leave them waiting, and a retry on this rank alone
+    would meet them in another collective). It stands in for the refused one a copy of this rank's own header
+    that changes no decision (same step, layout, settings and fingerprint; no flags of its own), and the refusal
+    (a :class:`DeMoPayloadError` naming the sender) travels in the commit vote: every rank then raises, nothing
+    is applied anywhere, and the step can be run again."""
+    headers, refused = [], []
+    for r, row in enumerate(rows):
+        h = Header.from_bytes(row)
+        why = header_refusal(h, secret) if r != rank else None
+        if why is not None:
+            refused.append((r, why))
+            neutral = own.flags & ~(FLAG_GRAD_FINGERPRINT | FLAG_DDP_SUSPECT)  # decides nothing the others would not
+            h = _replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
+        headers.append(h)
+    if not refused:
+        return headers, None
+    r, why = refused[0]
+    error = DeMoPayloadError(
+        f"rank {rank}: the header from rank {r} at optimizer step {step} {why}; nothing was applied"
+    )
+    error.header_sender = r
+    return headers, error
+
+
 def verify_headers(headers: list[Header], secret: bytes | None, rank: int, step: int) -> None:
-    """With a secret: every header's own tag, before any of its fields is trusted."""
-    if secret is None:
-        return
+    """Raise :class:`DeMoSyncError` on the first header this rank cannot trust (:func:`header_refusal`): for
+    groups that decide on the spot (the shard group's step agreement), not the step's exchange headers."""
     for r, h in enumerate(headers):
-        if not hmac.compare_digest(_tag(h, None, secret), h.tag[: TAG_BYTES // 2]):
-            raise DeMoSyncError(
-                f"rank {rank}: the header from rank {r} at optimizer step {step} carries no valid HMAC-SHA256 "
-                "tag for this HF_DEMO_SECRET: refused (a different secret, or injected traffic)"
-            )
+        why = header_refusal(h, secret)
+        if why is not None:
+            raise DeMoSyncError(f"rank {rank}: the header from rank {r} at optimizer step {step} {why}: refused")
+
+
+def check_rows(received, nbytes: int, what: str) -> None:
+    """Raise :class:`DeMoPayloadError` unless ``received`` is (senders, ``nbytes``) uint8: what every parser of
+    received rows reads, so nothing is read past a row or allocated beyond what the layout sets."""
+    if not isinstance(received, torch.Tensor) or received.dtype != torch.uint8 or received.dim() != 2:
+        raise DeMoPayloadError(
+            f"received {what} rows must be a (senders, bytes) uint8 tensor, got {_describe(received)}"
+        )
+    if received.shape[1] != nbytes:
+        raise DeMoPayloadError(
+            f"received {what} rows of {received.shape[1]} bytes where this rank's layout makes {nbytes}: truncated "
+            "or oversized (a different model or settings, or corrupted traffic)"
+        )
 
 
 def verify_rows(headers: list[Header], received: torch.Tensor, secret: bytes | None, rank: int, step: int) -> None:
     """Every received payload row against its sender's CRC32 and (with a secret) HMAC tag (on a host copy)."""
+    if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[0] != len(headers):
+        raise DeMoPayloadError(f"rank {rank}: {len(headers)} headers for received rows {_describe(received)}")
     received = received.detach().cpu()  # one copy from the device for every row's CRC32 and HMAC
     for r, (h, row) in enumerate(zip(headers, received)):
         if crc32(row) != h.payload_crc:

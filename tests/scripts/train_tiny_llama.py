@@ -39,6 +39,8 @@ class ScriptArgs:
     evaluate_after: bool = field(default=False, metadata={"help": "trainer.evaluate() after trainer.train()"})
     save_on_rank0: bool = field(default=False, metadata={"help": "rank 0 alone: trainer.save_model(out/final)"})
     end_with_shutdown: bool = field(default=False, metadata={"help": "hf_demo.shutdown() at the end (not atexit)"})
+    stop_rank: int = field(default=-1, metadata={"help": "this rank SIGSTOPs itself at step 5 (stop_at)"})
+    stop_at: str = field(default="", metadata={"help": "log: before Trainer's logging gather; data: before a batch"})
 
 
 def stdlib_blocks(n: int, seq: int) -> Dataset:
@@ -75,7 +77,16 @@ class Recorder(TrainerCallback):
             )
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _stop(self, args, state, where: str) -> None:
+        if self.script.stop_at == where and args.process_index == self.script.stop_rank and state.global_step == 5:
+            print(f"rank {args.process_index} (pid {os.getpid()}): stopping myself ({where})", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._stop(args, state, "data")  # the others go on into the step: DeMo's exchange waits for this rank
+
     def on_step_end(self, args, state, control, **kwargs):
+        self._stop(args, state, "log")  # at a logging step: the others wait in Trainer's nested_gather
         if self.script.stop_at_step and state.global_step >= self.script.stop_at_step:
             control.should_save = True
             control.should_training_stop = True
