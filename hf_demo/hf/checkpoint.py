@@ -134,27 +134,34 @@ def verify_on_every_rank(folder: str, world_size: int | None = None) -> dict | N
     """:func:`verify_checkpoint` on every rank, the verdicts compared: every rank raises the same
     :class:`CheckpointError` when any rank found a problem (one that sees another folder is named). Call it on
     every rank of the default process group. Returns this rank's manifest."""
-    import torch.distributed as dist
-
     manifest = problem = None
     try:
         manifest = verify_checkpoint(folder, world_size)
     except CheckpointError as exc:
         problem = str(exc)
+    agree_on_every_rank(problem, CheckpointError, "do all processes see the same checkpoint folder?")
+    return manifest
+
+
+def agree_on_every_rank(problem: str | None, error: type, hint: str) -> None:
+    """Every rank's finding (None: fine) gathered over the default process group, so that every rank raises the
+    same ``error`` (a rank raising alone would leave the others waiting in their next collective, and they would
+    see a raw gloo error); ``hint`` is added where the ranks found different problems."""
+    import torch.distributed as dist
+
     problems = [problem]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
     failed = [(rank, p) for rank, p in enumerate(problems) if p]
     if not failed:
-        return manifest
+        return
     message = failed[0][1]
     if len(failed) < len(problems) or any(p != message for _, p in failed):
         message = (
-            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found "
-            "problems: do all processes see the same checkpoint folder?)"
+            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found problems: {hint})"
         )
-    raise CheckpointError(message)
+    raise error(message)
 
 
 def checkpoints(output_dir: str) -> list[str]:

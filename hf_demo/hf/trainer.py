@@ -76,25 +76,6 @@ def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
         refuse_fsdp_on_cpu(args)
 
 
-def _agree_on(problem: str | None, error: type, hint: str) -> None:
-    """Every rank's finding (None: fine) gathered, so every rank raises the same ``error`` (once, at resume:
-    a rank raising alone would leave the others waiting in their first collective, and rank 0 would see a raw
-    gloo error)."""
-    problems = [problem]
-    if _distributed() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    failed = [(rank, p) for rank, p in enumerate(problems) if p]
-    if not failed:
-        return
-    message = failed[0][1]
-    if len(failed) < len(problems) or any(p != message for _, p in failed):
-        message = (
-            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found problems: {hint})"
-        )
-    raise error(message)
-
-
 class DeMoTrainerMixin:
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
@@ -362,7 +343,9 @@ class DeMoTrainerMixin:
             problem = None
         except DeMoStateError as exc:
             problem = str(exc)
-        _agree_on(problem, DeMoStateError, "each rank's optimizer file is its own: which one differs is named")
+        ckpt.agree_on_every_rank(
+            problem, DeMoStateError, "each rank's optimizer file is its own: which one differs is named"
+        )
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
