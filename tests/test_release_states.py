@@ -1,7 +1,9 @@
 """Checkpoints written by the release before the staged step keep working: each state (saved after 6 steps by
 that release, tests/data/release_states/make_states.py) loads into today's DeMo, and 3 more steps give what that
-release's own 3 more steps gave, bit for bit (one process: the same CPU kernels run both)."""
+release's own 3 more steps gave, bit for bit on the CPU kernels they were recorded with (one process), to one
+ulp elsewhere."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ import hf_demo
 from models import loss_and_backward, tiny_mlp
 
 STATES = Path(__file__).parent / "data" / "release_states"
+# the states were recorded with the kernels tests/data/step_hashes.json names: bit for bit there; elsewhere the
+# vectorised kernels (AVX2 against AVX512) round a few values one ulp apart
+RECORDED = json.loads((Path(__file__).parent / "data" / "step_hashes.json").read_text())
+SAME_KERNELS = RECORDED["cpu"] == torch.backends.cpu.get_cpu_capability() and RECORDED["torch"] == torch.__version__
 DETERMINISTIC = ["default", "adam_fp32", "all_reduce", "overlap_in_flight", "sync_every_mid_phase"]
 
 
@@ -31,7 +37,11 @@ def test_a_state_of_the_last_release_resumes_bit_for_bit(name):
         loss_and_backward(model, 0, step)
         opt.step()
     opt.flush()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved["after"]))
+    for a, b in zip(model.parameters(), saved["after"]):
+        if SAME_KERNELS:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a.detach(), b, atol=1e-6, rtol=0)
 
 
 def test_a_budget_tier_of_the_last_release_is_found_again():
