@@ -1,5 +1,8 @@
 """DeMoTrainingArguments through HfArgumentParser, the factory, and refusals at start-up (in-process)."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -379,6 +382,22 @@ def test_fsdp_config_on_cpu_stops_with_demos_message_first(tmp_path, monkeypatch
     plain = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs"):
         hf_demo.DeMoTrainer(model=model, args=plain, optimizers=(hf_demo.DeMo(model.parameters(), lr=1e-3), None))
+
+
+def test_a_custom_loop_launched_with_the_fsdp_config_on_cpu_stops_with_demos_message_first():
+    """A custom loop imports hf_demo, then builds its Accelerator: under accelerate_configs/fsdp2_hsdp.yaml on CPU
+    Accelerate's `ParallelismConfig is only compatible ...` came first; DeMo's message now does."""
+    from launch_utils import ROOT
+
+    env = _launch_env(str(ROOT / "accelerate_configs" / "fsdp2_hsdp.yaml"))
+    script = "import hf_demo\nfrom accelerate import Accelerator\nAccelerator()\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **env, "ACCELERATE_USE_CPU": "1"}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "DeMoSetupError" in proc.stderr and "runs FSDP only on GPUs" in proc.stderr, proc.stderr[-2000:]
+    assert "is only compatible" not in proc.stderr  # Accelerate's own error
 
 
 def test_trainer_refuses_fp16_with_demo(tmp_path):
