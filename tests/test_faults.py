@@ -86,6 +86,7 @@ def _fail_on_second_step(rank, world, fault, kw):
             "out-of-range positions for parameter 0 (shape (32, 16), block of 64) nominated by rank(s) [2]",
         ),
         ("nan", {"value_format": "bf16"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
+        ("nan", {"value_format": "2bit"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
         ("nan_grad", {"nonfinite": "raise"}, "non-finite gradients on rank(s) [1] at optimizer step 1"),
     ],
 )

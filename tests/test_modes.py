@@ -24,6 +24,8 @@ MODES = {
     "all_reduce+leader": {"exchange": "all_reduce", "reduce_positions": "leader"},
     "all_reduce+adam+fp32": {"exchange": "all_reduce", "update_rule": "adam", "value_format": "fp32"},
     "all_gather+sign values+elias_fano": {"value_format": "sign", "index_coding": "elias_fano"},
+    "all_gather+2bit values": {"value_format": "2bit"},
+    "all_gather+2bit values+sync_every": {"value_format": "2bit", "sync_every": 2, "inner_rule": "sign"},
 }
 
 
@@ -138,9 +140,10 @@ def test_all_reduce_sums_every_rank_at_the_union_of_their_nominations():
         assert residual_at_sent == 0.0
 
 
-def test_all_reduce_refuses_the_sign_format():
-    with pytest.raises(ValueError, match="all_reduce.*value_format"):
-        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], exchange="all_reduce", value_format="sign")
+@pytest.mark.parametrize("fmt", ["sign", "2bit"])
+def test_all_reduce_refuses_formats_with_their_own_scales(fmt):
+    with pytest.raises(ValueError, match=f"all_reduce.*value_format.*{fmt}.*scales.*exchange='all_gather' for {fmt}"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], exchange="all_reduce", value_format=fmt)
 
 
 def _overlap(rank, world, steps, resume_at=None, flush=True, coding=None, resumed_coding=None):
