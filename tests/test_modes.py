@@ -352,3 +352,23 @@ def test_a_retried_overlap_step_keeps_the_exchange_in_flight_counted():
     retried = expect_ok(run_ranks(_retried_overlap, 2, True))
     for a, b in zip(straight, retried):
         assert a[:3] == b[:3] and torch.equal(a[3], b[3])
+
+
+def _planned_and_sent(rank, world, kw):
+    """The planner's bytes for one step of these settings, and what the last of 4 steps handed to collectives."""
+    from hf_demo.ops.traffic import demo_collectives
+
+    model = tiny_mlp()
+    opt = small_demo(model, **kw)
+    for step in range(4):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    planned = sum(c.nbytes for c in demo_collectives(shapes, opt.settings, world, 1))
+    return planned, opt.comm_stats.as_dict()["bytes_sent"]
+
+
+@pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
+def test_the_planner_counts_every_value_format_byte_for_byte(fmt):
+    for planned, sent in expect_ok(run_ranks(_planned_and_sent, 2, {"value_format": fmt})):
+        assert planned == sent
