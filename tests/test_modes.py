@@ -26,6 +26,7 @@ MODES = {
     "all_gather+sign values+elias_fano": {"value_format": "sign", "index_coding": "elias_fano"},
     "all_gather+2bit values": {"value_format": "2bit"},
     "all_gather+2bit values+sync_every": {"value_format": "2bit", "sync_every": 2, "inner_rule": "sign"},
+    "all_gather+2bit values+overlap": {"value_format": "2bit", "overlap": True},
 }
 
 
