@@ -54,7 +54,10 @@ class DeMoSettings:
         transforms.TRANSFORM_NAMES,
     )
     value_format: str = _setting(
-        "bf16", "wire format of the values: bf16, fp32 or sign (1 bit + a bf16 scale per block)", codec.VALUE_FORMATS
+        "bf16",
+        "wire format of the values: bf16, fp32, sign (1 bit + a bf16 scale per block) or 2bit (a sign and a "
+        "magnitude class per coefficient + two bf16 magnitudes per block, as SparseLoCo; exchange='all_gather')",
+        codec.VALUE_FORMATS,
     )
     index_coding: str = _setting(
         "elias_fano",

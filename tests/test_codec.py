@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
@@ -63,12 +64,66 @@ def test_value_formats_mean_what_they_say():
     assert wire.numel() == 8  # 2-byte scale + 1 byte of bits, each 4-aligned
 
 
+def test_two_bit_values_are_a_sign_and_the_mean_magnitude_of_their_class():
+    values = torch.tensor([[0.3, -1.7, 2.0, -0.5]])  # mean |v| 1.125: 1.7 and 2.0 large, 0.3 and 0.5 small
+    sent, wire = codec.value_format("2bit").encode(values)
+    small, large = (torch.tensor(x).to(torch.bfloat16) for x in (0.4, 1.85))  # each class's mean magnitude
+    assert torch.equal(sent, torch.stack([small, -large, large, -small]).float()[None])
+    scales = torch.stack([small, large]).view(torch.uint8)
+    # 2 bf16 magnitudes (4 bytes), then the sign bits (0b1010) and the class bits (0b0110), each 4-aligned
+    assert wire.tolist() == [*scales.tolist(), 0b1010, 0, 0, 0, 0b0110, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "values,expected",
+    [
+        ([[1.0, -1.0, 1.0]], [[1.0, -1.0, 1.0]]),  # every magnitude equal: all large, no small class (0)
+        ([[0.0, 0.0]], [[0.0, 0.0]]),
+        ([[-3.0]], [[-3.0]]),  # k = 1
+        ([[4.0, 1.0, 1.0, 1.0, -1.0]], [[4.0, 1.0, 1.0, 1.0, -1.0]]),  # mean 1.6: one large
+    ],
+)
+def test_two_bit_edge_cases(values, expected):
+    sent, wire = codec.value_format("2bit").encode(torch.tensor(values))
+    assert torch.equal(sent, torch.tensor(expected))
+    assert torch.equal(codec.value_format("2bit").decode(wire[None], *sent.shape)[0], sent)
+
+
+def test_two_bit_loses_less_than_sign_and_its_error_stays_in_the_momentum():
+    torch.manual_seed(0)
+    layout = plan((256, 256), 64, 32)
+    momentum = torch.randn(layout.nblocks, layout.bsize) ** 3  # heavy tails, as DCT momenta have
+    idx, values = F.select(momentum.clone(), layout.k)
+    errors = {}
+    for fmt in ("sign", "2bit"):
+        sent, _ = codec.value_format(fmt).encode(values)
+        errors[fmt] = float(((values - sent) ** 2).sum())
+        residual = momentum.clone()
+        F.feedback(residual, idx, sent)
+        torch.testing.assert_close(residual.gather(1, idx), values - sent, atol=1e-6, rtol=0)  # the loss kept
+    assert errors["2bit"] < 0.6 * errors["sign"], errors
+
+
+def test_two_bit_magnitudes_no_encoder_writes_are_refused():
+    pc, _, payload, _ = _payload("2bit")
+    off = codec.index_bytes(pc.layouts[0], "uint16")
+    for small, large in [(2.0, 1.0), (-1.0, 1.0)]:  # out of order; negative
+        bad = payload.clone()
+        bad[off : off + 4] = torch.tensor([small, large]).to(torch.bfloat16).view(torch.uint8)
+        with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[1\]"):
+            pc.decode(torch.stack([payload, bad]))
+
+
 def test_wire_cost_per_coefficient():
     layout = plan((576, 576), 64, 32)
     per_param = {f: codec.segment_bytes(layout, f, "uint16") / layout.numel for f in codec.VALUE_FORMATS}
     assert per_param["bf16"] == pytest.approx(4 * 32 / 4096)
     assert per_param["fp32"] == pytest.approx(6 * 32 / 4096)
     assert per_param["sign"] <= 0.02
+    # 81 blocks x 32: 16-bit positions, two bf16 magnitudes per block, 2592 sign and 2592 class bits
+    assert codec.segment_bytes(layout, "2bit", "uint16") == 81 * 32 * 2 + 81 * 4 + 324 + 324
+    assert codec.segment_bytes(layout, "2bit", "elias_fano") == 81 * 36 + 81 * 4 + 324 + 324  # 0.0095 B/param
+    assert codec.value_format("2bit").nbytes(3, 5) == 12 + 4 + 4  # each stream 4-aligned
 
 
 def test_unknown_format():

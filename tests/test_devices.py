@@ -26,6 +26,7 @@ MODES = {
     "default": dict(),
     "fp32-raw": dict(value_format="fp32", update_rule="raw"),
     "sign": dict(value_format="sign"),
+    "2bit": dict(value_format="2bit"),
     "all_reduce": dict(exchange="all_reduce"),
     "overlap": dict(overlap=True),
     "sync_every-adamw": dict(sync_every=2, inner_rule="adamw"),

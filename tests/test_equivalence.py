@@ -15,10 +15,12 @@ SETTINGS = REFERENCE_SETTINGS
 MODELS = {"divisible": tiny_mlp, "padded": awkward_mlp}
 
 
-def _train_both(rank, world, rule, model="divisible", device="cpu", overlap=False):
+def _train_both(rank, world, rule, model="divisible", device="cpu", overlap=False, values="fp32"):
+    """``values``: the fast optimizer's value_format (``fp32``: the reference's exact values, or ``2bit``)."""
     fast_model, ref_model = MODELS[model]().to(device), MODELS[model]()
-    fast = demo_as_reference(fast_model.parameters(), overlap=overlap, update_rule=rule)
-    ref = ReferenceDeMo(ref_model.parameters(), rule=rule, delay=int(overlap), **SETTINGS)
+    fast = demo_as_reference(fast_model.parameters(), overlap=overlap, update_rule=rule, value_format=values)
+    ref_values = "exact" if values == "fp32" else values
+    ref = ReferenceDeMo(ref_model.parameters(), rule=rule, delay=int(overlap), value_format=ref_values, **SETTINGS)
     for step in range(20):
         loss_and_backward(fast_model, rank, step)
         loss_and_backward(ref_model, rank, step)
@@ -80,3 +82,23 @@ def test_overlap_matches_the_reference_applied_one_step_late(rule, gloo):
     # and it is not the plain algorithm: one step late changes where the gradients are taken
     plain = expect_ok(gloo(_train_both, 2, rule, "padded"))
     assert _max_diff(results[0][0], plain[0][0]) > 1e-4
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("rule", ["sign", "raw"])
+def test_2bit_values_match_the_reference_single_process(rule, model):
+    """value_format='2bit': the reference quantises each block in float64 with Python loops and keeps in its
+    momentum what the quantiser lost (error feedback); hf_demo does the same."""
+    fast, ref = _train_both(0, 1, rule, model, values="2bit")
+    assert _max_diff(fast, ref) <= 1e-5
+    exact, _ = _train_both(0, 1, rule, model)
+    # and the values really were quantised: 2 bits move the parameters further from exact values than from the
+    # reference (raw steps are small: lr times the momentum)
+    assert _max_diff(fast, exact) > 10 * _max_diff(fast, ref) + 1e-7
+
+
+def test_2bit_values_match_the_reference_distributed(gloo):
+    results = expect_ok(gloo(_train_both, 2, "sign", "padded", "cpu", False, "2bit"))
+    for fast, ref in results:
+        assert _max_diff(fast, ref) <= 1e-5
+    assert all(all(a.equal(b) for a, b in zip(results[0][0], r[0])) for r in results[1:])  # replicas identical

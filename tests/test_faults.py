@@ -119,6 +119,7 @@ def test_repeated_positions_are_refused_by_every_rank_and_change_nothing(kw, mat
             "out-of-range positions for parameter 0 (shape (32, 16), block of 64) nominated by rank(s) [2]",
         ),
         ("nan", {"value_format": "bf16"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
+        ("nan", {"value_format": "2bit"}, "NaN/Inf coefficients for parameter 0 (shape (32, 16)) from rank(s) [2]"),
         ("nan_grad", {"nonfinite": "raise"}, "non-finite gradients on rank(s) [1] at optimizer step 1"),
     ],
 )

@@ -512,8 +512,9 @@ def _resumed(rank, world, where, kw, resume_at=None, shard_after=2):
             "update_rule": "sign",
         },
         {"factory": True, "preset": "from_scratch", "update_rule": "sign", "value_format": "sign"},
+        {"factory": True, "preset": "from_scratch", "update_rule": "sign", "value_format": "2bit"},
     ],
-    ids=["adam", "sign", "all_reduce_local_steps", "from_scratch_preset"],
+    ids=["adam", "sign", "all_reduce_local_steps", "from_scratch_preset", "from_scratch_preset_2bit"],
 )
 def test_hsdp_resumes_bit_for_bit_from_a_dcp_checkpoint(tmp_path, kw):
     straight = expect_ok(run_ranks(_resumed, 4, str(tmp_path / "a"), kw))

@@ -24,6 +24,9 @@ MODES = {
     "all_reduce+leader": {"exchange": "all_reduce", "reduce_positions": "leader"},
     "all_reduce+adam+fp32": {"exchange": "all_reduce", "update_rule": "adam", "value_format": "fp32"},
     "all_gather+sign values+elias_fano": {"value_format": "sign", "index_coding": "elias_fano"},
+    "all_gather+2bit values": {"value_format": "2bit"},
+    "all_gather+2bit values+sync_every": {"value_format": "2bit", "sync_every": 2, "inner_rule": "sign"},
+    "all_gather+2bit values+overlap": {"value_format": "2bit", "overlap": True},
 }
 
 
@@ -138,9 +141,10 @@ def test_all_reduce_sums_every_rank_at_the_union_of_their_nominations():
         assert residual_at_sent == 0.0
 
 
-def test_all_reduce_refuses_the_sign_format():
-    with pytest.raises(ValueError, match="all_reduce.*value_format"):
-        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], exchange="all_reduce", value_format="sign")
+@pytest.mark.parametrize("fmt", ["sign", "2bit"])
+def test_all_reduce_refuses_formats_with_their_own_scales(fmt):
+    with pytest.raises(ValueError, match=f"all_reduce.*value_format.*{fmt}.*scales.*exchange='all_gather' for {fmt}"):
+        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], exchange="all_reduce", value_format=fmt)
 
 
 def _overlap(rank, world, steps, resume_at=None, flush=True, coding=None, resumed_coding=None):
@@ -349,3 +353,23 @@ def test_a_retried_overlap_step_keeps_the_exchange_in_flight_counted():
     retried = expect_ok(run_ranks(_retried_overlap, 2, True))
     for a, b in zip(straight, retried):
         assert a[:3] == b[:3] and torch.equal(a[3], b[3])
+
+
+def _planned_and_sent(rank, world, kw):
+    """The planner's bytes for one step of these settings, and what the last of 4 steps handed to collectives."""
+    from hf_demo.ops.traffic import demo_collectives
+
+    model = tiny_mlp()
+    opt = small_demo(model, **kw)
+    for step in range(4):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    planned = sum(c.nbytes for c in demo_collectives(shapes, opt.settings, world, 1))
+    return planned, opt.comm_stats.as_dict()["bytes_sent"]
+
+
+@pytest.mark.parametrize("fmt", codec.VALUE_FORMATS)
+def test_the_planner_counts_every_value_format_byte_for_byte(fmt):
+    for planned, sent in expect_ok(run_ranks(_planned_and_sent, 2, {"value_format": fmt})):
+        assert planned == sent

@@ -96,6 +96,7 @@ def test_tiers_are_ordered_by_bytes():
     # no tier twice (sign values already, sync_every already 8, no local-step tier at all), and a local-step
     # tier only where it sends less than the last one before it (sync_every 4: top-k/4 every 4 ~ top-k/16)
     assert described("sign", "all_gather", 1, 8)[0:2] == [("sign", 1, 1), ("sign", 2, 1)]
+    assert described("2bit", "all_gather", 1, 8)[0:3] == [("2bit", 1, 1), ("sign", 1, 1), ("sign", 2, 1)]
     assert described("bf16", "all_gather", 4, 8)[-3:] == [("sign", 4, 4), ("sign", 4, 8), ("sign", 8, 8)]
     assert described("bf16", "all_gather", 8, 8)[-2:] == [("sign", 4, 8), ("sign", 8, 8)]
     assert described("bf16", "all_gather", 1, 1)[-1] == ("sign", 8, 1)

@@ -171,7 +171,8 @@ class AllReduceExchange:
         if spec.value_format not in self.VALUE_DTYPES:
             raise ValueError(
                 f"exchange='all_reduce' sums values, so value_format must be one of "
-                f"{', '.join(self.VALUE_DTYPES)} (got {spec.value_format!r}); use exchange='all_gather' for sign"
+                f"{', '.join(self.VALUE_DTYPES)} (got {spec.value_format!r}: each rank's values carry their own "
+                f"scales, which a sum cannot add); use exchange='all_gather' for {spec.value_format}"
             )
         self.layouts = spec.layouts
         self.dtype = self.VALUE_DTYPES[spec.value_format]

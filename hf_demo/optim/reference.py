@@ -53,13 +53,45 @@ def orthogonalised(update: torch.Tensor) -> torch.Tensor:
     return 0.2 * math.sqrt(max(update.shape[0], update[0].numel())) * orthogonal_directions(update)
 
 
+def _bf16(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float64).to(torch.bfloat16).item()
+
+
+def two_bit(values: torch.Tensor) -> torch.Tensor:
+    """One block's selected values, 2 bits each: a magnitude at least the block's mean magnitude is *large*,
+    else *small*; each class is sent as its members' mean magnitude rounded to bf16 (0 for an empty class),
+    and each value decodes to its sign times its class's magnitude."""
+    mags = [abs(v) for v in values.tolist()]
+    mean = sum(mags) / len(mags)
+    large = [m >= mean for m in mags]
+    out = []
+    for v, is_large in zip(values.tolist(), large):
+        members = [x for x, c in zip(mags, large) if c == is_large]
+        magnitude = _bf16(sum(members) / len(members))
+        out.append(-magnitude if v < 0 else magnitude)
+    return torch.tensor(out, dtype=torch.float64)
+
+
 class ReferenceDeMo:
     def __init__(
-        self, params, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0, sign_update=True, rule=None, delay=0
+        self,
+        params,
+        lr,
+        decay=0.999,
+        topk=32,
+        chunk=64,
+        weight_decay=0.0,
+        sign_update=True,
+        rule=None,
+        delay=0,
+        value_format="exact",
     ):
         """``delay=1``: each step's update (and its weight decay) is applied at the next step (``overlap``);
         ``flush()`` applies the last one. ``rule``: one rule for every parameter, or a list of one per parameter
-        (per-group rules)."""
+        (per-group rules). ``value_format``: ``exact`` (the float64 values) or ``2bit`` (:func:`two_bit`)."""
+        if value_format not in ("exact", "2bit"):
+            raise ValueError(f"ReferenceDeMo value_format is 'exact' or '2bit', not {value_format!r}")
+        self.value_format = value_format
         self.params = list(params)
         self.delay = delay
         self.pending = None
@@ -148,6 +180,8 @@ class ReferenceDeMo:
         blocks = self._forward(m, b0, b1)
         idx = torch.stack([b.abs().topk(k).indices for b in blocks])
         val = torch.stack([b[i] for b, i in zip(blocks, idx)])
+        if self.value_format == "2bit":  # what is sent is what receivers decode: the rest stays in m
+            val = torch.stack([two_bit(v) for v in val])
         sent = [torch.zeros(b0 * b1, dtype=torch.float64) for _ in blocks]
         for s, i, v in zip(sent, idx, val):
             s[i] = v

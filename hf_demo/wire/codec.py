@@ -20,7 +20,8 @@ Every step a rank sends two buffers (two collectives):
    anything is applied.
 
 Value formats (:data:`FORMATS`): ``fp32`` (4 bytes), ``bf16`` (2 bytes), ``sign`` (1 bit per coefficient
-plus one bf16 scale per block: the mean magnitude of the block's selected coefficients). ``encode``
+plus one bf16 scale per block: the mean magnitude of the block's selected coefficients), ``2bit`` (a sign
+and a magnitude class per coefficient plus two bf16 magnitudes per block: :class:`TwoBitFormat`). ``encode``
 returns the values exactly as receivers decode them, so the sender's error feedback subtracts what was
 seen. gloo has no int16 collectives: every buffer travels as uint8.
 """
@@ -206,6 +207,93 @@ class SignFormat:
         return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
 
 
+class TwoBitFormat:
+    """2 bits per coefficient (a sign and a magnitude class) and two bf16 magnitudes per block: a 4-level
+    symmetric quantiser, as SparseLoCo/MuLoCo send their values.
+
+    In each block, a selected coefficient is *large* when its magnitude is at least the mean magnitude of
+    the block's selected coefficients, else *small*; each class is sent as the mean magnitude of its members
+    (the conditional means: the least squared error for that split), ``small <= large``, 0 for an empty class.
+    A coefficient decodes to its sign times its class's magnitude. Per parameter, three streams: the
+    magnitudes (each block's small then large, bf16), the sign bits, the class bits (bit set: large), each
+    member's bits from a byte boundary as in ``sign``. What the quantiser loses stays in the momentum: the
+    sender subtracts the decoded values (error feedback). Magnitudes that cannot come from an encoder
+    (negative, out of order, NaN) decode to NaN, so the payload check refuses the row.
+    """
+
+    name = "2bit"
+
+    def nbytes(self, nblocks: int, k: int) -> int:
+        return sum(padded for _, padded in self.segments(nblocks, k))
+
+    def segments(self, nblocks: int, k: int) -> list[tuple[int, int]]:
+        bits = (nblocks * k + 7) // 8
+        return [(nblocks * 4, _align(nblocks * 4)), (bits, _align(bits)), (bits, _align(bits))]
+
+    @staticmethod
+    def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Values (rows, k) -> (decoded values, magnitudes (rows, 2) bf16, negative, large (rows, k) bool)."""
+        mag = values.float().abs()
+        large = mag >= mag.mean(dim=1, keepdim=True)
+        classes = torch.stack([~large, large], dim=1).float()  # (rows, 2, k)
+        counts = classes.sum(dim=2)
+        sums = (classes * mag[:, None, :]).sum(dim=2)
+        scales = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).to(torch.bfloat16)
+        negative = values < 0
+        q = scales.float().gather(1, large.long()) * torch.where(negative, -1.0, 1.0)
+        return q, scales, negative, large
+
+    def encode_rows(self, values: torch.Tensor, bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        q, scales, negative, large = self.quantise(values)
+        streams = [_spread_bits(bits.reshape(-1), bucket) for bits in (negative, large)]
+        return q, [scales.contiguous().view(torch.uint8).reshape(-1), *streams]
+
+    def decode_rows(self, streams: list[torch.Tensor], bucket) -> torch.Tensor:
+        world, shape = streams[0].shape[0], (streams[0].shape[0], bucket.rows, bucket.k)
+        scales = streams[0].view(torch.bfloat16).float().view(world, bucket.rows, 2)
+        negative, large = (_gather_bits(s, bucket).view(shape) for s in streams[1:])
+        return _two_bit_values(scales, negative, large)
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nblocks, k = values.shape
+        q, scales, negative, large = self.quantise(values)
+        (_, s), (_, b), _ = self.segments(nblocks, k)
+        wire = [_pad_to(scales.contiguous().view(torch.uint8).reshape(-1), s)]
+        wire += [_pad_to(pack_bits(bits.reshape(-1)), b) for bits in (negative, large)]
+        return q, torch.cat(wire)
+
+    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
+        world, n = wire.shape[0], nblocks * k
+        (_, s), (_, b), _ = self.segments(nblocks, k)
+        scales = wire[:, : nblocks * 4].contiguous().view(torch.bfloat16).float().view(world, nblocks, 2)
+        negative = unpack_bits(wire[:, s : s + (n + 7) // 8], n).view(world, nblocks, k)
+        large = unpack_bits(wire[:, s + b : s + b + (n + 7) // 8], n).view(world, nblocks, k)
+        return _two_bit_values(scales, negative, large)
+
+
+def _two_bit_values(scales: torch.Tensor, negative: torch.Tensor, large: torch.Tensor) -> torch.Tensor:
+    """Magnitudes (world, rows, 2), sign and class bits (world, rows, k) -> values; a row whose magnitudes are
+    not ``0 <= small <= large`` decodes to NaN (refused by the payload check)."""
+    valid = (scales[..., 0] >= 0) & (scales[..., 0] <= scales[..., 1])  # False for NaN
+    values = scales.gather(2, large.long()) * torch.where(negative, -1.0, 1.0)
+    return torch.where(valid[..., None], values, float("nan"))
+
+
+def _spread_bits(bits: torch.Tensor, bucket) -> torch.Tensor:
+    """A bucket's bits (rows * k) -> the packed stream, each member's bits from a byte boundary."""
+    spread = _member_bits(bucket, bits.device)
+    if spread is not None:
+        bits = torch.cat([bits, bits.new_zeros(1)]).index_select(0, spread)
+    return pack_bits(bits)
+
+
+def _gather_bits(stream: torch.Tensor, bucket) -> torch.Tensor:
+    """Every sender's packed stream (world, bytes) -> its bits (world, rows * k) bool (see :func:`_spread_bits`)."""
+    bits = byte_bits(stream)
+    gather = _member_bits_back(bucket, bits.device)
+    return (bits[:, : bucket.rows * bucket.k] if gather is None else bits.index_select(1, gather)).bool()
+
+
 def _cached_on(cache: dict, key, device, build):
     """``build()`` (a CPU tensor or None), copied once to ``device`` and kept."""
     full = (key, torch.device(device))
@@ -249,7 +337,7 @@ def _member_bits_back(bucket, device) -> torch.Tensor | None:
     return _cached_on(_BIT_MAPS, ("back", bucket), device, build)
 
 
-FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat())}
+FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat(), TwoBitFormat())}
 VALUE_FORMATS = tuple(FORMATS)
 
 
