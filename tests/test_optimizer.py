@@ -340,3 +340,21 @@ def test_a_state_loaded_over_other_weights_is_named_by_check_model():
     other.load_state_dict(saved)
     with pytest.raises(hf_demo.DeMoStateError, match=rf"run {opt.run_id}, optimizer step 1; parameter fingerprint"):
         checkpointing.check_model(other)
+
+
+def test_a_clipped_gradient_spike_that_zeroes_every_gradient_is_named():
+    """A spike whose square overflows makes the clipped norm infinite and clipping zeroes every gradient: DeMo then
+    steps on its momentum alone, which stalled training without a word; it warns, naming the cause."""
+    import warnings
+
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), lr=1e-3, compression_topk=4, compression_chunk=8)
+    loss_and_backward(model, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        opt.step()  # an ordinary step: no warning
+    loss_and_backward(model, 0, 1)
+    next(model.parameters()).grad.view(-1)[0] = 1e30
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).isinf()
+    with pytest.warns(UserWarning, match="every gradient of this rank was zero at optimizer step 1.*grad_norm inf"):
+        opt.step()

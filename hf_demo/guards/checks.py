@@ -6,13 +6,18 @@ import torch
 
 
 def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Any NaN/Inf element (element-wise: a finite 1e30 is finite).
+    """Any NaN/Inf element (element-wise: a finite 1e30 is finite): :func:`nonfinite_or_zero`'s first answer."""
+    return nonfinite_or_zero(tensors)[0]
 
-    Fast path: a tensor's 2-norm is finite only when every element is (a NaN or an Inf makes it NaN or Inf);
-    ``torch._foreach_norm`` takes it for every tensor of a dtype at once, in one pass over each (as fast as a
-    sum on a CPU, where ``isfinite().all()`` makes three). Only a tensor whose norm is not finite (a NaN/Inf,
-    or finite values whose squares overflow) is checked element by element. One read back to the host per
-    device in the usual case, whatever the number of tensors.
+
+def nonfinite_or_zero(tensors: list[torch.Tensor]) -> tuple[bool, bool]:
+    """(any NaN/Inf element, every element zero) of ``tensors``, with one read back to the host per device.
+
+    Fast path: a tensor's 2-norm is finite only when every element is (a NaN or an Inf makes it NaN or Inf), and
+    zero only when every element is; ``torch._foreach_norm`` takes it for every tensor of a dtype at once, in one
+    pass over each (as fast as a sum on a CPU, where ``isfinite().all()`` makes three). Only a tensor whose norm is
+    not finite (a NaN/Inf, or finite values whose squares overflow) is checked element by element. No tensors (or
+    only empty ones): (False, False).
     """
     tensors = [t for t in tensors if t.numel()]
     if any(t.is_sparse for t in tensors):
@@ -20,16 +25,17 @@ def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for t in tensors:
         by_device.setdefault(t.device, {}).setdefault(t.dtype, []).append(t)
+    nonfinite, zero = False, bool(tensors)
     for by_dtype in by_device.values():
         group = [t for ts in by_dtype.values() for t in ts]
         with torch.no_grad():
-            flags = [~torch.stack(torch._foreach_norm(ts)).isfinite() for ts in by_dtype.values()]
-        bad = flags[0] if len(flags) == 1 else torch.cat(flags)
-        if not bool(bad.any()):  # the usual case: one read back for every tensor of the device
-            continue
-        if any(not bool(group[i].isfinite().all()) for i in bad.nonzero().flatten().tolist()):
-            return True
-    return False
+            norms = torch.cat([torch.stack(torch._foreach_norm(ts)).float() for ts in by_dtype.values()])
+            bad = ~norms.isfinite()
+            any_bad, all_zero = torch.stack([bad.any(), norms.eq(0).all()]).tolist()  # one read back
+        zero = zero and all_zero
+        if any_bad and any(not bool(group[i].isfinite().all()) for i in bad.nonzero().flatten().tolist()):
+            nonfinite = True
+    return nonfinite, zero
 
 
 def gradient_fingerprint(signals: list[torch.Tensor | None]) -> int:

@@ -3,8 +3,10 @@ one verdict, the same on every rank (:func:`judge`): go on, skip the step, copy 
 
 from __future__ import annotations
 
+import warnings
+
 from hf_demo.errors import DeMoNonFiniteError, DeMoSetupError, DeMoSyncError
-from hf_demo.guards.checks import any_nonfinite, fingerprint, gradient_fingerprint
+from hf_demo.guards.checks import any_nonfinite, fingerprint, gradient_fingerprint, nonfinite_or_zero
 from hf_demo.guards.ddp import check_gradients_differ
 from hf_demo.wire import codec
 
@@ -23,11 +25,22 @@ def due(every: int, step: int) -> bool:
     return bool(every) and (step + 1) % every == 0
 
 
+def zero_gradients(step: int) -> str:
+    return (
+        f"DeMo: every gradient of this rank was zero at optimizer step {step}: the step moves on DeMo's momentum "
+        "alone. Gradient clipping zeroes every gradient when their norm is not finite: a gradient spike whose "
+        "square overflows (about 1e19 in fp32) gives an infinite norm (Trainer logs grad_norm inf). Find the batch "
+        "or the loss that spikes, or lower the learning rate"
+    )
+
+
 def inspect(ctx, first_checked: bool, ddp_suspects) -> None:
     """Set ``ctx.flags`` (and the fingerprints the header carries) from this rank's own tensors."""
     s, world, step = ctx.settings, ctx.transport.world, ctx.transport.step
     ctx.first = not first_checked and world > 1
-    bad_grads = any_nonfinite([g for g in ctx.signals if g is not None])
+    bad_grads, zero_grads = nonfinite_or_zero([g for g in ctx.signals if g is not None])
+    if zero_grads and any(g["lr"] for g in ctx.opt.param_groups):  # torch's DCP helpers step once at lr 0
+        ctx.tx.stage(lambda: warnings.warn(zero_gradients(step), stacklevel=4))
     bad_params = any_nonfinite(ctx.replicas)
     ctx.check_drift = (due(s.check_every, step) or ctx.first) and world > 1
     # a DDP wrapper taken for an unused one at the first step (guards.ddp.first_step_check): still?
