@@ -34,3 +34,31 @@ def corrupt_indices(coding) -> None:
     Elias-Fano records with too many ones (both decode to out-of-range positions)."""
     real = coding.pack_rows
     coding.pack_rows = lambda idx, bsize, k: torch.full_like(real(idx, bsize, k), 0xFF)
+
+
+def flip_received_header_bit(byte: int, once: bool = False):
+    """From now on, this rank's header all-gathers arrive with the lowest bit of ``byte`` (in rank 0's row) flipped
+    (``once``: the next one only). Returns what makes the link whole again."""
+    from hf_demo.exchange import transport as comm
+    from hf_demo.wire import codec
+
+    real = comm._all_gather
+
+    def flipping(out, buf, group=None):
+        real(out, buf, group=group)
+        if buf.numel() == codec.HEADER_BYTES:
+            out[byte] ^= 0x01
+            if once:
+                comm._all_gather = real
+
+    comm._all_gather = flipping
+    return lambda: setattr(comm, "_all_gather", real)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_demo
-from dist_utils import RankError, corrupt_indices, expect_ok, run_ranks
+from dist_utils import RankError, corrupt_indices, expect_ok, flip_received_header_bit, run_ranks
 from models import loss_and_backward, small_demo, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -211,22 +211,13 @@ def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_
 
 def _flip_header_of_a_skip(rank, world):
     """The documented limit: rank 0's header says skip (NaN gradient) and reaches rank 1 corrupted."""
-    from hf_demo.exchange import transport as comm
-    from hf_demo.wire import codec
 
     model = tiny_mlp()
     opt = small_demo(model, comm_timeout=3.0)
     loss_and_backward(model, rank, 0)
     opt.step()
-    real_gather = comm._all_gather
     if rank == 1:
-
-        def flipping_gather(out, buf, group=None):
-            real_gather(out, buf, group=group)
-            if buf.numel() == codec.HEADER_BYTES:
-                out[9 * 8] ^= 0x01  # rank 0's fingerprint word: its CRC32 fails, its skip flag is not read
-
-        comm._all_gather = flipping_gather
+        flip_received_header_bit(9 * 8)  # rank 0's fingerprint word: its CRC32 fails, its skip flag is not read
     loss_and_backward(model, rank, 1)
     if rank == 0:
         next(model.parameters()).grad[0, 0] = float("nan")
@@ -250,23 +241,13 @@ def test_a_refused_header_that_said_skip_is_named_not_blamed_on_the_peer():
 
 def _flip_header_overlap(rank, world):
     """overlap=True: rank 0's header of step 1 corrupted on its way to rank 1; the steps after it."""
-    from hf_demo.exchange import transport as comm
-    from hf_demo.wire import codec
 
     model = tiny_mlp()
     opt = small_demo(model, overlap=True, comm_timeout=5.0)
     loss_and_backward(model, rank, 0)
     opt.step()
-    real_gather = comm._all_gather
     if rank == 1:
-
-        def flipping_gather(out, buf, group=None):
-            real_gather(out, buf, group=group)
-            if buf.numel() == codec.HEADER_BYTES:
-                out[5 * 8] ^= 0x01  # rank 0's flags word
-                comm._all_gather = real_gather  # once
-
-        comm._all_gather = flipping_gather
+        flip_received_header_bit(5 * 8, once=True)  # rank 0's flags word
     errors = []
     for step in (1, 2):
         loss_and_backward(model, rank, step)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import expect_ok, run_ranks
+from dist_utils import expect_ok, process_alive, run_ranks
 from models import loss_and_backward, small_demo, tiny_mlp
 
 TIMEOUT = 4.0
@@ -110,14 +110,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 def test_a_stopped_rank_dies_with_its_launcher(tmp_path):
     script = tmp_path / "child.py"
@@ -135,8 +127,8 @@ def test_a_stopped_rank_dies_with_its_launcher(tmp_path):
         launcher.kill()  # the launcher dies (SIGKILL: nothing of its own runs)
         launcher.wait()
         deadline = time.monotonic() + 30
-        while _alive(rank) and time.monotonic() < deadline:
+        while process_alive(rank) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(rank), "the stopped rank outlived its launcher"
+        assert not process_alive(rank), "the stopped rank outlived its launcher"
     finally:
         launcher.kill()

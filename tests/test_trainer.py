@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from dist_utils import process_alive
 from hf_demo.hf.checkpoint import MANIFEST
 from launch_utils import ROOT, accelerate_launch, load_records
 
@@ -290,14 +291,6 @@ def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
     assert not (tmp_path / "fsdp" / "rec").exists() or not list((tmp_path / "fsdp" / "rec").iterdir())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["log", "data"])
 def test_a_stopped_rank_under_demotrainer_ends_the_job_within_comm_timeout(tmp_path, where):
@@ -318,9 +311,9 @@ def test_a_stopped_rank_under_demotrainer_ends_the_job_within_comm_timeout(tmp_p
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\): stopping myself", proc.stdout)]
     assert pids, proc.stdout[-3000:]
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "the stopped rank outlived its launcher"
+    assert not any(process_alive(p) for p in pids), "the stopped rank outlived its launcher"
     # what rank 0 waited in: DeMo's exchange (DeMoSyncError), or a collective of the default group (DDP's buffer
     # broadcast in the forward, Trainer's nested_gather), now bounded by comm_timeout: gloo's timeout error
     assert "DeMoSyncError" in proc.stdout or "Timed out waiting 10000ms" in proc.stdout, proc.stdout[-3000:]
