@@ -106,6 +106,7 @@ def test_cpu_launch_without_the_switch_stops_with_plain_arguments(tmp_path):
     assert "ACCELERATE_USE_CPU=1 or pass --use_cpu true" in proc.stdout
 
 
+@pytest.mark.slow  # TRL's SFT on 2 processes stays in the default tier: tests/test_recipe_sft.py (full and LoRA)
 @pytest.mark.timeout(900)
 def test_trl_sft_trainer(tmp_path, tiny_llama_dir):
     """DeMoSFTTrainer trains with local gradients and resumes exactly; plain SFTTrainer with

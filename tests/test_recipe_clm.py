@@ -204,6 +204,7 @@ def test_compare_methods_are_what_they_claim(method, tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.launch
+@pytest.mark.slow  # the main job's path (make demo) with the real 135M model: a minute; the fast tiers use tiny models
 def test_real_smollm2_two_steps_two_processes(tmp_path):
     out = tmp_path / "smol"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
