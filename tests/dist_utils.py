@@ -36,9 +36,39 @@ def corrupt_indices(coding) -> None:
     coding.pack_rows = lambda idx, bsize, k: torch.full_like(real(idx, bsize, k), 0xFF)
 
 
+def carries_header(row: torch.Tensor) -> bool:
+    """Whether a received row begins with a DeMo header (clear or sealed): a header all-gather's, or one where
+    the payload rides after the header."""
+    from hf_demo.wire import codec, sealing
+
+    if row.numel() < codec.HEADER_BYTES:
+        return False
+    first = int.from_bytes(row[:8].cpu().numpy().tobytes(), "little")
+    return first == codec.MAGIC or sealing.is_sealed(row[: codec.HEADER_BYTES])
+
+
 def flip_received_header_bit(byte: int, once: bool = False):
-    """From now on, this rank's header all-gathers arrive with the lowest bit of ``byte`` (in rank 0's row) flipped
-    (``once``: the next one only). Returns what makes the link whole again."""
+    """From now on, this rank's all-gathers that carry headers arrive with the lowest bit of ``byte`` of rank 0's
+    header flipped (``once``: the next one only). Returns what makes the link whole again."""
+    from hf_demo.exchange import transport as comm
+
+    real = comm._all_gather
+
+    def flipping(out, buf, group=None):
+        real(out, buf, group=group)
+        if carries_header(out[: buf.numel()]):
+            out[byte] ^= 0x01
+            if once:
+                comm._all_gather = real
+
+    comm._all_gather = flipping
+    return lambda: setattr(comm, "_all_gather", real)
+
+
+def flip_received_payload_bit():
+    """From now on, this rank's all-gathers arrive with a bit of rank 0's payload flipped: the middle byte of what
+    follows its header where the payload rides with the header, of its row in the others (a header alone is
+    left intact). Returns what makes the link whole again."""
     from hf_demo.exchange import transport as comm
     from hf_demo.wire import codec
 
@@ -46,10 +76,11 @@ def flip_received_header_bit(byte: int, once: bool = False):
 
     def flipping(out, buf, group=None):
         real(out, buf, group=group)
-        if buf.numel() == codec.HEADER_BYTES:
-            out[byte] ^= 0x01
-            if once:
-                comm._all_gather = real
+        n = buf.numel()
+        if not carries_header(out[:n]):
+            out[n // 2] ^= 0x01
+        elif n > codec.HEADER_BYTES:
+            out[codec.HEADER_BYTES + (n - codec.HEADER_BYTES) // 2] ^= 0x01
 
     comm._all_gather = flipping
     return lambda: setattr(comm, "_all_gather", real)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import RankError, expect_ok, run_ranks
+from dist_utils import RankError, carries_header, expect_ok, run_ranks
 from models import loss_and_backward, small_demo, tiny_mlp
 
 SECRET = "s3cret"
@@ -174,14 +174,22 @@ class Wire:
 
         def gather(out, buf, group=None):
             real(out, buf, group=group)
-            kind = self.kinds.get(buf.numel(), "payload")
-            rows = out.view(self.world, -1)
-            self.sent.append((kind, buf.clone()))
-            self.received.append((kind, rows.clone()))
-            if self.tamper is not None:
-                self.tamper(kind, rows, len(self.received) - 1)
+            for kind, sent, rows in self.parts(buf, out.view(self.world, -1)):
+                self.sent.append((kind, sent.clone()))
+                self.received.append((kind, rows.clone()))
+                if self.tamper is not None:
+                    self.tamper(kind, rows, len(self.received) - 1)  # in place: views of what arrived
 
         comm._all_gather = gather
+
+    def parts(self, buf: torch.Tensor, rows: torch.Tensor) -> list:
+        """(kind, sent, received rows) of one all-gather: a payload riding with the headers is its own part."""
+        from hf_demo.wire import codec
+
+        n, h = buf.numel(), codec.HEADER_BYTES
+        if n > h and carries_header(buf):
+            return [("header", buf[:h], rows[:, :h]), ("payload", buf[h:], rows[:, h:])]
+        return [(self.kinds.get(n, "payload"), buf, rows)]
 
     def last(self, kind: str) -> torch.Tensor:
         return next(rows for k, rows in reversed(self.received) if k == kind)

@@ -6,8 +6,10 @@ step succeeded) in two phases:
 - ``prepare(working)``: local work before the headers travel; subtracts what will be sent from the working
   momenta (error feedback) where the choice is local, and returns the payload whose CRC32/HMAC the header
   carries (empty when nothing is known yet);
-- ``start(transport, headers, payload, working)``: the collectives (the last one may still be running when it
-  returns: overlap), as an :class:`InFlight`; ``finish(in_flight, traffic)``: waits for it, validates
+- ``start(transport, headers, payload, working, arrived=None)``: the collectives (the last one may still be
+  running when it returns: overlap), as an :class:`InFlight`; ``arrived``: every rank's payload, where it rode
+  in the headers' all-gather (an exchange whose first collective is that all-gather says so: ``rides``), so
+  that collective is not run again; ``finish(in_flight, traffic)``: waits for it, validates
   everything received (raising :class:`~hf_demo.errors.DeMoPayloadError` on this rank) and returns the averaged
   coefficients per parameter, dense ``(nblocks, bsize)``. ``communicate`` is both at once.
 
@@ -113,6 +115,8 @@ class InFlight:
 
 class AllGatherExchange:
     name = "all_gather"
+    rides = True  # its one collective is an all-gather of the payload: it can ride with the headers
+    riding_name = "payload"
 
     def __init__(self, spec: ExchangeSpec):
         self.layouts = spec.layouts
@@ -136,7 +140,9 @@ class AllGatherExchange:
         buckets.write_back(working, rows, bucketing)
         return payload
 
-    def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
+    def start(self, transport, headers, payload, working, background: bool = False, arrived=None) -> InFlight:
+        if arrived is not None:  # every rank's payload rode with the headers (sealed there, where sealing)
+            return InFlight(transport.step, transport.rank, transport.world, headers, arrived)
         if self.sealer is not None:
             payload = self.sealer.seal(payload, transport.step, "payload")
         if background:
@@ -188,6 +194,8 @@ class AllReduceExchange:
         self.index_offsets, self.index_nbytes = self.map.offsets, self.map.nbytes
         # union: the nominations are the payload the headers vouch for; leader: positions follow the headers
         self.payload_nbytes = self.index_nbytes if self.union else 0
+        self.rides = self.union  # the nominations' all-gather can ride with the headers; the leader's broadcast not
+        self.riding_name = "positions"
 
     def _positions(self, working: list[torch.Tensor], device) -> torch.Tensor:
         """This rank's nominated positions, index-coded: one buffer for every parameter."""
@@ -203,9 +211,12 @@ class AllReduceExchange:
             return self._positions(working, device)
         return torch.empty(0, dtype=torch.uint8, device=device)
 
-    def _agreed_rows(self, transport, headers, payload, working) -> torch.Tensor:
-        """Every rank's nominations (union, under the headers' CRC32/HMAC) or the leader's positions."""
+    def _agreed_rows(self, transport, headers, payload, working, arrived=None) -> torch.Tensor:
+        """Every rank's nominations (union, under the headers' CRC32/HMAC; ``arrived`` where they rode with the
+        headers) or the leader's positions."""
         device = working[0].device if working else torch.device("cpu")
+        if arrived is not None:
+            return arrived
         if self.union:
             return transport.all_gather(payload, "positions")  # checked by start against the headers
         leader = transport.step % transport.world
@@ -264,8 +275,8 @@ class AllReduceExchange:
         contributions (bucket after bucket); ``senders`` runs of positions per block (W union, 1 leader)."""
         return _sum_order(self.picked, senders, torch.device(device))
 
-    def start(self, transport, headers, payload, working, background: bool = False) -> InFlight:
-        rows = self._agreed_rows(transport, headers, payload, working)
+    def start(self, transport, headers, payload, working, background: bool = False, arrived=None) -> InFlight:
+        rows = self._agreed_rows(transport, headers, payload, working, arrived)
         try:
             if self.union:
                 codec.verify_rows(headers, rows, self.secret, transport.rank, transport.step)

@@ -41,11 +41,11 @@ PIPELINE = Pipeline(
         stages.Momentum(),
         stages.Prepare(),
         stages.Agreement(),
+        stages.Communicate(),
+        stages.Vote(),
         stages.Policy(),
         stages.Judge(),
         stages.LandLate(),
-        stages.Communicate(),
-        stages.Vote(),
         stages.Update(),
         stages.Conclude(),
     ]
@@ -104,6 +104,8 @@ class DeMo(torch.optim.Optimizer):
         self.run_id: str | None = None  # this run's identity, saved with the state (checkpointing.agreed_run_id)
         self.saved_identity: tuple = (None, None, None)  # (run, optimizer step, parameter fingerprint) loaded
         self.first_checked = False  # this process's first exchange compares the replicas and the gradients
+        # {(world, tier): payload bytes on the wire} of the last committed exchange there: where a payload rides
+        self.wire_agreed: dict[tuple[int, int], int] = {}
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
         self._ddp_wrappers: list[weakref.ref] = []  # live DDP wrappers of its parameters, taken for unused ones
         self._topology = None

@@ -1,7 +1,7 @@
 """One optimizer step as a pipeline of parts, each with one job, run top to bottom on a :class:`StepContext`.
 
-    plan -> topology.select -> signal -> inspect -> momentum -> prepare -> agreement -> policy -> judge
-         -> land -> communicate -> vote -> update                               (then DeMo.step commits)
+    plan -> topology.select -> signal -> inspect -> momentum -> prepare -> agreement -> communicate -> vote
+         -> policy -> judge -> land -> update                                   (then DeMo.step commits)
 
 Every part reads what the parts before it left in the context and adds its own results; none writes to the
 optimizer, the parameters or the counters: it stages its writes in ``ctx.tx`` (:mod:`hf_demo.optim.transaction`),
@@ -69,6 +69,8 @@ class StepContext:
     payload: torch.Tensor | None = None
     headers: list = field(default_factory=list)
     header_refusal: Exception | None = None  # a header this rank could not trust (raised through the vote)
+    arrived: torch.Tensor | None = None  # every rank's payload, where it rode with the headers
+    wire_bytes: int | None = None  # this step's payload bytes on the wire (agreed once the step commits)
     policy: policies.BudgetPolicy | None = None
     retry: policies.BudgetPolicy | None = None  # a move down: the step goes again in the lower tier
     # judge, communicate, vote, update

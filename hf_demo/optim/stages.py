@@ -103,15 +103,16 @@ class Prepare:
         average = "world" if ctx.local else None  # a synchronisation averages over every rank
         spec = ctx.opt.exchange_spec(ctx.layouts, ctx.tier.value_format, ctx.transport.world, average)
         ctx.exchange = exchanges.build(ctx.settings.exchange, spec)
-        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):  # every rank skips: nothing to send
-            ctx.payload = torch.empty(0, dtype=torch.uint8, device="cpu")
+        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):  # every rank will skip: zeros travel
+            ctx.payload = torch.zeros(ctx.exchange.payload_nbytes, dtype=torch.uint8, device=ctx.device)
         else:
             ctx.payload = ctx.exchange.prepare(ctx.working)
 
 
 class Agreement:
     """Every rank's header (step, layout, settings, flags, payload CRC, fingerprints, timings): built, signed,
-    all-gathered and checked, so every rank knows what every other rank is about to do."""
+    all-gathered and checked, so every rank knows what every other rank is about to do. In steady state the
+    payload rides in the same all-gather (:func:`hf_demo.wire.agreement.gather_headers`): one round trip."""
 
     name = "agreement"
 
@@ -128,10 +129,23 @@ class Agreement:
             grad_fingerprint=ctx.grad_print,
             **opt.header_timings(ctx.started),
         )
-        ctx.headers, refusal = agreement.gather_headers(
-            ctx.transport, header, ctx.payload, opt.secret, ctx.device, lambda: opt.settings_view(ctx.tier), opt.sealer
+        agreed = opt.wire_agreed.get((ctx.transport.world, ctx.tier_index), 0)  # every rank's own, and the same
+        riding = agreement.Riding(ctx.payload, agreed, ctx.exchange.riding_name)
+        if ctx.settings.overlap or not ctx.exchange.rides:  # overlap: the payload travels in the background
+            riding = None
+        gathered = agreement.gather_headers(
+            ctx.transport,
+            header,
+            ctx.payload,
+            opt.secret,
+            ctx.device,
+            lambda: opt.settings_view(ctx.tier),
+            opt.sealer,
+            riding,
         )
-        ctx.header_refusal = ctx.header_refusal or refusal  # raised through the vote (Communicate, Vote)
+        ctx.headers, ctx.arrived = gathered.headers, gathered.rows
+        ctx.header_refusal = ctx.header_refusal or gathered.refusal  # raised through the vote (Communicate, Vote)
+        ctx.wire_bytes = gathered.wire_bytes
 
 
 class Policy:
@@ -176,21 +190,23 @@ class Judge:
 
 
 class Communicate:
-    """The exchange's collectives: finished now, or (overlap) started and finished by the next step."""
+    """The exchange's collectives, finished now, on every rank whatever the headers will decide (a skip, a
+    resync): the vote then comes before any collective that the headers' content chooses, so a rank that could
+    not trust a header still meets every other rank there. Where the payload rode with the headers nothing more
+    travels for an all-gather exchange. Overlap starts its exchange later, in ``land``, after the judge."""
 
     name = "communicate"
 
     def run(self, ctx: StepContext) -> None:
-        if ctx.skip:
+        if ctx.settings.overlap:
             return
         transport = ctx.transport
-        if ctx.settings.overlap:
-            ctx.in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, background=True)
-            ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
-            return
         try:
-            in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working)
-            ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
+            in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, arrived=ctx.arrived)
+            if not codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+                ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)  # a skipped step's zeros: unread
+            else:
+                in_flight.wait(transport.traffic)
         except DeMoPayloadError as exc:
             ctx.refusal = exc
         except DeMoSyncError as exc:
@@ -201,13 +217,12 @@ class Communicate:
 
 class Vote:
     """All ranks commit the step, or none: every rank says whether what it received passed its checks (one
-    small all-gather), and a refusal anywhere raises the same error on every rank (``commit_vote``)."""
+    small all-gather), and a refusal anywhere raises the same error on every rank (``commit_vote``). It runs
+    before the parts that act on the headers (policy, judge), on every rank alike."""
 
     name = "vote"
 
     def run(self, ctx: StepContext) -> None:
-        if ctx.skip:
-            return
         refusal = ctx.refusal
         alone = ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
         if not alone and ctx.settings.commit_vote == "on":
@@ -241,12 +256,16 @@ class Update:
 
 class LandLate:
     """Overlap: the update of the exchange the last step started lands (after a resync's copies, before this
-    step's own writes); the exchange this step started becomes the one in flight."""
+    step's own writes), and this step's exchange starts in the background (a skipped step starts none): it
+    becomes the one in flight."""
 
     name = "land"
 
     def run(self, ctx: StepContext) -> None:
         opt = ctx.opt
+        if ctx.settings.overlap and not ctx.skip:
+            ctx.in_flight = ctx.exchange.start(ctx.transport, ctx.headers, ctx.payload, ctx.working, background=True)
+            ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
         if ctx.settings.overlap or ctx.late is not None:
             overlap.stage_late(opt, ctx.tx, ctx.late, ctx.transport)
             ctx.tx.stage(lambda: opt.land_in_flight(overlap.pending_from(ctx, ctx.in_flight)))
@@ -271,6 +290,9 @@ class Conclude:
                 tx.stage(lambda: setattr(opt, "policy", ctx.decided))
         else:
             tx.stage(lambda: _conclude_exchange(ctx))
+            if ctx.wire_bytes is not None:  # what the payload takes on the wire, agreed: it rides from now on
+                agreed = {**opt.wire_agreed, (ctx.transport.world, ctx.tier_index): ctx.wire_bytes}
+                tx.stage(lambda: setattr(opt, "wire_agreed", agreed))
         if ctx.skip:
             counters = counters.skipped()
             tx.stage(lambda: _warn_skips(opt, counters))

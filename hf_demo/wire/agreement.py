@@ -11,6 +11,7 @@ refused payload then raises on the refusing rank only, and the drift check finds
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,29 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class Riding:
+    """A payload that asks to ride in the headers' all-gather: ``payload`` (clear; sealed on the way where the
+    headers are), ``agreed`` the bytes it took on the wire at the last committed exchange in this world (0:
+    none yet), ``name`` the collective it stands for (the exchange's first, for the traffic accounts)."""
+
+    payload: torch.Tensor
+    agreed: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What the headers' all-gather brought: every rank's header, this rank's refusal of one (or None), every
+    rank's payload row where the payloads rode along (else None), and this step's payload bytes on the wire
+    (None where the payload cannot ride: overlap, or an exchange whose first collective is not an all-gather)."""
+
+    headers: list
+    refusal: object
+    rows: torch.Tensor | None
+    wire_bytes: int | None
+
+
 def gather_headers(
     transport,
     header: codec.Header,
@@ -37,8 +61,9 @@ def gather_headers(
     device,
     settings: Callable[[], dict[str, str]],
     sealer=None,
-) -> tuple[list, object]:
-    """Sign this rank's header for its payload, all-gather every rank's, check them -> (headers, refusal).
+    riding: Riding | None = None,
+) -> Gathered:
+    """Sign this rank's header for its payload, all-gather every rank's, check them.
 
     A disagreement between intact headers raises here, on every rank alike (they all hold the same headers);
     where the settings checksums differ the error names each differing setting with every rank's value
@@ -46,17 +71,35 @@ def gather_headers(
     A header this rank cannot trust (its CRC32 or HMAC fails: :func:`codec.receive_headers`) is the refusal
     returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
     the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
-    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open raises here."""
+    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open raises here.
+
+    ``riding``: each rank's row is its header followed by ``riding.agreed`` bytes, the size every rank derives
+    from the last committed exchange alone (so every row has the same size whatever this step holds): the
+    payload as it travels when it has that size, zeros otherwise. The payloads rode when every header names
+    this rank's payload size and it is the agreed one (the headers checked equal, so every rank finds the same);
+    else the exchange sends them in its own collective, and this step's size becomes the agreed one."""
+    me = transport.global_rank(transport.rank)
+    signed = codec.sign(header, payload, None if sealer is not None else secret)
+    own_row = sealer.seal_header(signed, transport.step, me) if sealer is not None else signed.to_bytes()
+    wire_bytes = None if riding is None else riding.payload.numel() + (sealing.TAG_BYTES if sealer else 0)
+    fits = riding is not None and riding.agreed > 0 and wire_bytes == riding.agreed
+    row = to_device(own_row, device)
+    if fits:
+        wire = sealer.seal(riding.payload, transport.step, "payload") if sealer is not None else riding.payload
+        row = torch.cat([row, wire.to(device)])
+    elif riding is not None and riding.agreed:
+        row = torch.cat([row, torch.zeros(riding.agreed, dtype=torch.uint8, device=device)])
+    rows = transport.all_gather(row, riding.name if fits else "header")
+    header_rows = rows[:, : own_row.numel()].cpu()  # one copy back for all ranks
+    sealing.check_uniform(header_rows, transport.rank)
     if sealer is not None:
-        headers = _gather_sealed(transport, codec.sign(header, payload, None), sealer, device)
-        _check_naming_settings(transport, headers, settings)
-        return headers, None
-    header = codec.sign(header, payload, secret)
-    rows = transport.all_gather(to_device(header.to_bytes(), device), "header").cpu()  # one copy back for all ranks
-    sealing.check_uniform(rows, transport.rank)
-    headers, refusal = codec.receive_headers(rows, header, secret, transport.rank, transport.step)
+        senders = [transport.global_rank(r) for r in range(rows.shape[0])]
+        headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank), None
+    else:
+        headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
     _check_naming_settings(transport, headers, settings)
-    return headers, refusal
+    arrived = rows[:, own_row.numel() :] if fits else None
+    return Gathered(headers, refusal, arrived, wire_bytes)
 
 
 def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], dict[str, str]]) -> None:
@@ -92,16 +135,6 @@ def differing_settings(views: list[dict[str, str]]) -> list[str]:
         for k in names
         if len({v.get(k) for v in views}) > 1
     ]
-
-
-def _gather_sealed(transport, header: codec.Header, sealer, device) -> list[codec.Header]:
-    """:func:`gather_headers` with every header sealed (its payload CRC32 inside, no HMAC: the AEAD tag is it)."""
-    me = transport.global_rank(transport.rank)
-    sealed = sealer.seal_header(header, transport.step, me)
-    rows = transport.all_gather(to_device(sealed, device), "header").cpu()
-    sealing.check_uniform(rows, transport.rank)
-    senders = [transport.global_rank(r) for r in range(rows.shape[0])]
-    return sealer.open_headers(rows, transport.step, senders, transport.rank)
 
 
 def fetch_rank0(params: list[torch.Tensor], transport, sealer=None) -> list[torch.Tensor]:
