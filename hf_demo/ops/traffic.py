@@ -105,9 +105,12 @@ def demo_payload(shapes, settings: DeMoSettings, world: int, value_format: str |
 
 
 def _exchange_collectives(shapes, settings, world, scope, every, value_format, topk_divisor, overlap):
-    """The collectives of one DeMo exchange among ``world`` ranks (header first, as the optimizer does)."""
+    """The collectives of one DeMo exchange among ``world`` ranks in steady state (header first, as the optimizer
+    does; where the exchange's first collective is an all-gather and nothing overlaps, the header rides in it)."""
     ex = demo_payload(shapes, settings, world, value_format, topk_divisor)
-    out = [Collective("header", "all_gather", codec.HEADER_BYTES, world, scope, every)]
+    rides = not overlap and (settings.exchange == "all_gather" or ex.union)
+    header = codec.HEADER_BYTES if rides else 0  # the bytes the header adds to the collective it rides in
+    out = [] if rides else [Collective("header", "all_gather", codec.HEADER_BYTES, world, scope, every)]
     # the commit vote after the exchange (overlap's verdict rides in the next header instead)
     vote = (
         []
@@ -115,12 +118,12 @@ def _exchange_collectives(shapes, settings, world, scope, every, value_format, t
         else [Collective("vote", "all_gather", agreement.VOTE_BYTES, world, scope, every)]
     )
     if settings.exchange == "all_gather":
-        payload = Collective("payload", "all_gather", ex.payload_nbytes, world, scope, every, hideable=overlap)
+        payload = Collective("payload", "all_gather", header + ex.payload_nbytes, world, scope, every, hideable=overlap)
         return out + [payload] + vote
     value_bytes = ex.dtype.itemsize
     if ex.union:  # every rank's nominations all-gathered, then the values at their union all-reduced
         slots = sum(layout.nblocks * world * nominated.k for layout, nominated in zip(ex.layouts, ex.nominated))
-        out.append(Collective("positions", "all_gather", ex.index_nbytes, world, scope, every))
+        out.append(Collective("positions", "all_gather", header + ex.index_nbytes, world, scope, every))
     else:  # the step's leader broadcasts its positions
         slots = sum(layout.nblocks * layout.k for layout in ex.layouts)
         out.append(Collective("positions", "broadcast", ex.index_nbytes, world, scope, every))

@@ -41,7 +41,7 @@ from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
-FORMAT_VERSION = 4  # 4: the header's own CRC32 (the 14th word)
+FORMAT_VERSION = 5  # 4: the header's own CRC32 (the 14th word); 5: the payload rides in the header's all-gather
 HEADER_WORDS = 14
 BODY_WORDS = 13  # the words the header CRC32 and the header HMAC cover (all but the CRC32 itself)
 TAG_BYTES = 32
