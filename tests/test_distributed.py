@@ -277,3 +277,50 @@ def test_rank_files_of_another_run_or_step_are_named_on_every_rank(tmp_path, mix
         assert seconds < 30, seconds
     same = expect_ok(run_ranks(_load_files, 2, [str(run_a / "rank0.step2.pt"), str(run_a / "rank1.step2.pt")]))
     assert [m for m, _ in same] == ["no error", "no error"]
+
+
+def _round_trips(rank, world, kw):
+    from hf_demo.exchange.transport import register_collective_hook
+
+    model = tiny_mlp()
+    opt = small_demo(model, **kw)
+    named = []
+    handle = register_collective_hook(lambda name, nbytes: named.append((name, nbytes)))
+    seen = []
+    for step in range(4):
+        loss_and_backward(model, rank, step)
+        named.clear()
+        opt.step()
+        seen.append([(name, n) for name, n in named if name != "ddp_check"])  # the first step's DDP guard
+    handle.remove()
+    return seen, opt.settings, [tuple(p.shape) for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "kw,steady",
+    [
+        ({}, ["payload", "vote"]),
+        ({"commit_vote": "off"}, ["payload"]),
+        ({"overlap": True}, ["header", "payload"]),
+        ({"exchange": "all_reduce"}, ["positions", "values", "vote"]),
+    ],
+    ids=["defaults", "vote_off", "overlap", "all_reduce"],
+)
+def test_round_trips_and_bytes_of_a_step(kw, steady):
+    """The header rides with the payload once its size is agreed (the first step sends it alone first): two
+    round trips a step with the vote, one without; overlap sends its header alone (the payload goes in the
+    background, the verdict rides in the next header); all_reduce's union nominations ride with the header, its
+    values follow. Bytes: the planner's."""
+    from hf_demo.ops.traffic import demo_payload
+    from hf_demo.wire import agreement, codec
+
+    seen, settings, shapes = expect_ok(run_ranks(_round_trips, 2, kw))[0]
+    assert [[name for name, _ in step] for step in seen[1:]] == [steady] * 3, seen
+    rides = not kw.get("overlap")
+    assert [name for name, _ in seen[0]] == (["header"] + steady if rides else steady), seen[0]
+    size = demo_payload(shapes, settings, 2)
+    payload = size.index_nbytes if kw.get("exchange") else size.payload_nbytes
+    expected = {"payload": payload, "positions": payload, "vote": agreement.VOTE_BYTES}
+    for name, sent in seen[-1]:
+        if name in expected:
+            assert sent == expected[name] + (codec.HEADER_BYTES if name == steady[0] and rides else 0), seen[-1]

@@ -131,7 +131,7 @@ class Agreement:
         )
         agreed = opt.wire_agreed.get((ctx.transport.world, ctx.tier_index), 0)  # every rank's own, and the same
         riding = agreement.Riding(ctx.payload, agreed, ctx.exchange.riding_name)
-        if ctx.settings.overlap or not ctx.exchange.rides:  # overlap: the payload travels in the background
+        if ctx.settings.overlap or not ctx.exchange.rides or not agreement.RIDE:  # overlap: in the background
             riding = None
         gathered = agreement.gather_headers(
             ctx.transport,
@@ -218,7 +218,13 @@ class Communicate:
 class Vote:
     """All ranks commit the step, or none: every rank says whether what it received passed its checks (one
     small all-gather), and a refusal anywhere raises the same error on every rank (``commit_vote``). It runs
-    before the parts that act on the headers (policy, judge), on every rank alike."""
+    before the parts that act on the headers (policy, judge), on every rank alike.
+
+    Why it is a round trip of its own and does not ride in the next step's row: a verdict that arrives a step
+    late means every rank commits before knowing it, so a rank that refused what it received would owe the
+    step's update and need it sent again, and a rank that refused a header would not know the step's other
+    collectives (a resync's broadcast, a policy's second try): the ranks would meet out of step. Each step
+    therefore costs two round trips with the vote and one with ``commit_vote="off"``."""
 
     name = "vote"
 

@@ -21,6 +21,7 @@ from hf_demo.wire import codec, sealing
 REFUSED = 1  # a payload failed this rank's checks
 HEADER_REFUSED = 2  # a header failed this rank's checks (its sender in the bits above the eighth)
 VOTE_BYTES = 8  # what each rank sends in the vote
+RIDE = True  # the payload rides in the headers' all-gather where it can (False: benchmarks/commit_vote.py's baseline)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
