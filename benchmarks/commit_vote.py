@@ -22,7 +22,6 @@ import torch
 
 from benchlib.ranks import expect_ok, run_ranks
 
-
 ROUND_TRIPS = {3: ("on", False), 2: ("on", True), 1: ("off", True)}  # round trips: (commit_vote, payload rides)
 
 
@@ -56,7 +55,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, default=512, help="the side of the two square layers (2 x size^2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/commit_vote.md"))
     args = parser.parse_args(argv)
-    rows = ["| one-way latency per hop | 3 round trips | 2 (default) | 1 (`commit_vote=\"off\"`) | 3 / 2 | 1 / 2 |"]
+    rows = ['| one-way latency per hop | 3 round trips | 2 (default) | 1 (`commit_vote="off"`) | 3 / 2 | 1 / 2 |']
     rows.append("|---:|---:|---:|---:|---:|---:|")
     for delay in args.delays_ms:
         mean = {}
@@ -71,8 +70,9 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     params = 2 * (args.size * args.size + args.size)
     args.out.write_text(
-        f"# What a step's round trips cost\n\n2 gloo ranks, {params:,} parameters (two {args.size}x{args.size} layers), DeMo's "
-        f"defaults, {args.steps} steps (the first 3 left out), latency emulated before each collective.\n"
+        f"# What a step's round trips cost\n\n2 gloo ranks, {params:,} parameters (two {args.size}x{args.size} "
+        f"layers), DeMo's defaults, {args.steps} steps (the first 3 left out), latency emulated before each "
+        "collective.\n"
         f"Command: `python benchmarks/commit_vote.py`\n\n" + "\n".join(rows) + "\n"
     )
 
