@@ -201,12 +201,15 @@ class Communicate:
         if ctx.settings.overlap:
             return
         transport = ctx.transport
+        if codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+            # every rank skips: what rode with the headers is left unread, nothing more travels. (Where the
+            # payload did not ride, a rank that refused the flagging header meets the others only in the vote
+            # after its own exchange: it raises within comm_timeout naming the header.)
+            ctx.refusal = ctx.header_refusal
+            return
         try:
             in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, arrived=ctx.arrived)
-            if not codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-                ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)  # a skipped step's zeros: unread
-            else:
-                in_flight.wait(transport.traffic)
+            ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
         except DeMoPayloadError as exc:
             ctx.refusal = exc
         except DeMoSyncError as exc:
