@@ -26,6 +26,7 @@ with the most own time (``ops/slowest_rank``; the ``step_time`` alert judges it)
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -133,6 +134,13 @@ class _NodeBytes:
     def take(self) -> int:
         out, self.count = self.count, 0
         return out
+
+
+def rank_and_node(args) -> tuple[int, int, int]:
+    """(rank, node, processes per node) from the arguments and the launcher's LOCAL_WORLD_SIZE."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    rank = int(getattr(args, "process_index", 0))
+    return rank, rank // max(local, 1), local
 
 
 class StepMonitor:
