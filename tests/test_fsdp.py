@@ -365,9 +365,24 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
         assert "'orthogonal_momentum' is not combined" in errors["orthogonal_momentum"]
 
 
-def test_the_retired_node_hierarchy_names_its_replacement():
-    with pytest.raises(ValueError, match="replaced by HSDP on PyTorch's FSDP2.*hf_demo.fsdp.shard_model"):
-        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node")
+@pytest.mark.parametrize("value", ["node", "flat"])
+def test_the_retired_node_hierarchy_names_its_replacement(value):
+    """``hierarchy`` is no setting any more: passed where settings are taken, it names what replaces it."""
+    from hf_demo.optim.factory import optimizer_cls_and_kwargs, parse_optim_args
+    from hf_demo.settings import DeMoSettings
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    ways = [
+        lambda: hf_demo.DeMo(params, hierarchy=value),
+        lambda: hf_demo.create_optimizer(params, hierarchy=value),
+        lambda: optimizer_cls_and_kwargs(hierarchy=value),
+        lambda: parse_optim_args(f"hierarchy={value}"),
+        lambda: DeMoSettings.resolve(hierarchy=value),
+    ]
+    for way in ways:
+        with pytest.raises(ValueError, match="hierarchy setting is retired.*HSDP on PyTorch's FSDP2.*shard_model"):
+            way()
+    assert "hierarchy" not in DeMoSettings.names()
 
 
 # ---------------------------------------------------------------- orthogonal rules on sharded matrices
