@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hf_demo
 from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
+from hf_demo.ops.monitor import INSIDE_NODE
 from hf_demo.topology.dtensor import local
 from hf_demo.wire import codec
 
@@ -180,7 +181,7 @@ def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_
     # the same rows, plus the second rank's header and vote per step and its payload's own byte alignment (<= 8 B)
     flat = expect_ok(run_ranks(_recorded, 2, True))
     for node in range(2):
-        hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if not name.startswith("node_"))
+        hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if name not in INSIDE_NODE)
         ddp = sum(n for _, n in flat[node][1])
         assert 0 <= hsdp - ddp - 4 * (codec.HEADER_BYTES + 8) <= 4 * 8, (hsdp, ddp)
 

@@ -28,9 +28,13 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.errors import DeMoPayloadError
+from hf_demo.exchange import collectives
+from hf_demo.exchange.collectives import SHARDS, CollectiveSpec
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
 from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
+from hf_demo.wire import codec
+from hf_demo.wire.agreement import VOTE_BYTES
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,16 @@ class ShardedTopology:
     """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
     name = "sharded"
+    # what it runs over the shard group (hf_demo.exchange.collectives): agree_step, agree_refusal, agree (named by
+    # its callers: the drift check's and the local steps' verdicts), ShardedMatrices.gather, agree_figures
+    COLLECTIVES = (
+        CollectiveSpec("node_header", "all_gather", SHARDS, codec.HEADER_BYTES),
+        CollectiveSpec("node_vote", "all_gather", SHARDS, VOTE_BYTES),
+        CollectiveSpec("node_drift", "all_gather", SHARDS, VOTE_BYTES, collectives.CHECK),
+        CollectiveSpec("node_flags", "all_gather", SHARDS, VOTE_BYTES, collectives.LOCAL_STEP),
+        CollectiveSpec("node_matrices", "all_gather", SHARDS, "matrices", collectives.WHOLE_MATRIX_STEP),
+        CollectiveSpec("node_figures", "all_gather", SHARDS, "figures", collectives.BUDGET),
+    )
 
     def __init__(self, transport: Transport, shards: Transport, spec: ShardSpec):
         self.transport, self.shards, self.spec = transport, shards, spec
@@ -170,7 +184,6 @@ class ShardedTopology:
         resync, refused in flight) OR-ed over them. One signed 144-byte header per rank; raises
         :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
         from hf_demo.errors import DeMoSyncError
-        from hf_demo.wire import codec
 
         if self.shards.world == 1:
             return bits
