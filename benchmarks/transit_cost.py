@@ -57,7 +57,8 @@ def _clear_or_hmac(payload: torch.Tensor, world: int, secret, repeats: int) -> f
         header = codec.Header(rep, 1, 2, 0, world, payload.numel())
         started = time.perf_counter()
         signed = codec.sign(header, payload, secret)
-        codec.verify_headers([signed] * world, secret, 0, rep)
+        _, refusal = codec.receive_headers(signed.to_bytes().repeat(world, 1), signed, secret, 0, rep)
+        assert refusal is None
         codec.verify_rows([signed] * world, rows, secret, 0, rep)
         return time.perf_counter() - started
 

@@ -21,12 +21,21 @@ NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_POLICIES = ("raise", "resync")
 
 
-NODE_RETIRED = (
-    "DeMo: hierarchy='node' (dense averaging inside a node, DeMo between nodes) is replaced by HSDP on PyTorch's "
-    "FSDP2, which also shards the parameters, gradients and optimizer state inside the node: "
-    "mesh = hf_demo.fsdp.hsdp_mesh(); hf_demo.fsdp.shard_model(model, mesh); "
-    "DeMo(model.parameters(), device_mesh=mesh). See docs/guides/large-models.md"
-)
+RETIRED = {
+    "hierarchy": (
+        "DeMo: the hierarchy setting is retired. hierarchy='flat' is what DeMo always does (drop the setting); "
+        "hierarchy='node' (dense averaging inside a node, DeMo between nodes) is replaced by HSDP on PyTorch's "
+        "FSDP2, which also shards the parameters, gradients and optimizer state inside the node: "
+        "mesh = hf_demo.fsdp.hsdp_mesh(); hf_demo.fsdp.shard_model(model, mesh); "
+        "DeMo(model.parameters(), device_mesh=mesh). See docs/guides/large-models.md"
+    ),
+}  # settings that once were: each raises naming what replaces it, where unknown settings are refused
+
+
+def refuse_retired(names) -> None:
+    """Raise ``ValueError`` naming the replacement of the first retired setting among ``names``."""
+    for name in sorted(set(names) & set(RETIRED)):
+        raise ValueError(RETIRED[name])
 
 
 def _setting(default, help: str, choices=None, per_group: bool = False):
@@ -77,18 +86,11 @@ class DeMoSettings:
         "block, the union is summed) or leader (one rank per step, rotating, picks all k)",
         exchanges.REDUCE_POSITIONS,
     )
-    hierarchy: str = _setting(
-        "flat",
-        "flat: DeMo between the ranks of its group, or, for FSDP2-sharded parameters, across the replicate "
-        "dimension of the mesh (hf_demo.fsdp). The former 'node' mode is replaced by HSDP on FSDP2 "
-        "(docs/guides/large-models.md)",
-        ("flat",),
-    )
     overlap: bool = _setting(
         False,
         "run step t's exchange in the background while step t+1 computes; its update is applied at step t+1 "
         "(one step late, as Psyche does; the late step costs loss, more at larger learning rates: "
-        "docs/guides/choosing-settings.md). Flat hierarchy, every-step synchronisation, no comm_budget",
+        "docs/guides/choosing-settings.md). Every-step synchronisation, no comm_budget",
     )
     update_rule: str = _setting(
         "sign",
@@ -184,8 +186,6 @@ class DeMoSettings:
     )
 
     def __post_init__(self):
-        if self.hierarchy == "node":
-            raise ValueError(NODE_RETIRED)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             choices = f.metadata.get("choices")
@@ -292,6 +292,7 @@ class DeMoSettings:
     @classmethod
     def resolve(cls, preset: str | None = None, **chosen) -> DeMoSettings:
         """The settings of ``preset`` (see :data:`PRESETS`) with ``chosen`` on top; validated."""
+        refuse_retired(chosen)
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"DeMo: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS.get(preset, {}), **chosen})
@@ -361,3 +362,6 @@ if __name__ == "__main__":  # python -m hf_demo.settings > docs/reference/settin
         "`DeMoTrainingArguments` and a key of `--optim_args`; `lr` and `weight_decay` come from Trainer.\n"
     )
     print(markdown_table())
+    print("\nRetired settings: each is refused with this error, naming what replaces it.\n")
+    print("| setting | error |\n|---|---|")
+    print("\n".join(f"| `{name}` | {message} |" for name, message in sorted(RETIRED.items())))

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from codec_helpers import decode_params, decode_values, encode_params, encode_values
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
@@ -34,10 +35,11 @@ def test_header_round_trip():
 
 def test_indices_round_trip_full_16_bit_range(device):
     idx = torch.tensor([[0, 1, 32767, 32768], [65535, 4095, 12, 40000]], device=device)
-    wire = codec.pack_indices(idx)
+    u16 = codec.index_coding("uint16")
+    wire = u16.pack_rows(idx, 65536, 4).reshape(-1)
     assert wire.dtype == torch.uint8 and wire.numel() == 16 and wire.device == device
-    assert torch.equal(wire.cpu(), codec.pack_indices(idx.cpu()))
-    back = codec.unpack_indices(torch.stack([wire, wire]), 2, 4)
+    assert torch.equal(wire.cpu(), u16.pack_rows(idx.cpu(), 65536, 4).reshape(-1))
+    back = u16.unpack_rows(torch.stack([wire, wire]), 2, 65536, 4)
     assert torch.equal(back[0], idx) and torch.equal(back[1], idx)
 
 
@@ -46,19 +48,18 @@ def test_indices_round_trip_full_16_bit_range(device):
 def test_values_round_trip_exactly(fmt, nblocks, k, device):
     torch.manual_seed(nblocks * k)
     values = torch.randn(nblocks, k).to(device)
-    f = codec.value_format(fmt)
-    sent, wire = f.encode(values)
-    assert wire.numel() == f.nbytes(nblocks, k) and wire.device == sent.device == device
-    assert torch.equal(wire.cpu(), f.encode(values.cpu())[1])  # the same bytes from every device
-    decoded = f.decode(torch.stack([wire, wire]), nblocks, k)
+    sent, wire = encode_values(fmt, values)
+    assert wire.numel() == codec.value_format(fmt).nbytes(nblocks, k) and wire.device == sent.device == device
+    assert torch.equal(wire.cpu(), encode_values(fmt, values.cpu())[1])  # the same bytes from every device
+    decoded = decode_values(fmt, torch.stack([wire, wire]), nblocks, k)
     assert torch.equal(decoded[0], sent) and torch.equal(decoded[1], sent)
 
 
 def test_value_formats_mean_what_they_say():
     values = torch.tensor([[0.3, -1.7, 2.0, -0.5]])
-    assert torch.equal(codec.value_format("fp32").encode(values)[0], values)
-    assert torch.equal(codec.value_format("bf16").encode(values)[0], values.to(torch.bfloat16).float())
-    sent, wire = codec.value_format("sign").encode(values)
+    assert torch.equal(encode_values("fp32", values)[0], values)
+    assert torch.equal(encode_values("bf16", values)[0], values.to(torch.bfloat16).float())
+    sent, wire = encode_values("sign", values)
     scale = torch.tensor(1.125).to(torch.bfloat16).float()  # mean |v|
     assert torch.equal(sent, scale * torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
     assert wire.numel() == 8  # 2-byte scale + 1 byte of bits, each 4-aligned
@@ -66,7 +67,7 @@ def test_value_formats_mean_what_they_say():
 
 def test_two_bit_values_are_a_sign_and_the_mean_magnitude_of_their_class():
     values = torch.tensor([[0.3, -1.7, 2.0, -0.5]])  # mean |v| 1.125: 1.7 and 2.0 large, 0.3 and 0.5 small
-    sent, wire = codec.value_format("2bit").encode(values)
+    sent, wire = encode_values("2bit", values)
     small, large = (torch.tensor(x).to(torch.bfloat16) for x in (0.4, 1.85))  # each class's mean magnitude
     assert torch.equal(sent, torch.stack([small, -large, large, -small]).float()[None])
     scales = torch.stack([small, large]).view(torch.uint8)
@@ -84,9 +85,9 @@ def test_two_bit_values_are_a_sign_and_the_mean_magnitude_of_their_class():
     ],
 )
 def test_two_bit_edge_cases(values, expected):
-    sent, wire = codec.value_format("2bit").encode(torch.tensor(values))
+    sent, wire = encode_values("2bit", torch.tensor(values))
     assert torch.equal(sent, torch.tensor(expected))
-    assert torch.equal(codec.value_format("2bit").decode(wire[None], *sent.shape)[0], sent)
+    assert torch.equal(decode_values("2bit", wire[None], *sent.shape)[0], sent)
 
 
 def test_two_bit_loses_less_than_sign_and_its_error_stays_in_the_momentum():
@@ -96,7 +97,7 @@ def test_two_bit_loses_less_than_sign_and_its_error_stays_in_the_momentum():
     idx, values = F.select(momentum.clone(), layout.k)
     errors = {}
     for fmt in ("sign", "2bit"):
-        sent, _ = codec.value_format(fmt).encode(values)
+        sent, _ = encode_values(fmt, values)
         errors[fmt] = float(((values - sent) ** 2).sum())
         residual = momentum.clone()
         F.feedback(residual, idx, sent)
@@ -111,7 +112,7 @@ def test_two_bit_magnitudes_no_encoder_writes_are_refused():
         bad = payload.clone()
         bad[off : off + 4] = torch.tensor([small, large]).to(torch.bfloat16).view(torch.uint8)
         with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[1\]"):
-            pc.decode(torch.stack([payload, bad]))
+            decode_params(pc, torch.stack([payload, bad]))
 
 
 def test_wire_cost_per_coefficient():
@@ -143,7 +144,7 @@ def _payload(fmt="bf16", device="cpu", coding="uint16"):
         for lay in layouts
     ]
     selections = [(idx.to(device), values.to(device)) for idx, values in selections]
-    payload, sent = pc.encode(selections, device)
+    payload, sent = encode_params(pc, selections, device)
     return pc, selections, payload, sent
 
 
@@ -157,7 +158,7 @@ def test_payload_round_trip(fmt, coding, device):
     headers = [codec.sign(_header(), payload, b"k")] * 2
     assert headers[0].payload_crc == codec.crc32(payload.cpu())
     codec.verify_rows(headers, rows, b"k", rank=0, step=0)  # CRC32 and HMAC of device rows, on the host
-    decoded = pc.decode(rows)
+    decoded = decode_params(pc, rows)
     for (idx, _), values, (d_idx, d_values) in zip(selections, sent, decoded):
         assert d_idx.device == d_values.device == device
         assert torch.equal(d_idx[1], idx) and torch.equal(d_values[1], values)
@@ -168,12 +169,12 @@ def test_payload_decode_names_out_of_range_indices_and_nan_values():
     bad = payload.clone()
     bad[:2] = 255  # first index of the first block: 65535 >= 64
     with pytest.raises(DeMoSyncError, match=r"out-of-range indices for parameter 0 .* rank\(s\) \[1\]"):
-        pc.decode(torch.stack([payload, bad]))
+        decode_params(pc, torch.stack([payload, bad]))
     bad = payload.clone()
     off = codec.index_bytes(pc.layouts[0], "uint16")
     bad[off : off + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # fp32 NaN
     with pytest.raises(DeMoSyncError, match=r"NaN/Inf coefficients for parameter 0 .* rank\(s\) \[0\]"):
-        pc.decode(torch.stack([bad, payload]))
+        decode_params(pc, torch.stack([bad, payload]))
 
 
 def test_payload_decode_refuses_repeated_uint16_positions_before_a_count_can_wrap():
@@ -181,10 +182,10 @@ def test_payload_decode_refuses_repeated_uint16_positions_before_a_count_can_wra
     layout = plan((64, 64), 64, 256)
     pc = codec.PayloadCodec([layout], "fp32", "uint16")
     idx, values = torch.full((1, 256), 5, dtype=torch.int64), torch.ones(1, 256)
-    payload = pc.encode([(idx, values)], "cpu")[0]
-    good = pc.encode([(torch.arange(256)[None], values)], "cpu")[0]
+    payload = encode_params(pc, [(idx, values)], "cpu")[0]
+    good = encode_params(pc, [(torch.arange(256)[None], values)], "cpu")[0]
     with pytest.raises(DeMoPayloadError, match=r"repeated positions .* parameter 0 .* rank\(s\) \[1\]"):
-        pc.decode(torch.stack([good, payload]))
+        decode_params(pc, torch.stack([good, payload]))
 
 
 @pytest.mark.parametrize(
@@ -207,12 +208,21 @@ def test_elias_fano_round_trips_sorted_positions_in_about_log2_of_block_over_k_p
     idxs = [
         torch.randn(lay.nblocks, lay.bsize).abs().topk(lay.k, 1).indices.sort(1).values.to(device) for lay in layouts
     ]
-    wires = ef.pack_many(idxs, layouts)
-    for w, lay in zip(wires, layouts):
-        assert w.dtype == torch.uint8 and w.device == device and w.numel() == ef.nbytes(lay)
-    assert all(torch.equal(w.cpu(), c) for w, c in zip(wires, ef.pack_many([i.cpu() for i in idxs], layouts)))
-    back = ef.unpack_many([torch.stack([w, w]) for w in wires], layouts)
+    back = []
+    for idx, lay in zip(idxs, layouts):
+        r = ef.pack_rows(idx, lay.bsize, lay.k)
+        assert (
+            r.dtype == torch.uint8
+            and r.device == device
+            and r.shape == (lay.nblocks, ef.record_bytes(lay.bsize, lay.k))
+        )
+        assert r.numel() <= ef.nbytes(lay) < r.numel() + 4  # the payload's segment: the records, 4-aligned
+        assert torch.equal(r.cpu(), ef.pack_rows(idx.cpu(), lay.bsize, lay.k))  # the same bytes from every device
+        back.append(ef.unpack_rows(torch.stack([r, r]).flatten(1), lay.nblocks, lay.bsize, lay.k))
     assert all(torch.equal(b[0], i) and torch.equal(b[1], i) for b, i in zip(back, idxs))
+    pc = codec.PayloadCodec(layouts, "fp32", "elias_fano")  # two layouts of one (size, k) bucket: coded at once
+    payload, _ = encode_params(pc, [(i, torch.ones(i.shape, device=device)) for i in idxs], device)
+    assert all(torch.equal(d[1], i) for (d, _), i in zip(decode_params(pc, torch.stack([payload, payload])), idxs))
     lay = layouts[0]
     bits = ef.nbytes(lay) * 8 / (lay.nblocks * lay.k)
     # Elias-Fano's 2 + ceil(log2(n/k)), plus each record rounded to whole bytes and the segment to 4 bytes
@@ -236,16 +246,16 @@ def test_elias_fano_names_a_corrupted_record(flaw):
     low, upper = codec.EliasFanoIndices.split(pc.layouts[0].bsize, pc.layouts[0].k)
     if flaw == "no position in the upper vector":  # clear the first block's upper vector
         bad = payload.clone()
-        bits = codec.unpack_bits(bad[None, :16], 128)[0]
+        bits = codec.byte_bits(bad[None, :16])[0, :128].bool()
         bits[5 * low : 5 * low + upper] = False
         bad[:16] = codec.pack_bits(bits)
     else:  # a record that passes the count of ones, but whose positions do not strictly increase
         idx, values = selections[0]
         idx = idx.clone()
         idx[0, 1] = idx[0, 0]
-        bad = pc.encode([(idx, values), *selections[1:]], "cpu")[0]
+        bad = encode_params(pc, [(idx, values), *selections[1:]], "cpu")[0]
     with pytest.raises(DeMoSyncError, match=r"out-of-range indices for parameter 0 .* rank\(s\) \[1\]"):
-        pc.decode(torch.stack([payload, bad]))
+        decode_params(pc, torch.stack([payload, bad]))
 
 
 def test_crc_catches_every_single_flipped_byte():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hf_demo
 from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
+from hf_demo.ops.monitor import INSIDE_NODE
 from hf_demo.topology.dtensor import local
 from hf_demo.wire import codec
 
@@ -180,7 +181,7 @@ def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_
     # the same rows, plus the second rank's header and vote per step and its payload's own byte alignment (<= 8 B)
     flat = expect_ok(run_ranks(_recorded, 2, True))
     for node in range(2):
-        hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if not name.startswith("node_"))
+        hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if name not in INSIDE_NODE)
         ddp = sum(n for _, n in flat[node][1])
         assert 0 <= hsdp - ddp - 4 * (codec.HEADER_BYTES + 8) <= 4 * 8, (hsdp, ddp)
 
@@ -365,9 +366,24 @@ def test_layouts_demo_cannot_step_are_refused_naming_the_fix():
         assert "'orthogonal_momentum' is not combined" in errors["orthogonal_momentum"]
 
 
-def test_the_retired_node_hierarchy_names_its_replacement():
-    with pytest.raises(ValueError, match="replaced by HSDP on PyTorch's FSDP2.*hf_demo.fsdp.shard_model"):
-        hf_demo.DeMo([torch.nn.Parameter(torch.zeros(4))], hierarchy="node")
+@pytest.mark.parametrize("value", ["node", "flat"])
+def test_the_retired_node_hierarchy_names_its_replacement(value):
+    """``hierarchy`` is no setting any more: passed where settings are taken, it names what replaces it."""
+    from hf_demo.optim.factory import optimizer_cls_and_kwargs, parse_optim_args
+    from hf_demo.settings import DeMoSettings
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    ways = [
+        lambda: hf_demo.DeMo(params, hierarchy=value),
+        lambda: hf_demo.create_optimizer(params, hierarchy=value),
+        lambda: optimizer_cls_and_kwargs(hierarchy=value),
+        lambda: parse_optim_args(f"hierarchy={value}"),
+        lambda: DeMoSettings.resolve(hierarchy=value),
+    ]
+    for way in ways:
+        with pytest.raises(ValueError, match="hierarchy setting is retired.*HSDP on PyTorch's FSDP2.*shard_model"):
+            way()
+    assert "hierarchy" not in DeMoSettings.names()
 
 
 # ---------------------------------------------------------------- orthogonal rules on sharded matrices

@@ -948,3 +948,43 @@ def test_plan_check_compares_the_kept_runs_and_says_what_latency_would_add(tmp_p
     text = out.read_text()
     assert "| 4 nodes, 100mbit per link | adamw |" in text and "## Latency: predicted only" in text
     assert "no wan_runs.json beside it" in text  # a folder it cannot plan is named, not a traceback
+
+
+# ---------------------------------------------------------------- the step's collectives, as their parts describe them
+def test_the_plan_reads_each_exchanges_own_description_of_its_collectives(monkeypatch):
+    """ops.traffic keeps no list of DeMo's collectives: a collective an exchange (or the sharded topology) adds
+    to its description is in the plan, on the group it names, and one it drops is gone."""
+    from hf_demo.exchange import collectives, exchanges
+    from hf_demo.topology.sharded import ShardedTopology
+
+    shape_list, settings = [(256, 64), (64,)], DeMoSettings(compression_chunk=16, compression_topk=4)
+    extra = collectives.CollectiveSpec("extra", "all_gather", collectives.REPLICAS, 12)
+    monkeypatch.setattr(exchanges.AllGatherExchange, "collectives", (extra,))
+    flat = {c.name: c for c in demo_collectives(shape_list, settings, 2, 2)}
+    assert "payload" not in flat and (flat["extra"].nbytes, flat["extra"].world, flat["extra"].scope) == (
+        12,
+        4,
+        "inter",
+    )
+    inside = collectives.CollectiveSpec("node_extra", "all_gather", collectives.SHARDS, 5)
+    monkeypatch.setattr(ShardedTopology, "COLLECTIVES", (inside,))
+    hsdp = {c.name: c for c in demo_collectives(shape_list, settings, 2, 2, layout="hsdp")}
+    assert "node_header" not in hsdp and (hsdp["node_extra"].world, hsdp["node_extra"].scope) == (2, "intra")
+    assert (hsdp["extra"].world, hsdp["extra"].scope, hsdp["extra"].parallel) == (2, "inter", 2)
+
+
+def test_the_monitor_counts_inside_a_node_what_the_sharded_topology_runs_over_its_shard_group():
+    from hf_demo.ops.monitor import INSIDE_NODE
+    from hf_demo.topology.sharded import ShardedTopology
+    from hf_demo.wire import agreement
+
+    assert INSIDE_NODE == {c.name for c in ShardedTopology.COLLECTIVES}
+    assert {"node_header", "node_vote", "node_drift", "node_flags", "node_matrices", "node_figures"} <= INSIDE_NODE
+    assert not INSIDE_NODE & {c.name for c in agreement.COLLECTIVES}  # the exchange group's: crossed nodes
+
+
+def test_a_collective_description_names_a_known_group_and_schedule():
+    from hf_demo.exchange import collectives
+
+    with pytest.raises(ValueError, match="'across'"):
+        collectives.CollectiveSpec("x", "all_gather", "across", 8)

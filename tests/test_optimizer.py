@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_demo
+from codec_helpers import encode_values
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import encode, plan
 from hf_demo.wire import codec
@@ -24,7 +25,7 @@ def test_momentum_equals_residual_plus_sent(fmt):
         values.abs().min(1).values >= momentum.abs().kthvalue(layout.bsize - layout.k, 1).values,
         torch.ones(layout.nblocks, dtype=torch.bool),
     )
-    sent, _ = codec.value_format(fmt).encode(values)
+    sent, _ = encode_values(fmt, values)
     F.feedback(momentum, idx, sent)
     dense_sent = torch.zeros_like(momentum).scatter_(1, idx, sent)
     if fmt in ("sign", "2bit"):  # scale*sign is not exactly subtractable in fp32: within one rounding

@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from codec_helpers import decode_params, encode_params
 from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange import exchanges
@@ -111,7 +112,7 @@ def test_random_payload_rows_decode_or_give_a_named_payload_error(fmt, coding, w
     raw = data.draw(st.binary(min_size=world * pc.nbytes, max_size=world * pc.nbytes))
     rows = _tensor(raw).view(world, pc.nbytes)
     try:
-        decoded = pc.decode(rows)
+        decoded = decode_params(pc, rows)
     except DeMoPayloadError as exc:
         assert "rank(s)" in str(exc)
         return
@@ -128,7 +129,7 @@ def test_truncated_or_oversized_payload_rows_are_refused_before_they_are_read(co
     if width == pc.nbytes:
         return
     with pytest.raises(DeMoPayloadError, match="truncated or oversized"):
-        pc.decode(rows)
+        decode_params(pc, rows)
 
 
 @FAST
@@ -139,18 +140,18 @@ def test_repeated_positions_are_refused_in_every_index_coding(coding, block, dat
     for layout in LAYOUTS:
         idx = torch.arange(layout.k).repeat(layout.nblocks, 1)
         selections.append((idx, torch.ones(layout.nblocks, layout.k)))
-    good = pc.encode(selections, "cpu")[0]
+    good = encode_params(pc, selections, "cpu")[0]
     param = data.draw(st.integers(min_value=0, max_value=len(LAYOUTS) - 1))
     layout = LAYOUTS[param]
     idx = selections[param][0].clone()
     row = block % layout.nblocks
     idx[row, 1:] = idx[row, 0]  # one block names its first position k times
-    bad = pc.encode([*selections[:param], (idx, selections[param][1]), *selections[param + 1 :]], "cpu")[0]
+    bad = encode_params(pc, [*selections[:param], (idx, selections[param][1]), *selections[param + 1 :]], "cpu")[0]
     with pytest.raises(
         DeMoPayloadError,
         match=rf"(repeated positions \(a block naming one position twice\)|out-of-range indices) for parameter {param}",
     ):
-        pc.decode(torch.stack([good, bad]))
+        decode_params(pc, torch.stack([good, bad]))
 
 
 @FAST
@@ -180,5 +181,5 @@ def test_headers_and_rows_of_odd_sizes_give_named_errors_not_raw_ones():
     with pytest.raises(DeMoPayloadError, match="headers for received rows"):
         codec.verify_rows([header], torch.zeros(7, dtype=torch.uint8), None, rank=0, step=3)
     with pytest.raises(DeMoPayloadError, match="uint8 tensor"):
-        _pc("bf16", "uint16").decode(torch.zeros(2, 5))
+        decode_params(_pc("bf16", "uint16"), torch.zeros(2, 5))
     assert zlib.crc32(header.body_bytes()) == header.header_crc

@@ -27,6 +27,7 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
         assert callable(cls.encode) and callable(cls.decode) and f"`{name}`" in DESIGN
     for name, cls in exchanges.EXCHANGES_BY_NAME.items():
         assert all(callable(getattr(cls, m)) for m in ("prepare", "start", "finish")) and f"`{name}`" in DESIGN
+        assert hasattr(cls, "collectives") and "`collectives`" in DESIGN, name
     for name, cls in TOPOLOGIES.items():
         documented = ("build", "select", "identity", "mean_over_ranks", "agree_step", "agree", "agree_refusal")
         assert all(callable(getattr(cls, m)) and f"`{m}(" in DESIGN for m in documented), name

@@ -46,6 +46,7 @@ from hf_demo.compression import buckets
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, lookup
+from hf_demo.exchange.collectives import REPLICAS, CollectiveSpec
 from hf_demo.exchange.transport import Pending, Traffic
 from hf_demo.wire import codec
 
@@ -117,6 +118,7 @@ class AllGatherExchange:
     name = "all_gather"
     rides = True  # its one collective is an all-gather of the payload: it can ride with the headers
     riding_name = "payload"
+    collectives = (CollectiveSpec("payload", "all_gather", REPLICAS, "payload", overlaps=True),)  # what start runs
 
     def __init__(self, spec: ExchangeSpec):
         self.layouts = spec.layouts
@@ -204,6 +206,13 @@ class AllReduceExchange:
             for m, b in zip(buckets.rows(working, self.bucketing), self.picked.buckets)
         ]
         return self.map.assemble(streams, device)
+
+    @property
+    def collectives(self) -> tuple[CollectiveSpec, ...]:
+        """What :meth:`start` runs: the positions (every rank's nominations all-gathered, or the leader's
+        broadcast), then the sum of the values at them."""
+        positions = CollectiveSpec("positions", "all_gather" if self.union else "broadcast", REPLICAS, "positions")
+        return positions, CollectiveSpec("values", "all_reduce", REPLICAS, "values", overlaps=True)
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
         device = working[0].device if working else torch.device("cpu")

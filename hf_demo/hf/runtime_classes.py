@@ -38,18 +38,18 @@ def publish(cls: type, kind: str, base: type) -> type:
     return cls
 
 
+MAKERS: dict = {}  # kind ("trainer", "config"): the function that makes such a class of a base; hf_demo.hf.trainer
+# fills it when imported, which importing this module does (the hf_demo package imports it), so a fresh process has it
+
+
 def remake(kind: str, module: str, qualname: str) -> type:
     """The class ``with_demo`` makes of ``module.qualname`` (the same one, made on first use in this process)."""
-    from hf_demo.hf import trainer  # noqa: PLC0415 - trainer imports this module
-
+    if kind not in MAKERS:
+        raise ValueError(f"hf_demo: cannot remake a class of kind {kind!r} (a pickle from another hf_demo version?)")
     base = importlib.import_module(module)
     for part in qualname.split("."):
         base = getattr(base, part)
-    if kind == "trainer":
-        return trainer.demo_trainer_class(base)
-    if kind == "config":
-        return trainer.demo_config_class(base)
-    raise ValueError(f"hf_demo: cannot remake a class of kind {kind!r} (a pickle from another hf_demo version?)")
+    return MAKERS[kind](base)
 
 
 def _reduce(cls: type):

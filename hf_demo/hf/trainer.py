@@ -384,6 +384,9 @@ def demo_config_class(config_cls: type) -> type:
     return _MADE[config_cls]
 
 
+runtime_classes.MAKERS.update(trainer=demo_trainer_class, config=demo_config_class)
+
+
 def with_demo(trainer_cls: type, config_cls: type) -> tuple[type, type]:
     """DeMo versions of any Trainer subclass and its config class: ``(trainer class, config class)``.
 

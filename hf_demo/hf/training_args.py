@@ -156,7 +156,7 @@ class DeMoArguments:
     Wire format:
         demo_value_format, demo_index_coding.
     Exchange (how the coefficients move between ranks):
-        demo_exchange, demo_reduce_positions, demo_hierarchy, demo_overlap.
+        demo_exchange, demo_reduce_positions, demo_overlap.
     Update (how the averaged coefficients become a step):
         demo_update_rule, demo_param_rounding.
     Local steps between synchronisations:
@@ -181,7 +181,6 @@ class DeMoArguments:
     # exchange
     demo_exchange: str | None = _setting_field("exchange")
     demo_reduce_positions: str | None = _setting_field("reduce_positions")
-    demo_hierarchy: str | None = _setting_field("hierarchy")
     demo_overlap: bool | None = _setting_field("overlap")
     # update
     demo_update_rule: str | None = _setting_field("update_rule")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from transformers import TrainerCallback
 from hf_demo.hf.data_parallel import unwrap_optimizer
 from hf_demo.ops import exporters
 from hf_demo.ops.health import Alert, DeMoHealthCallback
-from hf_demo.ops.monitor import StepMonitor, StepSample
+from hf_demo.ops.monitor import StepMonitor, StepSample, rank_and_node
 from hf_demo.ops.prices import load as load_prices
 from hf_demo.ops.settings import OpsSettings
 
@@ -50,13 +49,6 @@ TRAINER_KEYS = (  # the Trainer arguments ops/run.json keeps
     "warmup_steps", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs", "seed", "bf16", "fp16",
     "optim", "logging_steps", "output_dir",
 )  # fmt: skip
-
-
-def rank_and_node(args) -> tuple[int, int, int]:
-    """(rank, node, processes per node) from the arguments and the launcher's LOCAL_WORLD_SIZE."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    rank = int(getattr(args, "process_index", 0))
-    return rank, rank // max(local, 1), local
 
 
 class DeMoOpsCallback(TrainerCallback):

@@ -49,7 +49,10 @@ METRICS = {
     "hf_demo_bytes_received_total": ("counter", "bytes this rank received from the other ranks"),
     "hf_demo_dense_bytes_total": ("counter", "bytes a dense fp32 all-reduce of the same parameters would have sent"),
     "hf_demo_bytes_saved_total": ("counter", "dense bytes minus the bytes sent"),
-    "hf_demo_bytes_between_nodes_total": ("counter", "received bytes that crossed nodes (all but node_* collectives)"),
+    "hf_demo_bytes_between_nodes_total": (
+        "counter",
+        "received bytes that crossed nodes (all but those over the shard group)",
+    ),
     "hf_demo_effective_bandwidth_bytes": ("gauge", "the last communicating step's bytes received per second waited"),
     "hf_demo_tier": ("gauge", "the budget policy's tier (0: the configured settings)"),
     "hf_demo_loss": ("gauge", "the last step's training loss on this rank"),

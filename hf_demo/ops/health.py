@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from transformers import TrainerCallback
 
 from hf_demo.ops.links import Link, format_rate, parse_rate, parse_time
-from hf_demo.ops.monitor import StepMonitor, StepSample
+from hf_demo.ops.monitor import StepMonitor, StepSample, rank_and_node
 from hf_demo.ops.settings import HealthSettings
 
 logger = logging.getLogger("hf_demo.ops")
@@ -239,8 +239,6 @@ class DeMoHealthCallback(TrainerCallback):
     # ---------------------------------------------------------------- standalone measuring
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.fed and self.settings.enabled:
-            from hf_demo.ops.callbacks import rank_and_node
-
             rank, node, local = rank_and_node(args)
             self._monitor = StepMonitor(rank, node, local, None)
 

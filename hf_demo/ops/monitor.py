@@ -8,14 +8,14 @@
 - ``demo_compute_s``: the rest of the optimizer step (DCT, top-k, coding, the update);
 - ``other_s``: the time since the previous step outside any step (data, logging, evaluation, checkpoints);
 - bytes this rank handed to DeMo's collectives and got back, the dense fp32 all-reduce they replace, the
-  bytes on DeMo's collectives inside a node (HSDP, :mod:`hf_demo.fsdp`: the sharded topology's agreement over
-  the shard group, names starting ``node_``; what is left crossed nodes; FSDP2's own all-gathers and
-  reduce-scatters are not DeMo's and are not counted), the effective bandwidth (bytes received over the
+  bytes on DeMo's collectives inside a node (HSDP, :mod:`hf_demo.fsdp`: those ``ShardedTopology.COLLECTIVES``
+  describes over the shard group; what is left crossed nodes; FSDP2's own all-gathers and reduce-scatters are
+  not DeMo's and are not counted), the effective bandwidth (bytes received over the
   wait), and the tier, skips, resyncs and drift checks (fingerprint comparisons, counted from ``check_every``
   at each communicating step).
 
 ``bytes_between_nodes`` (what the price table bills as traffic between sites) is the received bytes of the
-collectives over DeMo's group (the ``node_*`` ones excluded) times the share of the group's other ranks that
+collectives over DeMo's group (those over the shard group excluded) times the share of the group's other ranks that
 sit on another node (rank // devices per node): 0 when every rank of the group shares this node.
 
 A rank's **own time** (:attr:`StepSample.own_s`) is its step and the time outside it less the wait on DeMo's
@@ -26,14 +26,17 @@ with the most own time (``ops/slowest_rank``; the ``step_time`` alert judges it)
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from hf_demo.exchange.collectives import SHARDS
 from hf_demo.exchange.transport import register_collective_hook
 from hf_demo.ops.prices import Prices
+from hf_demo.topology.sharded import ShardedTopology
 
 
 @dataclass
@@ -119,20 +122,30 @@ class Totals:
 PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
 
 
+INSIDE_NODE = frozenset(c.name for c in ShardedTopology.COLLECTIVES if c.group == SHARDS)  # over the shard group
+
+
 class _NodeBytes:
-    """Bytes handed to DeMo's collectives inside a node (``node_*``), from the transport's public hook."""
+    """Bytes handed to DeMo's collectives inside a node (:data:`INSIDE_NODE`), from the transport's public hook."""
 
     def __init__(self):
         self.count = 0
         self.handle = register_collective_hook(self)
 
     def __call__(self, name: str, nbytes: int) -> None:
-        if name.startswith("node_"):
+        if name in INSIDE_NODE:
             self.count += nbytes
 
     def take(self) -> int:
         out, self.count = self.count, 0
         return out
+
+
+def rank_and_node(args) -> tuple[int, int, int]:
+    """(rank, node, processes per node) from the arguments and the launcher's LOCAL_WORLD_SIZE."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    rank = int(getattr(args, "process_index", 0))
+    return rank, rank // max(local, 1), local
 
 
 class StepMonitor:

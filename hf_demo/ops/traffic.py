@@ -6,7 +6,8 @@ payload sizes of the exchange classes of :mod:`hf_demo.exchange.exchanges` (whic
 optimizer builds them. DDP all-reduces every gradient (fp32 by default) in buckets; PowerSGD (torch's
 ``powerSGD_hook``) all-reduces the factors ``P`` (n x r) and ``Q`` (m x r) of each matrix it compresses and
 every other tensor whole. HSDP-DeMo (:func:`hsdp_collectives`) adds FSDP2's all-gathers and reduce-scatter
-inside a node and exchanges each rank's shard between nodes.
+inside a node and exchanges each rank's shard between nodes. Which collectives DeMo runs, on which group and
+when, is what the parts that run them describe (:mod:`hf_demo.exchange.collectives`); this module sizes them.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 
 from hf_demo.compression import buckets
 from hf_demo.compression.blocks import plan
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import collectives, exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
 from hf_demo.topology.dtensor import shard_rows
+from hf_demo.topology.sharded import ShardedTopology
 from hf_demo.wire import agreement, codec
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
@@ -64,6 +66,7 @@ class PayloadSize:
     dtype: torch.dtype | None
     union: bool
     nominated: list
+    collectives: tuple = ()  # what the exchange says it runs (its ``collectives``)
 
 
 def _map_nbytes(layouts, fmt: str | None, coding: str) -> int:
@@ -95,40 +98,75 @@ def demo_payload(shapes, settings: DeMoSettings, world: int, value_format: str |
     probe = [plan((chunk, chunk), chunk, max(1, settings.compression_topk // topk_divisor))]
     built = exchanges.build(settings.exchange, dataclasses.replace(spec, layouts=probe))
     if settings.exchange == "all_gather":
-        return PayloadSize(layouts, _map_nbytes(layouts, spec.value_format, spec.index_coding), 0, None, False, [])
+        nbytes = _map_nbytes(layouts, spec.value_format, spec.index_coding)
+        return PayloadSize(layouts, nbytes, 0, None, False, [], built.collectives)
     union = built.union
     picked = buckets.plan(tuple(layouts))
     if union:
         picked = picked.with_k(lambda k: max(1, k // spec.world))
     index_nbytes = _map_nbytes(picked.layouts, None, spec.index_coding)
-    return PayloadSize(layouts, index_nbytes if union else 0, index_nbytes, built.dtype, union, list(picked.layouts))
-
-
-def _exchange_collectives(shapes, settings, world, scope, every, value_format, topk_divisor, overlap):
-    """The collectives of one DeMo exchange among ``world`` ranks in steady state (header first, as the optimizer
-    does; where the exchange's first collective is an all-gather and nothing overlaps, the header rides in it)."""
-    ex = demo_payload(shapes, settings, world, value_format, topk_divisor)
-    rides = not overlap and (settings.exchange == "all_gather" or ex.union)
-    header = codec.HEADER_BYTES if rides else 0  # the bytes the header adds to the collective it rides in
-    out = [] if rides else [Collective("header", "all_gather", codec.HEADER_BYTES, world, scope, every)]
-    # the commit vote after the exchange (overlap's verdict rides in the next header instead)
-    vote = (
-        []
-        if overlap or settings.commit_vote == "off" or world <= 1
-        else [Collective("vote", "all_gather", agreement.VOTE_BYTES, world, scope, every)]
+    nominated = list(picked.layouts)
+    return PayloadSize(
+        layouts, index_nbytes if union else 0, index_nbytes, built.dtype, union, nominated, built.collectives
     )
-    if settings.exchange == "all_gather":
-        payload = Collective("payload", "all_gather", header + ex.payload_nbytes, world, scope, every, hideable=overlap)
-        return out + [payload] + vote
-    value_bytes = ex.dtype.itemsize
-    if ex.union:  # every rank's nominations all-gathered, then the values at their union all-reduced
-        slots = sum(layout.nblocks * world * nominated.k for layout, nominated in zip(ex.layouts, ex.nominated))
-        out.append(Collective("positions", "all_gather", header + ex.index_nbytes, world, scope, every))
-    else:  # the step's leader broadcasts its positions
-        slots = sum(layout.nblocks * layout.k for layout in ex.layouts)
-        out.append(Collective("positions", "broadcast", ex.index_nbytes, world, scope, every))
-    values = Collective("values", "all_reduce", slots * value_bytes, world, scope, every, hideable=overlap)
-    return out + [values] + vote
+
+
+def _exchange_collectives(shapes, settings, world, scope, every, value_format, topk_divisor, parallel=1):
+    """The collectives of one DeMo exchange among ``world`` ranks: what the step's agreement
+    (:data:`hf_demo.wire.agreement.COLLECTIVES`) and the exchange (its ``collectives``) say they run, sized for
+    these shapes."""
+    ex = demo_payload(shapes, settings, world, value_format, topk_divisor)
+    sizes = {"payload": ex.payload_nbytes, "positions": ex.index_nbytes, "parameters": 4 * _numel(shapes)}
+    if settings.exchange == "all_reduce":  # each rank's values at every position of the union (or the leader's)
+        per_block = [world * n.k if ex.union else layout.k for layout, n in zip(ex.layouts, ex.nominated)]
+        sizes["values"] = sum(layout.nblocks * k for layout, k in zip(ex.layouts, per_block)) * ex.dtype.itemsize
+    specs = (*agreement.COLLECTIVES, *ex.collectives)
+    out = described(specs, sizes, settings, every, world, scope, parallel)
+    if settings.overlap or not (settings.exchange == "all_gather" or ex.union):
+        return out
+    # in steady state the header rides in the exchange's first all-gather (hf_demo.wire.agreement.gather_headers)
+    header = next(c for c in out if c.name == "header")
+    rides = lambda c: c.kind == "all_gather" and c.name in ("payload", "positions")  # noqa: E731
+    return [dataclasses.replace(c, nbytes=c.nbytes + header.nbytes) if rides(c) else c for c in out if c is not header]
+
+
+def described(specs, sizes: dict, settings: DeMoSettings, every: int, world: int, scope: str, parallel: int = 1):
+    """:class:`Collective` of each description in ``specs`` (:mod:`hf_demo.exchange.collectives`) that runs
+    with these settings: its bytes per call (the description's, or ``sizes[its size name]``), on ``world``
+    ranks over ``scope``, once per the steps its ``when`` says."""
+    out = []
+    for spec in specs:
+        often = _often(spec.when, settings, every, world)
+        if often is None:
+            continue
+        nbytes = spec.nbytes if isinstance(spec.nbytes, int) else sizes[spec.nbytes]
+        hideable = spec.overlaps and settings.overlap
+        out.append(Collective(spec.name, spec.kind, nbytes, world, scope, often, hideable, parallel))
+    return out
+
+
+def _often(when: str, settings: DeMoSettings, every: int, world: int) -> float | None:
+    """Once per how many steps a collective described as running ``when`` runs (None: never, here)."""
+    from hf_demo.optim import update_rules
+
+    rules = update_rules.RULES
+    whole = (rules[settings.update_rule].whole_matrix and every == 1) or (
+        rules[settings.inner_rule].whole_matrix and every > 1
+    )
+    voting = not settings.overlap and settings.commit_vote != "off" and world > 1
+    return {
+        collectives.EXCHANGE: every,
+        collectives.COMMIT_VOTE: every if voting else None,
+        collectives.FULL_SYNC: settings.full_sync_every if settings.full_sync_every and world > 1 else None,
+        collectives.CHECK: settings.check_every or None,
+        collectives.LOCAL_STEP: every / (every - 1) if every > 1 else None,
+        collectives.WHOLE_MATRIX_STEP: 1 if whole else None,
+        collectives.BUDGET: every if settings.comm_budget > 0 else None,
+    }[when]
+
+
+def _numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
 
 
 def demo_collectives(
@@ -150,12 +188,7 @@ def demo_collectives(
     tier = (value_format, topk_divisor)
     if layout == "hsdp" and devices_per_node > 1:
         return hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier, param_bytes)
-    n_params = sum(math.prod(s) for s in shapes)
-    scope = "inter" if nodes > 1 else "intra"
-    out = _exchange_collectives(shapes, settings, world, scope, every, *tier, settings.overlap)
-    if settings.full_sync_every and world > 1:
-        out.append(Collective("resync", "broadcast", 4 * n_params, world, scope, settings.full_sync_every))
-    return out
+    return _exchange_collectives(shapes, settings, world, "inter" if nodes > 1 else "intra", every, *tier)
 
 
 def shard_shapes(shapes: list[Shape], shards: int, index: int) -> list[Shape]:
@@ -177,65 +210,45 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
       backward (each rank hands its shard, ``2 (L-1)/L`` of the parameters' bytes cross each edge) and
       reduce-scatters the fp32 gradients (``(L-1)/L`` of them); FSDP2 prefetches and overlaps them with the
       computation (``hideable``);
-    - inside a node, at each exchange: DeMo's own agreement over the shard group (``node_header``, the signed
-      header; ``node_vote``, refused anywhere; ``node_drift`` at drift checks; ``node_flags`` at local steps);
+    - inside a node: what the sharded topology runs over the shard group, as ``ShardedTopology.COLLECTIVES``
+      describes it (its agreement at each exchange, drift check and local step; the whole matrices of the
+      rules that need them; the budget policy's figures);
     - between nodes: each of the ``L`` local ranks exchanges its shard's DeMo payload with its replicas
       (``parallel``: the ``L`` exchanges share the node's link); ``nbytes`` is the mean over the local ranks.
     """
     L = devices_per_node
-    n_params = sum(math.prod(s) for s in shapes)
-    shard_bytes = param_bytes * n_params / L
+    shard_bytes = param_bytes * _numel(shapes) / L
     out = [
         Collective("fsdp_all_gather_forward", "all_gather", shard_bytes, L, "intra", hideable=True),
         Collective("fsdp_all_gather_backward", "all_gather", shard_bytes, L, "intra", hideable=True),
-        Collective("fsdp_reduce_scatter", "reduce_scatter", 4 * n_params, L, "intra", hideable=True),
-        Collective("node_header", "all_gather", codec.HEADER_BYTES, L, "intra", every),
-        Collective("node_vote", "all_gather", agreement.VOTE_BYTES, L, "intra", every),
+        Collective("fsdp_reduce_scatter", "reduce_scatter", 4 * _numel(shapes), L, "intra", hideable=True),
     ]
-    if settings.check_every:
-        out.append(Collective("node_drift", "all_gather", agreement.VOTE_BYTES, L, "intra", settings.check_every))
-    if every > 1:  # once per local step: every shard skips a non-finite local step alike
-        out.append(Collective("node_flags", "all_gather", agreement.VOTE_BYTES, L, "intra", every / (every - 1)))
-    out += _whole_matrix_collectives(shapes, settings, L, every)
+    out += described(ShardedTopology.COLLECTIVES, _shard_sizes(shapes, settings, L), settings, every, L, "intra")
     if nodes < 2:
         return out
     per_rank = [
-        _exchange_collectives(shard_shapes(shapes, L, r), settings, nodes, "inter", every, *tier, settings.overlap)
-        for r in range(L)
+        _exchange_collectives(shard_shapes(shapes, L, r), settings, nodes, "inter", every, *tier, L) for r in range(L)
     ]
     for mine in zip(*per_rank):  # the same collectives on every local rank, each for its own shard
-        c = mine[0]
-        nbytes = sum(m.nbytes for m in mine) / L
-        out.append(Collective(c.name, c.kind, nbytes, c.world, c.scope, c.every, c.hideable, parallel=L))
-    if settings.full_sync_every:
-        out.append(
-            Collective("resync", "broadcast", 4 * n_params / L, nodes, "inter", settings.full_sync_every, parallel=L)
-        )
+        out.append(dataclasses.replace(mine[0], nbytes=sum(m.nbytes for m in mine) / L))
     return out
 
 
-def _whole_matrix_collectives(shapes, settings, shards: int, every: int) -> list[Collective]:
-    """What DeMo adds inside a node for the rules that need whole matrices and for the budget policy on sharded
-    parameters (:class:`hf_demo.topology.sharded.ShardedMatrices`, ``agree_figures``): ``node_matrices``, each
-    rank's fp32 rows of every matrix padded to the largest shard's, once per step that runs such a rule (an
-    update rule at every-step synchronisations, an inner rule at every step of a local phase); counted for every
-    tensor of 2 or more dimensions, an upper bound where Muon-style groups leave the embeddings and head out.
-    ``node_figures``: the policy's figures at each exchange."""
+def _shard_sizes(shapes, settings, shards: int) -> dict:
+    """The sizes of the sharded topology's collectives over the shard group: ``matrices``
+    (:class:`hf_demo.topology.sharded.ShardedMatrices`), each rank's fp32 rows of every matrix padded to the
+    largest shard's, counted for every tensor of 2 or more dimensions (an upper bound where Muon-style groups
+    leave the embeddings and head out); ``figures`` (``agree_figures``), the budget policy's figures."""
     from hf_demo.optim import policy as policies
-    from hf_demo.optim import update_rules
 
-    out = []
-    runs = update_rules.RULES[settings.update_rule].whole_matrix and every == 1
-    runs = runs or (update_rules.RULES[settings.inner_rule].whole_matrix and every > 1)
-    if runs:
-        rows = sum(4 * shard_rows(s[0], shards)[0] * math.prod(s[1:]) for s in shapes if len(s) >= 2)
-        out.append(Collective("node_matrices", "all_gather", rows, shards, "intra"))
+    rows = sum(4 * shard_rows(s[0], shards)[0] * math.prod(s[1:]) for s in shapes if len(s) >= 2)
+    figures = 0
     if settings.comm_budget > 0:
         tiers = policies.tiers(
             settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every
         )
-        out.append(Collective("node_figures", "all_gather", 8 * (2 + len(tiers)), shards, "intra", every))
-    return out
+        figures = 8 * (2 + len(tiers))
+    return {"matrices": rows, "figures": figures}
 
 
 def ddp_collectives(shapes: list[Shape], world: int, scope: str, grad_bytes: int = 4) -> list[Collective]:

@@ -1,7 +1,8 @@
 """``DeMo.state_dict()`` and ``load_state_dict()``: what each rank saves of its own state, and how it is restored.
 
 Each rank's momentum, error feedback and (inside a local phase) parameters are its own, so every rank saves and
-loads its own state (``DeMoTrainer`` writes ``optimizer.rank<r>.pt``). Settings given to the new optimizer win
+loads its own state (``DeMoTrainer`` writes ``optimizer.rank<r>.pt``); a sharded state is placed as DTensors for
+``torch.distributed.checkpoint`` (:mod:`hf_demo.optim.sharded_checkpoint`). Settings given to the new optimizer win
 over the checkpoint's (a warning names the differences; the momentum is re-planned when the chunk changed).
 """
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from hf_demo.errors import DeMoStateError
 from hf_demo.guards.checks import fingerprint
-from hf_demo.optim import overlap
+from hf_demo.optim import overlap, sharded_checkpoint
 from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
 from hf_demo.optim.state import PendingExchange, SavedState, saved_tensors
@@ -28,6 +29,7 @@ from hf_demo.topology.dtensor import local
 def save(opt, sd: dict) -> dict:
     """``sd`` (torch's state dict) with the ``"demo"`` entry."""
     ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    own = list(own_parameters(opt))
     rank, world, scope = opt.identity()
     saved = SavedState(
         counters=opt.counters,
@@ -38,16 +40,21 @@ def save(opt, sd: dict) -> dict:
         policy={**opt.policy.state_dict(), "tier_spec": list(astuple(opt.tiers[opt.policy.tier]))},
         comm={k: v for k, v in opt.comm_stats.as_dict().items() if k.startswith("total_") or k == "steps"},
         pending=overlap.to_state(opt),
-        local_params={ids[i]: local(p).detach().clone() for i, p in own_parameters(opt)},
+        local_params={ids[i]: local(p).detach().clone() for i, p in own},
         run_id=opt.establish_run_id(),
         params_print=fingerprint(trainable(opt)),
     )
     sd["demo"] = saved.to_dict()
-    return opt.topology.to_checkpoint(opt, sd)
+    topology = opt.topology
+    if topology.name != "sharded":
+        return sd  # each rank saves its own (torch.save)
+    return sharded_checkpoint.to_checkpoint(opt, sd, topology.world_mesh(), topology.shards.world, bool(own))
 
 
 def load(opt, state_dict: dict) -> None:
-    state_dict = opt.topology.from_checkpoint(opt, dict(state_dict))
+    state_dict = dict(state_dict)
+    if opt.topology.name == "sharded":
+        state_dict = sharded_checkpoint.from_checkpoint(opt, state_dict)
     saved = SavedState.from_dict(state_dict.pop("demo", None))
     refuse_unfit(opt, saved)
     requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in opt.param_groups]

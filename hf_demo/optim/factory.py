@@ -8,7 +8,7 @@ import torch
 
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
-from hf_demo.settings import DeMoSettings
+from hf_demo.settings import DeMoSettings, refuse_retired
 
 # key -> (type, default, help): derived from DeMoSettings, the one source of truth.
 SETTINGS: dict[str, tuple[type, object, str]] = {
@@ -50,6 +50,7 @@ def parse_optim_args(text: str | None) -> dict:
         if entry.count("=") != 1:
             raise ValueError(f"malformed --optim_args entry {entry!r}: expected key=value")
         key, raw = (s.strip() for s in entry.split("="))
+        refuse_retired([key])
         if key not in SETTINGS and key != "preset":
             raise ValueError(
                 f"unknown DeMo setting {key!r} in --optim_args; known settings: preset, {', '.join(SETTINGS)}"
@@ -60,6 +61,7 @@ def parse_optim_args(text: str | None) -> dict:
 
 def optimizer_cls_and_kwargs(lr: float = 1e-3, weight_decay: float = 0.0, **settings) -> tuple[type, dict]:
     """``(DeMo, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (Trainer builds the groups)."""
+    refuse_retired(settings)
     unknown = set(settings) - set(SETTINGS) - set(PLACEMENT) - {"preset"}
     if unknown:
         raise ValueError(f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(SETTINGS)}")

@@ -26,7 +26,7 @@ from hf_demo.optim import checkpointing, groups, local_phase, overlap, signals, 
 from hf_demo.optim import policy as policies
 from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
-from hf_demo.settings import DeMoSettings
+from hf_demo.settings import DeMoSettings, refuse_retired
 from hf_demo.topology import choose as choose_topology
 from hf_demo.wire import sealing
 
@@ -377,6 +377,7 @@ def _with_sign_update(sign_update, settings: dict) -> dict:
         rule = "sign" if sign_update else "raw"
         if settings.setdefault("update_rule", rule) != rule:
             raise ValueError(f"sign_update={sign_update} contradicts update_rule={settings['update_rule']!r}")
+    refuse_retired(settings)
     unknown = set(settings) - set(DeMoSettings.names())
     if unknown:
         raise ValueError(

@@ -6,7 +6,7 @@
 Every part reads what the parts before it left in the context and adds its own results; none writes to the
 optimizer, the parameters or the counters: it stages its writes in ``ctx.tx`` (:mod:`hf_demo.optim.transaction`),
 which :meth:`hf_demo.DeMo.step` commits once the whole step has succeeded on every rank. Which part does a job
-is chosen from a registry by a setting: the topology by ``hierarchy`` (:mod:`hf_demo.topology`), the signal by
+is chosen from a registry: the topology by the parameters (:mod:`hf_demo.topology`), the signal by
 the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the transform by ``transform``
 (:mod:`hf_demo.compression.transforms`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.exchanges`), the
 update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIGN.md`` shows how to add one.

@@ -1,4 +1,4 @@
-"""``hierarchy="flat"``: every rank steps every parameter with its own gradient, DeMo between all ranks."""
+"""Every rank steps every parameter with its own gradient, DeMo between all ranks."""
 
 from __future__ import annotations
 
@@ -24,13 +24,6 @@ class FlatTopology:
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
         return self.transport.rank, self.transport.world, "group"
-
-    def to_checkpoint(self, opt, sd: dict) -> dict:
-        """The state dict as saved: each rank saves its own (``torch.save``)."""
-        return sd
-
-    def from_checkpoint(self, opt, sd: dict) -> dict:
-        return sd
 
     def agree_step(self, ctx, bits: int) -> int:
         return bits

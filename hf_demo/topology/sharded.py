@@ -15,7 +15,8 @@ bytes:
   flight) is agreed over the shard group as well, on the fast link (a signed header per exchanging step, an
   8-byte all-gather for a vote or a drift check), so every shard takes the same step.
 
-This module is where DeMo handles ``DTensor``: :func:`local` gives the tensor every other part computes on.
+The DTensors themselves are read and built only in :mod:`hf_demo.topology.dtensor`; the checkpoints of a sharded
+state are :mod:`hf_demo.optim.sharded_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.errors import DeMoPayloadError
+from hf_demo.exchange import collectives
+from hf_demo.exchange.collectives import SHARDS, CollectiveSpec
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
-from hf_demo.topology.dtensor import is_sharded, local, local_shape, shard_rows
+from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
+from hf_demo.wire import codec
+from hf_demo.wire.agreement import VOTE_BYTES
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class ShardSpec:
                 "its copies would drift apart. Shard the modules that hold them too (fully_shard the root module, "
                 "as hf_demo.fsdp.shard_model does), or give them to another optimizer"
             )
-        meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
+        meshes = {id(mesh_of(p)): mesh_of(p) for p in sharded}
         if len(meshes) > 1:
             raise ValueError("DeMo's parameters are sharded over more than one device mesh: use one mesh for the model")
         mesh = next(iter(meshes.values()))
@@ -64,10 +69,8 @@ class ShardSpec:
                 "only, fully_shard(module, mesh=mesh['shard']) (hf_demo.fsdp.shard_model(model, mesh)), and give "
                 "DeMo device_mesh=mesh"
             )
-        placements = {tuple(p.placements) for p in sharded}
-        from torch.distributed.tensor import Shard
-
-        if any(not isinstance(pl, Shard) for pls in placements for pl in pls):
+        placements = {placements_of(p) for p in sharded}
+        if any(not is_shard(pl) for pls in placements for pl in pls):
             raise ValueError(f"DeMo steps FSDP2-sharded parameters (Shard placements); got placements {placements}")
         return cls(mesh, tuple(int(r) for r in mesh.mesh.flatten().tolist()))
 
@@ -119,6 +122,16 @@ class ShardedTopology:
     """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
     name = "sharded"
+    # what it runs over the shard group (hf_demo.exchange.collectives): agree_step, agree_refusal, agree (named by
+    # its callers: the drift check's and the local steps' verdicts), ShardedMatrices.gather, agree_figures
+    COLLECTIVES = (
+        CollectiveSpec("node_header", "all_gather", SHARDS, codec.HEADER_BYTES),
+        CollectiveSpec("node_vote", "all_gather", SHARDS, VOTE_BYTES),
+        CollectiveSpec("node_drift", "all_gather", SHARDS, VOTE_BYTES, collectives.CHECK),
+        CollectiveSpec("node_flags", "all_gather", SHARDS, VOTE_BYTES, collectives.LOCAL_STEP),
+        CollectiveSpec("node_matrices", "all_gather", SHARDS, "matrices", collectives.WHOLE_MATRIX_STEP),
+        CollectiveSpec("node_figures", "all_gather", SHARDS, "figures", collectives.BUDGET),
+    )
 
     def __init__(self, transport: Transport, shards: Transport, spec: ShardSpec):
         self.transport, self.shards, self.spec = transport, shards, spec
@@ -131,12 +144,6 @@ class ShardedTopology:
         if self._world_mesh is None:
             self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.spec.mesh.device_type)
         return self._world_mesh
-
-    def to_checkpoint(self, opt, sd: dict) -> dict:
-        return to_checkpoint(self, opt, sd)
-
-    def from_checkpoint(self, opt, sd: dict) -> dict:
-        return from_checkpoint(self, opt, sd)
 
     @classmethod
     def build(cls, opt, initialised: bool, timeout: float):
@@ -177,7 +184,6 @@ class ShardedTopology:
         resync, refused in flight) OR-ed over them. One signed 144-byte header per rank; raises
         :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
         from hf_demo.errors import DeMoSyncError
-        from hf_demo.wire import codec
 
         if self.shards.world == 1:
             return bits
@@ -296,125 +302,3 @@ def _padded(t: torch.Tensor | None, p, counts: list[int], me: int) -> torch.Tens
     if rows:
         flat[:rows] = t.detach().float().reshape(rows, cols)
     return flat.reshape(-1)
-
-
-# ---------------------------------------------------------------- checkpoints through torch.distributed.checkpoint
-SAME_ON_REPLICAS = ("exp_avg", "exp_avg_sq", "anchor")  # computed from the averaged update: placed like the parameter
-
-
-def shard_shapes(p, shards: int) -> list[tuple[int, ...]]:
-    """The local shape of ``p`` on each rank of its shard group (FSDP2 cuts the sharded dimension as torch.chunk)."""
-    dim = p.placements[0].dim
-    return [(*p.shape[:dim], rows, *p.shape[dim + 1 :]) for rows in shard_rows(p.shape[dim], shards)]
-
-
-def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
-    """The shape of a state entry of a parameter shard: the momentum is blocked (nblocks, block size), the rest has
-    the shard's shape."""
-    from hf_demo.compression.blocks import plan
-
-    if key != "momentum":
-        return shard
-    layout = plan(shard, chunk, 1)
-    return (layout.nblocks, layout.bsize)
-
-
-def own_numel(p, key: str, shards: int, chunk: int) -> list[int]:
-    """The length of this rank-owned state entry on each rank of the shard group (0 where the shard is empty)."""
-    return [
-        0 if 0 in shape else torch.Size(entry_shape(shape, key, chunk)).numel() for shape in shard_shapes(p, shards)
-    ]
-
-
-def params_by_id(sd: dict, opt) -> dict:
-    """{position in ``sd``'s parameter groups: the optimizer's parameter}."""
-    ids = (i for g in sd["param_groups"] for i in g["params"])
-    return dict(zip(ids, (p for g in opt.param_groups for p in g["params"])))
-
-
-def to_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
-    """``sd`` as ``torch.distributed.checkpoint`` saves it: every tensor a DTensor placed where it belongs. The state
-    computed from the averaged update is placed like its parameter (one copy per shard); each rank's own momentum
-    is its piece of a DTensor over every rank; the ``"demo"`` entry rides in the first parameter group (what
-    ``get_optimizer_state_dict`` keeps), the same on every rank."""
-    from hf_demo.errors import DeMoStateError
-    from hf_demo.optim.checkpointing import own_parameters
-
-    if opt.pending is not None or next(own_parameters(opt), None) is not None:
-        raise DeMoStateError(
-            "a checkpoint of FSDP2-sharded DeMo holds no exchange in flight (overlap=True: call optimizer.flush() "
-            "first) and no parameter of a rank's own (inside a local phase of sync_every > 1: save at a "
-            f"synchronisation, after a step that is a multiple of sync_every); optimizer step {opt.steps}"
-        )
-    world_mesh, shards = topology.world_mesh(), topology.shards.world
-    sd["state"] = {pid: dict(entry) for pid, entry in sd["state"].items()}  # torch's entries are opt.state's own dicts
-    by_id = params_by_id(sd, opt)
-    for pid, entry in sd["state"].items():
-        p = by_id[pid]
-        chunk = opt.group_of(p)["compression_chunk"]
-        if "momentum" not in entry and 0 not in local_shape(p):  # none yet (a local phase's first steps) is zero
-            # momentum, saved so that a fresh optimizer's state (the template a load fills) always asks for it
-            entry["momentum"] = torch.zeros(entry_shape(local_shape(p), "momentum", chunk), device=p.device)
-        for key, value in entry.items():
-            if torch.is_tensor(value) and value.dim() > 0:  # not a counter (the same on every rank)
-                entry[key] = _placed(p, key, value, shards, chunk, world_mesh)
-    for pid, p in by_id.items():  # a shard with no rows here: zeros in this rank's piece, so the pieces fill
-        if p.requires_grad and 0 in local_shape(p) and opt.steps:
-            keys = _own_keys_of_group(opt, p, sd, by_id)
-            chunk = opt.group_of(p)["compression_chunk"]
-            sd["state"][pid] = {
-                k: _placed(p, k, torch.zeros(0, device=p.device), shards, chunk, world_mesh) for k in keys
-            }
-    sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
-    sd["param_groups"][0]["demo"] = sd.pop("demo")
-    return sd
-
-
-def _own_keys_of_group(opt, p, sd, by_id) -> list[str]:
-    """The rank-owned keys a parameter of ``p``'s group holds on this rank (the group's rules and tiers make them
-    the same for every parameter of the group); momentum alone when no other parameter of it has a shard here."""
-    group = opt.group_of(p)
-    for pid, entry in sd["state"].items():
-        q = by_id[pid]
-        if q is not p and 0 not in local_shape(q) and any(q is r for r in group["params"]):
-            return [k for k, v in entry.items() if k not in SAME_ON_REPLICAS and getattr(v, "dim", lambda: 0)() > 0]
-    return ["momentum"]
-
-
-def _placed(p, key, value, shards, chunk, world_mesh):
-    from torch.distributed.tensor import DTensor, Shard
-
-    if key in SAME_ON_REPLICAS:
-        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    width = max(own_numel(p, key, shards, chunk))
-    flat = torch.zeros(width, dtype=value.dtype, device=value.device)
-    flat[: value.numel()] = value.reshape(-1)
-    world = world_mesh.size()
-    return DTensor.from_local(flat, world_mesh, [Shard(0)], run_check=False, shape=(world * width,), stride=(1,))
-
-
-def from_checkpoint(topology: ShardedTopology, opt, sd: dict) -> dict:
-    """The inverse of :func:`to_checkpoint`: local tensors of the shapes this rank's shards need."""
-    sd = dict(sd)
-    sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
-    if "demo" in sd["param_groups"][0]:
-        sd["demo"] = sd["param_groups"][0].pop("demo")
-    params = params_by_id(sd, opt)
-    chunks = {i: g.get("compression_chunk") for g in sd["param_groups"] for i in g["params"]}
-    state = {}
-    for pid, entry in sd["state"].items():
-        entry, p = dict(entry), params[pid]
-        if 0 in local_shape(p):  # no rows of it here: this rank's zeros kept the saved pieces whole
-            continue
-        for key, value in entry.items():
-            if not is_sharded(value):
-                continue
-            mine = value.to_local()
-            if key in SAME_ON_REPLICAS:
-                entry[key] = mine
-                continue
-            shape = entry_shape(local_shape(p), key, chunks[pid] or opt.group_of(p)["compression_chunk"])
-            entry[key] = mine[: torch.Size(shape).numel()].view(shape)
-        state[pid] = entry
-    sd["state"] = state
-    return sd

@@ -16,12 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.exchange.collectives import COMMIT_VOTE, FULL_SYNC, REPLICAS, CollectiveSpec
 from hf_demo.wire import codec, sealing
 
 REFUSED = 1  # a payload failed this rank's checks
 HEADER_REFUSED = 2  # a header failed this rank's checks (its sender in the bits above the eighth)
 VOTE_BYTES = 8  # what each rank sends in the vote
 RIDE = True  # the payload rides in the headers' all-gather where it can (False: benchmarks/commit_vote.py's baseline)
+COLLECTIVES = (  # what this module runs over the exchange group (hf_demo.exchange.collectives)
+    CollectiveSpec("header", "all_gather", REPLICAS, codec.HEADER_BYTES),  # in steady state inside the payload's
+    CollectiveSpec("vote", "all_gather", REPLICAS, VOTE_BYTES, COMMIT_VOTE),
+    CollectiveSpec("resync", "broadcast", REPLICAS, "parameters", FULL_SYNC),
+)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

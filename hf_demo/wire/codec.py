@@ -86,11 +86,6 @@ def byte_bits(packed: torch.Tensor) -> torch.Tensor:
     return bits.view(*packed.shape[:-1], 8 * packed.shape[-1])
 
 
-def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Bytes (world, nbytes) -> the first ``n`` bits of each row, (world, n) bool (the inverse of pack_bits)."""
-    return byte_bits(packed)[:, :n].bool()
-
-
 def checksum(obj) -> int:
     """A stable 32-bit checksum of a value's repr (tuples of ints, floats and strings)."""
     return zlib.crc32(repr(obj).encode())
@@ -122,14 +117,6 @@ class Fp32Format:
         """Every sender's streams of a bucket, (world, bytes) each -> values (world, rows, k)."""
         return streams[0].view(torch.float32).view(streams[0].shape[0], bucket.rows, bucket.k)
 
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = values.float().contiguous()
-        return q, q.view(torch.uint8).reshape(-1)
-
-    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-        world = wire.shape[0]
-        return wire[:, : nblocks * k * 4].contiguous().view(torch.float32).view(world, nblocks, k)
-
 
 class Bf16Format:
     name = "bf16"
@@ -147,14 +134,6 @@ class Bf16Format:
     def decode_rows(self, streams: list[torch.Tensor], bucket) -> torch.Tensor:
         world = streams[0].shape[0]
         return streams[0].view(torch.bfloat16).float().view(world, bucket.rows, bucket.k)
-
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        wire = values.to(torch.bfloat16).contiguous()
-        return wire.float(), _pad_to(wire.view(torch.uint8).reshape(-1), self.nbytes(*values.shape))
-
-    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-        world = wire.shape[0]
-        return wire[:, : nblocks * k * 2].contiguous().view(torch.bfloat16).float().view(world, nblocks, k)
 
 
 class SignFormat:
@@ -186,24 +165,6 @@ class SignFormat:
         gather = _member_bits_back(bucket, bits.device)
         bits = bits[:, : bucket.rows * bucket.k] if gather is None else bits.index_select(1, gather)
         negative = bits.bool().view(world, bucket.rows, bucket.k)
-        return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
-
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nblocks, k = values.shape
-        scale = values.abs().mean(dim=1).to(torch.bfloat16)
-        negative = values < 0
-        q = scale.float()[:, None] * torch.where(negative, -1.0, 1.0)
-        packed = pack_bits(negative.reshape(-1))
-        wire = torch.cat(
-            [_pad_to(scale.view(torch.uint8), _align(nblocks * 2)), _pad_to(packed, _align(packed.numel()))]
-        )
-        return q, wire
-
-    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-        world, n = wire.shape[0], nblocks * k
-        s = _align(nblocks * 2)
-        scale = wire[:, : nblocks * 2].contiguous().view(torch.bfloat16).float()
-        negative = unpack_bits(wire[:, s : s + (n + 7) // 8], n).view(world, nblocks, k)
         return scale[:, :, None] * torch.where(negative, -1.0, 1.0)
 
 
@@ -252,22 +213,6 @@ class TwoBitFormat:
         world, shape = streams[0].shape[0], (streams[0].shape[0], bucket.rows, bucket.k)
         scales = streams[0].view(torch.bfloat16).float().view(world, bucket.rows, 2)
         negative, large = (_gather_bits(s, bucket).view(shape) for s in streams[1:])
-        return _two_bit_values(scales, negative, large)
-
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nblocks, k = values.shape
-        q, scales, negative, large = self.quantise(values)
-        (_, s), (_, b), _ = self.segments(nblocks, k)
-        wire = [_pad_to(scales.contiguous().view(torch.uint8).reshape(-1), s)]
-        wire += [_pad_to(pack_bits(bits.reshape(-1)), b) for bits in (negative, large)]
-        return q, torch.cat(wire)
-
-    def decode(self, wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-        world, n = wire.shape[0], nblocks * k
-        (_, s), (_, b), _ = self.segments(nblocks, k)
-        scales = wire[:, : nblocks * 4].contiguous().view(torch.bfloat16).float().view(world, nblocks, 2)
-        negative = unpack_bits(wire[:, s : s + (n + 7) // 8], n).view(world, nblocks, k)
-        large = unpack_bits(wire[:, s + b : s + b + (n + 7) // 8], n).view(world, nblocks, k)
         return _two_bit_values(scales, negative, large)
 
 
@@ -346,18 +291,6 @@ def value_format(name: str):
 
 
 # ---------------------------------------------------------------- indices
-def pack_indices(idx: torch.Tensor) -> torch.Tensor:
-    """Block positions (nblocks, k) int64 in [0, 65536) -> 16-bit little-endian bytes (4-aligned)."""
-    wire = idx.to(torch.int32).to(torch.int16).contiguous().view(torch.uint8).reshape(-1)
-    return _pad_to(wire, _align(wire.numel()))
-
-
-def unpack_indices(wire: torch.Tensor, nblocks: int, k: int) -> torch.Tensor:
-    """Bytes (world, index_bytes) uint8 -> positions (world, nblocks, k) int64."""
-    world, n = wire.shape[0], nblocks * k
-    return (wire[:, : n * 2].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).view(world, nblocks, k)
-
-
 class Uint16Indices:
     """16 bits per position (Psyche's wire; the DeMo reference sends 64-bit ones)."""
 
@@ -382,12 +315,6 @@ class Uint16Indices:
         repeat would count one sender as several pickers). Sorted on the device, no host read."""
         ordered = idx.sort(dim=-1).values
         return (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-
-    def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
-        return [pack_indices(idx) for idx in idxs]
-
-    def unpack_many(self, wires: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
-        return [unpack_indices(w, layout.nblocks, layout.k) for w, layout in zip(wires, layouts)]
 
 
 class EliasFanoIndices:
@@ -435,24 +362,6 @@ class EliasFanoIndices:
         """Every sender's records (world, rows * record_bytes) -> positions (world, rows, k) int64."""
         return self.unpack(stream.view(stream.shape[0], rows, self.record_bytes(bsize, k)), bsize, k)
 
-    def pack_many(self, idxs: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(idxs)
-        for (bsize, k), members in _by_block(layouts).items():
-            records = self.pack(torch.cat([idxs[i] for i in members]), bsize, k)
-            for i, rows in zip(members, records.split([layouts[i].nblocks for i in members])):
-                out[i] = _pad_to(rows.reshape(-1), self.nbytes(layouts[i]))
-        return out
-
-    def unpack_many(self, wires: list[torch.Tensor], layouts: list[BlockLayout]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(wires)
-        for (bsize, k), members in _by_block(layouts).items():
-            r = self.record_bytes(bsize, k)
-            records = [wires[i][:, : layouts[i].nblocks * r].reshape(wires[i].shape[0], -1, r) for i in members]
-            idx = self.unpack(torch.cat(records, dim=1), bsize, k)
-            for i, part in zip(members, idx.split([layouts[i].nblocks for i in members], dim=1)):
-                out[i] = part
-        return out
-
     def pack(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
         """Sorted positions (nblocks, k) -> records (nblocks, record_bytes) uint8."""
         low, upper = self.split(bsize, k)
@@ -496,14 +405,6 @@ class EliasFanoIndices:
         if k > 1:
             bad |= (idx[..., 1:] <= idx[..., :-1]).any(-1)
         return torch.where(bad[..., None], bsize, idx).long()
-
-
-def _by_block(layouts: list[BlockLayout]) -> dict[tuple[int, int], list[int]]:
-    """Parameter numbers grouped by (block size, k), in order."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, layout in enumerate(layouts):
-        groups.setdefault((layout.bsize, layout.k), []).append(i)
-    return groups
 
 
 INDEX_CODINGS_BY_NAME = {c.name: c for c in (Uint16Indices(), EliasFanoIndices())}
@@ -593,8 +494,7 @@ def wire_map(bucketing, fmt: str, coding: str) -> WireMap:
 
 class PayloadCodec:
     """Packs every parameter's selected coefficients into one payload, and unpacks and validates it; the work
-    is done per bucket (:mod:`hf_demo.compression.buckets`): ``encode_buckets``/``decode_buckets``, with
-    per-parameter ``encode``/``decode`` around them."""
+    is done per bucket (:mod:`hf_demo.compression.buckets`): ``encode_buckets``/``decode_buckets``."""
 
     def __init__(self, layouts: list[BlockLayout], fmt: str, coding: str):
         self.layouts = layouts
@@ -613,13 +513,6 @@ class PayloadCodec:
             streams += wires
             sent.append(decoded)
         return self.map.assemble(streams, device), sent
-
-    def encode(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
-        """[(positions, values)] per parameter -> (payload uint8, [values as receivers decode them])."""
-        idxs = buckets.rows([idx for idx, _ in selections], self.bucketing)
-        values = buckets.rows([v for _, v in selections], self.bucketing)
-        payload, sent = self.encode_buckets(list(zip(idxs, values)), device)
-        return payload, list(buckets.Bucketed.of(sent, self.bucketing))
 
     def decode_buckets(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of every rank (world, nbytes) -> [(positions, values) each (world, rows, k)] per bucket, validated.
@@ -642,16 +535,6 @@ class PayloadCodec:
             bad = torch.cat(flags, dim=2)  # (3, senders, rows): out-of-range or repeated positions, NaN/Inf values
             if bool(bad.any()):
                 raise self.refusal(self.by_parameter(bad))
-        return out
-
-    def decode(self, received: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Rows of every rank (world, nbytes) -> [(positions, values) each (world, nblocks, k)] per parameter,
-        validated (see :meth:`decode_buckets`)."""
-        out: list = [None] * len(self.layouts)
-        for bucket, (idx, values) in zip(self.bucketing.buckets, self.decode_buckets(received)):
-            parts = zip(idx.split(bucket.member_blocks, dim=1), values.split(bucket.member_blocks, dim=1))
-            for i, part in zip(bucket.members, parts):
-                out[i] = part
         return out
 
     def by_parameter(self, bad: torch.Tensor) -> list:
@@ -819,15 +702,6 @@ def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank:
     )
     error.header_sender = r
     return headers, error
-
-
-def verify_headers(headers: list[Header], secret: bytes | None, rank: int, step: int) -> None:
-    """Raise :class:`DeMoSyncError` on the first header this rank cannot trust (:func:`header_refusal`): for
-    groups that decide on the spot (the shard group's step agreement), not the step's exchange headers."""
-    for r, h in enumerate(headers):
-        why = header_refusal(h, secret)
-        if why is not None:
-            raise DeMoSyncError(f"rank {rank}: the header from rank {r} at optimizer step {step} {why}: refused")
 
 
 def check_rows(received, nbytes: int, what: str) -> None:
