@@ -13,13 +13,16 @@ for PowerSGD, the planner's default overhead). The DeMo bytes of a run are check
 bytes per rank per step must equal the run's recorded ``comm_stats`` bytes exactly (with the index coding
 the run used); runs made with an earlier block layout are left out, named.
 
-Latency: the emulated links of these runs have none (tc's tbf shapes the rate; this kernel has no netem, so
-no delay can be added), so the measured rows check the bandwidth terms only. For each configuration the
-report also gives, **predicted only**, the seconds per step that a one-way latency of ``--latency`` between
-nodes (and 5 us inside a node) adds to each method under the planner's per-hop model (hops between nodes at
-that latency, hops inside a node at 5 us): what a measurement with delayed links would check.
+Latency: the emulated links of these runs have none (tc's tbf shapes the rate; this kernel has no netem), so
+these rows check the bandwidth terms only; the report also gives, predicted only, what a one-way latency of
+``--latency`` between nodes (5 us inside) would add. ``--measure`` checks the latency: real gloo ranks on
+loopback (2 x 1, 4 x 1 and 2 x 2 nodes x ranks) train a small MLP with DDP-AdamW, DeMo's defaults, the
+from_scratch preset and sync_every=4 behind an emulated link (:mod:`benchlib.ring_link`: each collective
+first sleeps what its ring takes on that topology at 0/5/20/50 ms and no limit or 100 Mbit/s between nodes),
+and the planner's time in collectives, bytes and collectives per step are compared with the run's.
 
     python benchmarks/plan_check.py            # writes benchmarks/results/plan_check.md, prints the summary
+    python benchmarks/plan_check.py --measure  # writes benchmarks/results/plan_latency.{md,json} (~9 min)
 """
 
 from __future__ import annotations
