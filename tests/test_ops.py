@@ -897,8 +897,12 @@ def test_latency_is_paid_per_hop_on_the_link_the_hop_crosses():
     flat = collective_seconds("all_reduce", n, 32, inter)  # every hop at 50 ms: 31 of them, twice
     aware = collective_seconds("all_reduce", n, 32, inter, intra, per_node=8)
     transfer = 2 * 31 / 32 * n / inter.bandwidth
-    # 4 nodes x 8: a chunk makes 62 hops, one turn of the ring (4 between nodes) and 30 more (4 more between)
-    assert aware == pytest.approx(transfer + 8 * 0.05 + 54 * 5e-6)
+    # 4 nodes x 8: a chunk makes 62 hops, one turn of the ring (4 between nodes) and 30 more (4 more between),
+    # each moving n / 32 bytes; the slowest chunk's path is longer than the busiest link's bytes and a latency
+    chunk = n / 32
+    path = 8 * (0.05 + chunk / inter.bandwidth) + 54 * (5e-6 + chunk / intra.bandwidth)
+    assert path > transfer + 0.05
+    assert aware == pytest.approx(path)
     assert flat == pytest.approx(transfer + 2 * 31 * 0.05)
     one_per_node = collective_seconds("all_gather", 1000, 4, inter, intra, per_node=1)
     assert one_per_node == pytest.approx(3 * 1000 / inter.bandwidth + 3 * 0.05)
@@ -931,6 +935,23 @@ def test_the_hop_count_is_what_an_event_simulation_of_the_ring_gives(nodes, per_
     for kind in ("all_gather", "all_reduce"):
         planned = collective_seconds(kind, 64, topo.world, inter if nodes > 1 else intra, intra, per_node)
         assert planned == pytest.approx(ring_seconds(kind, 64, topo)), kind
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (4, 1), (2, 2), (2, 4), (4, 8)])
+def test_bytes_and_latency_together_stay_near_the_event_simulation(nodes, per_node):
+    """At 100 Mbit/s and 20 ms between nodes (400 Gbit/s, 5 us inside), DDP's 790 kB bucket and DeMo's 5.6 kB
+    payload: the planner within 10% of the ring's message-by-message time (the sum of the bytes' time and
+    every hop's latency overstated it by up to 52% on nodes of several ranks, where one link between nodes
+    moves a chunk while another is in flight)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchlib.ring_link import Edge, Topology, ring_seconds
+    from hf_demo.ops.links import collective_seconds
+
+    inter, intra = Link(100e6 / 8, 0.02), Link(400e9 / 8, 5e-6)
+    topo = Topology(nodes, per_node, Edge(inter.bandwidth, 0.02), Edge(intra.bandwidth, 5e-6))
+    for kind, nbytes in (("all_reduce", 789504), ("all_gather", 5576)):
+        planned = collective_seconds(kind, nbytes, topo.world, inter, intra, per_node)
+        assert planned == pytest.approx(ring_seconds(kind, nbytes, topo), rel=0.1), kind
 
 
 def test_a_4x8_ddp_step_pays_latency_between_nodes_only_where_a_ring_crosses_them():

@@ -20,7 +20,14 @@ and the slowest crosses the most edges between nodes: ``N`` per full turn of the
 ``ceil(r / L)`` (at most ``N``) in the last ``r`` edges (:func:`ring_hops`). For an all-gather on ``N >= 2``
 nodes of ``L >= 2`` ranks that is ``N`` hops between nodes and ``W - N - 1`` inside (the chunk of a node's
 last rank leaves its node and comes back), for an all-reduce up to ``2 N`` and ``2 (W - N - 1)``; with one
-rank per node all ``K`` hops are between nodes. Not ``K`` hops at the latency between nodes. A hierarchical
+rank per node all ``K`` hops are between nodes. Not ``K`` hops at the latency between nodes.
+
+Bytes and latency together: each round moves a chunk (``s`` for an all-gather, ``n / W`` for an all-reduce or
+a reduce-scatter) across each edge, so the slowest chunk's path takes ``sum over its hops (latency + chunk /
+bandwidth)``, and the busiest link needs its bytes' time plus at least one latency; a collective takes the
+larger of the two. With one rank per node (every edge alike) that is exactly ``bytes / bandwidth + K
+latencies``; with fast links inside the nodes, the link between nodes moves one chunk while another is in
+flight elsewhere, and the sum of the two terms would overstate the time by up to half. A hierarchical
 all-reduce (NCCL's tree across nodes) pays fewer hops between nodes than this flat ring: the figure here is
 the ring's, the algorithm gloo runs and NCCL runs for all-gathers. ``benchmarks/plan_check.py --measure``
 checks it against real gloo collectives on an emulated link with latency.
@@ -102,8 +109,13 @@ def collective_seconds(
         between, within = HOPS[kind] * (world - 1), 0
     else:
         between, within = ring_hops(kind, world, per_node)
-    latency = between * link.latency + within * (inner or link).latency
-    return edge_bytes(kind, nbytes, world) / link.bandwidth + latency
+    inner = inner or link
+    transfer = edge_bytes(kind, nbytes, world) / link.bandwidth
+    if kind == "broadcast":
+        return transfer + between * link.latency + within * inner.latency
+    chunk = nbytes if kind == "all_gather" else nbytes / world  # what one ring round moves on an edge
+    path = between * (link.latency + chunk / link.bandwidth) + within * (inner.latency + chunk / inner.bandwidth)
+    return max(transfer + link.latency, path)
 
 
 def ring_hops(kind: str, world: int, per_node: int) -> tuple[int, int]:
