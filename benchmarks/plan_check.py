@@ -13,21 +13,26 @@ for PowerSGD, the planner's default overhead). The DeMo bytes of a run are check
 bytes per rank per step must equal the run's recorded ``comm_stats`` bytes exactly (with the index coding
 the run used); runs made with an earlier block layout are left out, named.
 
-Latency: the emulated links of these runs have none (tc's tbf shapes the rate; this kernel has no netem, so
-no delay can be added), so the measured rows check the bandwidth terms only. For each configuration the
-report also gives, **predicted only**, the seconds per step that a one-way latency of ``--latency`` between
-nodes (and 5 us inside a node) adds to each method under the planner's per-hop model (hops between nodes at
-that latency, hops inside a node at 5 us): what a measurement with delayed links would check.
+Latency: the emulated links of these runs have none (tc's tbf shapes the rate; this kernel has no netem), so
+these rows check the bandwidth terms only; the report also gives, predicted only, what a one-way latency of
+``--latency`` between nodes (5 us inside) would add. ``--measure`` checks the latency: real gloo ranks on
+loopback (2 x 1, 4 x 1 and 2 x 2 nodes x ranks) train a small MLP with DDP-AdamW, DeMo's defaults, the
+from_scratch preset and sync_every=4 behind an emulated link (:mod:`benchlib.ring_link`: each collective
+first sleeps what its ring takes on that topology at 0/5/20/50 ms and no limit or 100 Mbit/s between nodes),
+and the planner's time in collectives, bytes and collectives per step are compared with the run's.
 
     python benchmarks/plan_check.py            # writes benchmarks/results/plan_check.md, prints the summary
+    python benchmarks/plan_check.py --measure  # writes benchmarks/results/plan_latency.{md,json} (~9 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -203,12 +208,318 @@ def latency_table(rows: list[dict], latency: str) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- measured: real gloo ranks, an emulated link
+MEASURED = {  # the planner's name -> DeMo's settings (None: DDP-AdamW)
+    "ddp-adamw": None,
+    "demo": {},
+    "demo-from_scratch": {"preset": "from_scratch"},
+    "demo-sync4": {"sync_every": 4},
+}
+LATENCIES_MS = (0.0, 5.0, 20.0, 50.0)
+LOOPBACK = "8gbit"  # gloo over loopback or a plain veth (docs/BENCHMARKS.md): the rate inside an emulated node
+TOPOLOGIES = ((2, 1), (4, 1), (2, 2))  # (nodes, ranks per node) on loopback
+SIDE, LAYERS = 256, 3  # the model: LAYERS square Linear layers (under 1 MB of fp32: one DDP bucket)
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE) for _ in range(LAYERS)])
+
+
+def model_shapes() -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for p in _model().parameters()]
+
+
+def emulated_topology(nodes: int, per_node: int, latency_ms: float, rate: str):
+    from benchlib.ring_link import Edge, Topology
+
+    inf = float("inf")
+    bandwidth = inf if rate == "none" else Link.parse(rate).bandwidth
+    return Topology(nodes, per_node, Edge(bandwidth, latency_ms / 1000), Edge(inf, 0.0))
+
+
+def emulate(seconds: float) -> float:
+    """Sleep the emulated link's time; returns it. What a collective is clocked at is this time plus the real
+    collective's: not the sleep's overshoot, the time this busy host takes to wake the process up again (a link
+    has no such thing; on a loaded 2-core machine it is milliseconds)."""
+    if seconds > 0:
+        time.sleep(seconds)
+    return seconds
+
+
+def install_link(state: dict, log: list) -> None:
+    """Every DeMo collective (hf_demo's Transport) sleeps the emulated ring's time first; ``log`` gets
+    (kind, bytes handed over, seconds including the sleep) of each."""
+    from benchlib.ring_link import ring_seconds
+    from hf_demo.exchange.transport import Transport
+
+    def wrap(kind, orig):
+        def timed(self, buf, *args, **kwargs):
+            n = buf.numel() * buf.element_size()
+            delay = emulate(ring_seconds(kind, n, state["topo"]))
+            t0 = time.perf_counter()
+            out = orig(self, buf, *args, **kwargs)
+            log.append((kind, n, delay + time.perf_counter() - t0))
+            return out
+
+        return timed
+
+    for kind in ("all_gather", "all_reduce", "broadcast"):
+        setattr(Transport, kind, wrap(kind, getattr(Transport, kind)))
+
+
+def ddp_hook(state: dict, log: list):
+    """DDP's bucket all-reduce behind the same emulated link (a comm hook, run synchronously)."""
+    import torch
+    import torch.distributed as dist
+
+    from benchlib.ring_link import ring_seconds
+
+    def hook(_, bucket):
+        buf = bucket.buffer()
+        n = buf.numel() * buf.element_size()
+        delay = emulate(ring_seconds("all_reduce", n, state["topo"]))
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        buf.div_(dist.get_world_size())
+        log.append(("all_reduce", n, delay + time.perf_counter() - t0))
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    return hook
+
+
+def loopback_hop(world: int, repeats: int = 30) -> float:
+    """The loopback link's latency per ring hop, as gloo gives it: the median time of an 8-byte all-gather over
+    its ``W - 1`` hops (the figure an operator reads off a small collective, nccl-tests style), on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    x, out, times = torch.zeros(8, dtype=torch.uint8), torch.zeros(8 * world, dtype=torch.uint8), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(out, x)
+        times.append(time.perf_counter() - t0)
+    hop = torch.tensor([statistics.median(times) / (world - 1)], dtype=torch.float64)
+    dist.all_reduce(hop)  # the same figure on every rank
+    return float(hop) / world
+
+
+def run_case(method: str, steps: int, state: dict, log: list) -> list[list[tuple]]:
+    """``steps`` optimizer steps of ``method`` on this rank; per step, the (kind, bytes, seconds) of each collective."""
+    import torch
+
+    import hf_demo
+
+    model = _model()
+    if MEASURED[method] is None:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        net.register_comm_hook(None, ddp_hook(state, log))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        net, opt = model, hf_demo.DeMo(model.parameters(), lr=1e-3, **MEASURED[method])
+    per_step, gen = [], torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(steps):
+        log.clear()
+        net(torch.randn(8, SIDE, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        per_step.append(list(log))
+    return per_step
+
+
+def measure_ranks(rank: int, world: int, per_node: int, cases: list, periods: int) -> dict:
+    """On every rank, each case (method, latency ms, rate) in turn: (the loopback's latency per hop, its steps)."""
+    state, log = {}, []
+    install_link(state, log)
+    out = []
+    for method, latency_ms, rate in cases:  # the loopback's latency measured again before each: the load moves
+        hop = loopback_hop(world)
+        state["topo"] = emulated_topology(world // per_node, per_node, latency_ms, rate)
+        out.append((hop, run_case(method, (periods + 1) * every_of(method), state, log)))
+    return {"cases": out}
+
+
+def every_of(method: str) -> int:
+    settings = MEASURED[method]
+    if settings is None:
+        return 1
+    chosen = dict(settings)
+    return DeMoSettings.resolve(chosen.pop("preset", None), **chosen).sync_every
+
+
+def measured_comm(per_rank: list, method: str, warmup_periods: int = 1) -> tuple[float, float, int]:
+    """(median seconds in collectives per step, bytes handed over per step, collectives per period) from every
+    rank's record of one case: per collective the least time over the ranks (the last rank to arrive waits only
+    for the link, the others also for its computation), summed over a period of ``sync_every`` steps, the
+    median over the periods after the first ``warmup_periods``, divided by the period."""
+    every = every_of(method)
+    steps = len(per_rank[0])
+    periods = []
+    for start in range(warmup_periods * every, steps - every + 1, every):
+        seconds = nbytes = count = 0
+        for step in range(start, start + every):
+            calls = list(zip(*(r[step] for r in per_rank)))
+            seconds += sum(min(c[2] for c in call) for call in calls)
+            nbytes += sum(call[0][1] for call in calls)
+            count += len(calls)
+        periods.append((seconds, nbytes, count))
+    return (
+        statistics.median(p[0] for p in periods) / every,
+        statistics.median(p[1] for p in periods) / every,
+        int(statistics.median(p[2] for p in periods)),
+    )
+
+
+def predicted_comm(method: str, nodes: int, per_node: int, one_way: float, latency_ms: float, rate: str):
+    """The planner's (seconds in collectives per step, bytes handed over per step, collectives per period) for
+    this cluster: inside a node the loopback (its measured one-way latency), between nodes the emulated link
+    (its rate, the loopback's latency plus the emulated one)."""
+    intra = Link(Link.parse(LOOPBACK).bandwidth, one_way)
+    inter = Link(Link.parse(LOOPBACK if rate == "none" else rate).bandwidth, one_way + latency_ms / 1000)
+    cluster = Cluster(nodes, per_node, intra, inter)
+    work = Workload(model_shapes(), 1.0)
+    if MEASURED[method] is None:
+        est = ddp_adamw(cluster, work)
+    else:
+        chosen = dict(MEASURED[method])
+        settings = DeMoSettings.resolve(chosen.pop("preset", None), **chosen)
+        est = demo_estimate(method, method, 0, settings, cluster, work)
+    every = every_of(method)
+    return (
+        est.comm_s(cluster),
+        sum(c.nbytes / c.every for c in est.collectives),
+        round(sum(every / c.every for c in est.collectives)),
+    )
+
+
+def measure(periods: int, latencies, rates, topologies, methods) -> list[dict]:
+    """Every case on real gloo ranks, one launch per topology; the raw figures of each (see :func:`compare`)."""
+    from benchlib.ranks import expect_ok, run_ranks
+
+    records = []
+    for nodes, per_node in topologies:
+        cases = [(m, lat, rate) for rate in rates for lat in latencies for m in methods]
+        started = time.time()
+        got = expect_ok(run_ranks(measure_ranks, nodes * per_node, per_node, cases, periods, timeout=3600))
+        load = open("/proc/loadavg").read().split()[:3]
+        for i, (method, lat, rate) in enumerate(cases):
+            seconds, nbytes, count = measured_comm([g["cases"][i][1] for g in got], method)
+            records.append(
+                dict(
+                    nodes=nodes,
+                    per_node=per_node,
+                    method=method,
+                    latency_ms=lat,
+                    rate=rate,
+                    one_way=got[0]["cases"][i][0],
+                    measured_s=seconds,
+                    measured_bytes=nbytes,
+                    measured_collectives=count,
+                )  # fmt: skip
+            )
+        print(f"{nodes}x{per_node}: {len(cases)} cases in {time.time() - started:.0f} s, load {' '.join(load)}")
+    return records
+
+
+def compare(records: list[dict]) -> list[dict]:
+    """Each record with the planner's prediction beside it and the relative error of the time."""
+    out = []
+    for r in records:
+        seconds, nbytes, count = predicted_comm(
+            r["method"], r["nodes"], r["per_node"], r["one_way"], r["latency_ms"], r["rate"]
+        )
+        error = (seconds - r["measured_s"]) / r["measured_s"] if r["measured_s"] else math.inf
+        out.append(dict(r, predicted_s=seconds, predicted_bytes=nbytes, predicted_collectives=count, error=error))
+    return out
+
+
+def measured_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| nodes x ranks | method | one-way latency between nodes | rate between nodes | collectives (planned / "
+        "run) | bytes per step (planned / run) | predicted ms per step | measured ms per step | error |",
+        "|---|---|---:|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['nodes']}x{r['per_node']} | {r['method']} | {r['latency_ms']:g} ms | {r['rate']} | "
+            f"{r['predicted_collectives']} / {r['measured_collectives']} | {r['predicted_bytes']:.0f} / "
+            f"{r['measured_bytes']:.0f} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+            f"{r['error']:+.1%} |"
+        )
+    within = sum(abs(r["error"]) <= TOLERANCE for r in rows)
+    lines += ["", f"{within} of {len(rows)} rows within {TOLERANCE:.0%}."]
+    return lines
+
+
+def latency_summary(rows: list[dict]) -> list[str]:
+    """Per emulated latency: the rows, how many within the tolerance, the median and the worst error."""
+    lines = [
+        "| one-way latency between nodes | rows | within 25% | median abs. error | worst error |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for latency in sorted({r["latency_ms"] for r in rows}):
+        errors = [r["error"] for r in rows if r["latency_ms"] == latency]
+        within = sum(abs(e) <= TOLERANCE for e in errors)
+        lines.append(
+            f"| {latency:g} ms | {len(errors)} | {within} | {statistics.median(abs(e) for e in errors):.1%} | "
+            f"{max(errors, key=abs):+.1%} |"
+        )
+    return lines
+
+
+def main_measure(args) -> int:
+    if args.from_json:
+        records = json.loads(Path(args.from_json).read_text())
+    else:
+        records = measure(args.periods, args.latencies_ms, args.rates, [tuple(t) for t in args.topologies],
+                          args.methods)  # fmt: skip
+        Path(args.json_out).write_text(json.dumps(records, indent=1))
+    rows = compare(records)
+    text = latency_summary(rows) + [""] + measured_table(rows)
+    Path(args.out).write_text(MEASURE_HEAD + "\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+MEASURE_HEAD = """# The planner against real gloo collectives on an emulated link with latency
+
+Generated by `python benchmarks/plan_check.py --measure`.
+
+Time in collectives per step (the communication part: each collective timed on every rank, the least over the
+ranks, a median over the steps), predicted by the planner (`Estimate.comm_s`) and measured. The link is emulated
+in the application (benchmarks/benchlib/ring_link.py); inside a node and at 0 ms the link is gloo on loopback.
+
+"""
+
+
+def topology(text: str) -> tuple[int, int]:
+    nodes, _, per_node = text.partition("x")
+    return int(nodes), int(per_node or 1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(HERE / "results"))
-    p.add_argument("--out", default=str(HERE / "results" / "plan_check.md"))
+    p.add_argument("--out", default=None, help="the Markdown report (default: results/plan_check.md or "
+                   "results/plan_latency.md with --measure)")  # fmt: skip
     p.add_argument("--latency", default="20ms", help="the latency between nodes of the predicted-only section")
+    p.add_argument("--measure", action="store_true", help="measure real gloo ranks on an emulated link instead")
+    p.add_argument("--periods", type=int, default=8, help="--measure: sync periods measured per case (one more first)")
+    p.add_argument("--latencies-ms", type=float, nargs="+", default=list(LATENCIES_MS))
+    p.add_argument("--rates", nargs="+", default=["none", "100mbit"], help="between nodes; none: loopback")
+    p.add_argument("--topologies", type=topology, nargs="+", default=list(TOPOLOGIES), help="NODESxRANKS, e.g. 2x2")
+    p.add_argument("--methods", nargs="+", default=list(MEASURED), choices=list(MEASURED))
+    p.add_argument("--json-out", default=str(HERE / "results" / "plan_latency.json"))
+    p.add_argument("--from-json", default=None, help="--measure: redo the table from recorded figures")
     args = p.parse_args(argv)
+    if args.measure:
+        args.out = args.out or str(HERE / "results" / "plan_latency.md")
+        return main_measure(args)
+    args.out = args.out or str(HERE / "results" / "plan_check.md")
     rows, left_out = [], []
     for path in sorted(Path(args.results).rglob("wan_summary.json")):
         got, skipped = check_folder(path, args.latency)

@@ -38,8 +38,8 @@ the models are identical on all ranks for all four methods). For DeMo also ``opt
 
 ``--delay-ms D`` emulates latency in the application, since this kernel has no netem: before each collective
 the rank sleeps ``D`` ms times the number of sequential hops of a ring algorithm, i.e. ``(W-1)·D`` before each
-of DeMo's collectives (``hf_demo.exchange.transport.register_collective_hook``) and ``2(W-1)·D`` before an
-all-reduce (DDP:
+of DeMo's collectives (``hf_demo.exchange.transport.register_collective_hook``; ``2(W-1)·D`` before the
+all-reduce of ``exchange="all_reduce"``) and ``2(W-1)·D`` before an all-reduce (DDP:
 ``torch.distributed.all_reduce`` wrapped, reached through DDP's Python all-reduce hook; PowerSGD does three
 all-reduces per bucket). This models a one-way latency D per hop; it cannot overlap with anything, which is
 pessimistic for DDP (whose all-reduces normally overlap the backward pass).
@@ -195,7 +195,7 @@ def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
         def hook(name, nbytes):
             if name.startswith("node_"):  # HSDP's agreement inside a node: the fast local link
                 return
-            d = draw() * (world - 1)
+            d = draw() * (world - 1) * (2 if name == "values" else 1)  # the all-reduce exchange: 2 (W-1) hops
             log.append(d)
             time.sleep(d)
 

@@ -29,8 +29,7 @@ def _settings(**kw):
     [
         ({"HF_DEMO_ENCRYPT": "yes"}, b"s", {}, "HF_DEMO_ENCRYPT='yes': set 1"),
         ({"HF_DEMO_ENCRYPT": "1"}, None, {}, "HF_DEMO_SECRET, which is not set"),
-        ({"HF_DEMO_ENCRYPT": "1"}, b"s", {"exchange": "all_reduce"}, "needs exchange='all_gather'"),
-        ({"HF_DEMO_ENCRYPT": "1"}, b"s", {"overlap": True}, "needs overlap=False"),
+        ({"HF_DEMO_ENCRYPT": "1"}, b"s", {"exchange": "all_reduce"}, "encrypted values cannot be summed"),
     ],
 )
 def test_bad_switches_are_refused_naming_the_fix(env, secret, kw, match):
@@ -172,13 +171,19 @@ class Wire:
         self.kinds = {codec.HEADER_BYTES: "header", 8 + sealing.TAG_BYTES: "vote", 8: "vote", 16: "ddp_check"}
         real = comm._all_gather
 
-        def gather(out, buf, group=None):
-            real(out, buf, group=group)
+        def arrived(out, buf):
             for kind, sent, rows in self.parts(buf, out.view(self.world, -1)):
                 self.sent.append((kind, sent.clone()))
                 self.received.append((kind, rows.clone()))
                 if self.tamper is not None:
                     self.tamper(kind, rows, len(self.received) - 1)  # in place: views of what arrived
+
+        def gather(out, buf, group=None, async_op=False):
+            if not async_op:
+                real(out, buf, group=group)
+                return arrived(out, buf)
+            work = real(out, buf, group=group, async_op=True)
+            return Arrival(work, lambda: arrived(out, buf))  # overlap: seen when the next step waits for it
 
         comm._all_gather = gather
 
@@ -193,6 +198,18 @@ class Wire:
 
     def last(self, kind: str) -> torch.Tensor:
         return next(rows for k, rows in reversed(self.received) if k == kind)
+
+
+class Arrival:
+    """A background all-gather's work whose rows :class:`Wire` sees when it is waited for."""
+
+    def __init__(self, work, seen):
+        self.work, self.seen = work, seen
+
+    def wait(self, *args):
+        self.work.wait(*args)
+        self.seen()
+        return True
 
 
 def _env(secret: str | None, encrypt: bool) -> None:
@@ -255,6 +272,73 @@ def test_nothing_readable_crosses_the_link_and_training_is_the_same(gloo, kw):
         votes = [buf for kind, buf in sent if kind == "vote"]
         assert len(votes) == exchanges and all(v.numel() == 8 + sealing.TAG_BYTES for v in votes)
         assert bytes_sent == codec.HEADER_BYTES + wire_payloads[-1].numel() + votes[-1].numel()
+
+
+def _overlap_wire(rank, world, resume_at):
+    """overlap=True, 4 steps and the flush, HMAC-signed; then encrypted (the wire captured), its state saved after
+    ``resume_at`` steps (an exchange in flight) and loaded into a new optimizer, a new process's keys."""
+    _env(SECRET, False)
+    signed, signed_opt = _train(rank, 4, overlap=True)
+    signed_opt.flush()
+    _env(SECRET, True)
+    wire = Wire(world)
+    model, opt = _train(rank, resume_at, overlap=True)
+    state = opt.state_dict()
+    opt = small_demo(model, overlap=True)
+    opt.load_state_dict(state)
+    for step in range(resume_at, 4):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    opt.flush()
+    return _params(signed), _params(model), wire.sent, wire.received, state["demo"]["pending"]
+
+
+def test_overlap_travels_sealed_and_trains_the_same_also_across_a_checkpoint(gloo):
+    """The payload is sealed when its all-gather starts and opened when the next step finishes it, with the
+    envelopes of the step that sent it (the next step's headers came in between); a checkpoint keeps what opens
+    it (sender, session id, try, associated data: no key, no plaintext)."""
+    from hf_demo.wire import sealing
+
+    for rank, (signed, sealed, sent, received, pending) in enumerate(expect_ok(run_ranks(_overlap_wire, 2, 2))):
+        assert all(torch.equal(a, b) for a, b in zip(signed, sealed)), f"rank {rank}: encryption changed training"
+        payloads = [buf for kind, buf in sent if kind == "payload"]
+        assert len(payloads) == 4 and all(sealing.is_sealed(h) for kind, h in sent if kind == "header")
+        assert pending is not None and len(pending["envelopes"]) == 2 and "key" not in str(pending["envelopes"])
+        rows = next(rows for kind, rows in received if kind == "payload")
+        assert torch.equal(rows[rank], payloads[0])  # what arrived is what was sent: ciphertext
+
+
+def _overlap_flipped(rank, world):
+    """overlap=True encrypted: one bit of rank 0's payload of step 0 flipped on its way to rank 1."""
+    _env(SECRET, True)
+    model = tiny_mlp()
+    opt = small_demo(model, overlap=True, comm_timeout=20.0)
+    wire = Wire(world)
+
+    def tamper(kind, rows, call):
+        if kind == "payload" and rank == 1 and wire.tamper is tamper:
+            rows[0, rows.shape[1] // 2] ^= 0x01
+            wire.tamper = None
+
+    wire.tamper = tamper
+    errors = []
+    for step in range(3):
+        loss_and_backward(model, rank, step)
+        try:
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(RankError(exc))
+    return errors
+
+
+def test_overlap_refuses_a_flipped_bit_of_the_payload_in_flight_on_every_rank(gloo):
+    """Rank 1 cannot open it when the next step finishes it, says so in that step's header, and every rank
+    stops alike (overlap's refusal: the exchange cannot be sent again)."""
+    for rank, errors in enumerate(expect_ok(run_ranks(_overlap_flipped, 2))):
+        assert errors and errors[0].type == "DeMoSyncError", (rank, errors)
+        assert "rank(s) [1] refused the exchange still in flight (overlap=True) from optimizer step 0" in (
+            errors[0].message
+        )
 
 
 def _tampered(rank, world, secrets, fault):

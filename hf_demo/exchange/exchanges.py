@@ -45,10 +45,11 @@ import torch
 from hf_demo.compression import buckets
 from hf_demo.compression import functional as F
 from hf_demo.compression.blocks import BlockLayout
-from hf_demo.errors import DeMoPayloadError, lookup
+from hf_demo.errors import DeMoPayloadError, DeMoStateError, lookup
 from hf_demo.exchange.collectives import REPLICAS, CollectiveSpec
 from hf_demo.exchange.transport import Pending, Traffic
 from hf_demo.wire import codec
+from hf_demo.wire.sealing import Envelope
 
 REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on positions (see above)
 
@@ -82,6 +83,7 @@ class InFlight:
     agreed: list | None = dataclasses.field(default=None, repr=False)  # the decoded positions (not saved)
 
     collective: Pending | None = dataclasses.field(default=None, repr=False)  # what data was, once waited for
+    envelopes: list | None = None  # sealed rows (HF_DEMO_ENCRYPT=1): each sender's, from this step's headers
 
     def wait(self, traffic: Traffic) -> torch.Tensor:
         if isinstance(self.data, Pending):
@@ -99,11 +101,16 @@ class InFlight:
         state = {"rows": rows.clone(), "headers": torch.stack([h.to_bytes() for h in self.headers])}
         if self.positions is not None:
             state["positions"] = self.positions.clone()
+        if self.envelopes is not None:  # what opens the rows after a restart: no secret, no plaintext
+            state["envelopes"] = [[e.sender, e.session.hex(), e.tries, e.aad.hex()] for e in self.envelopes]
         return state
 
     @classmethod
     def from_state(cls, state: dict, step: int, rank: int, world: int, device) -> InFlight:
         positions = state.get("positions")
+        envelopes = state.get("envelopes")
+        if envelopes is not None:
+            envelopes = [Envelope(int(r), bytes.fromhex(s), int(t), bytes.fromhex(a)) for r, s, t, a in envelopes]
         return cls(
             step,
             rank,
@@ -111,6 +118,7 @@ class InFlight:
             [codec.Header.from_bytes(row) for row in state["headers"]],
             state["rows"].to(device, copy=True),
             None if positions is None else positions.to(device, copy=True),
+            envelopes=envelopes,
         )
 
 
@@ -151,15 +159,24 @@ class AllGatherExchange:
             rows = transport.start_all_gather(payload, "payload")
         else:
             rows = transport.all_gather(payload, "payload")
-        return InFlight(transport.step, transport.rank, transport.world, headers, rows)
+        # the senders' envelopes of this step: overlap opens the rows after the next step's headers
+        envelopes = None if self.sealer is None else list(self.sealer.envelopes)
+        return InFlight(transport.step, transport.rank, transport.world, headers, rows, envelopes=envelopes)
 
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first)."""
         received = in_flight.wait(traffic)
         if in_flight.refused is not None:  # a header refused when it started (overlap)
             raise in_flight.refused
-        if self.sealer is not None:
-            received = self.sealer.open_rows(received, in_flight.step, "payload", in_flight.rank)
+        if in_flight.envelopes is not None:
+            if self.sealer is None:
+                raise DeMoStateError(
+                    f"the exchange in flight (optimizer step {in_flight.step}) was sent encrypted, and this optimizer "
+                    f"has no key to open it: resume with HF_DEMO_ENCRYPT=1 and the same HF_DEMO_SECRET"
+                )
+            received = self.sealer.open_rows(
+                received, in_flight.step, "payload", in_flight.rank, envelopes=in_flight.envelopes
+            )
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         bucketing = self.codec.bucketing
         dense = [

@@ -12,11 +12,25 @@ A link is its bandwidth (bytes per second, each direction) and its one-way laten
 Ranks spread over several nodes are limited by the link between nodes (a ring ordered by node crosses each
 node's link once each way); ranks of one node by the link inside it.
 
-Latency is paid per hop on the link that hop crosses: over ``W`` ranks of which ``L`` share each of ``N``
-nodes, a chunk's ``W - 1`` ring hops are ``N - 1`` between nodes and ``W - N`` inside one, so an all-gather
-waits ``(N - 1) a_inter + (W - N) a_intra`` (an all-reduce twice that). That is also the latency of the
-hierarchical form NCCL takes across nodes (inside each node, then between nodes, then inside again:
-``2 (L - 1) a_intra + 2 (N - 1) a_inter`` for an all-reduce), not ``W - 1`` hops at the latency between nodes.
+Latency is paid per hop on the link that hop crosses, along the path of the chunk that arrives last (every
+rank waits for it in its next collective). A ring over ``W`` ranks of which ``L`` share each of ``N`` nodes,
+ordered by node, has ``N`` edges between nodes and ``W - N`` inside them; a chunk travels ``K`` consecutive
+edges (``K = W - 1`` for an all-gather, a reduce-scatter or a broadcast, ``2 (W - 1)`` for an all-reduce),
+and the slowest crosses the most edges between nodes: ``N`` per full turn of the ring plus
+``ceil(r / L)`` (at most ``N``) in the last ``r`` edges (:func:`ring_hops`). For an all-gather on ``N >= 2``
+nodes of ``L >= 2`` ranks that is ``N`` hops between nodes and ``W - N - 1`` inside (the chunk of a node's
+last rank leaves its node and comes back), for an all-reduce up to ``2 N`` and ``2 (W - N - 1)``; with one
+rank per node all ``K`` hops are between nodes. Not ``K`` hops at the latency between nodes.
+
+Bytes and latency together: each round moves a chunk (``s`` for an all-gather, ``n / W`` for an all-reduce or
+a reduce-scatter) across each edge, so the slowest chunk's path takes ``sum over its hops (latency + chunk /
+bandwidth)``, and the busiest link needs its bytes' time plus at least one latency; a collective takes the
+larger of the two. With one rank per node (every edge alike) that is exactly ``bytes / bandwidth + K
+latencies``; with fast links inside the nodes, the link between nodes moves one chunk while another is in
+flight elsewhere, and the sum of the two terms would overstate the time by up to half. A hierarchical
+all-reduce (NCCL's tree across nodes) pays fewer hops between nodes than this flat ring: the figure here is
+the ring's, the algorithm gloo runs and NCCL runs for all-gathers. ``benchmarks/plan_check.py --measure``
+checks it against real gloo collectives on an emulated link with latency.
 """
 
 from __future__ import annotations
@@ -91,12 +105,29 @@ def collective_seconds(
         raise ValueError(f"unknown collective {kind!r}")
     if world <= 1:
         return 0.0
-    between = world - 1
-    if inner is not None and per_node > 1:
-        between = max(1, world // per_node) - 1
-    within = world - 1 - between
-    latency = HOPS[kind] * (between * link.latency + within * (inner or link).latency)
-    return edge_bytes(kind, nbytes, world) / link.bandwidth + latency
+    if inner is None or per_node <= 1:
+        between, within = HOPS[kind] * (world - 1), 0
+    else:
+        between, within = ring_hops(kind, world, per_node)
+    inner = inner or link
+    transfer = edge_bytes(kind, nbytes, world) / link.bandwidth
+    if kind == "broadcast":
+        return transfer + between * link.latency + within * inner.latency
+    chunk = nbytes if kind == "all_gather" else nbytes / world  # what one ring round moves on an edge
+    path = between * (link.latency + chunk / link.bandwidth) + within * (inner.latency + chunk / inner.bandwidth)
+    return max(transfer + link.latency, path)
+
+
+def ring_hops(kind: str, world: int, per_node: int) -> tuple[int, int]:
+    """(hops between nodes, hops inside a node) on the path of the slowest chunk of a ring collective over
+    ``world`` ranks ordered by node, ``per_node`` on each (module docstring)."""
+    hops = HOPS[kind] * (world - 1)
+    nodes = world // per_node
+    if nodes < 2:
+        return 0, hops
+    turns, rest = divmod(hops, world)
+    between = turns * nodes + min(nodes, -(-rest // per_node))
+    return between, hops - between
 
 
 def edge_bytes(kind: str, nbytes: float, world: int) -> float:

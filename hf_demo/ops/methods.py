@@ -79,6 +79,16 @@ class Estimate:
 
     def exchange_s(self, cluster: Cluster) -> float:
         """Seconds per step (amortised over ``every``) that the step waits on the network."""
+        fixed, hidden = self._collective_seconds(cluster)
+        return fixed + max(0.0, hidden - self.hide_window_s)
+
+    def comm_s(self, cluster: Cluster) -> float:
+        """Seconds per step (amortised) its collectives take, hidden under computation or not: what a rank's
+        clock around each collective adds up to (``benchmarks/plan_check.py --measure`` measures it)."""
+        return sum(self._collective_seconds(cluster))
+
+    def _collective_seconds(self, cluster: Cluster) -> tuple[float, float]:
+        """(seconds of the collectives the step waits for, seconds of those that may hide), per step."""
         fixed = hidden = 0.0
         for c in self.collectives:  # side by side on one link (parallel): the link carries their sum
             spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
@@ -89,7 +99,7 @@ class Estimate:
                 hidden += t
             else:
                 fixed += t
-        return fixed + max(0.0, hidden - self.hide_window_s)
+        return fixed, hidden
 
     def step_s(self, cluster: Cluster) -> float:
         return self.compute_s + self.exchange_s(cluster)

@@ -94,7 +94,7 @@ def flush(opt) -> None:
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
     if transport.world > 1 and opt.settings.commit_vote == "on":
-        agreement.vote(transport, refusal, opt.device())
+        agreement.vote(transport, refusal, opt.device(), opt.sealer)
     elif refusal is not None:
         raise refusal
     tx = Transaction()

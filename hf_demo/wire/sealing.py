@@ -83,13 +83,10 @@ def from_env(secret: bytes | None, settings, environ=None) -> Sealer | None:
         )
     if settings.exchange != "all_gather":
         raise ValueError(
-            f"DeMo: {ENCRYPT_ENV}=1 needs exchange='all_gather': exchange={settings.exchange!r} sums every rank's "
-            "values in an all-reduce, and a sum cannot be encrypted per sender"
-        )
-    if settings.overlap:
-        raise ValueError(
-            f"DeMo: {ENCRYPT_ENV}=1 needs overlap=False: an exchange still in flight at the next step (and kept in "
-            "a checkpoint) is not sealed"
+            f"DeMo: {ENCRYPT_ENV}=1 needs exchange='all_gather': exchange={settings.exchange!r} sums the ranks' "
+            "values inside the all-reduce as they travel, and encrypted values cannot be summed (an AES-GCM "
+            "ciphertext of a sum is not the sum of ciphertexts, and each rank seals with its own key): the values "
+            "would have to travel in the clear"
         )
     return Sealer(secret)
 
@@ -219,13 +216,14 @@ class Sealer:
         )
         return torch.frombuffer(bytearray(sealed), dtype=torch.uint8).to(buf.device)
 
-    def open_rows(self, rows: torch.Tensor, step: int, kind: str, rank: int, only=None) -> torch.Tensor:
+    def open_rows(self, rows: torch.Tensor, step: int, kind: str, rank: int, only=None, envelopes=None) -> torch.Tensor:
         """Every sender's sealed row (world, n + 16) -> the rows (world, n) on ``rows``' device; raises
         :class:`DeMoPayloadError` naming the first row that does not open. ``only``: the rows to open (the
-        others come back as zeros)."""
+        others come back as zeros); ``envelopes``: the senders' of the step that sent them (overlap: an earlier
+        step's), by default those of the last headers opened."""
         host = rows.detach().cpu()
         out = torch.zeros(host.shape[0], host.shape[1] - TAG_BYTES, dtype=torch.uint8)
-        for r, (row, envelope) in enumerate(zip(host, self.envelopes)):
+        for r, (row, envelope) in enumerate(zip(host, self.envelopes if envelopes is None else envelopes)):
             if only is not None and r not in only:
                 continue
             e = envelope
