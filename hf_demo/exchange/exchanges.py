@@ -151,16 +151,16 @@ class AllGatherExchange:
         return payload
 
     def start(self, transport, headers, payload, working, background: bool = False, arrived=None) -> InFlight:
+        # the senders' envelopes of this step: overlap opens the rows after the next step's headers
+        envelopes = None if self.sealer is None else list(self.sealer.envelopes)
         if arrived is not None:  # every rank's payload rode with the headers (sealed there, where sealing)
-            return InFlight(transport.step, transport.rank, transport.world, headers, arrived)
+            return InFlight(transport.step, transport.rank, transport.world, headers, arrived, envelopes=envelopes)
         if self.sealer is not None:
             payload = self.sealer.seal(payload, transport.step, "payload")
         if background:
             rows = transport.start_all_gather(payload, "payload")
         else:
             rows = transport.all_gather(payload, "payload")
-        # the senders' envelopes of this step: overlap opens the rows after the next step's headers
-        envelopes = None if self.sealer is None else list(self.sealer.envelopes)
         return InFlight(transport.step, transport.rank, transport.world, headers, rows, envelopes=envelopes)
 
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
