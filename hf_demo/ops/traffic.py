@@ -22,6 +22,7 @@ from hf_demo.compression.blocks import plan
 from hf_demo.exchange import exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
+from hf_demo.topology import owners
 from hf_demo.topology.dtensor import shard_rows
 from hf_demo.wire import agreement, codec
 
@@ -213,20 +214,23 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
 
 def _whole_matrix_collectives(shapes, settings, shards: int, every: int) -> list[Collective]:
     """What DeMo adds inside a node for the rules that need whole matrices and for the budget policy on sharded
-    parameters (:class:`hf_demo.topology.sharded.ShardedMatrices`, ``agree_figures``): ``node_matrices``, each
-    rank's fp32 rows of every matrix padded to the largest shard's, once per step that runs such a rule (an
-    update rule at every-step synchronisations, an inner rule at every step of a local phase); counted for every
-    tensor of 2 or more dimensions, an upper bound where Muon-style groups leave the embeddings and head out.
-    ``node_figures``: the policy's figures at each exchange."""
+    parameters (:class:`hf_demo.topology.sharded.ShardedMatrices`, ``agree_figures``): once per step that runs such
+    a rule (an update rule at every-step synchronisations, an inner rule at every step of a local phase), the
+    owner scheme's two all-to-alls, ``node_matrices`` (each rank's fp32 rows of the matrices others own, to their
+    owner) and ``node_matrix_rows`` (the owners' results, each rank's rows back), sized from the same owner
+    assignment (:func:`hf_demo.topology.owners.owner_bytes`); counted for every tensor of 2 or more dimensions, an
+    upper bound where Muon-style groups leave the embeddings and head out. ``node_figures``: the policy's figures
+    at each exchange."""
     from hf_demo.optim import policy as policies
     from hf_demo.optim import update_rules
 
     out = []
     runs = update_rules.RULES[settings.update_rule].whole_matrix and every == 1
     runs = runs or (update_rules.RULES[settings.inner_rule].whole_matrix and every > 1)
-    if runs:
-        rows = sum(4 * shard_rows(s[0], shards)[0] * math.prod(s[1:]) for s in shapes if len(s) >= 2)
-        out.append(Collective("node_matrices", "all_gather", rows, shards, "intra"))
+    if runs:  # the owner scheme (ShardedTopology.matrix_scheme)
+        each_way = owners.owner_bytes([tuple(s) for s in shapes if len(s) >= 2], shards)
+        out.append(Collective("node_matrices", "all_to_all", each_way, shards, "intra"))
+        out.append(Collective("node_matrix_rows", "all_to_all", each_way, shards, "intra"))
     if settings.comm_budget > 0:
         tiers = policies.tiers(
             settings.value_format, settings.exchange, settings.sync_every, settings.policy_sync_every
