@@ -407,8 +407,8 @@ def _flat_orthogonal_reference(rank, world, steps=STEPS):
 
 
 def test_hsdp_orthogonalises_each_sharded_matrix_whole_as_the_flat_reference_does():
-    """Uneven (3 and 2 rows) and empty (1 and 0) shards: each node gathers its matrices' rows over the shard group,
-    orthogonalises them whole and keeps its rows; nothing dense crosses the replicate dimension."""
+    """Uneven (3 and 2 rows) and empty (1 and 0) shards: each matrix's rows go to its owner in the shard group,
+    which orthogonalises it whole and sends each rank its rows; nothing dense crosses the replicate dimension."""
     results = expect_ok(run_ranks(_hsdp, 4, 2, {"update_rule": "orthogonal"}))
     for params, steps, _ in results:
         assert steps == STEPS
