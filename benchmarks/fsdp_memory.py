@@ -36,7 +36,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -362,6 +362,126 @@ def report(rows: list[dict], cfg: Config, argv: list[str]) -> str:
     return "\n".join([*head, *summary(rows), "", *ratios(rows, cfg), *per_rank, ""])
 
 
+# ---------------------------------------------------------------- the distributed Newton-Schulz against the unsharded
+SCHEMES = ("owner", "everywhere")  # hf_demo.topology.sharded.ShardedMatrices
+NS_SIZES = "256x704x2,512x1408x2,640x1792x2,1024x2816x1"  # hidden x intermediate x layers
+
+
+def _timed(fn, reps: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of ``fn()``, each the median of ``reps`` runs, every rank
+    starting each run together. The CPU seconds are the work of this rank alone (gloo's threads included), what a
+    machine shared with other work does not inflate as it does the wall time."""
+    wall, cpu = [], []
+    for _ in range(reps):
+        dist.barrier()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
+    return sorted(wall)[len(wall) // 2], sorted(cpu)[len(cpu) // 2]
+
+
+def _ns_worker(rank: int, world: int, cfg: Config, reps: int) -> dict:
+    """update_rule="orthogonal"'s directions of the hidden matrices (Muon-style groups) of the HSDP-sharded model:
+    per scheme, the seconds (median of ``reps``) and the bytes this rank sends and receives inside its shard group;
+    against the seconds of the same directions on the whole matrices, as a DDP-DeMo rank computes them."""
+    import hf_demo
+    from benchlib.toy import byte_llama
+    from hf_demo import fsdp
+    from hf_demo.exchange.transport import Traffic, Transport
+    from hf_demo.optim import update_rules
+    from hf_demo.topology.dtensor import local
+    from hf_demo.topology.sharded import ShardedMatrices
+
+    size = dict(hidden=cfg.hidden, intermediate=cfg.intermediate, layers=cfg.layers, heads=cfg.heads)
+    model = byte_llama(**size, seq_len=cfg.seq_len, seed=cfg.seed)
+    fsdp.shard_model(model, fsdp.hsdp_mesh(shard=cfg.shard))
+    hidden = hf_demo.muon_style_groups(model)[0]["params"]
+    rule, shards = update_rules.get("orthogonal"), Transport(hidden[0].device_mesh.get_group(), 0)
+    params = [p for p in hidden if local(p).numel()]
+    members, views = list(range(len(params))), [local(p).detach() for p in params]
+    out = dict(rank=rank, matrices=len(hidden), hidden_params=sum(p.numel() for p in hidden))
+    directions = {}
+    for scheme in SCHEMES:
+        traffic = Traffic()
+
+        def step(scheme=scheme, traffic=traffic):
+            matrices = ShardedMatrices(params, hidden, shards.at(0, traffic), scheme)
+            found, _ = matrices.directions(rule, members, views, [v.float().clone() for v in views], [{}] * len(views))
+            directions[scheme] = found
+
+        out[f"{scheme}_s"], out[f"{scheme}_cpu_s"] = _timed(step, reps)
+        out[f"{scheme}_sent"], out[f"{scheme}_received"] = traffic.sent / reps, traffic.received / reps
+    out["bitwise"] = all(torch.equal(a, b) for a, b in zip(*directions.values()))
+    wholes = [p.full_tensor().detach() for p in hidden]
+    unsharded = lambda: rule.directions(wholes, [w.clone() for w in wholes], [{}] * len(wholes))  # noqa: E731
+    out["unsharded_s"], out["unsharded_cpu_s"] = _timed(unsharded, reps)
+    return out
+
+
+def newton_schulz_rows(sizes: list[tuple[int, int, int]], cfg: Config, reps: int, start_method: str) -> list[dict]:
+    rows = []
+    for hidden, intermediate, layers in sizes:
+        heads = max(1, hidden // 64)
+        at = replace(cfg, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads)
+        print(f"newton-schulz {hidden}x{intermediate}x{layers}: {cfg.world} ranks ...", flush=True)
+        ranks = expect_ok(run_ranks(_ns_worker, cfg.world, at, reps, start_method=start_method, timeout=3600))
+        rows.append(dict(hidden=hidden, intermediate=intermediate, layers=layers, ranks=ranks))
+    return rows
+
+
+def newton_schulz_table(rows: list[dict], cfg: Config, reps: int) -> list[str]:
+    """One row per model: the slowest rank's seconds, the mean rank's bytes inside the shard group."""
+    out = [
+        f'The hidden matrices\' `update_rule="orthogonal"` directions (5 fp32 Newton-Schulz iterations each) on '
+        f"{cfg.world} gloo ranks, shard groups of {cfg.shard}, every rank at once; seconds: the slowest rank's "
+        f"median of {reps}, wall / CPU (the rank's own work, which other load on the machine does not inflate); "
+        "bytes: per rank and step inside the shard group, sent / received (mean of the ranks).",
+        "",
+        "| model (hidden x intermediate x layers) | matrices | unsharded s, wall / CPU (a DDP rank) "
+        "| everywhere s, wall / CPU | owner s, wall / CPU | owner / unsharded, wall / CPU "
+        "| everywhere B sent / received | owner B sent / received | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        rs = row["ranks"]
+
+        def worst(key, rs=rs):
+            return max(r[key] for r in rs)
+
+        def mean(key, rs=rs):
+            return sum(r[key] for r in rs) / len(rs)
+
+        out.append(
+            f"| {row['hidden']} x {row['intermediate']} x {row['layers']} | {rs[0]['matrices']} "
+            f"| {worst('unsharded_s'):.3f} / {worst('unsharded_cpu_s'):.3f} "
+            f"| {worst('everywhere_s'):.3f} / {worst('everywhere_cpu_s'):.3f} "
+            f"| {worst('owner_s'):.3f} / {worst('owner_cpu_s'):.3f} "
+            f"| {worst('owner_s') / worst('unsharded_s'):.2f} / {worst('owner_cpu_s') / worst('unsharded_cpu_s'):.2f} "
+            f"| {mean('everywhere_sent'):,.0f} / {mean('everywhere_received'):,.0f} "
+            f"| {mean('owner_sent'):,.0f} / {mean('owner_received'):,.0f} | {all(r['bitwise'] for r in rs)} |"
+        )
+    return out
+
+
+def newton_schulz_main(args, cfg: Config, argv: list[str]) -> None:
+    sizes = [tuple(int(x) for x in size.split("x")) for size in args.ns_sizes.split(",") if size]
+    saved = args.results_dir / "fsdp_newton_schulz.json"
+    if args.report_only:
+        run_ = json.loads(saved.read_text())
+        cfg, rows, argv, reps = Config(**run_["config"]), run_["rows"], run_["argv"], run_["reps"]
+    else:
+        reps = args.ns_reps
+        rows = newton_schulz_rows(sizes, cfg, reps, args.start_method)
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(dict(config=asdict(cfg), argv=argv, reps=reps, rows=rows), indent=1))
+    command = f"`python benchmarks/fsdp_memory.py {' '.join(argv)}`".replace(" `", "`")
+    text = "\n".join(["# The distributed Newton-Schulz against the unsharded one", "", command, "",
+                      *newton_schulz_table(rows, cfg, reps), ""])  # fmt: skip
+    print(text)
+    (args.results_dir / "fsdp_newton_schulz.md").write_text(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = Config()  # the flags default to None: --tiny's sizes, then Config's, fill what is not given
@@ -390,6 +510,14 @@ def parse_args(argv=None):
         help=f"comma-separated, from {', '.join(LAYOUTS)} (-orthogonal: update_rule='orthogonal' in Muon-style "
         "groups; -preset: the from_scratch preset)",
     )
+    p.add_argument(
+        "--newton-schulz",
+        action="store_true",
+        help="time the sharded orthogonal rule's whole-matrix schemes (owner, everywhere) against the unsharded "
+        "Newton-Schulz on --ns-sizes, instead of the memory table",
+    )
+    p.add_argument("--ns-sizes", default=NS_SIZES, help=f"models, hidden x intermediate x layers ({NS_SIZES})")
+    p.add_argument("--ns-reps", type=int, default=3, help="timed runs per scheme and model; the median (3)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--report-only", action="store_true", help="the tables again from --results-dir's fsdp_memory.json")
     p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster, RSS less clean")
@@ -407,6 +535,8 @@ def main(argv=None):
         raise SystemExit(f"unknown layouts {bad}: choose from {', '.join(LAYOUTS)}")
     if cfg.world % cfg.shard:
         raise SystemExit(f"--shard {cfg.shard} does not divide --world {cfg.world}")
+    if args.newton_schulz:
+        return newton_schulz_main(args, cfg, argv)
     saved = args.results_dir / "fsdp_memory.json"
     if args.report_only:
         run_ = json.loads(saved.read_text())

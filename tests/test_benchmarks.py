@@ -43,6 +43,24 @@ def test_wan_worker_reads_demo_settings_like_the_convergence_benchmark():
     assert proc.returncode != 0 and "DeMo override 'decay' is not key=value" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_fsdp_memory_times_both_whole_matrix_schemes_against_the_unsharded_newton_schulz(tmp_path):
+    """--newton-schulz: a row per model, both schemes bitwise alike; over shard groups of 2 the owner scheme's two
+    all-to-alls move what the everywhere all-gather moves."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--newton-schulz", "--start-method", "fork"]
+    cmd += ["--ns-sizes", "32x64x1", "--ns-reps", "1", "--results-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "fsdp_newton_schulz.json").read_text())["rows"]
+    assert len(rows) == 1 and all(r["bitwise"] for r in rows[0]["ranks"])
+    ranks = rows[0]["ranks"]
+    assert sum(r["owner_sent"] + r["owner_received"] for r in ranks) == sum(
+        r["everywhere_sent"] + r["everywhere_received"] for r in ranks
+    )
+    assert "| 32 x 64 x 1 | 7 |" in (tmp_path / "fsdp_newton_schulz.md").read_text()
+
+
 def test_fsdp_memory_benchmark_measures_every_layout_on_a_tiny_model(tmp_path):
     """The four layouts train and report; HSDP-DeMo holds half of DDP-DeMo's bytes per rank, FSDP2's HSDP hands
     the replicate all-reduce 2 bytes/param/step (fp32 gradient shards), DeMo far less."""

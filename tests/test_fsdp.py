@@ -423,8 +423,8 @@ def _flat_orthogonal_reference(rank, world, steps=STEPS):
 
 
 def test_hsdp_orthogonalises_each_sharded_matrix_whole_as_the_flat_reference_does():
-    """Uneven (3 and 2 rows) and empty (1 and 0) shards: each node gathers its matrices' rows over the shard group,
-    orthogonalises them whole and keeps its rows; nothing dense crosses the replicate dimension."""
+    """Uneven (3 and 2 rows) and empty (1 and 0) shards: each matrix's rows go to its owner in the shard group,
+    which orthogonalises it whole and sends each rank its rows; nothing dense crosses the replicate dimension."""
     results = expect_ok(run_ranks(_hsdp, 4, 2, {"update_rule": "orthogonal"}))
     for params, steps, _ in results:
         assert steps == STEPS
@@ -432,6 +432,52 @@ def test_hsdp_orthogonalises_each_sharded_matrix_whole_as_the_flat_reference_doe
     flat = expect_ok(run_ranks(_flat_orthogonal_reference, 2))[0]
     for a, b in zip(results[0][0], flat):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+def _schemed(rank, world, scheme, shard, kw, steps=4):
+    """HSDP (or pure FSDP at ``shard=world``) with whole matrices made by ``scheme``; the shapes of this rank's
+    Newton-Schulz calls."""
+    from hf_demo.optim import update_rules
+    from hf_demo.topology.sharded import ShardedTopology
+
+    ShardedTopology.matrix_scheme = scheme
+    calls, real = [], update_rules.newton_schulz
+    update_rules.newton_schulz = lambda m, *a, **k: (calls.append(tuple(m.shape)), real(m, *a, **k))[1]
+    params, _, stats = _hsdp(rank, world, shard, kw, steps)
+    return params, calls, stats
+
+
+@pytest.mark.parametrize(
+    "shard, kw",
+    [
+        (2, {"update_rule": "orthogonal"}),
+        (2, {"sync_every": 2, "inner_rule": "orthogonal", "update_rule": "sign"}),
+        (4, {"update_rule": "orthogonal"}),
+    ],
+    ids=["hsdp_orthogonal", "hsdp_local_muon_steps", "fsdp4_orthogonal"],
+)
+def test_each_sharded_matrix_is_orthogonalised_once_by_its_owner_bitwise_as_on_every_rank(shard, kw):
+    """The owner scheme: each matrix's Newton-Schulz runs on its owner alone (the 1-row matrix's owner holds no rows
+    of it; over 4 shards one rank owns nothing), and every rank's parameters are bitwise those of the scheme where
+    every rank orthogonalises every matrix it holds rows of; replicas identical."""
+    from collections import Counter
+
+    from hf_demo.topology import owners
+    from hf_demo.topology.dtensor import shard_rows
+
+    steps = 4
+    by_owner = expect_ok(run_ranks(_schemed, 4, "owner", shard, kw, steps))
+    everywhere = expect_ok(run_ranks(_schemed, 4, "everywhere", shard, kw, steps))
+    shapes = [tuple(p.shape) for p in awkward_model().parameters() if p.dim() >= 2]
+    owner_of = owners.owners(shapes, shard)
+    for rank, ((mine, calls, _), (theirs, calls_everywhere, _)) in enumerate(zip(by_owner, everywhere)):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        assert all(torch.equal(a, b) for a, b in zip(by_owner[0][0], mine))  # every replica and shard alike
+        owned = [s for s, o in zip(shapes, owner_of) if o == rank % shard]
+        assert Counter(calls) == Counter({s: steps for s in owned}), (rank, calls)
+        held = [s for s in shapes if shard_rows(s[0], shard)[rank % shard]]
+        assert Counter(calls_everywhere) == Counter({s: steps for s in held}), (rank, calls_everywhere)
+    assert sum(len(calls) for _, calls, _ in by_owner[:shard]) == steps * len(shapes)  # once per shard group
 
 
 def _first_local_step(rank, world):

@@ -345,7 +345,8 @@ def _hsdp_named_bytes(rank, world, kw):
     ids=["every_step", "sync_every_2", "orthogonal", "local_muon_steps"],
 )
 def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(kw):
-    """Named collective by collective, the whole-matrix gathers of the orthogonal rules included."""
+    """Named collective by collective, the orthogonal rules' whole matrices included (rows to each matrix's owner
+    and back: node_matrices, node_matrix_rows)."""
     results = expect_ok(run_ranks(_hsdp_named_bytes, 4, kw))
     settings = DeMoSettings(compression_chunk=8, compression_topk=4, **kw)
     shape_list = [tuple(p.shape) for p in tiny_mlp(0).parameters()]
@@ -358,7 +359,7 @@ def test_the_hsdp_plan_is_what_demo_sends_on_sharded_parameters(kw):
             for name, n in named.items():
                 sent[name] = sent.get(name, 0) + n
         assert sent == pytest.approx(expected), (sent, expected)
-        assert ("node_matrices" in sent) == ("orthogonal" in kw.values())
+        assert ("node_matrices" in sent) == ("node_matrix_rows" in sent) == ("orthogonal" in kw.values())
 
 
 def _recorded_loaded_runs():

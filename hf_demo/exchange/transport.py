@@ -321,6 +321,21 @@ class Transport:
             buf.copy_(wire)
         return buf
 
+    def all_to_all(
+        self, buf: torch.Tensor, send: list[int], receive: list[int], name: str, step: int, traffic: Traffic | None
+    ) -> torch.Tensor:
+        """Uneven all-to-all of uint8 bytes: ``buf`` holds ``send[r]`` bytes for each group rank ``r`` in rank order;
+        returns the ``receive[r]`` bytes each rank ``r`` sent this one, in rank order (gloo and NCCL take uneven
+        splits through ``all_to_all_single``). What a rank sends to itself is not counted."""
+        if self.world == 1:
+            return buf
+        wire = self._to_wire(buf)
+        out = torch.empty(sum(receive), dtype=torch.uint8, device=wire.device)
+        sent, received = sum(send) - send[self.rank], sum(receive) - receive[self.rank]
+        op = lambda: dist.all_to_all_single(out, wire, list(receive), list(send), group=self.group)  # noqa: E731
+        self._run(name, sent, received, op, wire.device, step, traffic)
+        return out.to(buf.device)
+
     def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device, step, traffic) -> None:
         for hook in list(_HOOKS.values()):
             hook(name, sent)
@@ -391,3 +406,6 @@ class StepTransport:
 
     def broadcast(self, buf: torch.Tensor, src: int, name: str) -> torch.Tensor:
         return self.transport.broadcast(buf, src, name, self.step, self.traffic)
+
+    def all_to_all(self, buf: torch.Tensor, send: list[int], receive: list[int], name: str) -> torch.Tensor:
+        return self.transport.all_to_all(buf, send, receive, name, self.step, self.traffic)

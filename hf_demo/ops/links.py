@@ -92,13 +92,13 @@ def reduce_scatter_edge_bytes(nbytes: float, world: int) -> float:
     return (world - 1) / world * nbytes
 
 
-HOPS = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}  # times W - 1
+HOPS = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}  # times W - 1
 
 
 def collective_seconds(
     kind: str, nbytes: float, world: int, link: Link, inner: Link | None = None, per_node: int = 1
 ) -> float:
-    """Seconds of one collective of ``kind`` (all_gather, all_reduce, reduce_scatter, broadcast) handing
+    """Seconds of one collective of ``kind`` (all_gather, all_reduce, reduce_scatter, broadcast, all_to_all) handing
     ``nbytes`` per rank, its bytes limited by ``link``; with ``inner`` and ``per_node`` ranks on each node, the
     hops inside a node pay ``inner``'s latency and only those between nodes ``link``'s (module docstring)."""
     if kind not in HOPS:

@@ -23,6 +23,7 @@ from hf_demo.compression.blocks import plan
 from hf_demo.exchange import collectives, exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
+from hf_demo.topology import owners
 from hf_demo.topology.dtensor import shard_rows
 from hf_demo.topology.sharded import ShardedTopology
 from hf_demo.wire import agreement, codec
@@ -236,12 +237,12 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
 
 def _shard_sizes(shapes, settings, shards: int) -> dict:
     """The sizes of the sharded topology's collectives over the shard group: ``matrices``
-    (:class:`hf_demo.topology.sharded.ShardedMatrices`), each rank's fp32 rows of every matrix padded to the
-    largest shard's, counted for every tensor of 2 or more dimensions (an upper bound where Muon-style groups
+    (:class:`hf_demo.topology.sharded.ShardedMatrices`), the owner scheme's bytes each way (each rank's fp32 rows of the matrices others own, and
+    back: :func:`hf_demo.topology.owners.owner_bytes`), counted for every tensor of 2 or more dimensions (an upper bound where Muon-style groups
     leave the embeddings and head out); ``figures`` (``agree_figures``), the budget policy's figures."""
     from hf_demo.optim import policy as policies
 
-    rows = sum(4 * shard_rows(s[0], shards)[0] * math.prod(s[1:]) for s in shapes if len(s) >= 2)
+    rows = owners.owner_bytes([tuple(s) for s in shapes if len(s) >= 2], shards)
     figures = 0
     if settings.comm_budget > 0:
         tiers = policies.tiers(

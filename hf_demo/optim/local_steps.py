@@ -85,7 +85,6 @@ def inner_steps(
     if fed:
         torch._foreach_mul_([momenta[i] for i in fed], INNER_BETA)
         torch._foreach_add_([momenta[i] for i in fed], [grads[i].float() for i in fed], alpha=1.0 - INNER_BETA)
-    whole = matrices.gather([m.clone() for m in momenta])
     by_rule: dict[str, list[int]] = {}
     for i, rule in enumerate(rules):
         by_rule.setdefault(rule.name, []).append(i)
@@ -93,8 +92,9 @@ def inner_steps(
     for members in by_rule.values():
         own = [{k: states[i][INNER + k] for k in STATE_KEYS if INNER + k in states[i]} for i in members]
         rule = rules[members[0]]
-        found, new = rule.directions([params[i] for i in members], [whole[i] for i in members], own)
-        found = matrices.scatter(members, found) if rule.whole_matrix else found
+        found, new = matrices.directions(
+            rule, members, [params[i] for i in members], [momenta[i].clone() for i in members], own
+        )
         for i, direction, state in zip(members, found, new):
             directions[i], rule_states[i] = direction, state
     afters = [p.detach().clone() for p in params]

@@ -68,7 +68,7 @@ def rule_directions(opt, params, groups, updates, layouts, matrices):
     """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
     transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
     needs them: ``matrices``, the topology's view of ``params``)."""
-    decoded = matrices.gather(F.decode_many(updates, layouts, opt.transform))
+    decoded = F.decode_many(updates, layouts, opt.transform)
     by_rule: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         by_rule.setdefault(g["update_rule"], []).append(i)
@@ -77,8 +77,8 @@ def rule_directions(opt, params, groups, updates, layouts, matrices):
     for members in by_rule.values():
         rule = opt.rule(groups[members[0]])
         ps = [params[i] for i in members]
-        found, new = rule.directions([local(p) for p in ps], [decoded[i] for i in members], [opt.state[p] for p in ps])
-        found = matrices.scatter(members, found) if rule.whole_matrix else found
+        views, states_of = [local(p) for p in ps], [opt.state[p] for p in ps]
+        found, new = matrices.directions(rule, members, views, [decoded[i] for i in members], states_of)
         for i, direction, state in zip(members, found, new):
             directions[i], states[i] = direction, state
     return directions, states

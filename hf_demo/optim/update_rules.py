@@ -192,7 +192,8 @@ class Rule:
     on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it. The gradient
     enters DeMo's momentum as it is (:meth:`signal`), unless a rule says otherwise. ``whole_matrix``: the
     direction of a matrix depends on all of it, not element by element: where the model is sharded, the topology
-    gathers each matrix whole before the rule and keeps this rank's rows after (``matrices`` of a topology)."""
+    runs the rule on each whole matrix on one rank of the shard group and hands every rank its rows of the result
+    (``matrices`` of a topology, :class:`~hf_demo.topology.sharded.ShardedMatrices`)."""
 
     whole_matrix = False
 
@@ -280,7 +281,7 @@ class OrthogonalRule(Rule):
     rms = 0.2
     ns_steps = 5
     measured_rms = False
-    whole_matrix = True  # its direction of a matrix needs the whole matrix (gathered where the model is sharded)
+    whole_matrix = True  # its direction of a matrix needs the whole matrix (made whole where the model is sharded)
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
         if update.dim() < 2:

@@ -49,14 +49,12 @@ class FlatTopology:
 
 
 class WholeMatrices:
-    """The view of parameters that are whole on every rank (see ``ShardedMatrices`` for shards): ``gather`` and
-    ``scatter`` return the tensors as they are."""
+    """The view of parameters that are whole on every rank (see ``ShardedMatrices`` for shards): every rule runs
+    on the tensors as they are."""
 
-    def gather(self, tensors: list) -> list:
-        return list(tensors)
-
-    def scatter(self, members: list[int], tensors: list) -> list:
-        return list(tensors)
+    def directions(self, rule, members: list[int], params: list, tensors: list, states: list) -> tuple[list, list]:
+        """``rule.directions(params, tensors, states)`` (``members``: the parameters' positions, unused here)."""
+        return rule.directions(params, tensors, states)
 
 
 def dense_mean(params, transport, name: str) -> dict:

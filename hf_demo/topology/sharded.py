@@ -32,6 +32,7 @@ from hf_demo.exchange import collectives
 from hf_demo.exchange.collectives import SHARDS, CollectiveSpec
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
+from hf_demo.topology import owners
 from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
 from hf_demo.wire import codec
 from hf_demo.wire.agreement import VOTE_BYTES
@@ -129,7 +130,8 @@ class ShardedTopology:
         CollectiveSpec("node_vote", "all_gather", SHARDS, VOTE_BYTES),
         CollectiveSpec("node_drift", "all_gather", SHARDS, VOTE_BYTES, collectives.CHECK),
         CollectiveSpec("node_flags", "all_gather", SHARDS, VOTE_BYTES, collectives.LOCAL_STEP),
-        CollectiveSpec("node_matrices", "all_gather", SHARDS, "matrices", collectives.WHOLE_MATRIX_STEP),
+        CollectiveSpec("node_matrices", "all_to_all", SHARDS, "matrices", collectives.WHOLE_MATRIX_STEP),
+        CollectiveSpec("node_matrix_rows", "all_to_all", SHARDS, "matrices", collectives.WHOLE_MATRIX_STEP),
         CollectiveSpec("node_figures", "all_gather", SHARDS, "figures", collectives.BUDGET),
     )
 
@@ -171,10 +173,12 @@ class ShardedTopology:
         means = dense_mean(views, transport, name)
         return {p: means[v] for p, v in zip(params, views)}
 
+    matrix_scheme = "owner"  # how whole matrices are made (ShardedMatrices; benchmarks/fsdp_memory.py compares both)
+
     def matrices(self, params: list, every: list, stepping) -> ShardedMatrices:
         """Whole matrices of the sharded parameters for the rules that need them (:class:`ShardedMatrices`: its
-        gather over the shard group at ``stepping``'s step, counted in that step's traffic)."""
-        return ShardedMatrices(params, every, self.shards.at(stepping.step, stepping.traffic))
+        collectives over the shard group at ``stepping``'s step, counted in that step's traffic)."""
+        return ShardedMatrices(params, every, self.shards.at(stepping.step, stepping.traffic), self.matrix_scheme)
 
     # ------------------------------------------------------------ what every shard of the model agrees on
     def agree_step(self, ctx, bits: int) -> int:
@@ -246,59 +250,137 @@ class ShardedTopology:
         return rows.cpu().contiguous().view(torch.int64).flatten().tolist()
 
 
+SCHEMES = ("owner", "everywhere")
+
+
 class ShardedMatrices:
     """Whole matrices for the rules that need them (Newton-Schulz orthogonalises the whole matrix). ``params``:
     the parameters this rank steps (a parameter whose shard is empty here is not among them); ``every``: every
-    parameter, in the optimizer's order on every rank, whose rule needs its whole matrix. :meth:`gather`
-    all-gathers the rows of each sharded one of 2 or more dimensions from the other shards of this replica: one
-    collective over the shard group (the fast link inside a node; nothing crosses ``replicate``), the same on
-    every rank of it. Every rank of the shard group holds the same averaged update, so each computes the same
-    whole result; :meth:`scatter` keeps this rank's rows. Vectors and unsharded parameters are elementwise for
-    every rule: they stay as they are."""
+    parameter, in the optimizer's order on every rank, whose rule needs its whole matrix; of these, the sharded
+    ones of 2 or more dimensions are made whole over the shard group (the fast link inside a node; nothing crosses
+    ``replicate``), by one of two schemes (``scheme``), bitwise the same directions on every rank:
 
-    def __init__(self, params: list, every: list, shards):
-        self.params, self.shards = params, shards  # shards: the shard group's transport at this step
+    - ``"owner"`` (the default): each matrix has one owner rank of the shard group (:func:`~hf_demo.topology.owners.
+      owners`: the Newton-Schulz work balanced over the group, the same assignment on every replica); one uneven
+      all-to-all brings each rank's rows of a matrix to its owner (``node_matrices``), the owner runs the rule on
+      the whole matrix, a second all-to-all sends each rank its rows of the result (``node_matrix_rows``). Each
+      rank orthogonalises about ``1/shards`` of the model's matrices;
+    - ``"everywhere"``: one all-gather of every rank's rows, padded to the largest shard's (``node_matrices``), and
+      every rank runs the rule on every whole matrix it holds rows of, then keeps its rows: ``shards`` times the
+      Newton-Schulz work, in one collective.
+
+    Vectors and unsharded parameters are elementwise for every rule: they stay as they are. The rules that reach
+    here keep no state of a whole matrix (``update_rules.WHOLE_STATE`` is refused on shards)."""
+
+    def __init__(self, params: list, every: list, shards, scheme: str = "owner"):
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown whole-matrix scheme {scheme!r}: choose from {', '.join(SCHEMES)}")
+        self.params, self.shards, self.scheme = params, shards, scheme  # shards: the shard group's step transport
         self.every = [p for p in every if is_sharded(p) and p.dim() >= 2] if shards.world > 1 else []
         self._whole = {id(p) for p in self.every}
+        self.rows = [shard_rows(p.shape[0], shards.world) for p in self.every]
+        self.owners = owners.owners([tuple(p.shape) for p in self.every], shards.world)
 
-    def gather(self, tensors: list) -> list:
-        """``tensors`` (this rank's rows of ``params``) with each sharded matrix of ``every`` made whole (fp32)."""
-        if not self.every:
-            return list(tensors)
-        mine = {id(p): t for p, t in zip(self.params, tensors)}
+    def directions(self, rule, members: list[int], params: list, tensors: list, states: list) -> tuple[list, list]:
+        """``rule.directions(params, tensors, states)`` for the parameters at positions ``members`` of ``params``
+        (``params``: what the rule is given, this rank's views of them), each sharded matrix of ``every`` on its
+        whole matrix: (this rank's rows of each direction, each one's new rule state)."""
+        whole = [j for j, i in enumerate(members) if rule.whole_matrix and id(self.params[i]) in self._whole]
+        if not whole:
+            return rule.directions(params, tensors, states)
+        rest = [j for j in range(len(members)) if j not in set(whole)]
+        out, new = [None] * len(members), [None] * len(members)
+        found, fresh = rule.directions([params[j] for j in rest], [tensors[j] for j in rest], [states[j] for j in rest])
+        for j, direction, state in zip(rest, found, fresh):
+            out[j], new[j] = direction, state
+        mine = [self._rows_of(p, {id(self.params[members[j]]): tensors[j] for j in whole}) for p in self.every]
+        rows = self._by_owner(rule, mine) if self.scheme == "owner" else self._everywhere(rule, mine)
+        by_id = {id(p): r.reshape(-1, *p.shape[1:]) for p, r in zip(self.every, rows)}
+        for j in whole:
+            out[j], new[j] = by_id[id(self.params[members[j]])], {}
+        return out, new
+
+    def _rows_of(self, p, mine: dict) -> torch.Tensor:
+        """This rank's rows of ``p`` as a flat fp32 matrix (rows x the other dimensions); none where its shard is
+        empty. Raises where a rank holds other rows than FSDP2's ``Shard(0)`` gives it."""
+        t, expected = mine.get(id(p)), shard_rows(p.shape[0], self.shards.world)[self.shards.rank]
+        held = 0 if t is None else t.shape[0]
+        if held != expected:
+            raise ValueError(
+                f"DeMo: a parameter of shape {tuple(p.shape)} holds {held} rows on this rank where FSDP2's Shard(0) "
+                f"would hold {expected}: shard the model with fully_shard (hf_demo.fsdp.shard_model)"
+            )
+        cols = math.prod(p.shape[1:])
+        if t is None:
+            return torch.zeros(0, cols, dtype=torch.float32, device=local(p).device)
+        return t.detach().float().reshape(held, cols)
+
+    def _whole_directions(self, rule, ps: list, wholes: list) -> list:
+        """The rule's direction of each whole matrix (fp32, flattened to rows x the others)."""
+        found, fresh = rule.directions(ps, [w.reshape(p.shape) for p, w in zip(ps, wholes)], [{} for _ in ps])
+        if any(fresh):
+            raise ValueError(
+                f"DeMo: update rule {rule.name!r} keeps state of a whole matrix, which no rank of a shard group "
+                "holds: it cannot step FSDP2-sharded parameters (list it in update_rules.WHOLE_STATE)"
+            )
+        return [d.float().reshape(d.shape[0], -1) for d in found]
+
+    def _by_owner(self, rule, mine: list) -> list:
+        """The owner scheme: each rank's rows to the matrix's owner, the rule on the owner, each rank's rows back."""
         world, me = self.shards.world, self.shards.rank
-        counts = [shard_rows(p.shape[0], world) for p in self.every]
-        padded = [_padded(mine.get(id(p)), p, c, me) for p, c in zip(self.every, counts)]
-        every = self.shards.all_gather(torch.cat(padded).view(torch.uint8), "node_matrices").view(torch.float32)
-        wholes, start = {}, 0
-        for p, c, flat in zip(self.every, counts, padded):
-            piece = every[:, start : start + flat.numel()].reshape(world, c[0], -1)
-            wholes[id(p)] = torch.cat([piece[r, : c[r]] for r in range(world)]).reshape(p.shape)
-            start += flat.numel()
-        return [wholes.get(id(p), t) for p, t in zip(self.params, tensors)]
+        owned = [k for k, o in enumerate(self.owners) if o == me]
+        cols = [m.shape[1] for m in mine]
+        send = [sum(mine[k].numel() for k in range(len(mine)) if self.owners[k] == o) * 4 for o in range(world)]
+        receive = [sum(self.rows[k][s] * cols[k] for k in owned) * 4 for s in range(world)]
+        parts = [mine[k].reshape(-1) for o in range(world) for k in range(len(mine)) if self.owners[k] == o]
+        got = self.shards.all_to_all(_bytes(parts, mine), send, receive, "node_matrices").view(torch.float32)
+        pieces = _split(got, [self.rows[k][s] * cols[k] for s in range(world) for k in owned])
+        wholes = [
+            torch.cat([pieces[s * len(owned) + n].reshape(-1, cols[k]) for s in range(world)])
+            for n, k in enumerate(owned)
+        ]
+        results = self._whole_directions(rule, [self.every[k] for k in owned], wholes)
+        starts = [[sum(self.rows[k][:s]) for s in range(world + 1)] for k in owned]
+        back = [r[st[s] : st[s + 1]].reshape(-1) for s in range(world) for r, st in zip(results, starts)]
+        got = self.shards.all_to_all(_bytes(back, mine), receive, send, "node_matrix_rows").view(torch.float32)
+        order = [k for o in range(world) for k in range(len(mine)) if self.owners[k] == o]
+        rows = _split(got, [mine[k].numel() for k in order])
+        out = [None] * len(mine)
+        for k, r in zip(order, rows):
+            out[k] = r
+        return out
 
-    def scatter(self, members: list[int], tensors: list) -> list:
-        """This rank's rows of each whole result (``tensors`` of the parameters at positions ``members``)."""
-        out = list(tensors)
-        for j, i in enumerate(members):
-            p = self.params[i]
-            if id(p) in self._whole:
-                counts = shard_rows(p.shape[0], self.shards.world)
-                start = sum(counts[: self.shards.rank])
-                out[j] = tensors[j][start : start + counts[self.shards.rank]]
+    def _everywhere(self, rule, mine: list) -> list:
+        """The everywhere scheme: every rank's rows, padded to the largest shard's, all-gathered; the rule on every
+        whole matrix this rank holds rows of; this rank's rows kept."""
+        world, me = self.shards.world, self.shards.rank
+        padded = []
+        for m, rows in zip(mine, self.rows):
+            flat = torch.zeros(rows[0], m.shape[1], dtype=torch.float32, device=m.device)
+            flat[: m.shape[0]] = m
+            padded.append(flat.reshape(-1))
+        every = self.shards.all_gather(_bytes(padded, mine), "node_matrices").view(torch.float32)
+        held = [k for k, m in enumerate(mine) if m.shape[0]]
+        wholes, start = {}, 0
+        for k, flat in enumerate(padded):
+            piece = every[:, start : start + flat.numel()].reshape(world, self.rows[k][0], -1)
+            wholes[k] = torch.cat([piece[r, : self.rows[k][r]] for r in range(world)])
+            start += flat.numel()
+        results = self._whole_directions(rule, [self.every[k] for k in held], [wholes[k] for k in held])
+        out = list(mine)
+        for k, r in zip(held, results):
+            begin = sum(self.rows[k][:me])
+            out[k] = r[begin : begin + self.rows[k][me]]
         return out
 
 
-def _padded(t: torch.Tensor | None, p, counts: list[int], me: int) -> torch.Tensor:
-    """This rank's rows of ``p`` (None: an empty shard), flat fp32, padded to the largest shard's rows."""
-    cols = math.prod(p.shape[1:])
-    rows = 0 if t is None else t.shape[0]
-    if rows != counts[me]:
-        raise ValueError(
-            f"DeMo: a parameter of shape {tuple(p.shape)} holds {rows} rows on this rank where FSDP2's Shard(0) "
-            f"would hold {counts[me]}: shard the model with fully_shard (hf_demo.fsdp.shard_model)"
-        )
-    flat = torch.zeros(counts[0], cols, dtype=torch.float32, device=local(p).device)
-    if rows:
-        flat[:rows] = t.detach().float().reshape(rows, cols)
-    return flat.reshape(-1)
+def _bytes(parts: list, like: list) -> torch.Tensor:
+    """``parts`` (fp32) end to end as one uint8 buffer (empty, on ``like``'s device, when there are none)."""
+    if parts:
+        return torch.cat(parts).view(torch.uint8)
+    device = like[0].device if like else torch.device("cpu")
+    return torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _split(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(flat.split(sizes)) if sizes else []
