@@ -237,9 +237,10 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
 
 def _shard_sizes(shapes, settings, shards: int) -> dict:
     """The sizes of the sharded topology's collectives over the shard group: ``matrices``
-    (:class:`hf_demo.topology.sharded.ShardedMatrices`), the owner scheme's bytes each way (each rank's fp32 rows of the matrices others own, and
-    back: :func:`hf_demo.topology.owners.owner_bytes`), counted for every tensor of 2 or more dimensions (an upper bound where Muon-style groups
-    leave the embeddings and head out); ``figures`` (``agree_figures``), the budget policy's figures."""
+    (:class:`hf_demo.topology.sharded.ShardedMatrices`), the owner scheme's bytes each way (each rank's fp32 rows
+    of the matrices others own, and back: :func:`hf_demo.topology.owners.owner_bytes`), counted for every tensor
+    of 2 or more dimensions (an upper bound where Muon-style groups leave the embeddings and head out);
+    ``figures`` (``agree_figures``), the budget policy's figures."""
     from hf_demo.optim import policy as policies
 
     rows = owners.owner_bytes([tuple(s) for s in shapes if len(s) >= 2], shards)
