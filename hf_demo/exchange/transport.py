@@ -261,7 +261,7 @@ class Transport:
         wire = self._to_wire(buf)
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        op = lambda: _all_gather(out, wire, group=self.group)  # noqa: E731
+        op = lambda: self._gather(out, wire)  # noqa: E731
         self._run(name, sent, received, op, wire.device, step, traffic)
         return out.view(self.world, -1).to(buf.device)
 
@@ -276,7 +276,7 @@ class Transport:
         wire = self._to_wire(buf)
         out = out if wire.device == out.device else torch.empty_like(out, device=wire.device)
         try:
-            work = _all_gather(out, wire, group=self.group, async_op=True)
+            work = self._gather(out, wire, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, 0.0, exc, step) from exc
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
@@ -291,7 +291,7 @@ class Transport:
         ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
         wire = self._to_wire(buf)
         try:
-            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            work = self._reduce(wire, async_op=True)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, 0.0, exc, step) from exc
         return Pending(self, name, work, wire, ring, ring, step, buf.device)
@@ -302,7 +302,7 @@ class Transport:
             return buf
         ring = buf.numel() * buf.element_size() * 2 * (self.world - 1) // self.world
         wire = self._to_wire(buf)
-        op = lambda: dist.all_reduce(wire, group=self.group)  # noqa: E731
+        op = lambda: self._reduce(wire)  # noqa: E731
         self._run(name, ring, ring, op, wire.device, step, traffic)
         if wire is not buf:
             buf.copy_(wire)
@@ -315,7 +315,7 @@ class Transport:
         n = buf.numel() * buf.element_size()
         sent, received = (n * (self.world - 1), 0) if self.rank == src else (0, n)
         wire = self._to_wire(buf)
-        op = lambda: dist.broadcast(wire, src=self.global_rank(src), group=self.group)  # noqa: E731
+        op = lambda: self._broadcast(wire, src)  # noqa: E731
         self._run(name, sent, received, op, wire.device, step, traffic)
         if wire is not buf:
             buf.copy_(wire)
@@ -335,6 +335,19 @@ class Transport:
         op = lambda: dist.all_to_all_single(out, wire, list(receive), list(send), group=self.group)  # noqa: E731
         self._run(name, sent, received, op, wire.device, step, traffic)
         return out.to(buf.device)
+
+    # ------------------------------------------------------------ the backend's calls (hf_demo.elastic routes them
+    # through torchft's reconfigurable process group)
+    def _gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
+        if async_op:
+            return _all_gather(out, wire, group=self.group, async_op=True)
+        return _all_gather(out, wire, group=self.group)  # the call tests wrap (tests/dist_utils.py)
+
+    def _reduce(self, wire: torch.Tensor, async_op: bool = False):
+        return dist.all_reduce(wire, group=self.group, async_op=async_op)
+
+    def _broadcast(self, wire: torch.Tensor, src: int):
+        return dist.broadcast(wire, src=self.global_rank(src), group=self.group)
 
     def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device, step, traffic) -> None:
         for hook in list(_HOOKS.values()):

@@ -109,6 +109,7 @@ class DeMo(torch.optim.Optimizer):
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
         self._ddp_wrappers: list[weakref.ref] = []  # live DDP wrappers of its parameters, taken for unused ones
         self._topology = None
+        self.replication = None  # hf_demo.elastic: torchft says whom DeMo exchanges with and whether a step commits
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
@@ -153,6 +154,8 @@ class DeMo(torch.optim.Optimizer):
     @property
     def topology(self):
         """The topology part (:mod:`hf_demo.topology`), built with its groups once the process group exists."""
+        if self.replication is not None:  # elastic: the group of this step's torchft quorum
+            return self.replication.topology
         initialised = dist.is_available() and dist.is_initialized()
         built = self._topology
         if built is not None and (built.transport.world > 1 or built.name != "flat") == initialised:
@@ -224,13 +227,19 @@ class DeMo(torch.optim.Optimizer):
         self._first_step_guard(transport)
         try:
             ctx = run_step(self, PIPELINE, transport)
-        except BaseException:
+        except BaseException as exc:
             arrived = self.pending.in_flight.arrived if self.pending is not None else None
             if arrived is not None and not self.pending.counted:  # it arrived during this try: it happened
                 self.comm_stats.record(arrived.sent, arrived.received, arrived.waited)
                 self.pending.counted = True
-            raise
-        ctx.tx.commit()
+            if self.replication is None:
+                raise
+            self.replication.decide(
+                exc
+            )  # elastic: reported to torchft, the step refused (or raised if not a sync error)
+            return loss
+        if self.replication is None or self.replication.decide(None):
+            ctx.tx.commit()
         return loss
 
     def _first_step_guard(self, transport) -> None:

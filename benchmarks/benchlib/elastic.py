@@ -1,0 +1,112 @@
+"""Replica groups of ``examples/elastic.py`` on loopback around one in-process torchft Lighthouse: started,
+SIGKILLed and restarted by the caller (tests/test_elastic.py, benchmarks/elastic_soak.py).
+
+Each replica is one process; its per-step JSON lines are collected as they come (:meth:`Replicas.lines`), its
+final record is ``<out>/replica<id>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "elastic.py"
+
+
+class Replica:
+    def __init__(self, rid: str, args: list[str], out: Path, env: dict):
+        self.rid, self.lines, self.started = rid, [], time.monotonic()
+        log = open(out / f"replica{rid}.{int(time.time() * 1000)}.log", "w")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--replica-id", rid, *args],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
+        )  # fmt: skip
+        self._log = log
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self.lines.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+
+    def step(self) -> int:
+        """The last step this replica printed (-1: none yet)."""
+        steps = [x["step"] for x in self.lines if "step" in x]
+        return steps[-1] if steps else -1
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+
+class Replicas:
+    """``n`` replica groups of ``examples/elastic.py`` around an in-process Lighthouse."""
+
+    def __init__(self, n: int, out: Path, args: list[str], min_replicas: int = 1, join_timeout_ms: int = 2000):
+        from hf_demo.elastic import lighthouse
+
+        self.out, self.args = Path(out), list(args)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.lighthouse = lighthouse(min_replicas=min_replicas, join_timeout_ms=join_timeout_ms)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+        self.env.pop("MASTER_ADDR", None)
+        self.live: dict[str, Replica] = {}
+        self.dead: list[Replica] = []
+        for rid in range(n):
+            self.start(str(rid))
+
+    def start(self, rid: str) -> Replica:
+        args = ["--lighthouse", self.lighthouse.address(), "--out", str(self.out), *self.args]
+        self.live[rid] = Replica(rid, args, self.out, self.env)
+        return self.live[rid]
+
+    def kill(self, rid: str) -> Replica:
+        replica = self.live.pop(rid)
+        replica.kill()
+        self.dead.append(replica)
+        return replica
+
+    def wait_step(self, rid: str, step: int, timeout: float) -> None:
+        """Until replica ``rid`` has printed step ``step`` (or later); raises after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.live[rid].step() < step:
+            if self.live[rid].proc.poll() is not None:
+                raise RuntimeError(f"replica {rid} exited with {self.live[rid].proc.returncode}: {self.logs(rid)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {rid} did not reach step {step} in {timeout:.0f}s: {self.logs(rid)}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> dict[str, dict]:
+        """Wait for every live replica to exit; {replica id: its final record}."""
+        deadline = time.monotonic() + timeout
+        for rid, replica in self.live.items():
+            try:
+                replica.proc.wait(max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"replica {rid} did not finish in {timeout:.0f}s: {self.logs(rid)}") from None
+            replica._log.close()
+            if replica.proc.returncode != 0:
+                raise RuntimeError(f"replica {rid} exited with {replica.proc.returncode}: {self.logs(rid)}")
+        return {rid: json.loads((self.out / f"replica{rid}.json").read_text()) for rid in self.live}
+
+    def logs(self, rid: str, tail: int = 3000) -> str:
+        logs = sorted(self.out.glob(f"replica{rid}.*.log"))
+        return logs[-1].read_text()[-tail:] if logs else ""
+
+    def close(self) -> None:
+        for rid in list(self.live):
+            self.kill(rid)
+        self.lighthouse.shutdown()

@@ -1,0 +1,133 @@
+"""Elastic DeMo on torchft: one replica group per process, a Lighthouse, replicas lost and back mid-run.
+
+    torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
+    # one per replica group (each restarted by its launcher when it dies: --max-restarts)
+    REPLICA_GROUP_ID=0 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
+        torchrun --nproc_per_node 1 --master_port 29600 --max-restarts 10 examples/elastic.py --steps 200
+    REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
+        torchrun --nproc_per_node 1 --master_port 29601 --max-restarts 10 examples/elastic.py --steps 200
+
+Each step: torchft's quorum (``Elastic.start_step``: a restarted replica receives the agreed state from a live
+peer here), forward and backward on this replica's batch (its rank in the quorum), ``optimizer.step()``, which
+commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the step in flight;
+they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
+writes ``replica<id>.json`` at the end: the parameters' SHA-256, the steps, the final loss, the quorum's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import hf_demo
+from hf_demo.elastic import Elastic
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny MLP (``mlp``: tests) or a byte-level Llama (``llama``: needs the hf extra)."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def loss_of(model, kind: str, rank: int, step: int, corpus=None) -> torch.Tensor:
+    """The loss of the batch of (this replica's rank in the quorum, the run's step): every step's data is
+    split among the replicas present (a lost replica's share of a refused step is not read again)."""
+    g = torch.Generator().manual_seed(100_003 * step + rank)
+    if kind == "mlp":
+        x = torch.randn(32, 16, generator=g)
+        y = torch.randint(0, 8, (32,), generator=g)
+        return torch.nn.functional.cross_entropy(model(x), y)
+    starts = torch.randint(0, corpus.numel() - 65, (8,), generator=g)
+    ids = torch.stack([corpus[s : s + 64] for s in starts.tolist()]).long()
+    return model(input_ids=ids, labels=ids).loss
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def target(args) -> int:
+    """The committed steps to train: ``--steps``, or the number in ``--steps-file`` once it exists (a harness
+    ends every replica at the same step that way)."""
+    if args.steps_file and os.path.exists(args.steps_file):
+        text = Path(args.steps_file).read_text().strip()
+        if text:
+            return int(text)
+    return args.steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200, help="committed steps to train")
+    ap.add_argument("--steps-file", default=None, help="a file whose number, once it exists, replaces --steps")
+    ap.add_argument("--model", default="mlp", choices=["mlp", "llama"])
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
+    ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=30.0, help="seconds: collectives, should_commit, recovery")
+    ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (emulates a longer step)")
+    ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
+    ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+    replica = args.replica_id if args.replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "0")
+    torch.set_num_threads(1)
+    # each replica may start from its own weights: the first quorum gives every replica the same (torchft's init_sync)
+    model = build(args.model, int(replica) if args.seed is None else args.seed)
+    corpus = None
+    if args.model == "llama":
+        from hf_demo.stdlib_corpus import stdlib_bytes
+
+        corpus = stdlib_bytes(1 << 20)
+    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, compression_topk=4, compression_chunk=8)
+    elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
+                      timeout=args.timeout)  # fmt: skip
+    loss, started = float("nan"), time.monotonic()
+    while elastic.manager.current_step() < target(args):
+        elastic.start_step()
+        step = elastic.manager.current_step()
+        model.zero_grad(set_to_none=True)
+        value = loss_of(model, args.model, elastic.rank, step, corpus)
+        value.backward()
+        time.sleep(args.step_seconds)
+        opt.step()
+        loss = value.item()
+        if not args.quiet:
+            line = {"replica": replica, "step": step, "committed": elastic.last_committed, "quorum": elastic.world,
+                    "loss": round(loss, 5), "time": round(time.monotonic() - started, 3)}  # fmt: skip
+            if not elastic.last_committed:
+                line["error"] = elastic.stats.last_error
+            print(json.dumps(line), flush=True)
+    record = {"replica": replica, "digest": digest(model), "steps": elastic.manager.current_step(),
+              "demo_steps": opt.steps, "loss": loss, "seconds": time.monotonic() - started,
+              **elastic.stats.as_dict()}  # fmt: skip
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, f"replica{replica}.json").write_text(json.dumps(record))
+    print(json.dumps({"done": record}), flush=True)
+    elastic.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # torchft's server threads would keep the process waiting
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Elastic DeMo on torchft: a lost replica costs a step, not the run (``pip install 'hf-demo[ft]'``).
+
+One replica group per DeMo rank (one process each), a torchft Lighthouse, and per step:
+
+1. :meth:`Elastic.start_step`: torchft's quorum. The Manager reconfigures its process group when the quorum
+   changed (a replica lost or back), and a replica behind the quorum (a restarted one, or one that failed to
+   commit a step the others committed) receives the agreed state from a live peer through torchft's checkpoint
+   transport (:meth:`Elastic.agreed_state` / :meth:`Elastic.load_agreed`) before its forward pass.
+2. ``optimizer.step()``: DeMo's pipeline, whose collectives (headers, payloads, the vote) run over the Manager's
+   reconfigurable process group (:class:`ManagedTransport`) among this quorum's replicas: the mean is over the
+   replicas present.
+3. One commit decision, :meth:`Elastic.decide` (``DeMo.replication``): an error of the step (a collective that
+   failed because a peer died, a payload or header refused by DeMo's all-ranks vote) is reported to torchft
+   (``Manager.report_error``), and ``Manager.should_commit()`` decides whether the step's transaction commits.
+   A refused step applies nothing (parameters, momenta, counters: DeMo's transaction) and does not count as a
+   torchft step either; the survivors go on at the next quorum without reloading anything.
+
+A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
+each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
+it; a zero momentum is the state every rank starts a run in, and the replica's next steps send the top-k of its
+fresh gradients like any rank's first steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hf_demo.errors import DeMoSetupError, DeMoSyncError
+from hf_demo.exchange.transport import Transport
+from hf_demo.topology.flat import FlatTopology
+
+EXTRA = "ft"
+OWN_KEYS = ("momentum", "signal_momentum")  # each rank's own state: never sent to a joiner, kept by a healed one
+
+
+def require_torchft():
+    """``import torchft``, or an ImportError naming the extra that brings it."""
+    try:
+        return importlib.import_module("torchft")
+    except ImportError as exc:
+        raise ImportError(
+            "elastic DeMo (hf_demo.elastic) runs on torchft, which the default install of hf-demo does not bring: "
+            f"pip install 'hf-demo[{EXTRA}]' (or pip install torchft)"
+        ) from exc
+
+
+def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int = 1000, quorum_tick_ms: int = 50):
+    """A torchft Lighthouse in this process (tests, one-machine runs): ``.address()`` is what every replica's
+    :class:`Elastic` (or ``TORCHFT_LIGHTHOUSE``) takes. On a cluster run ``torchft_lighthouse`` instead."""
+    require_torchft()
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms
+    )
+
+
+class ManagedTransport(Transport):
+    """DeMo's collectives over torchft's reconfigurable process group, among the replicas of one quorum.
+
+    ``rank`` and ``world`` are this replica's rank and the number of replicas in the quorum. A collective that
+    fails (a peer died mid-step) raises :class:`DeMoSyncError` inside the step as on a plain group; the step's
+    :meth:`Elastic.decide` reports it to torchft instead of raising it to the training loop."""
+
+    def __init__(self, pg, rank: int, world: int, timeout: float):
+        self.timeout, self.failures = timeout, 0
+        self.base_group = self.group = pg
+        self.rank, self.world = rank, world
+        self.backend = "nccl" if "nccl" in pg.getBackendName() else "gloo"
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank  # the replica's rank in this quorum
+
+    def _unanswered_ranks(self, step: int) -> list[int]:
+        return []  # who is gone is torchft's quorum's to say, at the next step
+
+    def _gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        rows = list(out.view(self.world, -1).unbind(0))
+        return _issued(lambda: self.group.allgather([rows], [wire], AllgatherOptions()), async_op)
+
+    def _reduce(self, wire: torch.Tensor, async_op: bool = False):
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return _issued(lambda: self.group.allreduce([wire], opts), async_op)
+
+    def _broadcast(self, wire: torch.Tensor, src: int):
+        from torch.distributed.distributed_c10d import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return _issued(lambda: self.group.broadcast([wire], opts), False)
+
+
+def _issued(call, async_op: bool):
+    """Run a collective on torchft's group: its work (``async_op``), or None once done; any failure of the group
+    (a dead peer, a group not configured) as the RuntimeError the transport names."""
+    try:
+        work = call()
+        if async_op:
+            return work
+        work.wait()
+    except RuntimeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torchft's group may fail with an assertion or a timeout
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+    return None
+
+
+@dataclass
+class ElasticStats:
+    """What the quorum did, as seen by this replica."""
+
+    quorum_size: int = 0  # replicas in the current quorum
+    quorum_changes: int = 0  # reconfigurations seen (a replica lost or joined)
+    replicas_lost: int = 0  # replicas gone between two quorums (net of joins at the same change)
+    replicas_joined: int = 0  # replicas added between two quorums
+    recoveries: int = 0  # times this replica received the agreed state from a peer
+    committed_steps: int = 0
+    refused_steps: int = 0  # steps every survivor refused (nothing applied)
+    batches_lost: int = 0  # the batches of the refused steps (one per replica in the quorum)
+    quorum_seconds: float = 0.0  # time in torchft's quorum, a recovery included
+    last_error: str = ""  # the last refused step's reason
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Elastic:
+    """DeMo ``opt`` (over ``model``'s parameters) trained elastically under torchft.
+
+    Per step, on every replica: :meth:`start_step` (the quorum; a joiner's recovery), forward and backward on the
+    batch of this replica's rank in the quorum (:attr:`rank`, :attr:`world`), then ``opt.step()``, which commits
+    only where torchft says so (:attr:`last_committed`).
+
+    Args:
+        opt: a :class:`hf_demo.DeMo` over ``model``'s parameters, not stepped yet.
+        model: the module whose ``state_dict`` a joiner receives with DeMo's agreed state.
+        lighthouse: the Lighthouse's address (default ``TORCHFT_LIGHTHOUSE``).
+        replica_id: this replica group's name (default ``REPLICA_GROUP_ID``); a restarted replica keeps it.
+        min_replicas: the fewest replicas a step commits with.
+        timeout: seconds for a collective, ``should_commit`` and a recovery (torchft's ``timeout``).
+        quorum_timeout: seconds to wait for a quorum.
+        manager: a torchft ``Manager`` built by the caller (then the four above are its own).
+    """
+
+    def __init__(self, opt, model: torch.nn.Module, *, lighthouse: str | None = None, replica_id: str | None = None,
+                 min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, manager=None):  # fmt: skip
+        require_torchft()
+        refuse_modes(opt)
+        self.opt, self.model = opt, model
+        self.stats = ElasticStats()
+        self.timeout = timeout
+        self.last_committed = False
+        self._topology = None
+        self._quorum_id = None
+        self._armed = False
+        self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
+        opt.replication = self
+
+    def _manager(self, lighthouse, replica_id, min_replicas, timeout, quorum_timeout):
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        group_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if group_world != 1:
+            raise DeMoSetupError(
+                f"hf_demo.elastic runs one process per replica group; this replica group has {group_world} "
+                "(WORLD_SIZE): launch one torchrun --nproc_per_node=1 per replica group (an HSDP node as one "
+                "replica group is not supported yet)"
+            )
+        self._store = None
+        if "MASTER_ADDR" not in os.environ:  # no launcher's store: this process hosts its replica group's
+            self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        seconds = datetime.timedelta(seconds=timeout)
+        return Manager(
+            pg=ProcessGroupGloo(timeout=seconds),
+            load_state_dict=self.load_agreed,
+            state_dict=self.agreed_state,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,  # a joiner recovers before its forward pass
+            timeout=seconds,
+            quorum_timeout=datetime.timedelta(seconds=quorum_timeout),
+            connect_timeout=seconds,
+            rank=0,
+            world_size=1,
+            store_addr="localhost" if self._store is not None else None,
+            store_port=self._store.port if self._store is not None else None,
+            lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+            replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
+        )
+
+    # ------------------------------------------------------------------ per step
+    def start_step(self) -> None:
+        """torchft's quorum for the next step (a recovery from a peer included, before the forward pass);
+        DeMo's exchange then runs among this quorum's replicas."""
+        t0 = time.monotonic()
+        self.manager.start_quorum()
+        rank, world = self.manager.participating_rank(), self.manager.num_participants()
+        if rank is None:
+            raise DeMoSyncError("this replica is not in torchft's quorum (a spare): nothing to step")
+        quorum = getattr(self.manager, "_quorum_id", None)
+        if quorum != self._quorum_id:
+            self._count_change(world)
+            self._quorum_id = quorum
+        self.stats.quorum_size = world
+        self.stats.quorum_seconds += time.monotonic() - t0
+        self._topology = FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
+        self._armed = True  # one optimizer.step() may now decide
+
+    def _count_change(self, world: int) -> None:
+        before = self.stats.quorum_size
+        if self._quorum_id is not None:
+            self.stats.quorum_changes += 1
+            self.stats.replicas_lost += max(before - world, 0)
+            self.stats.replicas_joined += max(world - before, 0)
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the current quorum (which shard of the data to read)."""
+        return self._topology.transport.rank if self._topology is not None else 0
+
+    @property
+    def world(self) -> int:
+        """The number of replicas in the current quorum."""
+        return self._topology.transport.world if self._topology is not None else 1
+
+    @property
+    def topology(self):
+        """The flat topology over this quorum's group (``DeMo.topology`` while elastic; a world of one before the
+        first quorum, for the state a peer's recovery asks for)."""
+        return self._topology if self._topology is not None else FlatTopology(Transport.alone())
+
+    def decide(self, error: BaseException | None) -> bool:
+        """The one commit decision of a step, on every replica: DeMo's verdict (``error``: what the step raised,
+        a failed collective or a refusal of the all-ranks vote) reported to torchft, and torchft's
+        ``should_commit()`` says whether the step's transaction commits. An error that is not a
+        :class:`DeMoSyncError` (a bug, a bad setting) is raised once torchft has been told."""
+        if not self._armed:
+            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each optimizer.step()")
+        self._armed = False
+        if error is not None:
+            self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+            self.stats.last_error = str(error).splitlines()[0][:300]
+        commit = bool(self.manager.should_commit()) and error is None
+        self.last_committed = commit
+        if commit:
+            self.stats.committed_steps += 1
+        else:
+            self.stats.refused_steps += 1
+            self.stats.batches_lost += self.stats.quorum_size
+        if error is not None and not isinstance(error, DeMoSyncError):
+            raise error
+        return commit
+
+    # ------------------------------------------------------------------ recovery
+    def agreed_state(self) -> dict:
+        """What a joiner receives (torchft's ``state_dict`` callback, on a live peer): the model's state and DeMo's
+        state but each rank's own momentum, as copies."""
+        optim = self.opt.state_dict()
+        optim["state"] = {pid: {k: v for k, v in s.items() if k not in OWN_KEYS} for pid, s in optim["state"].items()}
+        return _copied({"model": self.model.state_dict(), "optimizer": optim})
+
+    def load_agreed(self, state: dict) -> None:
+        """A peer's agreed state, loaded (torchft's ``load_state_dict`` callback, before the forward pass): the
+        model, the rule state, the counters, the policy's tier; this replica's own momentum is kept where it has
+        one (a replica that lagged), zero otherwise (a restarted one)."""
+        own = {p: {k: s[k] for k in OWN_KEYS if k in s} for p, s in self.opt.state.items()}
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.opt.saved_world, self.opt.saved_identity = None, (None, None, None)  # a live peer's, not a resume
+        for p, kept in own.items():
+            self.opt.state[p].update(kept)
+        self.stats.recoveries += 1
+
+    def shutdown(self) -> None:
+        """Stop this replica's Manager (its server and checkpoint transport)."""
+        self.manager.shutdown(wait=False)
+        self.opt.replication = None
+
+
+def _copied(tree):
+    if torch.is_tensor(tree):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_copied(v) for v in tree)
+    return tree
+
+
+def refuse_modes(opt) -> None:
+    """The modes elastic DeMo does not run yet, refused with the reason (never a silent fallback)."""
+    s = opt.settings
+    refusals = []
+    if s.overlap:
+        refusals.append(
+            "overlap=True: the exchange in flight spans two quorums, so a replica lost after it started would leave "
+            "the survivors with an update that landed on some of them only"
+        )
+    if s.sync_every > 1 or (s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers)):
+        refusals.append(
+            "sync_every > 1 or comm_budget (tiers with local steps): inside a local phase each replica's parameters "
+            "are its own, so a joiner could not be given an agreed state before the next synchronisation"
+        )
+    if opt.device_mesh is not None:
+        refusals.append("device_mesh (HSDP): a whole node as one replica group is not supported yet")
+    if refusals:
+        raise DeMoSetupError("hf_demo.elastic does not run with " + "; ".join(refusals))
