@@ -36,17 +36,20 @@ COMMON = [
 ]
 
 
-def _train(tmp, name, *extra, num_processes=2, check=True):
+def _train(tmp, name, *extra, num_processes=2, check=True, cpu_switch=True):
+    """``cpu_switch=False``: launched as a user who gave neither ACCELERATE_USE_CPU=1 nor --use_cpu would."""
+    common = COMMON if cpu_switch else COMMON[: COMMON.index("--use_cpu")]
     return accelerate_launch(
         SCRIPT,
         "--output_dir",
         tmp / name / "out",
         "--record_dir",
         tmp / name / "rec",
-        *COMMON,
+        *common,
         *extra,
         num_processes=num_processes,
         check=check,
+        cpu_switch=cpu_switch,
     )
 
 
@@ -198,6 +201,8 @@ def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
 
 
 def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
+    """Launched without the CPU switch too (no ACCELERATE_USE_CPU, no --use_cpu): DeMoTrainingArguments sees the
+    CPU-only machine and trains with world size 2 (issue 9, item 2)."""
     tmp, (r0, _), _ = straight
     proc = _train(
         tmp,
@@ -210,11 +215,13 @@ def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
         "32",
         "--resume_from_checkpoint",
         tmp / "straight" / "out" / "checkpoint-10",
+        cpu_switch=False,
     )
     assert proc.stdout.count("resuming with settings that differ from the checkpoint's") == 2
     assert "compression_topk: saved 32, requested 16" in proc.stdout
-    a, b = load_records(tmp / "resettled" / "rec", 2)
+    a, b = load_records(tmp / "resettled" / "rec", 2)  # world size 2 on both ranks
     assert a["params"] == b["params"] != r0["params"] and a["global_step"] == 20
+    assert a["first_grad"] != b["first_grad"] and "setting use_cpu=True" in proc.stdout
 
 
 @pytest.mark.slow  # DeMoTrainer's non-DeMo path; the fast run keeps evaluate-before-train with adamw_torch
