@@ -40,7 +40,8 @@ def test_save_state_load_state_resume_bitwise_and_metrics(tmp_path):
     r0, r1 = load_records(resumed, 2)
     assert f0["params"] == f1["params"] == r0["params"] == r1["params"]  # bit for bit, replicas identical
     assert (f0["momentum"], f1["momentum"]) == (r0["momentum"], r1["momentum"])  # every rank's own state
-    assert f0["momentum"] != f1["momentum"]
+    assert f0["momentum"] != f1["momentum"] and f0["grad0"] != f1["grad0"]  # local gradients (DeMo, not DDP's)
+    assert f0["data_loss"][1] < f0["data_loss"][0]  # it learns (the whole data set's loss, on rank 0)
     assert f0["losses"][5:] == r0["losses"] and f1["losses"][5:] == r1["losses"] and f0["lr"] == r0["lr"]
     assert f0["averaged"] == f0["params"] and f0["counters"] == (0, 0, 0) and f0["bytes_sent"] > 0
 

@@ -350,6 +350,18 @@ def test_unsupported_setups_stop_at_start_up():
         check_supported(fsdp_requested=True)  # asked for, but Accelerate did not turn it on (a CPU run)
 
 
+def test_fsdp_asked_for_in_the_arguments_on_cpu_stops(tmp_path):
+    """``--fsdp full_shard`` on CPU: Accelerate turns FSDP off, and the run trained as plain DDP + DeMo without a
+    word; the arguments now stop naming hf_demo.fsdp, and so does DeMoTrainer given plain arguments and a DeMo."""
+    with pytest.raises(hf_demo.DeMoSetupError, match="Accelerate does not run it here: it runs FSDP only on GPUs"):
+        parse("--optim", "demo", "--fsdp", "full_shard")
+    assert not parse("--optim", "adamw_torch", "--fsdp", "full_shard").uses_demo  # not DeMo's business
+    model = _tiny_llama()
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, fsdp="full_shard")
+    with pytest.raises(hf_demo.DeMoSetupError, match="runs FSDP only on GPUs.*hf_demo.fsdp"):
+        hf_demo.DeMoTrainer(model=model, args=plain, optimizers=(hf_demo.DeMo(model.parameters(), lr=1e-3), None))
+
+
 def _launch_env(config: str) -> dict:
     """The environment `ACCELERATE_USE_CPU=1 accelerate launch --config_file <config> --num_machines 1
     --num_processes 2` gives each process (Accelerate's own launcher code)."""

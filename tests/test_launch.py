@@ -84,6 +84,7 @@ def test_shutdown_waits_for_starved_gloo_workers():
     assert not failures, f"{len(failures)} of 12 launches failed at exit; first:\n{failures[0]}"
 
 
+@pytest.mark.slow  # the same launch, resuming: test_trainer.py::test_resume_with_other_settings_warns_and_uses_...
 def test_cpu_launch_without_the_switch_trains_with_world_size_2(tmp_path):
     """No ACCELERATE_USE_CPU, no --use_cpu: DeMoTrainingArguments sees the CPU-only machine (issue 9, item 2)."""
     args = NO_SWITCH

@@ -36,29 +36,47 @@ COMMON = [
 ]
 
 
-def _train(tmp, name, *extra, num_processes=2, check=True):
+def _train(tmp, name, *extra, num_processes=2, check=True, cpu_switch=True):
+    """``cpu_switch=False``: launched as a user who gave neither ACCELERATE_USE_CPU=1 nor --use_cpu would."""
+    common = COMMON if cpu_switch else COMMON[: COMMON.index("--use_cpu")]
     return accelerate_launch(
         SCRIPT,
         "--output_dir",
         tmp / name / "out",
         "--record_dir",
         tmp / name / "rec",
-        *COMMON,
+        *common,
         *extra,
         num_processes=num_processes,
         check=check,
+        cpu_switch=cpu_switch,
     )
+
+
+# the straight run also calls trainer.evaluate() before trainer.train() on replicas initialised apart, and ends
+# with hf_demo.shutdown() (test_evaluate_before_train_still_wraps_and_synchronises reads it): one launch less
+EVALUATE_FIRST = ["--evaluate_first", "true", "--init_seed_by_rank", "true", "--end_with_shutdown", "true"]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
-    _train(tmp, "straight", "--optim", "demo", "--report_to", "tensorboard")
-    return tmp, load_records(tmp / "straight" / "rec", 2)
+    proc = _train(tmp, "straight", "--optim", "demo", *EVALUATE_FIRST)
+    return tmp, load_records(tmp / "straight" / "rec", 2), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def resumed(straight):
+    """The straight run resumed from its step-10 checkpoint, logging to TensorBoard (Trainer's TensorBoard
+    callback writes to the working directory when trainer.evaluate() comes before train(), so not the straight run)."""
+    tmp, _, _ = straight
+    ckpt = tmp / "straight" / "out" / "checkpoint-10"
+    _train(tmp, "resumed", "--optim", "demo", "--report_to", "tensorboard", "--resume_from_checkpoint", ckpt)
+    return load_records(tmp / "resumed" / "rec", 2)
 
 
 def test_demo_trains_keeps_ranks_identical_and_local_gradients(straight):
-    _, (r0, r1) = straight
+    _, (r0, r1), _ = straight
     assert r0["optimizer"] == "DeMo" and r0["global_step"] == 20
     assert r0["params"] == r1["params"]  # bitwise identical parameters on every rank
     assert r0["first_grad"] != r1["first_grad"]  # DDP did not average the gradients
@@ -66,11 +84,11 @@ def test_demo_trains_keeps_ranks_identical_and_local_gradients(straight):
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_communication_metrics_reach_tensorboard(straight):
+def test_communication_metrics_reach_tensorboard(straight, resumed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tmp, _ = straight
-    events = list((tmp / "straight" / "out" / "runs").rglob("events.out.tfevents.*"))
+    tmp, _, _ = straight
+    events = list((tmp / "resumed" / "out" / "runs").rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
@@ -90,12 +108,8 @@ def test_communication_metrics_reach_tensorboard(straight):
     assert 0 < ratio < 0.05 and sent > 0
 
 
-def test_resume_is_bitwise_exact(straight):
-    tmp, (r0, _) = straight
-    _train(tmp, "half", "--optim", "demo", "--stop_at_step", "10")
-    assert (tmp / "half" / "out" / "checkpoint-10" / "optimizer.rank1.pt").is_file()
-    _train(tmp, "resumed", "--optim", "demo", "--resume_from_checkpoint", tmp / "half" / "out" / "checkpoint-10")
-    resumed = load_records(tmp / "resumed" / "rec", 2)
+def test_resume_is_bitwise_exact(straight, resumed):
+    _, (r0, _), _ = straight
     assert resumed[0]["global_step"] == 20
     assert resumed[0]["params"] == resumed[1]["params"] == r0["params"]
 
@@ -138,7 +152,7 @@ def test_rank_0_alone_saves_after_training_that_ended_inside_a_local_phase_left_
 
 
 def test_resume_with_another_number_of_processes_fails_clearly(straight):
-    tmp, _ = straight
+    tmp, _, _ = straight
     ckpt = tmp / "straight" / "out" / "checkpoint-10"
     proc = _train(tmp, "one", "--optim", "demo", "--resume_from_checkpoint", ckpt, num_processes=1, check=False)
     assert proc.returncode != 0
@@ -146,7 +160,7 @@ def test_resume_with_another_number_of_processes_fails_clearly(straight):
 
 
 def test_checkpoints_carry_a_manifest_of_every_rank_file(straight):
-    tmp, _ = straight
+    tmp, _, _ = straight
     manifest = json.loads((tmp / "straight" / "out" / "checkpoint-10" / MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["global_step"] == 10
     assert {
@@ -166,7 +180,7 @@ def test_checkpoints_carry_a_manifest_of_every_rank_file(straight):
     ["missing_rank1", pytest.param("flipped_bytes", marks=pytest.mark.slow)],
 )
 def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
-    tmp, _ = straight
+    tmp, _, _ = straight
     ckpt = tmp / f"damaged_{damage}"
     shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
     if damage == "missing_rank1":
@@ -187,7 +201,9 @@ def test_damaged_checkpoint_gives_every_rank_the_same_error(straight, damage):
 
 
 def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
-    tmp, (r0, _) = straight
+    """Launched without the CPU switch too (no ACCELERATE_USE_CPU, no --use_cpu): DeMoTrainingArguments sees the
+    CPU-only machine and trains with world size 2 (issue 9, item 2)."""
+    tmp, (r0, _), _ = straight
     proc = _train(
         tmp,
         "resettled",
@@ -199,11 +215,13 @@ def test_resume_with_other_settings_warns_and_uses_the_requested_ones(straight):
         "32",
         "--resume_from_checkpoint",
         tmp / "straight" / "out" / "checkpoint-10",
+        cpu_switch=False,
     )
     assert proc.stdout.count("resuming with settings that differ from the checkpoint's") == 2
     assert "compression_topk: saved 32, requested 16" in proc.stdout
-    a, b = load_records(tmp / "resettled" / "rec", 2)
+    a, b = load_records(tmp / "resettled" / "rec", 2)  # world size 2 on both ranks
     assert a["params"] == b["params"] != r0["params"] and a["global_step"] == 20
+    assert a["first_grad"] != b["first_grad"] and "setting use_cpu=True" in proc.stdout
 
 
 @pytest.mark.slow  # DeMoTrainer's non-DeMo path; the fast run keeps evaluate-before-train with adamw_torch
@@ -240,6 +258,7 @@ def test_gradient_accumulation_bf16_checkpointing_and_clipping(tmp_path):
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # the same checks on a loop that also saves and resumes: test_accelerate_loop.py
 def test_custom_accelerate_loop_with_prepare(tmp_path):
     accelerate_launch(ROOT / "tests" / "scripts" / "accelerate_loop.py", tmp_path / "rankRANK.pt")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
@@ -248,41 +267,32 @@ def test_custom_accelerate_loop_with_prepare(tmp_path):
     assert sum(r0["losses"][-5:]) < sum(r0["losses"][:5])
 
 
-@pytest.mark.parametrize(
-    "optim",
-    ["demo", pytest.param("adamw_torch", marks=pytest.mark.slow)],  # the DDP control: slow tier
-)
-def test_evaluate_before_train_still_wraps_and_synchronises(tmp_path, optim):
-    """evaluate() before train() used to leave the model unwrapped: replicas initialised apart stayed apart
-    (PEFT adapters), and the DDP baselines never averaged. Now train() wraps it in DDP, which broadcasts
-    rank 0's weights; DDP's find_unused_parameters warning is gone too."""
-    name = f"evalfirst_{optim}"
-    proc = _train(
-        tmp_path,
-        name,
-        "--optim",
-        optim,
-        "--evaluate_first",
-        "true",
-        "--init_seed_by_rank",
-        "true",
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "100",
-        "--end_with_shutdown",  # an entry point ends with hf_demo.shutdown(); the exit handler is test_launch's
-        "true",
-    )
-    r0, r1 = load_records(tmp_path / name / "rec", 2)
+def _check_evaluate_first(r0, r1, stdout, optim):
     assert r0["ddp"] and r1["ddp"] and r0["find_unused_parameters"] is False
     assert r0["params"] == r1["params"]  # one model on every rank
     if optim == "demo":
         assert r0["first_grad"] != r1["first_grad"] and r0["resyncs"] == 0  # local gradients; DDP broadcast
     else:
         assert r0["first_grad"] == r1["first_grad"]  # DDP averaged the gradients
-    assert "find_unused_parameters=True" not in proc.stdout
+    assert "find_unused_parameters=True" not in stdout
 
 
+def test_evaluate_before_train_still_wraps_and_synchronises(straight):
+    """evaluate() before train() used to leave the model unwrapped: replicas initialised apart stayed apart
+    (PEFT adapters), and the DDP baselines never averaged. Now train() wraps it in DDP, which broadcasts
+    rank 0's weights; DDP's find_unused_parameters warning is gone too. (The straight run: EVALUATE_FIRST.)"""
+    _, (r0, r1), stdout = straight
+    _check_evaluate_first(r0, r1, stdout, "demo")
+
+
+@pytest.mark.slow  # the DDP control of the test above
+def test_evaluate_before_train_still_wraps_and_synchronises_adamw(tmp_path):
+    proc = _train(tmp_path, "evalfirst", "--optim", "adamw_torch", *EVALUATE_FIRST, "--max_steps", "6")
+    r0, r1 = load_records(tmp_path / "evalfirst" / "rec", 2)
+    _check_evaluate_first(r0, r1, proc.stdout, "adamw_torch")
+
+
+@pytest.mark.slow  # the same refusal in one process: test_args.py::test_fsdp_asked_for_in_the_arguments_on_cpu_stops
 def test_fsdp_asked_for_on_cpu_stops_saying_it_would_train_ddp(tmp_path):
     """Trainer's --fsdp on CPU: Accelerate turns FSDP off, and the run trained as plain DDP + DeMo without a word."""
     proc = _train(tmp_path, "fsdp", "--optim", "demo", "--fsdp", "full_shard", "--max_steps", "2", check=False)
@@ -326,7 +336,7 @@ def test_a_vouched_checkpoint_holding_another_runs_rank_file_gives_every_rank_th
     Every rank now raises the same DeMoStateError naming rank 1's file, not rank 0 a raw gloo error."""
     from hf_demo.hf.checkpoint import write_manifest
 
-    tmp, _ = straight
+    tmp, _, _ = straight
     _train(tmp, "other", "--optim", "demo", "--seed", "2", "--max_steps", "10")
     ckpt = tmp / "mixed"
     shutil.copytree(tmp / "straight" / "out" / "checkpoint-10", ckpt)
