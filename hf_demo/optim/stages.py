@@ -202,9 +202,12 @@ class Communicate:
             return
         transport = ctx.transport
         if codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            # every rank skips: what rode with the headers is left unread, nothing more travels. (Where the
-            # payload did not ride, a rank that refused the flagging header meets the others only in the vote
-            # after its own exchange: it raises within comm_timeout naming the header.)
+            # every rank skips: the zeros sent are left unread. An all-gather exchange whose payload did not ride
+            # still runs its gather, as a rank that refused the flagging header does. (all_reduce's sum needs
+            # every rank's momentum, which a non-finite step has not: it sends nothing more, and a rank that
+            # refused the flagging header raises within comm_timeout naming it.)
+            if ctx.arrived is None and ctx.exchange.name == "all_gather":
+                ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working).wait(transport.traffic)
             ctx.refusal = ctx.header_refusal
             return
         try:
