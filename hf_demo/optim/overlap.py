@@ -18,7 +18,7 @@ from hf_demo.optim.signals import rule_directions, whole_matrix_params
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.dtensor import local, local_shape
-from hf_demo.wire import agreement
+from hf_demo.wire import agreement, codec
 
 
 def pending_from(ctx, in_flight) -> PendingExchange | None:
@@ -52,11 +52,16 @@ def targets(opt, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
     return list(zip(chosen, pending.layouts))
 
 
-def finish(opt, traffic: Traffic) -> list[torch.Tensor]:
-    """Wait for the exchange in flight, validate it and average it (nothing committed); raises
+def finish(opt, traffic: Traffic) -> list[torch.Tensor] | None:
+    """Wait for the exchange in flight, validate it and average it (nothing committed; None for a skipped step's,
+    which lands nothing); raises
     :class:`DeMoPayloadError` where what this rank received fails its checks."""
     pending = opt.pending
     targets(opt, pending)  # the parameters are still there
+    started = pending.in_flight
+    if started.refused is None and codec.flagged(started.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+        started.wait(traffic)  # the exchange of a step every rank skipped: zeros and stale rows, nothing lands
+        return None
     spec = opt.exchange_spec(
         pending.layouts,
         pending.value_format,

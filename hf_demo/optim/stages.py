@@ -202,12 +202,13 @@ class Communicate:
             return
         transport = ctx.transport
         if codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            # every rank skips: the zeros sent are left unread. An all-gather exchange whose payload did not ride
-            # still runs its gather, as a rank that refused the flagging header does. (all_reduce's sum needs
-            # every rank's momentum, which a non-finite step has not: it sends nothing more, and a rank that
-            # refused the flagging header raises within comm_timeout naming it.)
-            if ctx.arrived is None and ctx.exchange.name == "all_gather":
-                ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working).wait(transport.traffic)
+            # every rank skips: the exchange's collectives still run, with zeros of the sizes they always have
+            # (nothing more where the payload rode with the headers), as on a rank that refused the flagging
+            # header and so goes on as if the step were taken; what arrives is left unread
+            started = ctx.exchange.start(
+                transport, ctx.headers, ctx.payload, ctx.working, arrived=ctx.arrived, skipped=True
+            )
+            started.wait(transport.traffic)
             ctx.refusal = ctx.header_refusal
             return
         try:
@@ -268,15 +269,17 @@ class Update:
 
 class LandLate:
     """Overlap: the update of the exchange the last step started lands (after a resync's copies, before this
-    step's own writes), and this step's exchange starts in the background (a skipped step starts none): it
-    becomes the one in flight."""
+    step's own writes), and this step's exchange starts in the background: it becomes the one in flight. A
+    skipped step's exchange runs too, with zeros, and lands nothing: so a rank that refused the header saying
+    skip meets every other rank in it, and its refusal rides in the next step's header."""
 
     name = "land"
 
     def run(self, ctx: StepContext) -> None:
         opt = ctx.opt
-        if ctx.settings.overlap and not ctx.skip:
-            ctx.in_flight = ctx.exchange.start(ctx.transport, ctx.headers, ctx.payload, ctx.working, background=True)
+        if ctx.settings.overlap:  # a skipped step's exchange too, with zeros (nothing of it lands): see Communicate
+            exchange, transport = ctx.exchange, ctx.transport
+            ctx.in_flight = exchange.start(transport, ctx.headers, ctx.payload, ctx.working, True, skipped=ctx.skip)
             ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
         if ctx.settings.overlap or ctx.late is not None:
             overlap.stage_late(opt, ctx.tx, ctx.late, ctx.transport)
