@@ -7,8 +7,8 @@ over links of growing latency.
 Latency is emulated in the application, as ``wan.py`` does (this kernel has no netem): before each of DeMo's
 collectives every rank sleeps ``(W-1) * D`` ms, the sequential hops of a ring (``register_collective_hook``).
 The vote is one more collective of 8 bytes per rank, so it costs one more latency per step and no bandwidth; the
-header riding with the payload saves one. Prints the mean optimizer-step time of each, and the ratios to the
-default; writes the table to ``--out`` (Markdown).
+header riding with the payload saves one. Prints the median optimizer-step time of each (``--repeats`` runs
+of each, taken in turn), and the ratios to the default; writes the table to ``--out`` (Markdown).
 """
 
 from __future__ import annotations
@@ -52,27 +52,30 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0, 50.0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, taken in turn; the median step")
     parser.add_argument("--size", type=int, default=512, help="the side of the two square layers (2 x size^2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/commit_vote.md"))
     args = parser.parse_args(argv)
     rows = ['| one-way latency per hop | 3 round trips | 2 (default) | 1 (`commit_vote="off"`) | 3 / 2 | 1 / 2 |']
     rows.append("|---:|---:|---:|---:|---:|---:|")
     for delay in args.delays_ms:
-        mean = {}
-        for trips in ROUND_TRIPS:
-            per_rank = expect_ok(run_ranks(_steps, 2, trips, delay, args.steps, args.size, timeout=600))
-            mean[trips] = statistics.mean(max(s) for s in zip(*per_rank))  # a step ends when its slowest rank's does
+        pooled = {trips: [] for trips in ROUND_TRIPS}
+        for _ in range(args.repeats):  # the three in turn, so that a change of the machine's load hits each alike
+            for trips in ROUND_TRIPS:
+                per_rank = expect_ok(run_ranks(_steps, 2, trips, delay, args.steps, args.size, timeout=600))
+                pooled[trips] += [max(s) for s in zip(*per_rank)]  # a step ends when its slowest rank's does
+        median = {trips: statistics.median(times) for trips, times in pooled.items()}
         rows.append(
-            f"| {delay:g} ms | {mean[3] * 1000:.1f} ms | {mean[2] * 1000:.1f} ms | {mean[1] * 1000:.1f} ms | "
-            f"{mean[3] / mean[2]:.3f}x | {mean[1] / mean[2]:.3f}x |"
+            f"| {delay:g} ms | {median[3] * 1000:.1f} ms | {median[2] * 1000:.1f} ms | {median[1] * 1000:.1f} ms | "
+            f"{median[3] / median[2]:.3f}x | {median[1] / median[2]:.3f}x |"
         )
         print(rows[-1], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     params = 2 * (args.size * args.size + args.size)
     args.out.write_text(
         f"# What a step's round trips cost\n\n2 gloo ranks, {params:,} parameters (two {args.size}x{args.size} "
-        f"layers), DeMo's defaults, {args.steps} steps (the first 3 left out), latency emulated before each "
-        "collective.\n"
+        f"layers), DeMo's defaults, the median of {args.repeats} x {args.steps - 3} steps (each run's first 3 left "
+        "out; the three kinds of step run in turn), latency emulated before each collective.\n"
         f"Command: `python benchmarks/commit_vote.py`\n\n" + "\n".join(rows) + "\n"
     )
 
