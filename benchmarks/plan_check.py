@@ -473,8 +473,9 @@ def measure(periods: int, latencies, rates, topologies, methods, fenced: bool = 
         started = time.time()
         got = expect_ok(run_ranks(measure_ranks, nodes * per_node, per_node, cases, periods, fenced, timeout=3600))
         load = open("/proc/loadavg").read().split()[:3]
+        given = given_figures(got[0]["cases"])
         for i, (method, lat, rate) in enumerate(cases):
-            figures = got[0]["cases"][i][0]
+            figures = dict(got[0]["cases"][i][0], **given[i])
             seconds, nbytes, count = measured_comm([g["cases"][i][1] for g in got], method)
             records.append(
                 dict(
@@ -495,6 +496,22 @@ def measure(periods: int, latencies, rates, topologies, methods, fenced: bool = 
               f"collective overhead {statistics.median(overheads):.2f} ms "
               f"({min(overheads):.2f} to {max(overheads):.2f})")  # fmt: skip
     return records
+
+
+CALIBRATION_WINDOW = 2  # cases on each side of a case whose calibrations give its figures
+
+
+def given_figures(cases: list) -> list[dict]:
+    """What the planner is given for each case of a launch: the median of the calibrations (:func:`calibrate`)
+    of the case and of the ``CALIBRATION_WINDOW`` cases on each side (five: about half a minute of this host).
+    One calibration lasts a third of a second, and the load of a shared 2-core machine comes in bursts of
+    seconds: one burst over a calibration would otherwise stand for the case."""
+    out = []
+    for i in range(len(cases)):
+        near = [c[0] for c in cases[max(0, i - CALIBRATION_WINDOW) : i + CALIBRATION_WINDOW + 1]]
+        out.append({k: statistics.median(c[k] for c in near) for k in ("overhead_s", "loopback_bps")})
+        out[-1]["own_overhead_s"] = cases[i][0]["overhead_s"]
+    return out
 
 
 def compare(records: list[dict]) -> list[dict]:
@@ -586,8 +603,9 @@ ranks, a median over the steps; an untimed barrier after each, so no rank comput
 it), predicted by the planner (`Estimate.comm_s`) and measured. The link is emulated in the application
 (benchmarks/benchlib/ring_link.py); inside a node and at 0 ms the link is gloo on loopback. The planner is given
 the collective's fixed cost (`Cluster.overhead`, `hf-demo plan --collective-overhead`) and the loopback's rate,
-both calibrated before each case on the same ranks, clocked as the cases are: the median of an 8-byte
-all-gather, and a 1 MiB all-reduce, each run after 5 ms of computation on every rank.
+both calibrated before each case on the same ranks, clocked as the cases are (the median of 40 8-byte
+all-gathers, and of 10 1 MiB all-reduces, each run after 5 ms of computation on every rank), and smoothed: each
+case gets the median of its own calibration and of the two cases' on each side.
 
 """
 

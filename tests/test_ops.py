@@ -1123,6 +1123,20 @@ def test_the_latency_check_compares_a_recorded_row_with_the_planner():
     assert slow_loopback["predicted_s"] > row["predicted_s"] + 2 * 5864 / 1e6 * 0.5
 
 
+def test_the_latency_check_gives_each_case_the_median_calibration_of_the_cases_around_it():
+    """One calibration caught in a burst of load (40 ms) does not stand for its case: each case gets the median of
+    its own and its neighbours' (two on each side), and its own is kept beside it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    own = [0.004, 0.003, 0.040, 0.005, 0.004, 0.003]
+    cases = [(dict(overhead_s=o, back_to_back_s=0.001, loopback_bps=1e9 * (i + 1)), []) for i, o in enumerate(own)]
+    given = plan_check.given_figures(cases)
+    assert [g["overhead_s"] for g in given] == pytest.approx([0.004, 0.0045, 0.004, 0.004, 0.0045, 0.004])
+    assert [g["own_overhead_s"] for g in given] == own
+    assert given[0]["loopback_bps"] == 2e9 and given[3]["loopback_bps"] == 4e9  # cases 0-2, cases 1-5
+
+
 @pytest.mark.ranks
 def test_the_latency_check_measures_two_real_ranks(tmp_path):
     """One row on 2 gloo ranks at 20 ms: the planner's collectives and bytes are the run's exactly; the time
