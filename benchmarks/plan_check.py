@@ -25,7 +25,7 @@ operator would measure it: the fixed cost of one collective (``hf-demo plan --co
 loopback's rate, calibrated before each case (:func:`calibrate`) and stated in the report.
 
     python benchmarks/plan_check.py            # writes benchmarks/results/plan_check.md, prints the summary
-    python benchmarks/plan_check.py --measure  # writes benchmarks/results/plan_latency.{md,json} (~15 min)
+    python benchmarks/plan_check.py --measure  # writes benchmarks/results/plan_latency.{md,json} (~10 min)
 """
 
 from __future__ import annotations
