@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+from hf_demo.ops.links import COLLECTIVE_OVERHEAD
 from hf_demo.settings import DeMoSettings
 
 
@@ -65,6 +66,14 @@ def _latency(text: str) -> str:
     from hf_demo.ops.links import parse_time
 
     _checked(parse_time, lambda v: v >= 0 and math.isfinite(v), "give a latency of 0 or more, e.g. 20ms or 5us")(text)
+    return text
+
+
+def _overhead(text: str) -> str:
+    from hf_demo.ops.links import parse_time
+
+    need = "give a time of 0 or more per collective, e.g. 20us (NCCL) or 1ms (gloo over TCP)"
+    _checked(parse_time, lambda v: v >= 0 and math.isfinite(v), need)(text)
     return text
 
 
@@ -138,6 +147,14 @@ def plan_parser(sub) -> None:
     p.add_argument("--inter-latency", type=_latency, default="0", help="one-way latency between nodes, e.g. 20ms")
     p.add_argument("--intra-node", type=_rate, default="100gbit", help="bandwidth between the devices of a node")
     p.add_argument("--intra-latency", type=_latency, default="5us", help="one-way latency inside a node")
+    p.add_argument(
+        "--collective-overhead",
+        type=_overhead,
+        default=f"{COLLECTIVE_OVERHEAD * 1e6:g}us",
+        help="the fixed cost of one collective whatever its bytes and hops (launch, dispatch, synchronisation): "
+        "about 20us for NCCL on GPUs (the default), ~1ms for gloo over TCP on a busy host; measure it as the time "
+        "of a small all-gather between compute steps",
+    )
     p.add_argument("--compute-s", type=POSITIVE, required=True, help="forward+backward seconds per step per device")
     p.add_argument("--demo-overhead", type=NON_NEGATIVE, default=0.1, help="DeMo's own compute / forward+backward")
     p.add_argument("--powersgd-overhead", type=NON_NEGATIVE, default=0.15, help="PowerSGD's own compute / fwd+bwd")
@@ -156,7 +173,7 @@ def _plan_inputs(args):
     """The model's shapes, the cluster, the steps per epoch and the workload; SystemExit (one line) on a
     combination the flags' own checks cannot see."""
     from hf_demo.ops import shapes
-    from hf_demo.ops.links import Link
+    from hf_demo.ops.links import Link, parse_time
     from hf_demo.ops.methods import Cluster, Workload
 
     if sum(x is not None for x in (args.model, args.shapes, args.params)) != 1:
@@ -173,6 +190,7 @@ def _plan_inputs(args):
         args.devices_per_node,
         Link.parse(args.intra_node, args.intra_latency),
         Link.parse(args.inter_node, args.inter_latency),
+        parse_time(args.collective_overhead),
     )
     steps = args.steps_per_epoch or math.ceil(args.epoch_samples / (cluster.world * args.batch_size))
     work = Workload(

@@ -29,8 +29,16 @@ larger of the two. With one rank per node (every edge alike) that is exactly ``b
 latencies``; with fast links inside the nodes, the link between nodes moves one chunk while another is in
 flight elsewhere, and the sum of the two terms would overstate the time by up to half. A hierarchical
 all-reduce (NCCL's tree across nodes) pays fewer hops between nodes than this flat ring: the figure here is
-the ring's, the algorithm gloo runs and NCCL runs for all-gathers. ``benchmarks/plan_check.py --measure``
-checks it against real gloo collectives on an emulated link with latency.
+the ring's, the algorithm gloo runs and NCCL runs for all-gathers.
+
+Each collective also pays a fixed cost whatever its bytes and hops, once (``overhead``): the software's, to
+launch it and to learn that it is done (the framework's dispatch, the backend's queue and threads, a kernel
+launch and a device synchronisation). A latency is paid per hop and a rate per byte; this is paid per
+collective, so it weighs most where the collectives are small and the links short: DeMo's step is two small
+all-gathers. :data:`COLLECTIVE_OVERHEAD`, NCCL on GPUs, is the planner's default; gloo over TCP on a host pays
+milliseconds. ``benchmarks/plan_check.py --measure`` measures it on its machine (a small all-gather after some
+computation, as inside a step) and checks the whole model against real gloo collectives on an emulated link
+with latency.
 """
 
 from __future__ import annotations
@@ -94,17 +102,34 @@ def reduce_scatter_edge_bytes(nbytes: float, world: int) -> float:
 
 HOPS = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}  # times W - 1
 
+# NCCL on GPUs: ~10 us to launch a collective from PyTorch (dispatch, the kernel launch) and ~10 us of the
+# collective's own start-up (NCCL's tuning model, src/graph/tuning.cc: a base latency of 4 to 17 us per
+# collective, by version, algorithm and protocol, on top of each hop's).
+COLLECTIVE_OVERHEAD = 20e-6  # seconds per collective
+
 
 def collective_seconds(
-    kind: str, nbytes: float, world: int, link: Link, inner: Link | None = None, per_node: int = 1
+    kind: str,
+    nbytes: float,
+    world: int,
+    link: Link,
+    inner: Link | None = None,
+    per_node: int = 1,
+    overhead: float = 0.0,
 ) -> float:
     """Seconds of one collective of ``kind`` (all_gather, all_reduce, reduce_scatter, broadcast, all_to_all) handing
     ``nbytes`` per rank, its bytes limited by ``link``; with ``inner`` and ``per_node`` ranks on each node, the
-    hops inside a node pay ``inner``'s latency and only those between nodes ``link``'s (module docstring)."""
+    hops inside a node pay ``inner``'s latency and only those between nodes ``link``'s; plus ``overhead``
+    seconds, the fixed cost of one collective (module docstring)."""
     if kind not in HOPS:
         raise ValueError(f"unknown collective {kind!r}")
     if world <= 1:
         return 0.0
+    return overhead + _ring_seconds(kind, nbytes, world, link, inner, per_node)
+
+
+def _ring_seconds(kind: str, nbytes: float, world: int, link: Link, inner: Link | None, per_node: int) -> float:
+    """What :func:`collective_seconds` gives without the fixed cost: the links' time."""
     if inner is None or per_node <= 1:
         between, within = HOPS[kind] * (world - 1), 0
     else:

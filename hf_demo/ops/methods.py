@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hf_demo.ops.links import Link, collective_seconds, edge_bytes, sent_bytes
+from hf_demo.ops.links import COLLECTIVE_OVERHEAD, Link, collective_seconds, edge_bytes, sent_bytes
 from hf_demo.ops.shapes import Shape
 from hf_demo.ops.traffic import (
     Collective,
@@ -33,6 +33,7 @@ class Cluster:
     devices_per_node: int
     intra: Link
     inter: Link
+    overhead: float = COLLECTIVE_OVERHEAD  # seconds every collective costs whatever its bytes and hops (links.py)
 
     @property
     def world(self) -> int:
@@ -94,7 +95,8 @@ class Estimate:
             spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
             inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
             link = cluster.link(c.scope)
-            t = collective_seconds(c.kind, c.nbytes * c.parallel, c.world, link, inner, per_node) / c.every
+            nbytes, overhead = c.nbytes * c.parallel, cluster.overhead  # side by side: one fixed cost
+            t = collective_seconds(c.kind, nbytes, c.world, link, inner, per_node, overhead) / c.every
             if c.hideable:
                 hidden += t
             else:

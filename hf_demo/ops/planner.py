@@ -1,7 +1,8 @@
 """``hf-demo plan``: every method on a cluster, its bytes, step time, epoch time and cost, and a recommendation.
 
 The step time of a method is its computation plus the time its collectives keep the step waiting
-(:meth:`hf_demo.ops.methods.Estimate.exchange_s`: ring collectives on the link they cross, DDP's early
+(:meth:`hf_demo.ops.methods.Estimate.exchange_s`: ring collectives on the link they cross, each with the
+fixed cost of a collective (``Cluster.overhead``), DDP's early
 buckets under the backward pass, DeMo's overlapped payload under the next step's computation). An epoch is
 ``steps_per_epoch`` steps; its cost is the devices' hours at the price table's device-hour plus the bytes
 that leave each node at its price per GB (nothing when everything is on one node).
@@ -128,7 +129,8 @@ def describe(cluster: Cluster, work: Workload, steps_per_epoch: float) -> str:
         f"{work.n_params / 1e6:.4g}M parameters in {len(work.shapes)} tensors; {cluster.nodes} node(s) x "
         f"{cluster.devices_per_node} device(s); between nodes {format_rate(cluster.inter.bandwidth)}, "
         f"{cluster.inter.latency * 1e3:.3g} ms; inside a node {format_rate(cluster.intra.bandwidth)}, "
-        f"{cluster.intra.latency * 1e6:.3g} us; compute {work.compute_s:.3g} s per step; "
+        f"{cluster.intra.latency * 1e6:.3g} us; {cluster.overhead * 1e6:.3g} us per collective; "
+        f"compute {work.compute_s:.3g} s per step; "
         f"{steps_per_epoch:.6g} steps per epoch"
     )
 
@@ -141,6 +143,7 @@ def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list
                 "devices_per_node": cluster.devices_per_node,
                 "inter": asdict(cluster.inter),
                 "intra": asdict(cluster.intra),
+                "collective_overhead": cluster.overhead,
             },
             "n_params": work.n_params,
             "compute_s": work.compute_s,
