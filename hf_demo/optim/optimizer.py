@@ -302,8 +302,7 @@ class DeMo(torch.optim.Optimizer):
         """The parameters that the watched wrappers (alive and still all-reducing) hold."""
         if not self._ddp_wrappers:
             return []
-        alive = [w for ref in self._ddp_wrappers if (w := ref()) is not None]
-        self._ddp_wrappers = [weakref.ref(w) for w in alive]
+        alive = [w for ref in self._ddp_wrappers if (w := ref()) is not None]  # read only: a step writes nothing
         return ddp.held_params(alive, [p for g in self.param_groups for p in g["params"]])
 
     def land_in_flight(self, pending) -> None:
