@@ -205,12 +205,12 @@ def test_a_header_corrupted_on_the_way_to_one_rank_stops_the_step_on_every_rank_
     assert all(torch.equal(a, b) for a, b in zip(after0, after1))
 
 
-def _flip_header_of_a_skip(rank, world, at):
+def _flip_header_of_a_skip(rank, world, at, settings=None):
     """Rank 0's header says skip (NaN gradient) and reaches rank 1 corrupted: rank 1 cannot read the skip.
     ``at``: 0, the process's first exchange (the header alone, the payload in its own all-gather), or 1."""
 
     model = tiny_mlp()
-    opt = small_demo(model, comm_timeout=5.0)
+    opt = small_demo(model, comm_timeout=5.0, **(settings or {}))
     if at:
         loss_and_backward(model, rank, 0)
         opt.step()
@@ -228,11 +228,20 @@ def _flip_header_of_a_skip(rank, world, at):
         return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started
 
 
+SKIP_EXCHANGES = {
+    "all_gather": {},
+    "all_reduce_union": {"exchange": "all_reduce"},
+    "all_reduce_leader": {"exchange": "all_reduce", "reduce_positions": "leader"},
+}
+
+
+@pytest.mark.parametrize("exchange", list(SKIP_EXCHANGES))
 @pytest.mark.parametrize("at", [0, 1], ids=["header_alone", "payload_rides"])
-def test_a_refused_header_that_said_skip_stops_every_rank_at_once(at):
+def test_a_refused_header_that_said_skip_stops_every_rank_at_once(at, exchange):
     """Rank 0 skips (its own NaN), rank 1 could not read that: the vote comes before any part acts on the
-    headers, so both meet there and raise the same refusal at once (no comm_timeout), with nothing changed."""
-    results = expect_ok(run_ranks(_flip_header_of_a_skip, 2, at, timeout=90))
+    headers, and a skipped step runs the exchange's collectives with zeros (all_reduce's sum too), so both meet
+    there and raise the same refusal at once (no comm_timeout), with nothing changed."""
+    results = expect_ok(run_ranks(_flip_header_of_a_skip, 2, at, SKIP_EXCHANGES[exchange], timeout=90))
     for rank, (error, unchanged, seconds) in enumerate(results):
         assert isinstance(error, RankError) and error.type == "DeMoPayloadError", (rank, error)
         assert "rank 1 refused the header from rank 0" in error.message, error.message
@@ -258,6 +267,45 @@ def _flip_header_overlap(rank, world):
         except Exception as exc:  # noqa: BLE001
             errors.append(RankError(exc))
     return errors
+
+
+def _flip_header_of_a_skip_overlap(rank, world, settings):
+    """overlap=True: rank 0's header of step 1 says skip (NaN gradient) and reaches rank 1 corrupted; steps 1, 2."""
+
+    model = tiny_mlp()
+    opt = small_demo(model, overlap=True, comm_timeout=5.0, **settings)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    if rank == 1:
+        flip_received_header_bit(9 * 8, once=True)  # rank 0's fingerprint word: its skip flag is not read
+    outcomes = []
+    for step in (1, 2):
+        loss_and_backward(model, rank, step)
+        if rank == 0 and step == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = _snapshot(model, opt)[:3]  # (the traffic of the exchange in flight, which did travel, is counted)
+        started = time.monotonic()
+        try:
+            opt.step()
+            outcomes.append(None)
+        except Exception as exc:  # noqa: BLE001
+            after = _snapshot(model, opt)[:3]
+            outcomes.append((RankError(exc), _same((*before, 0), (*after, 0)), time.monotonic() - started))
+    return outcomes
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "all_reduce_union"])
+def test_with_overlap_a_refused_header_that_said_skip_stops_every_rank_at_the_next_step(exchange):
+    """overlap=True: a skipped step's exchange still starts (zeros, nothing of it lands), so rank 1, which could
+    not read the skip, meets rank 0 there; its refusal rides in the next header and both raise at step 2 at once
+    (no comm_timeout), nothing applied."""
+    results = expect_ok(run_ranks(_flip_header_of_a_skip_overlap, 2, SKIP_EXCHANGES[exchange], timeout=90))
+    for rank, (at_1, at_2) in enumerate(results):
+        assert at_1 is None, (rank, at_1)
+        error, unchanged, seconds = at_2
+        assert isinstance(error, RankError) and error.type == "DeMoSyncError", (rank, error)
+        assert "rank(s) [1] refused the exchange still in flight" in error.message, error.message
+        assert seconds < 5.0 and unchanged, (rank, seconds, unchanged)
 
 
 def test_with_overlap_a_corrupted_header_stops_every_rank_at_the_next_step():

@@ -150,7 +150,10 @@ class AllGatherExchange:
         buckets.write_back(working, rows, bucketing)
         return payload
 
-    def start(self, transport, headers, payload, working, background: bool = False, arrived=None) -> InFlight:
+    def start(
+        self, transport, headers, payload, working, background: bool = False, arrived=None, skipped: bool = False
+    ) -> InFlight:
+        """Every rank's payload row (``skipped``: a step every rank skips, whose payload is zeros already)."""
         # the senders' envelopes of this step: overlap opens the rows after the next step's headers
         envelopes = None if self.sealer is None else list(self.sealer.envelopes)
         if arrived is not None:  # every rank's payload rode with the headers (sealed there, where sealing)
@@ -237,16 +240,16 @@ class AllReduceExchange:
             return self._positions(working, device)
         return torch.empty(0, dtype=torch.uint8, device=device)
 
-    def _agreed_rows(self, transport, headers, payload, working, arrived=None) -> torch.Tensor:
+    def _agreed_rows(self, transport, headers, payload, working, arrived=None, skipped=False) -> torch.Tensor:
         """Every rank's nominations (union, under the headers' CRC32/HMAC; ``arrived`` where they rode with the
-        headers) or the leader's positions."""
-        device = working[0].device if working else torch.device("cpu")
+        headers) or the leader's positions (zeros on a skipped step, whose momenta were not made)."""
+        device = payload.device
         if arrived is not None:
             return arrived
         if self.union:
             return transport.all_gather(payload, "positions")  # checked by start against the headers
         leader = transport.step % transport.world
-        if transport.rank == leader:
+        if transport.rank == leader and not skipped:
             buf = self._positions(working, device)
         else:
             buf = torch.zeros(self.index_nbytes, dtype=torch.uint8, device=device)
@@ -301,25 +304,28 @@ class AllReduceExchange:
         contributions (bucket after bucket); ``senders`` runs of positions per block (W union, 1 leader)."""
         return _sum_order(self.picked, senders, torch.device(device))
 
-    def start(self, transport, headers, payload, working, background: bool = False, arrived=None) -> InFlight:
-        rows = self._agreed_rows(transport, headers, payload, working, arrived)
+    def start(
+        self, transport, headers, payload, working, background: bool = False, arrived=None, skipped: bool = False
+    ) -> InFlight:
+        """The agreed positions, then the sum of every rank's values at them. ``skipped``: a step every rank
+        skips (the headers say non-finite): the same collectives of the same sizes, with zeros, and the
+        momenta left alone, so a rank that could not read that (a refused header) still meets every other."""
+        rows = self._agreed_rows(transport, headers, payload, working, arrived, skipped)
+        if skipped:
+            return self._sum_zeros(transport, headers, rows, background, payload.device)
         try:
             if self.union:
                 codec.verify_rows(headers, rows, self.secret, transport.rank, transport.step)
             chosen = self._chosen(rows, transport.rank, transport.step, transport.world)
-            refused = None
         except DeMoPayloadError as exc:  # still take part in the sum (zeros), so no rank waits: finish raises
-            chosen, refused = None, exc
+            in_flight = self._sum_zeros(transport, headers, rows, background, payload.device)
+            in_flight.refused = exc
+            return in_flight
         # every rank contributes its own values at the agreed positions (once each), exactly as they travel
         device = working[0].device if working else torch.device("cpu")
         momenta = buckets.rows(working, self.bucketing)
         contributions = []
-        for i, (m, bucket) in enumerate(zip(momenta, self.picked.buckets)):
-            if chosen is None:
-                size = bucket.rows * bucket.k * rows.shape[0]
-                contributions.append(torch.zeros(size, dtype=self.dtype, device=device))
-                continue
-            idx, first = chosen[i]
+        for m, (idx, first) in zip(momenta, chosen):
             mine = m.gather(1, idx)
             mine = (mine if first is None else mine * first).to(self.dtype)
             F.feedback(m, idx, mine.float())
@@ -332,7 +338,18 @@ class AllReduceExchange:
         else:
             flat = torch.cat(contributions).index_select(0, self._sum_order(rows.shape[0], device))
             sums = transport.start_all_reduce(flat, "values") if background else transport.all_reduce(flat, "values")
-        return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows, refused, chosen)
+        return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows, None, chosen)
+
+    def _sum_zeros(self, transport, headers, rows, background: bool, device) -> InFlight:
+        """The values' all-reduce with zeros of the size every rank sends (set by the layouts and the senders of
+        positions alone): a rank that cannot or must not send its values still takes part."""
+        size = sum(bucket.rows * bucket.k for bucket in self.picked.buckets) * rows.shape[0]
+        flat = torch.zeros(size, dtype=self.dtype, device=device)
+        if size:
+            sums = transport.start_all_reduce(flat, "values") if background else transport.all_reduce(flat, "values")
+        else:
+            sums = flat
+        return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows)
 
     def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
         sums = in_flight.wait(traffic)

@@ -18,7 +18,7 @@ from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.dtensor import local, local_shape
-from hf_demo.wire import agreement
+from hf_demo.wire import agreement, codec
 
 
 def pending_from(view, tier, chosen, in_flight) -> PendingExchange | None:
@@ -53,11 +53,16 @@ def targets(view, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]
     return list(zip(chosen, pending.layouts))
 
 
-def finish(view, traffic: Traffic) -> list[torch.Tensor]:
-    """Wait for the exchange in flight (``view.pending``), validate it and average it (nothing committed); raises
+def finish(view, traffic: Traffic) -> list[torch.Tensor] | None:
+    """Wait for the exchange in flight (``view.pending``), validate it and average it (nothing committed; None for
+    a skipped step's, which lands nothing); raises
     :class:`DeMoPayloadError` where what this rank received fails its checks."""
     pending = view.pending
     targets(view, pending)  # the parameters are still there
+    started = pending.in_flight
+    if started.refused is None and codec.flagged(started.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+        started.wait(traffic)  # the exchange of a step every rank skipped: zeros and stale rows, nothing lands
+        return None
     spec = view.exchange_spec(
         pending.layouts,
         pending.value_format,

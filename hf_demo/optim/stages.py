@@ -237,12 +237,13 @@ class Communicate:
             return Exchanged()
         transport, exchange = step.transport, prepared.exchange
         if codec.flagged(agreed.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            # every rank skips: the zeros sent are left unread. An all-gather exchange whose payload did not ride
-            # still runs its gather, as a rank that refused the flagging header does. (all_reduce's sum needs
-            # every rank's momentum, which a non-finite step has not: it sends nothing more, and a rank that
-            # refused the flagging header raises within comm_timeout naming it.)
-            if agreed.arrived is None and exchange.name == "all_gather":
-                exchange.start(transport, agreed.headers, prepared.payload, momenta.working).wait(transport.traffic)
+            # every rank skips: the exchange's collectives still run, with zeros of the sizes they always have
+            # (nothing more where the payload rode with the headers), as on a rank that refused the flagging
+            # header and so goes on as if the step were taken; what arrives is left unread
+            started = exchange.start(
+                transport, agreed.headers, prepared.payload, momenta.working, arrived=agreed.arrived, skipped=True
+            )
+            started.wait(transport.traffic)
             return Exchanged(refusal=agreed.header_refusal)
         updates, refusal = None, None
         try:
@@ -316,8 +317,9 @@ class Update:
 
 class LandLate:
     """Overlap: the update of the exchange the last step started lands (after a resync's copies, before this
-    step's own writes), and this step's exchange starts in the background (a skipped step starts none): it
-    becomes the one in flight."""
+    step's own writes), and this step's exchange starts in the background: it becomes the one in flight. A
+    skipped step's exchange runs too, with zeros, and lands nothing: so a rank that refused the header saying
+    skip meets every other rank in it, and its refusal rides in the next step's header."""
 
     name = "land"
     makes = "landed"
@@ -334,10 +336,9 @@ class LandLate:
         verdict: Verdict,
     ) -> Landed | None:
         in_flight = None
-        if step.settings.overlap and not verdict.skip:
-            in_flight = prepared.exchange.start(
-                step.transport, agreed.headers, prepared.payload, momenta.working, background=True
-            )
+        if step.settings.overlap:  # a skipped step's exchange too, with zeros (nothing of it lands): see Communicate
+            exchange, transport, working = prepared.exchange, step.transport, momenta.working
+            in_flight = exchange.start(transport, agreed.headers, prepared.payload, working, True, skipped=verdict.skip)
             in_flight.refused = in_flight.refused or agreed.header_refusal  # raised when it is finished
         if not step.settings.overlap and found.late is None:
             return None
