@@ -78,9 +78,10 @@ class Pipeline:
 
     def __init__(self, parts):
         self.parts = list(parts)
+        self.reads = [reads(part) for part in self.parts]  # read once: the signatures do not change
         made: list[str] = []
-        for part in self.parts:
-            unknown = [name for name in reads(part) if name not in made]
+        for part, names in zip(self.parts, self.reads):
+            unknown = [name for name in names if name not in made]
             if unknown:
                 raise ValueError(f"part {part.name!r} reads {unknown}, which no part before it makes")
             if part.makes is not None:
@@ -92,12 +93,12 @@ class Pipeline:
     def run(self, step: Step, cuda: bool = False) -> dict:
         """{record name: record} of one try of the step."""
         made: dict = {}
-        for part in self.parts:
+        for part, names in zip(self.parts, self.reads):
             signal = made.get("signal")
             if signal is not None and not signal.communicates and getattr(part, "exchanging", True):
                 continue  # a local step: no exchange this time
             with traced(f"DeMo.{TRACE_NAMES.get(part.name, part.name)}", cuda):
-                record = part.run(step, *(made.get(name) for name in reads(part)))
+                record = part.run(step, *(made.get(name) for name in names))
             if part.makes is not None:
                 made[part.makes] = record
             if part.makes == "decision" and record.retry is not None:
