@@ -203,6 +203,8 @@ class DeMo(torch.optim.Optimizer):
             context=self.context,
             param_groups=self.param_groups,
             state=self.state,
+            rule=self.rule,
+            inner_rule=self.inner_rule,
             header_timings=self.header_timings,
             ddp_suspects=self.ddp_suspects,
             rescan_ddp=self._rescan_ddp,

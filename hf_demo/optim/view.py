@@ -55,12 +55,11 @@ class OptimizerView:
     context: str  # "trainer" or "loop", for the fixes errors name
     param_groups: list
     state: dict  # {param: its state}; written only through the step's transaction
+    rule: Callable[[dict], object]  # a parameter group's update rule (:func:`rule`)
+    inner_rule: Callable[[dict], object]  # a parameter group's local steps' rule (:func:`inner_rule`)
     header_timings: Callable[[float], dict]  # this rank's figures for the policy (exchange_ms, elapsed_ms)
     ddp_suspects: Callable[[], list]  # the parameters that DDP wrappers still all-reducing hold
     rescan_ddp: Callable[[], None]  # the first-step guard scans again at the next step (outside the transaction)
-
-    rule = staticmethod(rule)
-    inner_rule = staticmethod(inner_rule)
 
     def plan(self, tier):
         return groups.plan_items(self.param_groups, self.settings, self.secret, tier)
