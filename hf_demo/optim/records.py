@@ -8,10 +8,17 @@ the writes a part computes are staged in ``step.tx`` and the optimizer takes the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hf_demo.wire import codec
+
+if TYPE_CHECKING:
+    from hf_demo.exchange.transport import StepTransport, Traffic
+    from hf_demo.optim.policy import BudgetPolicy, Tier
+    from hf_demo.optim.state import Counters, PendingExchange
+    from hf_demo.optim.transaction import Transaction
 
 SKIPPING_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS  # every rank skips: nothing is computed
 
@@ -22,10 +29,10 @@ class Step:
     step's transport (its collectives and their traffic), its transaction, and the policy's move down when this
     is the step again in a lower tier."""
 
-    view: object  # hf_demo.optim.view.OptimizerView
-    transport: object  # hf_demo.exchange.transport.StepTransport
-    tx: object  # hf_demo.optim.transaction.Transaction
-    decided: object = None  # hf_demo.optim.policy.BudgetPolicy
+    view: object  # hf_demo.optim.view.OptimizerView (not imported here: the view's modules import these records)
+    transport: StepTransport
+    tx: Transaction
+    decided: BudgetPolicy | None = None
 
     @property
     def settings(self):
@@ -38,7 +45,7 @@ class StepPlan:
     the step's rounding noise."""
 
     tier_index: int
-    tier: object  # hf_demo.optim.policy.Tier
+    tier: Tier
     items: list
     layout_ck: int
     settings_ck: int
@@ -145,8 +152,8 @@ class Exchanged:
 class Decision:
     """``policy``: the budget policy after this step, and a move down that makes the step go again."""
 
-    policy: object  # hf_demo.optim.policy.BudgetPolicy
-    retry: object = None
+    policy: BudgetPolicy
+    retry: BudgetPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,7 @@ class Verdict:
 class Landed:
     """``land`` (overlap, or an exchange in flight to land): the exchange this step leaves in flight (None: none)."""
 
-    pending: object  # hf_demo.optim.state.PendingExchange | None
+    pending: PendingExchange | None
 
 
 @dataclass(frozen=True)
@@ -174,9 +181,9 @@ class Outcome:
     bytes agreed on the wire, the counters."""
 
     dense: int
-    traffic: object  # hf_demo.exchange.transport.Traffic
-    counters: object  # hf_demo.optim.state.Counters
-    policy: object = None
+    traffic: Traffic
+    counters: Counters
+    policy: BudgetPolicy | None = None
     exchanged: bool = False
     started: float = 0.0
     tier_index: int = 0

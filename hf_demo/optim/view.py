@@ -12,12 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.optim import groups, update_rules
+
+if TYPE_CHECKING:
+    from hf_demo.optim.policy import BudgetPolicy, Clock
+    from hf_demo.optim.state import Counters, PendingExchange
+    from hf_demo.settings import DeMoSettings
+    from hf_demo.wire.sealing import Sealer
 
 
 def exchange_spec(settings, secret, sealer, layouts, value_format: str, world: int = 1, average=None,
@@ -40,18 +47,18 @@ def inner_rule(group: dict):
 
 @dataclass(frozen=True)
 class OptimizerView:
-    settings: object  # hf_demo.settings.DeMoSettings
+    settings: DeMoSettings
     secret: bytes | None
-    sealer: object  # hf_demo.wire.sealing.Sealer | None
+    sealer: Sealer | None
     transform: object
     topology: object  # hf_demo.topology: flat or sharded
     tiers: list
-    policy: object  # hf_demo.optim.policy.BudgetPolicy
-    clock: object  # hf_demo.optim.policy.Clock
-    counters: object  # hf_demo.optim.state.Counters
+    policy: BudgetPolicy
+    clock: Clock
+    counters: Counters
     wire_agreed: dict  # {(world, tier): payload bytes on the wire} of the last committed exchange there
     first_checked: bool  # this process's first exchange has been committed
-    pending: object  # hf_demo.optim.state.PendingExchange | None: the exchange in flight (overlap)
+    pending: PendingExchange | None  # the exchange in flight (overlap)
     context: str  # "trainer" or "loop", for the fixes errors name
     param_groups: list
     state: dict  # {param: its state}; written only through the step's transaction
