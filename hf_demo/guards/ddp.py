@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_demo.errors import DDP_ALLREDUCES, DeMoSetupError
 from hf_demo.guards.checks import gradient_fingerprint
 from hf_demo.wire import codec
+from hf_demo.wire.agreement import pack_words, unpack_words
 
 
 def subclasses(kind: type) -> set[type]:
@@ -89,10 +90,9 @@ def first_step_check(params: list[torch.Tensor], transport) -> list[DistributedD
             raise DeMoSetupError(DDP_ALLREDUCES)
         return []
     held = held_params(wrappers, params)
-    mine = torch.tensor([int(bool(held)), gradient_fingerprint([p.grad for p in held]) if held else 0])
+    mine = pack_words([int(bool(held)), gradient_fingerprint([p.grad for p in held]) if held else 0])
     device = params[0].device if params else torch.device("cpu")
-    rows = transport.all_gather(mine.view(torch.uint8).to(device), "ddp_check", count=False).cpu().view(torch.int64)
-    flags, prints = zip(*rows.tolist())
+    flags, prints = zip(*unpack_words(transport.all_gather(mine.to(device), "ddp_check", count=False), 2))
     averaged = averaging_ranks([bool(f) for f in flags], list(prints))
     if averaged:
         raise DeMoSetupError(

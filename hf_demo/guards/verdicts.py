@@ -8,6 +8,7 @@ import warnings
 from hf_demo.errors import DeMoNonFiniteError, DeMoSetupError, DeMoSyncError
 from hf_demo.guards.checks import any_nonfinite, fingerprint, gradient_fingerprint, nonfinite_or_zero
 from hf_demo.guards.ddp import check_gradients_differ
+from hf_demo.optim.records import Findings, Verdict
 from hf_demo.wire import codec
 
 FLAG_REFUSED = codec.FLAG_REFUSED
@@ -34,75 +35,78 @@ def zero_gradients(step: int) -> str:
     )
 
 
-def inspect(ctx, first_checked: bool, ddp_suspects) -> None:
-    """Set ``ctx.flags`` (and the fingerprints the header carries) from this rank's own tensors."""
-    s, world, step = ctx.settings, ctx.transport.world, ctx.transport.step
-    ctx.first = not first_checked and world > 1
-    bad_grads, zero_grads = nonfinite_or_zero([g for g in ctx.signals if g is not None])
-    if zero_grads and any(g["lr"] for g in ctx.opt.param_groups):  # torch's DCP helpers step once at lr 0
-        ctx.tx.stage(lambda: warnings.warn(zero_gradients(step), stacklevel=4))
-    bad_params = any_nonfinite(ctx.replicas)
-    ctx.check_drift = (due(s.check_every, step) or ctx.first) and world > 1
+def inspect(step, signal, late_refused: bool) -> Findings:
+    """This rank's header flags and fingerprints from its own tensors (``signal``: what enters the momentum and
+    the replicas); ``late_refused``: this rank refused the exchange in flight (overlap)."""
+    view, s, world, number = step.view, step.settings, step.transport.world, step.transport.step
+    first = not view.first_checked and world > 1
+    bad_grads, zero_grads = nonfinite_or_zero([g for g in signal.signals if g is not None])
+    if zero_grads and any(g["lr"] for g in view.param_groups):  # torch's DCP helpers step once at lr 0
+        step.tx.stage(lambda: warnings.warn(zero_gradients(number), stacklevel=4))
+    bad_params = any_nonfinite(signal.replicas)
+    check_drift = (due(s.check_every, number) or first) and world > 1
     # a DDP wrapper taken for an unused one at the first step (guards.ddp.first_step_check): still?
-    ctx.suspects = ddp_suspects() if ctx.check_drift and not ctx.first else []
-    if ctx.suspects:
-        ctx.grad_print = gradient_fingerprint([p.grad for p in ctx.suspects])
-    elif ctx.first and s.identical_gradients == "raise":
-        ctx.grad_print = gradient_fingerprint(ctx.signals)
+    suspects = view.ddp_suspects() if check_drift and not first else []
+    grad_print = 0
+    if suspects:
+        grad_print = gradient_fingerprint([p.grad for p in suspects])
+    elif first and s.identical_gradients == "raise":
+        grad_print = gradient_fingerprint(signal.signals)
     flags = (codec.FLAG_NONFINITE if bad_grads else 0) | (codec.FLAG_NONFINITE_PARAMS if bad_params else 0)
-    flags |= codec.FLAG_FINGERPRINT if ctx.check_drift else 0
-    flags |= codec.FLAG_GRAD_FINGERPRINT if ctx.grad_print else 0
-    flags |= codec.FLAG_DDP_SUSPECT if ctx.suspects else 0
-    flags |= FLAG_REFUSED if ctx.late_refusal is not None else 0
-    ctx.flags = flags
-    ctx.replica_print = fingerprint(ctx.replicas) if ctx.check_drift else 0
+    flags |= codec.FLAG_FINGERPRINT if check_drift else 0
+    flags |= codec.FLAG_GRAD_FINGERPRINT if grad_print else 0
+    flags |= codec.FLAG_DDP_SUSPECT if suspects else 0
+    flags |= FLAG_REFUSED if late_refused else 0
+    replica_print = fingerprint(signal.replicas) if check_drift else 0
+    return Findings(flags, first, check_drift, grad_print, replica_print, suspects)
 
 
-def judge(ctx) -> None:
-    """Raise (every rank alike), or set ``ctx.resync`` / ``ctx.skip`` from every rank's header."""
-    headers, s, step = ctx.headers, ctx.settings, ctx.transport.step
-    _refused_in_flight(ctx)
-    if ctx.first or codec.flagged(headers, codec.FLAG_DDP_SUSPECT):
+def judge(step, device, found: Findings, headers: list) -> Verdict:
+    """Raise (every rank alike), or the verdict from every rank's header: skip, resync from rank 0."""
+    s, number, topology = step.settings, step.transport.step, step.view.topology
+    _refused_in_flight(step.transport, found, headers)
+    if found.first or codec.flagged(headers, codec.FLAG_DDP_SUSPECT):
         try:
-            check_gradients_differ(headers, step, ctx.first, ctx.opt.context)
+            check_gradients_differ(headers, number, found.first, step.view.context)
         except DeMoSetupError:
-            ctx.opt.ddp_checked = False  # the first-step guard scans again: the fix (disable, del) may follow
+            step.view.rescan_ddp()  # the first-step guard scans again: the fix (disable, del) may follow
             raise
-    ctx.drifted = ctx.check_drift and len({h.fingerprint for h in headers}) > 1
-    if ctx.check_drift:  # sharded parameters: drift in any shard is the whole model's (every shard decides alike)
-        ctx.drifted = bool(ctx.opt.topology.agree(ctx, int(ctx.drifted), "node_drift"))
-    ctx.bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
-    ctx.resync = due(s.full_sync_every, step) and ctx.transport.world > 1
-    if ctx.drifted or ctx.bad_param_ranks:
-        if s.drift == "raise" or 0 in ctx.bad_param_ranks:
+    drifted = found.check_drift and len({h.fingerprint for h in headers}) > 1
+    if found.check_drift:  # sharded parameters: drift in any shard is the whole model's (every shard decides alike)
+        drifted = bool(topology.agree(step.transport, device, int(drifted), "node_drift"))
+    bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
+    resync = due(s.full_sync_every, number) and step.transport.world > 1
+    if drifted or bad_param_ranks:
+        if s.drift == "raise" or 0 in bad_param_ranks:
             why = (
-                f"non-finite parameters on rank(s) {ctx.bad_param_ranks}"
-                if ctx.bad_param_ranks
+                f"non-finite parameters on rank(s) {bad_param_ranks}"
+                if bad_param_ranks
                 else f"parameter fingerprints differ: {[h.fingerprint for h in headers]}"
             )
             raise DeMoSyncError(
-                f"replicas {'started' if ctx.first else 'drifted'} apart at optimizer step {step}: {why} "
+                f"replicas {'started' if found.first else 'drifted'} apart at optimizer step {number}: {why} "
                 f"(drift={s.drift!r}); no state was changed"
-                + (f". {UNSYNCED_START}" if ctx.first and ctx.drifted else "")
+                + (f". {UNSYNCED_START}" if found.first and drifted else "")
             )
-        ctx.resync = True
+        resync = True
     nonfinite = codec.flagged(headers, codec.FLAG_NONFINITE)
-    ctx.skip = bool(nonfinite or ctx.bad_param_ranks)
-    if nonfinite and not ctx.bad_param_ranks and s.nonfinite == "raise":
+    skip = bool(nonfinite or bad_param_ranks)
+    if nonfinite and not bad_param_ranks and s.nonfinite == "raise":
         raise DeMoNonFiniteError(
-            f"non-finite gradients on rank(s) {nonfinite} at optimizer step {step}; "
+            f"non-finite gradients on rank(s) {nonfinite} at optimizer step {number}; "
             "no state was changed (nonfinite='raise')"
         )
+    return Verdict(skip=skip, resynced=resync, drifted=drifted, bad_param_ranks=bad_param_ranks)
 
 
-def _refused_in_flight(ctx) -> None:
+def _refused_in_flight(transport, found: Findings, headers: list) -> None:
     """Overlap: a rank refused the exchange the last step started; every rank raises, none applies it."""
-    refusing = codec.flagged(ctx.headers, FLAG_REFUSED)
+    refusing = codec.flagged(headers, FLAG_REFUSED)
     if not refusing:
         return
-    what = f"{ctx.late_refusal}; " if ctx.late_refusal is not None else ""
+    what = f"{found.late_refusal}; " if found.late_refusal is not None else ""
     raise DeMoSyncError(
-        f"{what}rank(s) {[ctx.transport.global_rank(r) for r in refusing]} refused the exchange still in flight "
-        f"(overlap=True) from optimizer step {ctx.transport.step - 1}: no rank applied it and it cannot be sent "
+        f"{what}rank(s) {[transport.global_rank(r) for r in refusing]} refused the exchange still in flight "
+        f"(overlap=True) from optimizer step {transport.step - 1}: no rank applied it and it cannot be sent "
         "again. Resume every rank from the last checkpoint"
     )

@@ -20,10 +20,11 @@ import torch.distributed as dist
 from hf_demo.compression import transforms
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import exchanges, liveness, teardown
-from hf_demo.exchange.transport import CommStats, Traffic
+from hf_demo.exchange.transport import CommStats
 from hf_demo.guards import ddp
-from hf_demo.optim import checkpointing, groups, local_phase, overlap, signals, stages, update_rules
+from hf_demo.optim import checkpointing, groups, local_phase, overlap, stages
 from hf_demo.optim import policy as policies
+from hf_demo.optim import view as views
 from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
 from hf_demo.settings import DeMoSettings, refuse_retired
@@ -146,10 +147,9 @@ class DeMo(torch.optim.Optimizer):
     def exchange_spec(self, layouts, value_format: str, world: int = 1, average=None, index_coding=None,
                       positions=None) -> exchanges.ExchangeSpec:  # fmt: skip
         """A step's :class:`~hf_demo.exchange.exchanges.ExchangeSpec` from the settings (the tier's value format)."""
-        s = self.settings
-        coding, positions = index_coding or s.index_coding, positions or s.reduce_positions
-        secret = None if self.sealer is not None else self.secret  # sealed: the AEAD tag replaces the HMAC
-        return exchanges.ExchangeSpec(layouts, value_format, coding, secret, average, world, positions, self.sealer)
+        return views.exchange_spec(
+            self.settings, self.secret, self.sealer, layouts, value_format, world, average, index_coding, positions
+        )
 
     @property
     def topology(self):
@@ -172,36 +172,43 @@ class DeMo(torch.optim.Optimizer):
     def plan(self, tier: policies.Tier):
         return groups.plan_items(self.param_groups, self.settings, self.secret, tier)
 
-    def settings_view(self, tier: policies.Tier) -> dict[str, str]:
-        return groups.settings_view(self.param_groups, self.settings, self.secret, tier)
-
     def bytes_by_tier(self, items) -> list[float]:
         return groups.bytes_by_tier(items, self.tiers, self.settings.index_coding)
+
+    rule = staticmethod(views.rule)  # a parameter group's update rule (``update_rule`` is a per-group setting)
+    inner_rule = staticmethod(views.inner_rule)  # its local steps' rule (``inner_rule``, per group)
 
     def header_timings(self, started: float) -> dict:
         """This rank's figures for the policy, as its header carries them (exchange_ms, elapsed_ms)."""
         return self.clock.header_fields(started)
 
-    @staticmethod
-    def rule(group: dict):
-        """The update rule of a parameter group (``update_rule`` is a per-group setting)."""
-        return update_rules.get(group["update_rule"])
-
-    @staticmethod
-    def inner_rule(group: dict):
-        """The local steps' rule of a parameter group (``inner_rule``, per group)."""
-        return update_rules.get(group["inner_rule"])
-
     def group_of(self, p: torch.Tensor) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
-    def signal_for(self, tier: policies.Tier):
-        return signals.for_tier(tier)
-
-    def positions(self, params) -> list[int]:
-        """The positions of ``params`` among all of this optimizer's parameters (trainable or not)."""
-        where = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [where[id(p)] for p in params]
+    def step_view(self) -> views.OptimizerView:
+        """What the step's parts read of this optimizer (:class:`~hf_demo.optim.view.OptimizerView`), taken now."""
+        return views.OptimizerView(
+            settings=self.settings,
+            secret=self.secret,
+            sealer=self.sealer,
+            transform=self.transform,
+            topology=self.topology,
+            tiers=self.tiers,
+            policy=self.policy,
+            clock=self.clock,
+            counters=self.counters,
+            wire_agreed=self.wire_agreed,
+            first_checked=self.first_checked,
+            pending=self.pending,
+            context=self.context,
+            param_groups=self.param_groups,
+            state=self.state,
+            rule=self.rule,
+            inner_rule=self.inner_rule,
+            header_timings=self.header_timings,
+            ddp_suspects=self.ddp_suspects,
+            rescan_ddp=self._rescan_ddp,
+        )
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) that a saved state belongs to."""
@@ -226,7 +233,7 @@ class DeMo(torch.optim.Optimizer):
         self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
         self._first_step_guard(transport)
         try:
-            ctx = run_step(self, PIPELINE, transport)
+            stepped, made = run_step(self.step_view(), PIPELINE, transport, self._on_cuda())
         except BaseException as exc:
             arrived = self.pending.in_flight.arrived if self.pending is not None else None
             if arrived is not None and not self.pending.counted:  # it arrived during this try: it happened
@@ -239,8 +246,36 @@ class DeMo(torch.optim.Optimizer):
             )  # elastic: reported to torchft, the step refused (or raised if not a sync error)
             return loss
         if self.replication is None or self.replication.decide(None):
-            ctx.tx.commit()
+            self._stage_outcome(stepped.tx, made["outcome"])
+            stepped.tx.commit()
         return loss
+
+    def _on_cuda(self) -> bool:
+        return any(p.is_cuda for group in self.param_groups for p in group["params"][:1])
+
+    def _stage_outcome(self, tx, outcome) -> None:
+        """What the step concluded (:class:`~hf_demo.optim.records.Outcome`), staged after every other write."""
+        if outcome.landed is not None:
+            tx.stage(lambda: setattr(self, "pending", outcome.landed.pending))
+        tx.stage(lambda: self.comm_stats.commit_step(outcome.dense, outcome.traffic))
+        if outcome.exchanged:
+            tx.stage(lambda: self._exchanged(outcome))
+        elif outcome.policy is not None:  # moved down into a local phase: this step communicates no more
+            tx.stage(lambda: setattr(self, "policy", outcome.policy))
+        if outcome.wire_agreed is not None:  # what the payload takes on the wire, agreed: it rides from now on
+            tx.stage(lambda: setattr(self, "wire_agreed", outcome.wire_agreed))
+        if outcome.warn_skips:
+            tx.stage(lambda: stages.warn_skips(self.settings, outcome.counters))
+        tx.stage(lambda: setattr(self, "counters", outcome.counters))
+
+    def _exchanged(self, outcome) -> None:
+        self.first_checked = True
+        self.policy = outcome.policy
+        self.clock = policies.Clock(self.comm_stats.seconds * 1000.0, outcome.started, outcome.tier_index)
+
+    def _rescan_ddp(self) -> None:
+        """The first-step DDP guard runs again at the next step (a write outside the transaction: docs/DESIGN.md)."""
+        self.ddp_checked = False
 
     def _first_step_guard(self, transport) -> None:
         """At DeMo's first step in a process group: the exit handler, and a loud error if DDP still averages."""
@@ -269,26 +304,8 @@ class DeMo(torch.optim.Optimizer):
         """The parameters that the watched wrappers (alive and still all-reducing) hold."""
         if not self._ddp_wrappers:
             return []
-        alive = [w for ref in self._ddp_wrappers if (w := ref()) is not None]
-        self._ddp_wrappers = [weakref.ref(w) for w in alive]
+        alive = [w for ref in self._ddp_wrappers if (w := ref()) is not None]  # read only: a step writes nothing
         return ddp.held_params(alive, [p for g in self.param_groups for p in g["params"]])
-
-    def momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
-        state = self.state[p]
-        if "momentum" not in state:
-            return torch.zeros(layout.nblocks, layout.bsize, dtype=torch.float32, device=p.device)
-        if state["momentum"].shape != (layout.nblocks, layout.bsize):
-            raise DeMoStateError(
-                f"the momentum of a parameter of shape {tuple(p.shape)} is blocked as {tuple(state['momentum'].shape)} "
-                f"but compression_chunk now asks for {(layout.nblocks, layout.bsize)}: compression_chunk was changed "
-                "during training. Change it across a checkpoint instead (save, then resume with the new chunk: the "
-                "momentum is re-planned); nothing was changed"
-            )
-        return state["momentum"]
-
-    # ------------------------------------------------------------------ the exchange in flight (overlap)
-    def finish_in_flight(self, traffic: Traffic):
-        return overlap.finish(self, traffic)
 
     def land_in_flight(self, pending) -> None:
         self.pending = pending

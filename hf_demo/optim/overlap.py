@@ -14,33 +14,34 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic
-from hf_demo.optim.signals import rule_directions, whole_matrix_params
+from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.dtensor import local, local_shape
 from hf_demo.wire import agreement, codec
 
 
-def pending_from(ctx, in_flight) -> PendingExchange | None:
-    """The exchange this step started, with what it takes to apply it later."""
+def pending_from(view, tier, chosen, in_flight) -> PendingExchange | None:
+    """The exchange this step started (``in_flight``, None: none), with what it takes to apply it later: the
+    settings and tier it was coded with, the items it updates (``chosen``) and their learning rates."""
     if in_flight is None:
         return None
     return PendingExchange(
         in_flight,
-        ctx.settings.exchange,
-        ctx.settings.reduce_positions,
-        ctx.settings.index_coding,
-        ctx.tier.value_format,
-        ctx.layouts,
-        [(g["lr"], g["weight_decay"]) for _, g, _ in ctx.items],
-        ctx.opt.positions(ctx.params),
+        view.settings.exchange,
+        view.settings.reduce_positions,
+        view.settings.index_coding,
+        tier.value_format,
+        chosen.layouts,
+        [(g["lr"], g["weight_decay"]) for g in chosen.groups],
+        view.positions(chosen.params),
     )
 
 
-def targets(opt, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
+def targets(view, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
     """(parameter, layout) of each coefficient set of the exchange in flight: the parameters it was computed for
     (by position among all parameters, so freezing or unfreezing one since changes nothing)."""
-    everything = [p for g in opt.param_groups for p in g["params"]]
+    everything = view.everything()
     chosen = [everything[i] for i in pending.params] if max(pending.params, default=-1) < len(everything) else []
     shapes = [local_shape(p) for p in chosen]
     if len(chosen) != len(pending.params) or [layout.shape for layout in pending.layouts] != shapes:
@@ -52,17 +53,17 @@ def targets(opt, pending: PendingExchange) -> list[tuple[torch.Tensor, object]]:
     return list(zip(chosen, pending.layouts))
 
 
-def finish(opt, traffic: Traffic) -> list[torch.Tensor] | None:
-    """Wait for the exchange in flight, validate it and average it (nothing committed; None for a skipped step's,
-    which lands nothing); raises
+def finish(view, traffic: Traffic) -> list[torch.Tensor] | None:
+    """Wait for the exchange in flight (``view.pending``), validate it and average it (nothing committed; None for
+    a skipped step's, which lands nothing); raises
     :class:`DeMoPayloadError` where what this rank received fails its checks."""
-    pending = opt.pending
-    targets(opt, pending)  # the parameters are still there
+    pending = view.pending
+    targets(view, pending)  # the parameters are still there
     started = pending.in_flight
     if started.refused is None and codec.flagged(started.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
         started.wait(traffic)  # the exchange of a step every rank skipped: zeros and stale rows, nothing lands
         return None
-    spec = opt.exchange_spec(
+    spec = view.exchange_spec(
         pending.layouts,
         pending.value_format,
         pending.in_flight.world,
@@ -72,20 +73,20 @@ def finish(opt, traffic: Traffic) -> list[torch.Tensor] | None:
     return exchanges.build(pending.exchange, spec).finish(pending.in_flight, traffic)
 
 
-def stage_late(opt, tx: Transaction, updates, stepping) -> None:
-    """The update of the exchange in flight, applied at the commit with the learning rates it was computed with
-    (stochastic rounding seeded by the step that started it); ``stepping``: the transport of the step that lands it
-    (where a rule gathers whole matrices)."""
+def stage_late(view, tx: Transaction, updates, stepping) -> None:
+    """The update of the exchange in flight (``view.pending``), applied at the commit with the learning rates it
+    was computed with (stochastic rounding seeded by the step that started it); ``stepping``: the transport of the
+    step that lands it (where a rule gathers whole matrices)."""
     if updates is None:
         return
-    pending = opt.pending
-    generator = F.rounding_noise(opt.settings.param_rounding, pending.step)
-    params = [p for p, _ in targets(opt, pending)]
-    groups = [opt.group_of(p) for p in params]
-    matrices = opt.topology.matrices(params, whole_matrix_params(opt, opt.rule), stepping)
-    directions, rule_states = rule_directions(opt, params, groups, updates, pending.layouts, matrices)
+    pending = view.pending
+    generator = F.rounding_noise(view.settings.param_rounding, pending.step)
+    params = [p for p, _ in targets(view, pending)]
+    groups = [view.group_of(p) for p in params]
+    matrices = view.topology.matrices(params, view.whole_matrix_params(view.rule), stepping)
+    directions, rule_states = rule_directions(view, params, groups, updates, pending.layouts, matrices)
     for p, rule_state in zip(params, rule_states):
-        tx.update(opt.state[p], rule_state)
+        tx.update(view.state[p], rule_state)
     lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]
     views = [local(p) for p in params]
     tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator))
@@ -93,9 +94,9 @@ def stage_late(opt, tx: Transaction, updates, stepping) -> None:
 
 def flush(opt) -> None:
     """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied."""
-    transport = opt.transport.at(opt.steps)
+    view, transport = opt.step_view(), opt.transport.at(opt.steps)
     try:
-        updates, refusal = finish(opt, transport.traffic), None
+        updates, refusal = finish(view, transport.traffic), None
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
     if transport.world > 1 and opt.settings.commit_vote == "on":
@@ -103,7 +104,7 @@ def flush(opt) -> None:
     elif refusal is not None:
         raise refusal
     tx = Transaction()
-    stage_late(opt, tx, updates, transport)
+    stage_late(view, tx, updates, transport)
     tx.stage(lambda: opt.land_in_flight(None))
     tx.commit()
     opt.comm_stats.add(transport.traffic)
@@ -116,7 +117,7 @@ def to_state(opt) -> dict | None:
         return None
     traffic = Traffic()
     try:
-        finish(opt, traffic)
+        finish(opt.step_view(), traffic)
     except DeMoPayloadError as exc:
         raise DeMoPayloadError(
             f"{exc}. This is the exchange in flight (overlap=True): a checkpoint of this state could never be "

@@ -1,15 +1,38 @@
-"""One optimizer step as a pipeline of parts, each with one job, run top to bottom on a :class:`StepContext`.
+"""One optimizer step as a pipeline of parts, each with one job, run top to bottom; each hands the next a record.
 
-    plan -> topology.select -> signal -> inspect -> momentum -> prepare -> agreement -> communicate -> vote
-         -> policy -> judge -> land -> update                                   (then DeMo.step commits)
+    plan -> topology -> signal -> inspect -> momentum -> prepare -> agreement -> communicate -> vote
+         -> policy -> judge -> land -> update -> commit                  (then DeMo.step takes the outcome, commits)
 
-Every part reads what the parts before it left in the context and adds its own results; none writes to the
-optimizer, the parameters or the counters: it stages its writes in ``ctx.tx`` (:mod:`hf_demo.optim.transaction`),
-which :meth:`hf_demo.DeMo.step` commits once the whole step has succeeded on every rank. Which part does a job
-is chosen from a registry: the topology by the parameters (:mod:`hf_demo.topology`), the signal by
-the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the transform by ``transform``
-(:mod:`hf_demo.compression.transforms`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.exchanges`), the
-update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIGN.md`` shows how to add one.
+A part is an object with a ``name`` and ``run(step, <records>)``: it is given the :class:`~hf_demo.optim.records.Step`
+(the optimizer's narrow view :class:`~hf_demo.optim.view.OptimizerView`, this step's transport, its transaction) and,
+by parameter name, the records of :mod:`hf_demo.optim.records` it reads; it returns the one record it makes
+(``makes``; none for ``vote`` and ``update``, which raise or stage writes only). The records, and the part that
+makes each:
+
+    ========== ===================== =============================================================================
+    record     type                  made by
+    ========== ===================== =============================================================================
+    plan       StepPlan              ``plan``: the tier, every trainable (param, group, layout), the checksums
+    chosen     Chosen                ``topology``: what this rank steps, with which gradient
+    signal     Signalled             ``signal``: what enters the momentum; replicas; a local step's inner steps
+    found      Findings              ``inspect``: header flags, fingerprints; overlap: the exchange in flight
+    momenta    Momenta               ``momentum``: the working momenta
+    prepared   Prepared              ``prepare``: the exchange and this rank's payload
+    agreed     Agreed                ``agreement``: every rank's header (and payload, where it rode)
+    exchanged  Exchanged             ``communicate``: the averaged coefficients, or this rank's refusal
+    decision   Decision              ``policy``: the budget policy, a move down
+    verdict    Verdict               ``judge``: skip, resync
+    landed     Landed                ``land``: the exchange left in flight (overlap)
+    outcome    Outcome               ``commit``: what the optimizer takes at the commit
+    ========== ===================== =============================================================================
+
+No part writes to the optimizer, the parameters or the counters: a part stages its writes in ``step.tx``
+(:mod:`hf_demo.optim.transaction`), and :meth:`hf_demo.DeMo.step` stages the outcome last and commits once the
+whole step has succeeded on every rank. Which part does a job is chosen from a registry: the topology by the
+parameters (:mod:`hf_demo.topology`), the signal by the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the
+transform by ``transform`` (:mod:`hf_demo.compression.transforms`), the exchange by ``exchange``
+(:mod:`hf_demo.exchange.exchanges`), the update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`).
+``docs/DESIGN.md`` shows how to add one.
 
 Traces: the step is a ``torch.profiler.record_function`` range ``DeMo.step``, each part one named
 ``DeMo.<part>`` (:data:`TRACE_NAMES`: ``prepare`` is ``DeMo.compress``, ``communicate`` ``DeMo.exchange``), so
@@ -19,92 +42,12 @@ the PyTorch profiler, TensorBoard and Perfetto show them; on CUDA the same names
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
+import inspect
 
 import torch
 
-from hf_demo.exchange.transport import StepTransport
-from hf_demo.optim import policy as policies
+from hf_demo.optim.records import MADE_BY, Step
 from hf_demo.optim.transaction import Transaction
-
-
-@dataclass
-class StepContext:
-    """Everything one step computes, part by part (nothing here is the optimizer's state until committed)."""
-
-    opt: object  # the DeMo being stepped
-    transport: StepTransport  # this step's collectives (and their traffic) in the optimizer's exchange group
-    tx: Transaction = field(default_factory=Transaction)
-    decided: policies.BudgetPolicy | None = None  # the policy's move down, when this is the step again
-    started: float = field(default_factory=time.monotonic)
-    # plan
-    tier_index: int = 0
-    tier: policies.Tier | None = None
-    all_items: list = field(default_factory=list)  # every trainable (param, group, layout), in order
-    layout_ck: int = 0
-    settings_ck: int = 0
-    generator: torch.Generator | None = None
-    # topology
-    items: list = field(default_factory=list)  # the (param, group, layout) this rank steps
-    grads: list = field(default_factory=list)  # the gradient of each item this rank uses
-    # signal
-    local: bool = False  # a tier with local steps (sync_every > 1)
-    communicates: bool = True  # False: a local step that exchanges nothing
-    anchors: list | None = None
-    inner: list | None = None  # local steps: (value after, inner momentum, rule state) per item
-    signals: list = field(default_factory=list)  # what enters the momentum
-    replicas: list = field(default_factory=list)  # what must be identical on every rank
-    # inspect
-    first: bool = False
-    check_drift: bool = False
-    flags: int = 0
-    grad_print: int = 0
-    suspects: list = field(default_factory=list)
-    late: list | None = None  # overlap: the updates of the exchange that the last step started
-    late_refusal: Exception | None = None
-    # momentum, prepare, agreement, policy
-    exchange: object = None
-    working: list = field(default_factory=list)
-    payload: torch.Tensor | None = None
-    headers: list = field(default_factory=list)
-    header_refusal: Exception | None = None  # a header this rank could not trust (raised through the vote)
-    arrived: torch.Tensor | None = None  # every rank's payload, where it rode with the headers
-    wire_bytes: int | None = None  # this step's payload bytes on the wire (agreed once the step commits)
-    policy: policies.BudgetPolicy | None = None
-    retry: policies.BudgetPolicy | None = None  # a move down: the step goes again in the lower tier
-    # judge, communicate, vote, update
-    replica_print: int = 0
-    resync: bool = False
-    resynced: bool = False  # the resync's copies are staged
-    skip: bool = False
-    drifted: bool = False
-    bad_param_ranks: list = field(default_factory=list)
-    fresh: list | None = None  # rank 0's replicas (a resync)
-    updates: list | None = None  # the averaged coefficients of each item
-    in_flight: object = None  # overlap: the exchange started by this step
-    refusal: Exception | None = None  # what this rank found wrong in what it received
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for p, _, _ in self.items]
-
-    @property
-    def layouts(self) -> list:
-        return [layout for _, _, layout in self.items]
-
-    @property
-    def settings(self):
-        return self.opt.settings
-
-    @property
-    def device(self) -> torch.device:
-        return self.items[0][0].device if self.items else torch.device("cpu")
-
-    def again(self, decided: policies.BudgetPolicy) -> StepContext:
-        """A fresh context for this step in a lower tier: the traffic so far stays counted, nothing else."""
-        return StepContext(self.opt, self.transport, decided=decided)
-
 
 TRACE_NAMES = {"prepare": "compress", "communicate": "exchange"}  # a part's name in traces, where it differs
 
@@ -122,38 +65,58 @@ def traced(name: str, cuda: bool):
                 torch.cuda.nvtx.range_pop()
 
 
-def _on_cuda(opt) -> bool:
-    return any(p.is_cuda for group in opt.param_groups for p in group["params"][:1])
+def reads(part) -> list[str]:
+    """The records ``part.run`` reads: its parameters after the step, each named as :data:`MADE_BY` names one."""
+    return list(inspect.signature(part.run).parameters)[1:]
 
 
 class Pipeline:
-    """The parts of a step, in order. A part that sets ``ctx.communicates`` False (a local step) leaves out the
-    parts of the exchange (those whose ``exchanging`` is true, the default); one that sets ``ctx.retry`` ends
-    this try (the policy's move down: :func:`run_step` runs the step again)."""
+    """The parts of a step, in order. A part reads the records its ``run`` names (None for one that a left-out
+    part would have made) and returns the record it ``makes``. A step whose ``signal`` does not communicate (a
+    local step) leaves out the parts of the exchange (those whose ``exchanging`` is true, the default); a
+    ``decision`` with a ``retry`` ends this try (the policy's move down: :func:`run_step` runs the step again)."""
 
     def __init__(self, parts):
         self.parts = list(parts)
+        self.reads = [reads(part) for part in self.parts]  # read once: the signatures do not change
+        made: list[str] = []
+        for part, names in zip(self.parts, self.reads):
+            unknown = [name for name in names if name not in made]
+            if unknown:
+                raise ValueError(f"part {part.name!r} reads {unknown}, which no part before it makes")
+            if part.makes is not None:
+                maker = MADE_BY[part.makes][1]
+                if maker != part.name:
+                    raise ValueError(f"part {part.name!r} makes {part.makes!r}, the record of part {maker!r}")
+                made.append(part.makes)
 
-    def run(self, ctx: StepContext, cuda: bool = False) -> StepContext:
-        for part in self.parts:
-            if not ctx.communicates and getattr(part, "exchanging", True):
+    def run(self, step: Step, cuda: bool = False) -> dict:
+        """{record name: record} of one try of the step."""
+        made: dict = {}
+        for part, names in zip(self.parts, self.reads):
+            signal = made.get("signal")
+            if signal is not None and not signal.communicates and getattr(part, "exchanging", True):
                 continue  # a local step: no exchange this time
             with traced(f"DeMo.{TRACE_NAMES.get(part.name, part.name)}", cuda):
-                part.run(ctx)
-            if ctx.retry is not None:
+                record = part.run(step, *(made.get(name) for name in names))
+            if part.makes is not None:
+                made[part.makes] = record
+            if part.makes == "decision" and record.retry is not None:
                 break
-        return ctx
+        return made
 
     def names(self) -> list[str]:
         return [part.name for part in self.parts]
 
 
-def run_step(opt, pipeline: Pipeline, transport: StepTransport) -> StepContext:
+def run_step(view, pipeline: Pipeline, transport, cuda: bool = False) -> tuple[Step, dict]:
     """The step, again in a lower tier as long as the policy moves down at its headers (a loop, not recursion):
-    every try's traffic is counted; the returned context's transaction holds the step's writes."""
-    cuda = _on_cuda(opt)
+    every try's traffic is counted (the step's one transport), nothing else of a try that moved down is kept (a
+    fresh transaction). Returns the last try's step (its transaction holds the step's writes) and records."""
     with traced("DeMo.step", cuda):
-        ctx = pipeline.run(StepContext(opt, transport), cuda)
-        while ctx.retry is not None:
-            ctx = pipeline.run(ctx.again(ctx.retry), cuda)
-    return ctx
+        step = Step(view, transport, Transaction())
+        made = pipeline.run(step, cuda)
+        while made.get("decision") is not None and made["decision"].retry is not None:
+            step = Step(view, transport, Transaction(), decided=made["decision"].retry)
+            made = pipeline.run(step, cuda)
+    return step, made

@@ -1,5 +1,6 @@
-"""The parts of a step (:mod:`hf_demo.optim.pipeline`), each one job. A part is an object with a ``name`` and
-``run(ctx)``; it reads the context, adds its results to it and stages its writes in ``ctx.tx``."""
+"""The parts of a step (:mod:`hf_demo.optim.pipeline`), each one job. A part is an object with a ``name``, the
+record it ``makes`` and ``run(step, <the records it reads>)`` (:mod:`hf_demo.optim.records`); it returns its record
+and stages its writes in ``step.tx``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,22 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange import exchanges
 from hf_demo.guards import verdicts
-from hf_demo.optim import overlap
-from hf_demo.optim import policy as policies
-from hf_demo.optim.pipeline import StepContext
+from hf_demo.optim import overlap, signals
+from hf_demo.optim.records import (
+    Agreed,
+    Chosen,
+    Decision,
+    Exchanged,
+    Findings,
+    Landed,
+    Momenta,
+    Outcome,
+    Prepared,
+    Signalled,
+    Step,
+    StepPlan,
+    Verdict,
+)
 from hf_demo.wire import agreement, codec
 
 logger = logging.getLogger("hf_demo.optim.optimizer")
@@ -26,35 +40,39 @@ class Plan:
     """The step's tier, every trainable parameter's block layout, and the checksums the ranks compare."""
 
     name = "plan"
+    makes = "plan"
     exchanging = False
 
-    def run(self, ctx: StepContext) -> None:
-        opt = ctx.opt
-        ctx.tier_index = (ctx.decided or opt.policy).tier
-        ctx.tier = opt.tiers[ctx.tier_index]
-        ctx.all_items, ctx.layout_ck, ctx.settings_ck = opt.plan(ctx.tier)
-        ctx.generator = F.rounding_noise(ctx.settings.param_rounding, ctx.transport.step)
+    def run(self, step: Step) -> StepPlan:
+        view = step.view
+        tier_index = (step.decided or view.policy).tier
+        tier = view.tiers[tier_index]
+        items, layout_ck, settings_ck = view.plan(tier)
+        generator = F.rounding_noise(step.settings.param_rounding, step.transport.step)
+        return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator)
 
 
 class Select:
     """The topology's choice: which parameters this rank steps and with which gradient."""
 
     name = "topology"
+    makes = "chosen"
     exchanging = False
 
-    def run(self, ctx: StepContext) -> None:
-        ctx.opt.topology.select(ctx)
+    def run(self, step: Step, plan: StepPlan) -> Chosen:
+        return step.view.topology.select(plan.items)
 
 
 class Signal:
     """What enters the momentum: the gradient, or at a synchronisation the change since the last one (local
-    steps). A local step that does not synchronise ends the exchange here (``ctx.communicates`` False)."""
+    steps). A local step that does not synchronise ends the exchange here (``communicates`` False)."""
 
     name = "signal"
+    makes = "signal"
     exchanging = False
 
-    def run(self, ctx: StepContext) -> None:
-        ctx.opt.signal_for(ctx.tier).select(ctx)
+    def run(self, step: Step, plan: StepPlan, chosen: Chosen) -> Signalled:
+        return signals.for_tier(plan.tier).select(step, plan, chosen)
 
 
 class Inspect:
@@ -63,17 +81,28 @@ class Inspect:
     step started is finished here, and a refusal of it rides in the header."""
 
     name = "inspect"
+    makes = "found"
 
-    def run(self, ctx: StepContext) -> None:
-        opt = ctx.opt
-        if opt.in_flight:
+    def run(self, step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled) -> Findings:
+        view, late, late_refusal = step.view, None, None
+        if view.pending is not None:
             try:
-                ctx.late = opt.finish_in_flight(ctx.transport.traffic)
+                late = overlap.finish(view, step.transport.traffic)
             except DeMoPayloadError as exc:
-                ctx.late_refusal = exc
-        ctx.started = time.monotonic()
-        verdicts.inspect(ctx, opt.first_checked, opt.ddp_suspects)
-        ctx.flags |= opt.topology.agree_step(ctx, ctx.flags & verdicts.AGREED_FLAGS)
+                late_refusal = exc
+        started = time.monotonic()
+        found = verdicts.inspect(step, signal, late_refusal is not None)
+        bits, refusal = view.topology.agree_step(
+            step.transport, plan.settings_ck, found.flags & verdicts.AGREED_FLAGS, view.secret, chosen.device
+        )
+        return dataclasses.replace(
+            found,
+            flags=found.flags | bits,
+            started=started,
+            late=late,
+            late_refusal=late_refusal,
+            header_refusal=refusal,
+        )
 
 
 class Momentum:
@@ -82,31 +111,34 @@ class Momentum:
     (:mod:`hf_demo.compression.buckets`)."""
 
     name = "momentum"
+    makes = "momenta"
 
-    def run(self, ctx: StepContext) -> None:
-        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
-            return
-        opt = ctx.opt
-        source = opt.signal_for(ctx.tier)
-        factors = [source.decay_and_scale(ctx, g, layout) for _, g, layout in ctx.items]
-        entering = [source.entering(ctx, p, g, signal) for (p, g, _), signal in zip(ctx.items, ctx.signals)]
-        momenta = [opt.momentum(p, layout) for p, _, layout in ctx.items]
-        ctx.working = F.accumulate_many(momenta, entering, ctx.layouts, factors, opt.transform)
+    def run(self, step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, found: Findings) -> Momenta:
+        if found.skipping:
+            return Momenta([])
+        view = step.view
+        source = signals.for_tier(plan.tier)
+        factors = [source.decay_and_scale(step.settings, g, layout) for _, g, layout in chosen.items]
+        entering = [source.entering(step, p, g, s) for (p, g, _), s in zip(chosen.items, signal.signals)]
+        momenta = [view.momentum(p, layout) for p, _, layout in chosen.items]
+        return Momenta(F.accumulate_many(momenta, entering, chosen.layouts, factors, view.transform))
 
 
 class Prepare:
     """The exchange's local part: top-k, encoding and error feedback on the working momenta; the payload."""
 
     name = "prepare"
+    makes = "prepared"
 
-    def run(self, ctx: StepContext) -> None:
-        average = "world" if ctx.local else None  # a synchronisation averages over every rank
-        spec = ctx.opt.exchange_spec(ctx.layouts, ctx.tier.value_format, ctx.transport.world, average)
-        ctx.exchange = exchanges.build(ctx.settings.exchange, spec)
-        if ctx.flags & (codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):  # every rank will skip: zeros travel
-            ctx.payload = torch.zeros(ctx.exchange.payload_nbytes, dtype=torch.uint8, device=ctx.device)
-        else:
-            ctx.payload = ctx.exchange.prepare(ctx.working)
+    def run(
+        self, step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, found: Findings, momenta: Momenta
+    ) -> Prepared:
+        average = "world" if signal.local else None  # a synchronisation averages over every rank
+        spec = step.view.exchange_spec(chosen.layouts, plan.tier.value_format, step.transport.world, average)
+        exchange = exchanges.build(step.settings.exchange, spec)
+        if found.skipping:  # every rank will skip: zeros travel
+            return Prepared(exchange, torch.zeros(exchange.payload_nbytes, dtype=torch.uint8, device=chosen.device))
+        return Prepared(exchange, exchange.prepare(momenta.working))
 
 
 class Agreement:
@@ -115,78 +147,80 @@ class Agreement:
     payload rides in the same all-gather (:func:`hf_demo.wire.agreement.gather_headers`): one round trip."""
 
     name = "agreement"
+    makes = "agreed"
 
-    def run(self, ctx: StepContext) -> None:
-        opt = ctx.opt
+    def run(self, step: Step, plan: StepPlan, chosen: Chosen, found: Findings, prepared: Prepared) -> Agreed:
+        view, transport, exchange = step.view, step.transport, prepared.exchange
         header = codec.Header(
-            step=ctx.transport.step,
-            layout_checksum=ctx.layout_ck,
-            settings_checksum=ctx.settings_ck,
-            flags=ctx.flags,
-            world_size=ctx.transport.world,
-            payload_bytes=ctx.exchange.payload_nbytes,
-            fingerprint=ctx.replica_print if ctx.check_drift else 0,
-            grad_fingerprint=ctx.grad_print,
-            **opt.header_timings(ctx.started),
+            step=transport.step,
+            layout_checksum=plan.layout_ck,
+            settings_checksum=plan.settings_ck,
+            flags=found.flags,
+            world_size=transport.world,
+            payload_bytes=exchange.payload_nbytes,
+            fingerprint=found.replica_print if found.check_drift else 0,
+            grad_fingerprint=found.grad_print,
+            **view.header_timings(found.started),
         )
-        agreed = opt.wire_agreed.get((ctx.transport.world, ctx.tier_index), 0)  # every rank's own, and the same
-        riding = agreement.Riding(ctx.payload, agreed, ctx.exchange.riding_name)
-        if ctx.settings.overlap or not ctx.exchange.rides or not agreement.RIDE:  # overlap: in the background
+        agreed = view.wire_agreed.get((transport.world, plan.tier_index), 0)  # every rank's own, and the same
+        riding = agreement.Riding(prepared.payload, agreed, exchange.riding_name)
+        if step.settings.overlap or not exchange.rides or not agreement.RIDE:  # overlap: in the background
             riding = None
         gathered = agreement.gather_headers(
-            ctx.transport,
+            transport,
             header,
-            ctx.payload,
-            opt.secret,
-            ctx.device,
-            lambda: opt.settings_view(ctx.tier),
-            opt.sealer,
+            prepared.payload,
+            view.secret,
+            chosen.device,
+            lambda: view.settings_view(plan.tier),
+            view.sealer,
             riding,
         )
-        ctx.headers, ctx.arrived = gathered.headers, gathered.rows
-        ctx.header_refusal = ctx.header_refusal or gathered.refusal  # raised through the vote (Communicate, Vote)
-        ctx.wire_bytes = gathered.wire_bytes
+        refusal = found.header_refusal or gathered.refusal  # raised through the vote (Communicate, Vote)
+        return Agreed(gathered.headers, gathered.rows, refusal, gathered.wire_bytes)
 
 
 class Policy:
     """The budget policy's decision from the headers: a move down makes this step go again in the lower tier."""
 
     name = "policy"
+    makes = "decision"
 
-    def run(self, ctx: StepContext) -> None:
-        opt = ctx.opt
-        ctx.policy = ctx.decided or opt.policy
-        if not ctx.settings.comm_budget or ctx.decided is not None:
-            return
-        figures = opt.topology.agree_figures(  # the whole model's, where it is sharded
-            ctx,
-            max(h.exchange_ms for h in ctx.headers),
-            max(h.elapsed_ms for h in ctx.headers),
-            opt.bytes_by_tier(ctx.items),
+    def run(self, step: Step, chosen: Chosen, agreed: Agreed) -> Decision:
+        view = step.view
+        if not step.settings.comm_budget or step.decided is not None:
+            return Decision(step.decided or view.policy)
+        figures = view.topology.agree_figures(  # the whole model's, where it is sharded
+            step.transport,
+            chosen.device,
+            max(h.exchange_ms for h in agreed.headers),
+            max(h.elapsed_ms for h in agreed.headers),
+            view.bytes_by_tier(chosen.items),
         )
-        ctx.policy = opt.policy.decide(*figures, opt.clock.last_exchange_tier)
-        if ctx.policy.tier > opt.policy.tier:
-            ctx.retry = ctx.policy
+        policy = view.policy.decide(*figures, view.clock.last_exchange_tier)
+        return Decision(policy, policy if policy.tier > view.policy.tier else None)
 
 
 class Judge:
     """What the headers say about this step, the same on every rank: raise, resync from rank 0, or skip."""
 
     name = "judge"
+    makes = "verdict"
 
-    def run(self, ctx: StepContext) -> None:
-        verdicts.judge(ctx)
-        if not ctx.resync:
-            return
-        ctx.fresh = agreement.fetch_rank0(ctx.replicas, ctx.transport, ctx.opt.sealer)
-        for r, value in zip(ctx.replicas, ctx.fresh):
-            ctx.tx.copy(r, value)
-        cause = "drift" if ctx.drifted else "non-finite parameters" if ctx.bad_param_ranks else "full_sync_every"
-        if ctx.first and ctx.drifted:
+    def run(self, step: Step, chosen: Chosen, signal: Signalled, found: Findings, agreed: Agreed) -> Verdict:
+        verdict = verdicts.judge(step, chosen.device, found, agreed.headers)
+        if not verdict.resynced:
+            return verdict
+        fresh = agreement.fetch_rank0(signal.replicas, step.transport, step.view.sealer)
+        for r, value in zip(signal.replicas, fresh):
+            step.tx.copy(r, value)
+        cause = "non-finite parameters" if verdict.bad_param_ranks else "full_sync_every"
+        cause = "drift" if verdict.drifted else cause
+        if found.first and verdict.drifted:
             cause = f"the replicas differed at this process's first exchange. {verdicts.UNSYNCED_START}"
-        message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {ctx.transport.step} ({cause})"
-        ctx.tx.stage(lambda: _warn(message))
-        ctx.resynced = True
+        message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {step.transport.step} ({cause})"
+        step.tx.stage(lambda: _warn(message))
+        return verdict
 
 
 class Communicate:
@@ -196,30 +230,34 @@ class Communicate:
     travels for an all-gather exchange. Overlap starts its exchange later, in ``land``, after the judge."""
 
     name = "communicate"
+    makes = "exchanged"
 
-    def run(self, ctx: StepContext) -> None:
-        if ctx.settings.overlap:
-            return
-        transport = ctx.transport
-        if codec.flagged(ctx.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
+    def run(self, step: Step, momenta: Momenta, prepared: Prepared, agreed: Agreed) -> Exchanged:
+        if step.settings.overlap:
+            return Exchanged()
+        transport, exchange = step.transport, prepared.exchange
+        if codec.flagged(agreed.headers, codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS):
             # every rank skips: the exchange's collectives still run, with zeros of the sizes they always have
             # (nothing more where the payload rode with the headers), as on a rank that refused the flagging
             # header and so goes on as if the step were taken; what arrives is left unread
-            started = ctx.exchange.start(
-                transport, ctx.headers, ctx.payload, ctx.working, arrived=ctx.arrived, skipped=True
+            started = exchange.start(
+                transport, agreed.headers, prepared.payload, momenta.working, arrived=agreed.arrived, skipped=True
             )
             started.wait(transport.traffic)
-            ctx.refusal = ctx.header_refusal
-            return
+            return Exchanged(refusal=agreed.header_refusal)
+        updates, refusal = None, None
         try:
-            in_flight = ctx.exchange.start(transport, ctx.headers, ctx.payload, ctx.working, arrived=ctx.arrived)
-            ctx.updates = ctx.exchange.finish(in_flight, transport.traffic)
+            in_flight = exchange.start(
+                transport, agreed.headers, prepared.payload, momenta.working, arrived=agreed.arrived
+            )
+            updates = exchange.finish(in_flight, transport.traffic)
         except DeMoPayloadError as exc:
-            ctx.refusal = exc
+            refusal = exc
         except DeMoSyncError as exc:
-            raise _parted(ctx, exc) from exc
-        if ctx.header_refusal is not None:  # the collectives ran as on every rank; the header is what is refused
-            ctx.refusal, ctx.updates = ctx.header_refusal, None
+            raise _parted(agreed, exc) from exc
+        if agreed.header_refusal is not None:  # the collectives ran as on every rank; the header is what is refused
+            return Exchanged(refusal=agreed.header_refusal)
+        return Exchanged(updates, refusal)
 
 
 class Vote:
@@ -234,18 +272,19 @@ class Vote:
     therefore costs two round trips with the vote and one with ``commit_vote="off"``."""
 
     name = "vote"
+    makes = None
 
-    def run(self, ctx: StepContext) -> None:
-        refusal = ctx.refusal
-        alone = ctx.settings.overlap or ctx.transport.world == 1  # overlap votes in the next header
-        if not alone and ctx.settings.commit_vote == "on":
+    def run(self, step: Step, chosen: Chosen, agreed: Agreed, exchanged: Exchanged) -> None:
+        refusal, transport = exchanged.refusal, step.transport
+        alone = step.settings.overlap or transport.world == 1  # overlap votes in the next header
+        if not alone and step.settings.commit_vote == "on":
             try:
-                agreement.vote(ctx.transport, ctx.refusal, ctx.device, ctx.opt.sealer)
+                agreement.vote(transport, exchanged.refusal, chosen.device, step.view.sealer)
             except DeMoPayloadError as exc:
                 refusal = exc
             except DeMoSyncError as exc:
-                raise _parted(ctx, exc) from exc
-        refusal = ctx.opt.topology.agree_refusal(ctx, refusal)  # every shard of the model, where sharded
+                raise _parted(agreed, exc) from exc
+        refusal = step.view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
         if refusal is not None:
             raise refusal
 
@@ -255,16 +294,25 @@ class Update:
     its state computed on copies now, the parameters written in place at the commit."""
 
     name = "update"
+    makes = None
 
-    def run(self, ctx: StepContext) -> None:
-        if ctx.skip:
+    def run(
+        self,
+        step: Step,
+        plan: StepPlan,
+        chosen: Chosen,
+        signal: Signalled,
+        momenta: Momenta,
+        exchanged: Exchanged,
+        verdict: Verdict,
+    ) -> None:
+        if verdict.skip:
             return
-        opt = ctx.opt
-        if ctx.settings.overlap:
-            for (p, _, _), m in zip(ctx.items, ctx.working):
-                ctx.tx.set(opt.state[p], "momentum", m)
+        if step.settings.overlap:
+            for p, m in zip(chosen.params, momenta.working):
+                step.tx.set(step.view.state[p], "momentum", m)
             return
-        opt.signal_for(ctx.tier).update(ctx)
+        signals.for_tier(plan.tier).update(step, plan, chosen, signal, momenta.working, exchanged.updates)
 
 
 class LandLate:
@@ -274,69 +322,89 @@ class LandLate:
     skip meets every other rank in it, and its refusal rides in the next step's header."""
 
     name = "land"
+    makes = "landed"
 
-    def run(self, ctx: StepContext) -> None:
-        opt = ctx.opt
-        if ctx.settings.overlap:  # a skipped step's exchange too, with zeros (nothing of it lands): see Communicate
-            exchange, transport = ctx.exchange, ctx.transport
-            ctx.in_flight = exchange.start(transport, ctx.headers, ctx.payload, ctx.working, True, skipped=ctx.skip)
-            ctx.in_flight.refused = ctx.in_flight.refused or ctx.header_refusal  # raised when it is finished
-        if ctx.settings.overlap or ctx.late is not None:
-            overlap.stage_late(opt, ctx.tx, ctx.late, ctx.transport)
-            ctx.tx.stage(lambda: opt.land_in_flight(overlap.pending_from(ctx, ctx.in_flight)))
+    def run(
+        self,
+        step: Step,
+        plan: StepPlan,
+        chosen: Chosen,
+        found: Findings,
+        momenta: Momenta,
+        prepared: Prepared,
+        agreed: Agreed,
+        verdict: Verdict,
+    ) -> Landed | None:
+        in_flight = None
+        if step.settings.overlap:  # a skipped step's exchange too, with zeros (nothing of it lands): see Communicate
+            exchange, transport, working = prepared.exchange, step.transport, momenta.working
+            in_flight = exchange.start(transport, agreed.headers, prepared.payload, working, True, skipped=verdict.skip)
+            in_flight.refused = in_flight.refused or agreed.header_refusal  # raised when it is finished
+        if not step.settings.overlap and found.late is None:
+            return None
+        overlap.stage_late(step.view, step.tx, found.late, step.transport)
+        return Landed(overlap.pending_from(step.view, plan.tier, chosen, in_flight))
 
 
 class Conclude:
-    """The step's counters, policy, clock and traffic, staged last (they change whatever the step did)."""
+    """The step's counters, policy, clock and traffic: the :class:`~hf_demo.optim.records.Outcome` the optimizer
+    takes last at the commit (they change whatever the step did)."""
 
     name = "commit"
+    makes = "outcome"
     exchanging = False
 
-    def run(self, ctx: StepContext) -> None:
-        opt, tx = ctx.opt, ctx.tx
-        dense = 4 * sum(layout.numel for layout in ctx.layouts)
-        tx.stage(lambda: opt.comm_stats.commit_step(dense, ctx.transport.traffic))
-        counters = opt.counters
-        if ctx.resynced:
+    def run(
+        self,
+        step: Step,
+        plan: StepPlan,
+        chosen: Chosen,
+        signal: Signalled,
+        found: Findings | None,
+        agreed: Agreed | None,
+        decision: Decision | None,
+        verdict: Verdict | None,
+        landed: Landed | None,
+    ) -> Outcome:
+        view = step.view
+        dense = 4 * sum(layout.numel for layout in chosen.layouts)
+        outcome = Outcome(dense, step.transport.traffic, view.counters, landed=landed)
+        counters = view.counters
+        if verdict is not None and verdict.resynced:
             counters = dataclasses.replace(counters, resyncs=counters.resyncs + 1)
-        if not ctx.communicates:  # a local step: the ranks stay apart until a synchronisation commits
+        if not signal.communicates:  # a local step: the ranks stay apart until a synchronisation commits
             counters = dataclasses.replace(counters, unsynced=True)
-            if ctx.decided is not None:  # moved down into a local phase: this step communicates no more
-                tx.stage(lambda: setattr(opt, "policy", ctx.decided))
+            outcome = dataclasses.replace(outcome, policy=step.decided)  # moved down into a local phase, or None
         else:
-            tx.stage(lambda: _conclude_exchange(ctx))
-            if ctx.wire_bytes is not None:  # what the payload takes on the wire, agreed: it rides from now on
-                agreed = {**opt.wire_agreed, (ctx.transport.world, ctx.tier_index): ctx.wire_bytes}
-                tx.stage(lambda: setattr(opt, "wire_agreed", agreed))
-        if ctx.skip:
+            policy = decision.policy
+            if not step.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget
+                policy = dataclasses.replace(policy, tier=0, over=0, under=0)
+            outcome = dataclasses.replace(
+                outcome, policy=policy, exchanged=True, started=found.started, tier_index=plan.tier_index
+            )
+            if agreed.wire_bytes is not None:  # what the payload takes on the wire, agreed: it rides from now on
+                wire = {**view.wire_agreed, (step.transport.world, plan.tier_index): agreed.wire_bytes}
+                outcome = dataclasses.replace(outcome, wire_agreed=wire)
+        if verdict.skip if verdict is not None else signal.skip:
             counters = counters.skipped()
-            tx.stage(lambda: _warn_skips(opt, counters))
+            outcome = dataclasses.replace(outcome, warn_skips=True)
         else:
             counters = dataclasses.replace(counters, steps=counters.steps + 1)
-            if ctx.communicates:  # a synchronisation: the replicas agree
+            if signal.communicates:  # a synchronisation: the replicas agree
                 counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
-        tx.stage(lambda: setattr(opt, "counters", counters))
+        return dataclasses.replace(outcome, counters=counters)
 
 
-def _parted(ctx: StepContext, exc: DeMoSyncError) -> DeMoSyncError:
+def _parted(agreed: Agreed, exc: DeMoSyncError) -> DeMoSyncError:
     """A collective failed after this rank refused a header: the refused header's true content (a skip, a drift)
     may have taken the others elsewhere, so the peer is not to blame; say so (else the error as it is)."""
-    if ctx.header_refusal is None:
+    if agreed.header_refusal is None:
         return exc
     return DeMoSyncError(
-        f"{ctx.header_refusal}; this rank went on into the step's collectives with a stand-in for that header, "
+        f"{agreed.header_refusal}; this rank went on into the step's collectives with a stand-in for that header, "
         "and the others, which read it intact, did not meet it there (what it said, a skipped step or a drift, "
         f"took them elsewhere): {exc}. No state was changed; resume every rank from the last checkpoint"
     )
-
-
-def _conclude_exchange(ctx: StepContext) -> None:
-    opt, policy = ctx.opt, ctx.policy
-    opt.first_checked = True
-    if not ctx.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget: the settings
-        policy = dataclasses.replace(policy, tier=0, over=0, under=0)
-    opt.policy = policy
-    opt.clock = policies.Clock(opt.comm_stats.seconds * 1000.0, ctx.started, ctx.tier_index)
 
 
 def _warn(message: str) -> None:
@@ -344,8 +412,9 @@ def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=5)
 
 
-def _warn_skips(opt, counters) -> None:
-    if counters.consecutive_skips == opt.settings.nonfinite_patience:
+def warn_skips(settings, counters) -> None:
+    """Warn once the skipped steps in a row reach ``nonfinite_patience`` (staged with the counters)."""
+    if counters.consecutive_skips == settings.nonfinite_patience:
         warnings.warn(
             f"DeMo skipped the last {counters.consecutive_skips} optimizer steps for NaN/Inf "
             "gradients: the loss has likely diverged (lower the learning rate, check the data)",

@@ -1,10 +1,10 @@
 """Which parameters and gradients each rank handles, and who exchanges with whom.
 
-A topology is a pipeline part (:mod:`hf_demo.optim.pipeline`) with ``select(ctx)`` (this rank's items and
-gradients), the ``transport`` DeMo exchanges over, ``identity()`` (the rank a saved state belongs to) and
-``mean_over_ranks(params, transport, name)`` (the ranks' mean, which ends a local phase). :data:`TOPOLOGIES`
-lists them by name; :func:`choose` picks one for an optimizer: ``sharded`` when its parameters are FSDP2 DTensors
-(:mod:`hf_demo.topology.sharded`), ``flat`` otherwise.
+A topology is a pipeline part (:mod:`hf_demo.optim.pipeline`) with ``select(items)`` (a
+:class:`~hf_demo.optim.records.Chosen`: this rank's items and gradients), the ``transport`` DeMo exchanges over,
+``identity()`` (the rank a saved state belongs to) and ``mean_over_ranks(params, transport, name)`` (the ranks'
+mean, which ends a local phase). :data:`TOPOLOGIES` lists them by name; :func:`choose` picks one for an optimizer:
+``sharded`` when its parameters are FSDP2 DTensors (:mod:`hf_demo.topology.sharded`), ``flat`` otherwise.
 """
 
 from hf_demo.topology.dtensor import is_sharded

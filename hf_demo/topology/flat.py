@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_demo.exchange.transport import Transport
+from hf_demo.optim.records import Chosen
 
 
 class FlatTopology:
@@ -17,25 +18,25 @@ class FlatTopology:
     def build(cls, opt, initialised: bool, timeout: float) -> FlatTopology:
         return cls(Transport(opt.process_group if initialised else None, timeout))
 
-    def select(self, ctx) -> None:
-        ctx.items = ctx.all_items
-        ctx.grads = [p.grad for p in ctx.params]
+    def select(self, items: list) -> Chosen:
+        """This rank steps every item (``plan.items``) with its own gradient."""
+        return Chosen(items, [p.grad for p, _, _ in items])
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
         return self.transport.rank, self.transport.world, "group"
 
-    def agree_step(self, ctx, bits: int) -> int:
-        return bits
+    def agree_step(self, transport, settings_ck: int, bits: int, secret, device) -> tuple[int, None]:
+        return bits, None
 
-    def agree(self, ctx, bits: int, name: str) -> int:
+    def agree(self, transport, device, bits: int, name: str) -> int:
         """What every rank stepping the same model agrees on besides the headers: nothing more here."""
         return bits
 
-    def agree_refusal(self, ctx, refusal):
+    def agree_refusal(self, transport, device, refusal):
         return refusal
 
-    def agree_figures(self, ctx, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
+    def agree_figures(self, transport, device, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
         """The budget policy's figures: every rank steps the whole model, they are already the model's."""
         return exchange_ms, elapsed_ms, tier_bytes
 

@@ -32,10 +32,11 @@ from hf_demo.exchange import collectives
 from hf_demo.exchange.collectives import SHARDS, CollectiveSpec
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
+from hf_demo.optim.records import Chosen
 from hf_demo.topology import owners
 from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
 from hf_demo.wire import codec
-from hf_demo.wire.agreement import VOTE_BYTES
+from hf_demo.wire.agreement import VOTE_BYTES, pack_words, unpack_words
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,9 @@ class ShardedTopology:
         replicas = Transport(group, timeout) if group is not None else Transport.alone()
         return cls(replicas, Transport(spec.mesh.get_group(), timeout), spec)
 
-    def select(self, ctx) -> None:
-        ctx.items = ctx.all_items
-        ctx.grads = [local(p.grad) for p in ctx.params]
+    def select(self, items: list) -> Chosen:
+        """This rank steps its shard of every item (``plan.items``) with the shard group's mean gradient."""
+        return Chosen(items, [local(p.grad) for p, _, _ in items])
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope): a sharded state is placed by its DTensors' meshes, not by a rank number."""
@@ -181,23 +182,23 @@ class ShardedTopology:
         return ShardedMatrices(params, every, self.shards.at(stepping.step, stepping.traffic), self.matrix_scheme)
 
     # ------------------------------------------------------------ what every shard of the model agrees on
-    def agree_step(self, ctx, bits: int) -> int:
+    def agree_step(self, transport, settings_ck: int, bits: int, secret, device) -> tuple[int, Exception | None]:
         """Once per exchanging step, over the shard group (the fast link): the ranks holding the other shards of
         this replica are at the same step with the same settings and secret (the replicate group's headers
         compare one shard's ranks only), and ``bits`` (the flags that decide the whole model's step: skip,
-        resync, refused in flight) OR-ed over them. One signed 144-byte header per rank; raises
+        resync, refused in flight) OR-ed over them, with this rank's refusal of a shard's header (voted with the
+        step: ``agree_refusal``). One signed 144-byte header per rank; raises
         :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
         from hf_demo.errors import DeMoSyncError
 
         if self.shards.world == 1:
-            return bits
-        shards = self.shards.at(ctx.transport.step, ctx.transport.traffic)
-        header = codec.Header(ctx.transport.step, 0, ctx.settings_ck, bits, shards.world, 0)
-        header = codec.sign(header, torch.empty(0, dtype=torch.uint8), ctx.opt.secret)
-        rows = shards.all_gather(header.to_bytes().to(ctx.device), "node_header").cpu()
+            return bits, None
+        shards = self.shards.at(transport.step, transport.traffic)
+        header = codec.Header(transport.step, 0, settings_ck, bits, shards.world, 0)
+        header = codec.sign(header, torch.empty(0, dtype=torch.uint8), secret)
+        rows = shards.all_gather(header.to_bytes().to(device), "node_header").cpu()
         try:
-            headers, refusal = codec.receive_headers(rows, header, ctx.opt.secret, self.shards.rank, header.step)
-            ctx.header_refusal = ctx.header_refusal or refusal  # voted with the step (agree_refusal)
+            headers, refusal = codec.receive_headers(rows, header, secret, self.shards.rank, header.step)
             codec.check_headers(headers, self.shards.rank)
         except DeMoSyncError as exc:
             members = [self.shards.global_rank(r) for r in range(self.shards.world)]
@@ -205,49 +206,48 @@ class ShardedTopology:
         out = 0
         for h in headers:
             out |= h.flags
-        return out
+        return out, refusal
 
-    def agree(self, ctx, bits: int, name: str) -> int:
+    def agree(self, transport, device, bits: int, name: str) -> int:
         """``bits`` OR-ed over the shards of this replica: what decides the whole model's step (skip, resync, an
         exchange refused in flight) is then the same for every shard."""
         out = 0
-        for theirs in self._gather(ctx, bits, name):
+        for theirs in self._gather(transport, device, bits, name):
             out |= theirs
         return out
 
-    def agree_figures(self, ctx, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
+    def agree_figures(self, transport, device, exchange_ms: float, elapsed_ms: float, tier_bytes: list[float]):
         """The budget policy's figures for the whole model, the same on every rank: the slowest exchange and step
         of any shard's replicate group, and each tier's bytes summed over the shards (one small all-gather over the
         shard group). Every rank then takes the same decision: one tier for the whole model."""
         if self.shards.world == 1:
             return exchange_ms, elapsed_ms, tier_bytes
         mine = torch.tensor([exchange_ms, elapsed_ms, *tier_bytes], dtype=torch.float64)
-        rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(
-            mine.view(torch.uint8).to(ctx.device), "node_figures"
+        rows = self.shards.at(transport.step, transport.traffic).all_gather(
+            mine.view(torch.uint8).to(device), "node_figures"
         )
         every = rows.cpu().contiguous().view(torch.float64)  # (shards, 2 + tiers)
         return float(every[:, 0].max()), float(every[:, 1].max()), every[:, 2:].sum(dim=0).tolist()
 
-    def agree_refusal(self, ctx, refusal: DeMoPayloadError | None) -> DeMoPayloadError | None:
+    def agree_refusal(self, transport, device, refusal: DeMoPayloadError | None) -> DeMoPayloadError | None:
         """A payload refused for any shard of the model: every rank gets an error to raise, none commits."""
-        verdicts = self._gather(ctx, int(refusal is not None), "node_vote")
+        verdicts = self._gather(transport, device, int(refusal is not None), "node_vote")
         if refusal is not None:
             return refusal
         refusing = [self.shards.global_rank(r) for r, v in enumerate(verdicts) if v]
         if refusing:
             return DeMoPayloadError(
-                f"rank {dist.get_rank()}: optimizer step {ctx.transport.step} was refused for another shard of the "
+                f"rank {dist.get_rank()}: optimizer step {transport.step} was refused for another shard of the "
                 f"model (rank(s) {refusing} found what they received corrupted): nothing was applied on any rank, "
                 "the replicas are still identical and the step can be run again"
             )
         return None
 
-    def _gather(self, ctx, value: int, name: str) -> list[int]:
+    def _gather(self, transport, device, value: int, name: str) -> list[int]:
         if self.shards.world == 1:
             return [value]
-        mine = torch.tensor([value], dtype=torch.int64).view(torch.uint8).to(ctx.device)
-        rows = self.shards.at(ctx.transport.step, ctx.transport.traffic).all_gather(mine, name)
-        return rows.cpu().contiguous().view(torch.int64).flatten().tolist()
+        rows = self.shards.at(transport.step, transport.traffic).all_gather(pack_words([value]).to(device), name)
+        return [word for (word,) in unpack_words(rows, 1)]
 
 
 SCHEMES = ("owner", "everywhere")

@@ -176,6 +176,17 @@ def _fetch_sealed(params: list[torch.Tensor], transport, sealer) -> list[torch.T
     return out
 
 
+def pack_words(words: list[int]) -> torch.Tensor:
+    """``words`` as int64 little-endian bytes on the host (``8 * len(words)`` uint8): a rank's row of a small
+    all-gather (the vote, a shard group's verdicts, the DDP guard's check). :func:`unpack_words` reads them."""
+    return torch.tensor(words, dtype=torch.int64, device="cpu").view(torch.uint8)
+
+
+def unpack_words(rows: torch.Tensor, count: int) -> list[list[int]]:
+    """Every rank's ``count`` words from the gathered rows of :func:`pack_words` (on any device)."""
+    return rows.cpu().contiguous().view(torch.int64).reshape(-1, count).tolist()
+
+
 def verdict(refusal: DeMoPayloadError | None) -> int:
     """What this rank says in the vote: 0 (whole), REFUSED (a payload), or HEADER_REFUSED with the sender of the
     header it refused in the bits above (:func:`codec.receive_headers`)."""
@@ -188,13 +199,11 @@ def verdict(refusal: DeMoPayloadError | None) -> int:
 def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> None:
     """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed).
     With a sealer the verdicts travel sealed, and a verdict that does not open is a refusal."""
-    mine = torch.tensor([verdict(refusal)], dtype=torch.int64, device="cpu")
+    mine = pack_words([verdict(refusal)])
     if sealer is not None:
         rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
     else:
-        rows = (
-            transport.all_gather(mine.view(torch.uint8).to(device), "vote").cpu().view(torch.int64).flatten().tolist()
-        )
+        rows = [v for (v,) in unpack_words(transport.all_gather(mine.to(device), "vote"), 1)]
     refusing = [transport.global_rank(r) for r, v in enumerate(rows) if v]
     if not refusing:
         return
@@ -216,11 +225,10 @@ def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> No
 
 def _sealed_verdicts(transport, mine: torch.Tensor, refusal, sealer, device) -> tuple[list[int], object]:
     """Every rank's sealed verdict, opened; one that does not open counts as a refusal of this rank's."""
-    sealed = sealer.seal(mine.view(torch.uint8), transport.step, "vote")
+    sealed = sealer.seal(mine, transport.step, "vote")
     rows = transport.all_gather(sealed.to(device), "vote").cpu()
     try:
-        return sealer.open_rows(rows, transport.step, "vote", transport.rank).view(
-            torch.int64
-        ).flatten().tolist(), refusal
+        opened = sealer.open_rows(rows, transport.step, "vote", transport.rank)
+        return [v for (v,) in unpack_words(opened, 1)], refusal
     except DeMoPayloadError as exc:
         return [REFUSED] * rows.shape[0], refusal or exc

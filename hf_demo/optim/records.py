@@ -1,0 +1,208 @@
+"""What one phase of a step hands the next: small frozen records, one per part (:mod:`hf_demo.optim.pipeline`).
+
+A part's ``run`` takes the :class:`Step` (what every part is given) and, by name, the records it reads; it returns
+the one record it makes (:data:`MADE_BY` names the part that makes each). Nothing here is the optimizer's state:
+the writes a part computes are staged in ``step.tx`` and the optimizer takes the :class:`Outcome` at the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_demo.wire import codec
+
+if TYPE_CHECKING:
+    from hf_demo.exchange.transport import StepTransport, Traffic
+    from hf_demo.optim.policy import BudgetPolicy, Tier
+    from hf_demo.optim.state import Counters, PendingExchange
+    from hf_demo.optim.transaction import Transaction
+
+SKIPPING_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS  # every rank skips: nothing is computed
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every part is given: the optimizer's narrow view (:class:`~hf_demo.optim.view.OptimizerView`), this
+    step's transport (its collectives and their traffic), its transaction, and the policy's move down when this
+    is the step again in a lower tier."""
+
+    view: object  # hf_demo.optim.view.OptimizerView (not imported here: the view's modules import these records)
+    transport: StepTransport
+    tx: Transaction
+    decided: BudgetPolicy | None = None
+
+    @property
+    def settings(self):
+        return self.view.settings
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """``plan``: the tier, every trainable (param, group, layout) in order, the checksums the ranks compare, and
+    the step's rounding noise."""
+
+    tier_index: int
+    tier: Tier
+    items: list
+    layout_ck: int
+    settings_ck: int
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """``topology``: the (param, group, layout) this rank steps and the gradient of each it uses."""
+
+    items: list
+    grads: list
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for p, _, _ in self.items]
+
+    @property
+    def groups(self) -> list[dict]:
+        return [g for _, g, _ in self.items]
+
+    @property
+    def layouts(self) -> list:
+        return [layout for _, _, layout in self.items]
+
+    @property
+    def device(self) -> torch.device:
+        return self.items[0][0].device if self.items else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Signalled:
+    """``signal``: what enters the momentum and what must be identical on every rank. Local steps: the anchors,
+    each item's inner step on copies ((value after, inner momentum, rule state)), whether this step communicates
+    (a local step does not), and a local step's own skip."""
+
+    local: bool
+    signals: list
+    replicas: list
+    communicates: bool = True
+    anchors: list | None = None
+    inner: list | None = None
+    skip: bool = False
+
+
+@dataclass(frozen=True)
+class Findings:
+    """``inspect``: this rank's header flags and fingerprints, when the step started, and (overlap) the updates
+    of the exchange the last step started or this rank's refusal of it; a shard's header refused (sharded)."""
+
+    flags: int
+    first: bool
+    check_drift: bool
+    grad_print: int
+    replica_print: int
+    suspects: list
+    started: float = 0.0
+    late: list | None = None
+    late_refusal: Exception | None = None
+    header_refusal: Exception | None = None
+
+    @property
+    def skipping(self) -> bool:
+        """Non-finite gradients or parameters here: this rank computes nothing and sends zeros."""
+        return bool(self.flags & SKIPPING_FLAGS)
+
+
+@dataclass(frozen=True)
+class Momenta:
+    """``momentum``: the working momenta (copies; committed with the step), empty where the rank skips."""
+
+    working: list
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """``prepare``: the step's exchange and this rank's payload."""
+
+    exchange: object
+    payload: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """``agreement``: every rank's header, every rank's payload where it rode with the headers (else None), a
+    header this rank could not trust (raised through the vote), and this step's payload bytes on the wire."""
+
+    headers: list
+    arrived: torch.Tensor | None
+    header_refusal: Exception | None
+    wire_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """``communicate``: the averaged coefficients of each item (None on a skip, overlap, or a refusal), and what
+    this rank found wrong in what it received."""
+
+    updates: list | None = None
+    refusal: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``policy``: the budget policy after this step, and a move down that makes the step go again."""
+
+    policy: BudgetPolicy
+    retry: BudgetPolicy | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``judge``: skip the step, and whether rank 0's replicas were copied (staged) and why."""
+
+    skip: bool
+    resynced: bool
+    drifted: bool
+    bad_param_ranks: list
+
+
+@dataclass(frozen=True)
+class Landed:
+    """``land`` (overlap, or an exchange in flight to land): the exchange this step leaves in flight (None: none)."""
+
+    pending: PendingExchange | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``commit``: what the optimizer takes at the commit, after every other staged write, in this order: the
+    step's traffic (``dense`` bytes of a dense exchange to compare with), the exchange left in flight (when
+    ``landed``), the policy (None: as it was), the clock and first-exchange mark (when ``exchanged``), the payload
+    bytes agreed on the wire, the counters."""
+
+    dense: int
+    traffic: Traffic
+    counters: Counters
+    policy: BudgetPolicy | None = None
+    exchanged: bool = False
+    started: float = 0.0
+    tier_index: int = 0
+    wire_agreed: dict | None = None
+    landed: Landed | None = None
+    warn_skips: bool = False
+
+
+MADE_BY = {  # each record's name (as parts' ``run`` take it) -> (its type, the part that makes it)
+    "plan": (StepPlan, "plan"),
+    "chosen": (Chosen, "topology"),
+    "signal": (Signalled, "signal"),
+    "found": (Findings, "inspect"),
+    "momenta": (Momenta, "momentum"),
+    "prepared": (Prepared, "prepare"),
+    "agreed": (Agreed, "agreement"),
+    "exchanged": (Exchanged, "communicate"),
+    "decision": (Decision, "policy"),
+    "verdict": (Verdict, "judge"),
+    "landed": (Landed, "land"),
+    "outcome": (Outcome, "commit"),
+}
