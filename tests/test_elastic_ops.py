@@ -323,3 +323,35 @@ def test_failures_faster_than_the_recovery_never_end(tmp_path, capsys):
     costs = {c["method"]: c for c in json.loads((tmp_path / "plan.json").read_text())["failures"]["methods"]}
     assert costs["demo"]["restart_lost_h"] is None and costs["demo"]["restart_per_failure_s"] > 360
     assert 0 < costs["demo"]["elastic_lost_h"] < math.inf
+
+
+def test_the_monitor_listens_to_an_elastic_optimizers_events_by_itself():
+    """A custom loop (or DeMoOpsCallback) hands the monitor the optimizer: the monitor takes the events the
+    Elastic already had, listens for the next ones, and reads the quorum's size from it at every step."""
+    from models import small_demo, tiny_mlp
+
+    class FakeElastic:  # what the monitor reads of hf_demo.elastic.Elastic
+        def __init__(self):
+            self.events, self.listeners, self.world = [event("join", 1, 3)], [], 3
+
+        def add_listener(self, callback):
+            self.listeners.append(callback)
+
+    opt = small_demo(tiny_mlp())
+    opt.replication = elastic = FakeElastic()
+    monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
+    try:
+        samples = []
+        for step in (1, 2, 3):
+            monitor.step_begin(opt)
+            if step == 2:
+                elastic.world = 2
+                for listener in elastic.listeners:
+                    listener(event("loss", 2, 2, samples_lost=8))
+            samples.append(monitor.step_end(step, opt))
+    finally:
+        opt.replication = None
+        monitor.close()
+    assert len(elastic.listeners) == 1  # attached once
+    seen = [(s.quorum, s.joins, s.losses, s.samples_lost) for s in samples]
+    assert seen == [(3, 1, 0, 0), (2, 0, 1, 8), (2, 0, 0, 0)]
