@@ -203,7 +203,8 @@ def test_mlflow_and_the_csv_log_get_the_quorums_figures(tmp_path, monkeypatch):
     trainer = hf_demo.DeMoTrainer(model=_Regression(), args=args, train_dataset=data, callbacks=[feed], demo_ops=ops)
     feed.trainer = trainer
     trainer.train()
-    assert feed.alerts == [("replica_lost", 4), ("replica_lost", 9)]
+    elastic_kinds = ("replica_lost", "quorum_below_target", "slow_recovery")  # a loaded host may add time alerts
+    assert [a for a in feed.alerts if a[0] in elastic_kinds] == [("replica_lost", 4), ("replica_lost", 9)]
     client = MlflowClient((tmp_path / "mlruns").as_uri())
     [run] = client.search_runs([client.get_experiment_by_name("elastic-ops").experiment_id])
 
