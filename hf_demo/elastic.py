@@ -23,6 +23,7 @@ fresh gradients like any rank's first steps.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import os
@@ -116,6 +117,18 @@ def _issued(call, async_op: bool):
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ElasticEvent:
+    """One change of the quorum as this replica saw it (:attr:`Elastic.events`, :meth:`Elastic.add_listener`)."""
+
+    kind: str  # "join" | "loss" | "recovered"
+    step: int
+    quorum: int
+    seconds: float
+    samples_lost: int
+    time: float  # wall clock (Unix seconds)
+
+
 @dataclass
 class ElasticStats:
     """What the quorum did, as seen by this replica."""
@@ -164,6 +177,8 @@ class Elastic:
         self._topology = None
         self._quorum_id = None
         self._armed = False
+        self.events: list[ElasticEvent] = []
+        self._listeners: list = []
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
         opt.replication = self
 
@@ -198,6 +213,15 @@ class Elastic:
             lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
             replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
         )
+
+    def add_listener(self, callback) -> None:
+        """``callback(event)`` with each :class:`ElasticEvent` from now on (the ops layer's metrics and alerts)."""
+        self._listeners.append(callback)
+
+    def _emit(self, event: ElasticEvent) -> None:
+        self.events.append(event)
+        for callback in self._listeners:
+            callback(event)
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:

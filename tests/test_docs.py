@@ -43,7 +43,9 @@ NOT_SETTINGS = {
     "compute_s",
     "lr",
     "args",
-}  # demo_ops (DeMoTrainer's argument for hf_demo.ops), the ops log's demo_compute_s, compare.py's --demo_lr/--demo_args
+    "elastic",
+}  # demo_ops and demo_elastic (DeMoTrainer's arguments for hf_demo.ops and hf_demo.elastic), the ops log's
+# demo_compute_s, compare.py's --demo_lr/--demo_args
 MODULE = re.compile(r"(?<![\w.])hf_demo(?:\.[A-Za-z_]\w*)+")
 MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
 SCRIPT = re.compile(r"^((?:recipes|benchmarks|examples|scripts)/[\w/]+\.py)$")
@@ -186,7 +188,7 @@ def python_problems(body: str) -> list[str]:
                 continue
             if func in OPTIMIZER_CALLS and kw.arg not in setting_names() | OPTIMIZER_KWARGS:
                 problems.append(f"{func}() has no setting {kw.arg!r}")
-            elif kw.arg.startswith("demo_") and kw.arg[5:] not in setting_names() | {"preset"}:
+            elif kw.arg.startswith("demo_") and kw.arg[5:] not in setting_names() | {"preset", "ops", "elastic"}:
                 problems.append(f"no setting demo_{kw.arg[5:]}")
     return problems
 

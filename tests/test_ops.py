@@ -148,6 +148,17 @@ BAD_INPUTS = {  # case -> (arguments, "{tmp}" the test's folder; the flag the on
     "json into no folder": ([*PLAN, *SHAPES, "--json", "{tmp}/nowhere/plan.json"], "--json"),
     "no epoch length": ([*PLAN[:-2], *SHAPES], "--steps-per-epoch"),
     "two models": ([*PLAN, *SHAPES, "--params", "100"], "--model"),
+    "zero MTBF": ([*PLAN, *SHAPES, "--mtbf-hours", "0"], "--mtbf-hours"),
+    "negative MTBF": ([*PLAN, *SHAPES, "--mtbf-hours=-100"], "--mtbf-hours"),
+    "unreadable MTBF": ([*PLAN, *SHAPES, "--mtbf-hours", "often"], "--mtbf-hours"),
+    "fractional checkpoint interval": (
+        [*PLAN, *SHAPES, "--mtbf-hours", "9", "--checkpoint-every", "2.5"],
+        "--checkpoint-every",
+    ),  # fmt: skip
+    "negative restart": ([*PLAN, *SHAPES, "--mtbf-hours", "9", "--restart-s=-1"], "--restart-s"),
+    "nan detection": ([*PLAN, *SHAPES, "--mtbf-hours", "9", "--detect-s", "nan"], "--detect-s"),
+    "negative recovery": ([*PLAN, *SHAPES, "--mtbf-hours", "9", "--recovery-s=-2"], "--recovery-s"),
+    "a failure's cost without a rate": ([*PLAN, *SHAPES, "--restart-s", "60"], "--mtbf-hours"),
 }
 
 

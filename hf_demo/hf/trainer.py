@@ -8,6 +8,9 @@ set-ups that cannot work. With any optimizer it also writes a manifest into each
 on resume (:mod:`hf_demo.hf.checkpoint`), stops when the launcher started more processes than Trainer sees,
 and tears the process group down at exit (:mod:`hf_demo.exchange.teardown`). With another optimizer it is Trainer.
 
+With ``demo_elastic=True`` (or a dict of :class:`hf_demo.elastic.Elastic`'s arguments) it trains elastically on
+torchft, one replica group per ``torchrun``: a lost replica costs a step, not the run (:mod:`hf_demo.hf.elastic`).
+
 ``DeMoTrainerMixin`` brings the same to any Trainer subclass: put it first,
 ``class DeMoSFTTrainer(DeMoTrainerMixin, SFTTrainer)`` (ready-made in :mod:`hf_demo.trl`).
 
@@ -37,6 +40,7 @@ from hf_demo.errors import DeMoSetupError, DeMoStateError
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
+from hf_demo.hf import elastic as elastic_trainer
 from hf_demo.hf import metrics, runtime_classes
 from hf_demo.hf.data_parallel import (
     check_supported,
@@ -79,8 +83,10 @@ def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
 class DeMoTrainerMixin:
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
-    def __init__(self, *args, demo_ops=None, **kwargs):
+    def __init__(self, *args, demo_ops=None, demo_elastic=None, **kwargs):
         self.demo_ops = None  # the ops callbacks (hf_demo.ops): demo_ops=OpsSettings(...), or False for none
+        self.demo_elastic = None  # hf_demo.elastic.Elastic over the optimizer, once built (demo_elastic=True)
+        self._elastic_options = elastic_trainer.options(demo_elastic)
         _refuse_fsdp_on_cpu(args[1] if len(args) > 1 else kwargs.get("args"), kwargs)  # before Accelerate's checks
         super().__init__(*args, **kwargs)
         self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
@@ -106,7 +112,25 @@ class DeMoTrainerMixin:
             )
             if _distributed():  # Trainer's own collectives (logging gather, batch counts, barriers) bounded too
                 liveness.guard(self._demo_comm_timeout())
+        if self._elastic_options is not None:
+            self._start_elastic()
         self.demo_ops = ops_callbacks.for_trainer(self, demo_ops)
+
+    def _start_elastic(self) -> None:
+        """``demo_elastic``: checked now (DeMo, torchft, one process per replica group, the data shard); the
+        quorum's callback added before the ops callbacks, so they see the step it settles."""
+        from hf_demo.elastic import require_torchft
+
+        if not self.uses_demo:
+            raise DeMoSetupError("demo_elastic trains DeMo elastically: give --optim demo (or a DeMo optimizer)")
+        require_torchft()
+        if self.args.world_size != 1:
+            raise DeMoSetupError(
+                f"demo_elastic runs one process per replica group; Trainer sees {self.args.world_size}: launch one "
+                "torchrun --nproc_per_node 1 per replica group (docs/guides/trainer-and-trl.md)"
+            )
+        elastic_trainer.data_shard(self._elastic_options)
+        self.add_callback(elastic_trainer.ElasticCallback(self))
 
     def _demo_comm_timeout(self) -> float:
         """The ``comm_timeout`` DeMo will train with: the built optimizer's, else the arguments' (or the default)."""
@@ -176,7 +200,20 @@ class DeMoTrainerMixin:
         mesh = getattr(self, "_demo_mesh", None)
         if opt is not None and mesh is not None and mesh.ndim == 2:
             opt.device_mesh = mesh  # HSDP: DeMo exchanges across the replicate dimension of Accelerate's mesh
+        if self._elastic_options is not None and self.demo_elastic is None:
+            self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options)
         return optimizer
+
+    def _get_train_sampler(self, train_dataset=None):
+        """Trainer's sampler; with ``demo_elastic`` this replica group's shard of the training set (torchft's static
+        split: replica ``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, shuffled with the run's seed)."""
+        if self._elastic_options is None:
+            return super()._get_train_sampler(train_dataset)
+        from torch.utils.data.distributed import DistributedSampler
+
+        rid, n = elastic_trainer.data_shard(self._elastic_options)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return DistributedSampler(dataset, num_replicas=n, rank=rid, shuffle=True, seed=self.args.seed)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """Trainer's accelerator arguments, without DDP's search for unused parameters unless asked for (Trainer's

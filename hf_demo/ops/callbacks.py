@@ -22,6 +22,11 @@ rank, where Trainer logs):
 ``ops/tokens_per_s``           every rank's input tokens over the window's wall time (inputs with input_ids)
 ``ops/alerts``                 alerts since the last row, every rank; ``ops/alerts_<kind>`` by kind (no key is
                                both a value and a prefix of another: MLflow's file store keeps both)
+``ops/quorum``                 elastic runs (:mod:`hf_demo.elastic`): replicas in the quorum at the last step
+``ops/replica_joins``          elastic runs, since the last row: quorum changes where replicas joined;
+                               ``ops/replica_losses`` where they were lost; ``ops/recoveries`` this replica's
+                               recoveries from a peer and ``ops/recovery_s`` their seconds; ``ops/samples_lost``
+                               the samples of the refused steps (``ops/samples_lost_total`` since the start)
 =============================  ==========================================================================
 """
 
@@ -158,6 +163,12 @@ class DeMoOpsCallback(TrainerCallback):
             hook.remove()
         self._hooks, self._watched = [], None
 
+    def record_elastic(self, event) -> None:
+        """An :class:`~hf_demo.elastic.ElasticEvent`, counted in the next step's sample (the monitor listens to an
+        elastic optimizer's events by itself; this is for events from elsewhere)."""
+        if self.monitor is not None:
+            self.monitor.record_elastic(event)
+
     def record_inputs(self, inputs) -> None:
         """A micro-batch's inputs (their tokens: ``ops/tokens_per_s``)."""
         if self.monitor is not None:
@@ -210,7 +221,27 @@ def _window_summary(samples: list[StepSample]) -> dict:
     out["saved"] = mean("bytes_saved") if samples else math.nan
     out["tokens"] = float(sum(s.tokens for s in samples))
     out["span_s"] = float(sum(s.step_s + s.other_s for s in samples))  # the window's wall time on this rank
+    out["quorum"] = samples[-1].quorum if samples else 0
+    for key in ELASTIC_WINDOW:
+        out[key] = float(sum(getattr(s, key) for s in samples))
     return out
+
+
+ELASTIC_WINDOW = ("joins", "losses", "recoveries", "recovery_s", "samples_lost")  # StepSample fields, per log row
+ELASTIC_KEYS = {"joins": "ops/replica_joins", "losses": "ops/replica_losses", "recoveries": "ops/recoveries",
+                "recovery_s": "ops/recovery_s", "samples_lost": "ops/samples_lost"}  # fmt: skip
+
+
+def _elastic_row(summaries: list, everyone: list) -> dict:
+    """The quorum's figures of a log row (elastic runs only): the smallest quorum any rank saw at its last step;
+    the events since the last row, as the rank that saw most (every rank of a replica group sees the same)."""
+    quorums = [w.get("quorum", 0) for _, w in summaries if w.get("quorum", 0)]
+    if not quorums:
+        return {}
+    row = {"ops/quorum": float(min(quorums))}
+    row.update({name: max(w.get(key, 0.0) for _, w in summaries) for key, name in ELASTIC_KEYS.items()})
+    row["ops/samples_lost_total"] = float(max(s.totals.samples_lost for _, _, s, _ in everyone))
+    return row
 
 
 def _log_row(everyone: list) -> dict:
@@ -250,6 +281,7 @@ def _log_row(everyone: list) -> dict:
             alerts[kind] = alerts.get(kind, 0) + n
     row["ops/alerts"] = float(sum(alerts.values()))
     row.update({f"ops/alerts_{kind}": float(n) for kind, n in sorted(alerts.items())})
+    row.update(_elastic_row(summaries, everyone))
     return {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
 
 

@@ -167,6 +167,36 @@ def plan_parser(sub) -> None:
     p.add_argument("--demo", type=_setting, action="append", default=[], help="a DeMo setting for every variant")
     p.add_argument("--tolerance", type=NON_NEGATIVE, default=0.1, help="step-time margin the recommendation may trade")
     p.add_argument("--json", type=_json_out, help="also write the plan as JSON (DeMoHealthCallback reads its link)")
+    fail = p.add_argument_group("failures: the time lost per epoch, restart from checkpoint against elastic (torchft)")
+    fail.add_argument("--mtbf-hours", type=POSITIVE, help="mean time between failures of one node, hours")
+    from hf_demo.ops.planner import Failures
+
+    for flag, kind, what in FAILURE_FLAGS:
+        default = Failures.__dataclass_fields__[flag.removeprefix("--").replace("-", "_")].default
+        shown = "the parameters over --inter-node" if default is None else default
+        fail.add_argument(flag, type=kind, help=f"{what} (default {shown})")
+
+
+FAILURE_FLAGS = (  # the flags of a failure's cost beside --mtbf-hours (defaults: hf_demo.ops.planner.Failures)
+    ("--checkpoint-every", POSITIVE_INT, "steps between checkpoints when restarting from one"),
+    ("--restart-s", NON_NEGATIVE, "seconds to restart the processes and load the checkpoint"),
+    ("--detect-s", NON_NEGATIVE, "seconds until the survivors know a peer is gone"),
+    ("--recovery-s", NON_NEGATIVE, "seconds for a joiner to receive the agreed state from a live peer"),
+)
+
+
+def _failures(args):
+    """The failures' inputs (``--mtbf-hours`` and the rest), None without them; SystemExit (one line) for a cost
+    given without the rate."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in FAILURE_FLAGS}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    from hf_demo.ops.planner import Failures
+
+    if args.mtbf_hours is None:
+        if given:
+            raise SystemExit(f"hf-demo plan: {', '.join(given)} prices a failure: give --mtbf-hours too (per node)")
+        return None
+    return Failures(args.mtbf_hours, **{flag[2:].replace("-", "_"): value for flag, value in given.items()})
 
 
 def _plan_inputs(args):
@@ -208,6 +238,7 @@ def _plan_inputs(args):
 def run_plan(args) -> int:
     from hf_demo.ops import planner
 
+    failures = _failures(args)
     cluster, steps, work = _plan_inputs(args)
     table = args.prices
     rows = planner.evaluate(cluster, work, steps, table)
@@ -217,8 +248,14 @@ def run_plan(args) -> int:
     if table is None:
         print("\n(no price table: --prices FILE gives the cost per epoch)")
     print(f"\nRecommended: {why}")
+    failed = None
+    if failures is not None:
+        recovery = failures.recovery_s if failures.recovery_s is not None else planner.recovery_seconds(cluster, work)
+        costs = planner.failure_costs(rows, cluster, work, failures)
+        print("\n" + planner.failure_table(rows, costs, cluster, failures, recovery))
+        failed = planner.failures_json(failures, recovery, costs)
     if args.json:
-        Path(args.json).write_text(planner.to_json(cluster, work, steps, rows, pick, why))
+        Path(args.json).write_text(planner.to_json(cluster, work, steps, rows, pick, why, failed))
     return 0
 
 

@@ -61,6 +61,21 @@ METRICS = {
     "hf_demo_drift_checks_total": ("counter", "parameter fingerprint comparisons across ranks"),
     "hf_demo_alerts_total": ("counter", "DeMoHealthCallback alerts, by kind (every kind from 0)"),
     "hf_demo_cost": ("gauge", "running cost estimate of this rank (device-hours and traffic between nodes)"),
+    "hf_demo_quorum_size": ("gauge", "elastic runs: replicas in torchft's quorum at the last step"),
+    "hf_demo_replica_joins_total": ("counter", "elastic runs: quorum changes where replicas joined"),
+    "hf_demo_replica_losses_total": ("counter", "elastic runs: quorum changes where replicas were lost"),
+    "hf_demo_recoveries_total": ("counter", "elastic runs: times this replica received the agreed state from a peer"),
+    "hf_demo_recovery_seconds_total": ("counter", "elastic runs: seconds this replica spent in those recoveries"),
+    "hf_demo_last_recovery_seconds": ("gauge", "elastic runs: the last recovery's seconds"),
+    "hf_demo_samples_lost_total": ("counter", "elastic runs: samples of the steps refused when replicas were lost"),
+}
+
+ELASTIC_TOTALS = {  # the elastic counters (exported once the run is elastic: a quorum seen) -> their Totals field
+    "hf_demo_replica_joins_total": "joins",
+    "hf_demo_replica_losses_total": "losses",
+    "hf_demo_recoveries_total": "recoveries",
+    "hf_demo_recovery_seconds_total": "recovery_s",
+    "hf_demo_samples_lost_total": "samples_lost",
 }
 
 
@@ -117,6 +132,8 @@ def _families(snapshots: dict[int, Snapshot], run: str):
         fams["hf_demo_step_duration_seconds"].add_metric(base, buckets, t.seconds["step"])
         if not math.isnan(t.last_timestamp):
             fams["hf_demo_last_step_timestamp_seconds"].add_metric(base, t.last_timestamp)
+        if t.quorum:  # an elastic run
+            _elastic_series(fams, base, t)
         if last is not None:
             for name, value in (
                 ("hf_demo_effective_bandwidth_bytes", last.bandwidth),
@@ -128,6 +145,15 @@ def _families(snapshots: dict[int, Snapshot], run: str):
             if not math.isnan(last.cost):
                 fams["hf_demo_cost"].add_metric(base + [snap.currency], last.cost)
     return list(fams.values())
+
+
+def _elastic_series(fams: dict, base: list, t: Totals) -> None:
+    """The quorum's figures of an elastic run (:mod:`hf_demo.elastic`): every counter from 0 once a quorum is seen."""
+    fams["hf_demo_quorum_size"].add_metric(base, t.quorum)
+    for name, key in ELASTIC_TOTALS.items():
+        fams[name].add_metric(base, getattr(t, key))
+    if not math.isnan(t.last_recovery_s):
+        fams["hf_demo_last_recovery_seconds"].add_metric(base, t.last_recovery_s)
 
 
 class PortInUseError(OSError):

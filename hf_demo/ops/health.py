@@ -15,7 +15,11 @@ rank's own jitter (``noise_factor`` robust standard deviations), for ``persist_s
   NaN/Inf gradients (or a non-finite loss);
 - ``drift``: a resync that ``full_sync_every`` did not schedule (fingerprints differed, or non-finite
   parameters); ``repeated_resyncs``: ``resync_limit`` resyncs within ``resync_window`` steps;
-- ``tier_change``: the budget policy moved to another tier (the network changed).
+- ``tier_change``: the budget policy moved to another tier (the network changed);
+- elastic runs (:mod:`hf_demo.elastic`): ``replica_lost`` (a replica left the quorum: the step in flight was
+  refused, the survivors go on; each one, no cooldown), ``quorum_below_target`` (the quorum stayed below
+  ``expected_replicas``, or the largest quorum seen, for ``quorum_patience`` steps: a lost replica is not
+  back), ``slow_recovery`` (this replica's recovery from a peer took over ``recovery_alert_s``).
 
 Each alert carries its wall-clock time (``time``, Unix seconds). Each is logged as a warning (logger
 ``hf_demo.ops``), counted as a metric event (the exporters' ``hf_demo_alerts_total{kind}``, the log rows'
@@ -40,6 +44,7 @@ from hf_demo.ops.settings import HealthSettings
 
 logger = logging.getLogger("hf_demo.ops")
 SEVERE = 2.0  # a time this many times its floor above the baseline alerts at once, without persist_steps
+UNCOOLED = ("tier_change", "replica_lost")  # events each worth an alert, however close together
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class HealthRules:
         self.tier: int | None = None
         self.last_alert: dict[str, int] = {}
         self.deviating: dict[str, int] = {}  # time alerts: deviating steps in a row, per kind
+        self.largest_quorum = 0
+        self.below_target = 0  # steps in a row with the quorum below its target
 
     def observe(self, sample: StepSample, full_sync_every: int = 0) -> list[Alert]:
         self.seen += 1
@@ -94,6 +101,7 @@ class HealthRules:
         if judged:
             found += self._times(sample) + self._link(sample)
         found += self._loss(sample, judged) + self._resyncs(sample, full_sync_every) + self._tier(sample)
+        found += self._quorum(sample)
         self.step_times.append(sample.own_s)
         if sample.bytes_received > 0:
             self.exchange_times.append(sample.exchange_s)
@@ -101,7 +109,7 @@ class HealthRules:
 
     def _fresh(self, alert: Alert) -> bool:
         last = self.last_alert.get(alert.kind)
-        if last is not None and alert.step - last < self.s.cooldown_steps and alert.kind != "tier_change":
+        if last is not None and alert.step - last < self.s.cooldown_steps and alert.kind not in UNCOOLED:
             return False
         self.last_alert[alert.kind] = alert.step
         return True
@@ -221,6 +229,36 @@ class HealthRules:
         way = "down to fewer bytes" if s.tier > before else "back up to more bytes"
         why = f"the budget policy moved {way}: tier {before} -> {s.tier}"
         return [self._alert(s, "tier_change", why, s.tier, before, "info")]
+
+    def _quorum(self, s: StepSample) -> list[Alert]:
+        """Elastic runs: a replica lost, a quorum below its target for ``quorum_patience`` steps, a slow recovery."""
+        if not s.quorum:
+            return []
+        out = []
+        self.largest_quorum = max(self.largest_quorum, s.quorum)
+        target = self.s.expected_replicas or self.largest_quorum
+        if s.losses:
+            why = (
+                f"a replica left torchft's quorum: {s.quorum} of {target} replicas now; the step in flight was refused "
+                f"({s.samples_lost} samples lost) and the survivors go on without reloading anything"
+            )
+            out.append(self._alert(s, "replica_lost", why, s.quorum, target))
+        self.below_target = self.below_target + 1 if s.quorum < target else 0
+        if self.below_target == self.s.quorum_patience:
+            why = (
+                f"the quorum has been {s.quorum} of {target} replicas for {self.below_target} steps: a lost replica is "
+                "not back (is its launcher restarting it? --max-restarts, the host, the Lighthouse's address)"
+            )
+            out.append(self._alert(s, "quorum_below_target", why, s.quorum, target))
+        slowest = s.recovery_s / s.recoveries if s.recoveries else 0.0
+        if self.s.recovery_alert_s > 0 and slowest > self.s.recovery_alert_s:
+            why = (
+                f"this replica's recovery from a live peer took {slowest:.3g} s (over "
+                f"{self.s.recovery_alert_s:.3g} s), and the quorum waited for it: the link to that peer, or the "
+                "size of the agreed state"
+            )
+            out.append(self._alert(s, "slow_recovery", why, slowest, self.s.recovery_alert_s))
+        return out
 
 
 class DeMoHealthCallback(TrainerCallback):

@@ -12,7 +12,11 @@
   describes over the shard group; what is left crossed nodes; FSDP2's own all-gathers and reduce-scatters are
   not DeMo's and are not counted), the effective bandwidth (bytes received over the
   wait), and the tier, skips, resyncs and drift checks (fingerprint comparisons, counted from ``check_every``
-  at each communicating step).
+  at each communicating step);
+- elastic runs (:mod:`hf_demo.elastic`): the quorum's size and the quorum's events since the previous step
+  (joins, losses, this replica's recoveries and their seconds, the samples lost), from the
+  :class:`~hf_demo.elastic.ElasticEvent` objects given to :meth:`StepMonitor.record_elastic`
+  (``elastic.add_listener(monitor.record_elastic)``; ``DeMoOpsCallback`` does it for a Trainer).
 
 ``bytes_between_nodes`` (what the price table bills as traffic between sites) is the received bytes of the
 collectives over DeMo's group (those over the shard group excluded) times the share of the group's other ranks that
@@ -67,6 +71,12 @@ class StepSample:
     timestamp: float = math.nan  # Unix time at the step's end
     tokens: float = 0.0  # tokens of the step's inputs on this rank (0: none recorded)
     forward_wait_s: float = 0.0  # inside forward_backward: DDP's work before the model's forward (its buffer broadcast)
+    quorum: int = 0  # elastic: replicas in torchft's quorum at the step's end (0: not an elastic run)
+    joins: int = 0  # elastic: quorum events since the previous step where replicas joined
+    losses: int = 0  # ... where replicas were lost
+    recoveries: int = 0  # ... where this replica received the agreed state from a live peer
+    recovery_s: float = 0.0  # the seconds of those recoveries
+    samples_lost: int = 0  # the samples of the steps refused for those events
 
     @property
     def bytes_saved(self) -> float:
@@ -102,6 +112,13 @@ class Totals:
     alerts: dict = field(default_factory=dict)
     step_buckets: list = field(default_factory=lambda: [0] * len(STEP_BUCKETS))  # steps at or under each bound
     last_timestamp: float = math.nan
+    quorum: int = 0  # elastic: the last step's quorum (0: not elastic)
+    joins: int = 0
+    losses: int = 0
+    recoveries: int = 0
+    recovery_s: float = 0.0
+    last_recovery_s: float = math.nan
+    samples_lost: int = 0
 
     def add(self, s: StepSample) -> None:
         self.steps += 1
@@ -117,9 +134,42 @@ class Totals:
         self.skipped += s.skipped
         self.resyncs += s.resyncs
         self.drift_checks += s.drift_checks
+        self.quorum = s.quorum
+        self.joins += s.joins
+        self.losses += s.losses
+        self.recoveries += s.recoveries
+        self.recovery_s += s.recovery_s
+        self.samples_lost += s.samples_lost
 
 
 PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
+# an ElasticEvent's kind -> the StepSample field counting it
+ELASTIC_KINDS = {"join": "joins", "loss": "losses", "recovered": "recoveries"}
+
+
+class _ElasticWindow:
+    """The quorum's events since the last step's end (:meth:`StepMonitor.record_elastic`), and its last size."""
+
+    def __init__(self):
+        self.quorum = 0
+        self.counts = dict.fromkeys(ELASTIC_KINDS.values(), 0)
+        self.recovery_s = 0.0
+        self.samples_lost = 0
+
+    def add(self, event) -> None:
+        if event.kind not in ELASTIC_KINDS:
+            raise ValueError(f"ElasticEvent kind {event.kind!r}: expected one of {', '.join(ELASTIC_KINDS)}")
+        self.quorum = int(event.quorum)
+        self.counts[ELASTIC_KINDS[event.kind]] += 1
+        if event.kind == "recovered":
+            self.recovery_s += float(event.seconds)
+        self.samples_lost += int(event.samples_lost)
+
+    def take(self) -> dict:
+        out = {**self.counts, "quorum": self.quorum, "recovery_s": self.recovery_s, "samples_lost": self.samples_lost}
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.recovery_s, self.samples_lost = 0.0, 0
+        return out
 
 
 INSIDE_NODE = frozenset(c.name for c in ShardedTopology.COLLECTIVES if c.group == SHARDS)  # over the shard group
@@ -165,6 +215,8 @@ class StepMonitor:
         self._node_bytes = _NodeBytes()
         self._first_exchange = True
         self._remote_share: dict = {}
+        self._elastic = _ElasticWindow()
+        self._watched_elastic = None
 
     def close(self) -> None:
         self._node_bytes.handle.remove()
@@ -175,6 +227,7 @@ class StepMonitor:
         return time.perf_counter()
 
     def step_begin(self, opt=None) -> None:
+        self._watch_elastic(opt)
         self._marks = {"begin": self._now()}
         self._before = _counters(opt)
         self._losses = []
@@ -206,6 +259,21 @@ class StepMonitor:
         elif torch.is_tensor(ids):
             self._tokens.append(ids.numel())
 
+    def _watch_elastic(self, opt) -> None:
+        """An elastic optimizer's quorum events, from now on and those it had already (once per ``Elastic``)."""
+        replication = getattr(opt, "replication", None)
+        if replication is None or replication is self._watched_elastic or not hasattr(replication, "add_listener"):
+            return
+        self._watched_elastic = replication
+        for event in list(replication.events):
+            self.record_elastic(event)
+        replication.add_listener(self.record_elastic)
+
+    def record_elastic(self, event) -> None:
+        """An :class:`~hf_demo.elastic.ElasticEvent` (a join, a loss, this replica's recovery): counted in the next
+        step's sample. ``elastic.add_listener(monitor.record_elastic)`` in a custom loop."""
+        self._elastic.add(event)
+
     def step_end(self, step: int, opt=None) -> StepSample:
         end = self._now()
         m = self._marks
@@ -217,6 +285,9 @@ class StepMonitor:
         received = after["received"] - before["received"]
         node_bytes = self._node_bytes.take()
         communicated = after["collectives"] > before["collectives"]
+        replication = getattr(opt, "replication", None)
+        if replication is not None:  # elastic: the quorum this step ran with, events or not
+            self._elastic.quorum = replication.world
         sample = StepSample(
             step=step,
             rank=self.rank,
@@ -244,7 +315,10 @@ class StepMonitor:
             timestamp=time.time(),
             tokens=float(sum(int(t) for t in self._tokens)),
             forward_wait_s=self._forward_wait,
+            **self._elastic.take(),
         )
+        if sample.recoveries:
+            self.totals.last_recovery_s = sample.recovery_s / sample.recoveries
         self.totals.add(sample)
         sample.cost = self.cost(sample.wall_s)
         self._last_end = end

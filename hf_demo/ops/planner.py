@@ -9,6 +9,19 @@ that leave each node at its price per GB (nothing when everything is on one node
 
 The recommendation: among the methods within ``tolerance`` of the fastest step, the one that trains
 closest to dense AdamW at equal steps (``quality``); the reason names both figures.
+
+Failures (``--mtbf-hours``, :func:`failure_costs`): each node fails at random at ``1 / MTBF`` per hour, so an
+epoch of ``T`` hours on ``N`` nodes expects ``N T / MTBF`` failures. Each costs the whole cluster, in wall time:
+
+- restart from checkpoint: the detection, the restart of every process (``restart_s``: relaunch, process
+  group, checkpoint load), and the steps since the last checkpoint, half a checkpoint interval on average;
+- elastic (:mod:`hf_demo.elastic`, torchft): the step in flight (refused everywhere), the detection, the joiner's
+  recovery from a live peer (the quorum's next collectives wait for it; default: the parameters over the link
+  between nodes), and the lost node's share of its own restart (the survivors train on with ``(N-1)/N`` of the
+  throughput meanwhile): ``restart_s / N``.
+
+A failure while recovering is a failure too: with ``x`` = failures per hour times the hours each costs, the
+time lost per epoch is ``T x / (1 - x)`` (infinite once ``x >= 1``: failures come faster than the run recovers).
 """
 
 from __future__ import annotations
@@ -17,8 +30,9 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from hf_demo.errors import DeMoSetupError
 from hf_demo.ops.links import format_rate
-from hf_demo.ops.methods import METHODS, Cluster, Estimate, Workload
+from hf_demo.ops.methods import DEMO_VARIANTS, METHODS, Cluster, Estimate, Workload, demo_layout
 from hf_demo.ops.prices import Prices
 
 
@@ -102,6 +116,105 @@ def recommend(rows: list[Row], tolerance: float = 0.1) -> tuple[Row, str]:
     return pick, "; ".join(why)
 
 
+@dataclass(frozen=True)
+class Failures:
+    """What a failure costs (``hf-demo plan --mtbf-hours``): seconds, and steps between checkpoints."""
+
+    mtbf_hours: float  # mean time between failures of one node
+    checkpoint_every: int = 500  # steps between checkpoints (restart from checkpoint)
+    restart_s: float = 300.0  # relaunching the processes, the process group, loading the checkpoint
+    detect_s: float = 30.0  # until the survivors know a peer is gone (a collective's timeout; a killed process: less)
+    recovery_s: float | None = None  # a joiner's recovery from a live peer (None: the parameters over the link)
+
+
+@dataclass(frozen=True)
+class FailureRow:
+    method: str
+    label: str
+    failures_per_epoch: float  # expected over a fault-free epoch's hours
+    restart_per_failure_s: float
+    restart_lost_h: float  # per epoch
+    elastic_per_failure_s: float | None  # None: not elastic (elastic_note says why)
+    elastic_lost_h: float | None
+    elastic_note: str = ""
+
+
+def recovery_seconds(cluster: Cluster, work: Workload) -> float:
+    """A joiner's recovery: the model's parameters from a live peer over the link between nodes, one round trip."""
+    return work.n_params * work.param_bytes / cluster.inter.bandwidth + 2 * cluster.inter.latency
+
+
+def elastic_refusal(row: Row) -> str:
+    """Why :mod:`hf_demo.elastic` does not run ``row``'s method ("" when it does): its own refusals, asked of a
+    DeMo with the method's settings (one source of truth)."""
+    if row.settings is None:
+        return "hf_demo.elastic runs DeMo"
+    import torch
+
+    from hf_demo.elastic import refuse_modes
+    from hf_demo.optim.optimizer import DeMo
+
+    opt = DeMo([torch.nn.Parameter(torch.zeros(8, 8))], **row.settings)
+    if row.method in DEMO_VARIANTS and demo_layout(row.method) == "hsdp":
+        opt.device_mesh = "hsdp"  # what refuse_modes looks at: the layout, not a real mesh
+    try:
+        refuse_modes(opt)
+    except DeMoSetupError as exc:
+        return str(exc).removeprefix("hf_demo.elastic does not run with ")
+    return ""
+
+
+def _lost_h(epoch_h: float, per_hour: float, cost_s: float) -> float:
+    x = per_hour * cost_s / 3600
+    return math.inf if x >= 1 else epoch_h * x / (1 - x)
+
+
+def failure_costs(rows: list[Row], cluster: Cluster, work: Workload, failures: Failures) -> list[FailureRow]:
+    """Each method's expected time lost per epoch to node failures: restart from checkpoint against elastic."""
+    per_hour = cluster.nodes / failures.mtbf_hours
+    recovery = failures.recovery_s if failures.recovery_s is not None else recovery_seconds(cluster, work)
+    out = []
+    for r in rows:
+        if not math.isfinite(r.step_s):
+            continue
+        restart = failures.detect_s + failures.restart_s + failures.checkpoint_every / 2 * r.step_s
+        why = elastic_refusal(r) or ("one node: no survivor goes on" if cluster.nodes < 2 else "")
+        elastic = None if why else r.step_s + failures.detect_s + recovery + failures.restart_s / cluster.nodes
+        out.append(FailureRow(
+            r.method, r.label, per_hour * r.epoch_h, restart, _lost_h(r.epoch_h, per_hour, restart), elastic,
+            None if elastic is None else _lost_h(r.epoch_h, per_hour, elastic), why,
+        ))  # fmt: skip
+    return out
+
+
+def _hours(h: float | None, epoch_h: float) -> str:
+    if h is None:
+        return "-"
+    if not math.isfinite(h):
+        return "never ends"
+    return f"{h:.3g} h ({h / epoch_h:.2%})" if epoch_h > 0 else f"{h:.3g} h"
+
+
+def failure_table(rows: list[Row], costs: list[FailureRow], cluster: Cluster, failures: Failures,
+                  recovery_s: float) -> str:  # fmt: skip
+    head = (
+        f"Failures: MTBF {failures.mtbf_hours:.6g} h per node, {cluster.nodes} node(s). Restart from checkpoint: "
+        f"{failures.detect_s:.3g} s to detect, {failures.restart_s:.3g} s to restart, a checkpoint every "
+        f"{failures.checkpoint_every} steps (half of it recomputed). Elastic: the step in flight, "
+        f"{failures.detect_s:.3g} s to detect, {recovery_s:.3g} s for the joiner's recovery, the restart's "
+        f"{failures.restart_s / cluster.nodes:.3g} s share of one node"
+    )
+    epoch = {r.method: r.epoch_h for r in rows}
+    lines = [head, "", "| method | failures / epoch | lost per epoch, restart from checkpoint | lost per epoch, "
+             "elastic | not elastic because |", "|---|---|---|---|---|"]  # fmt: skip
+    for c in costs:
+        cells = [c.label, f"{c.failures_per_epoch:.3g}", _hours(c.restart_lost_h, epoch[c.method])]
+        short = "; ".join(part.split(": ")[0] for part in c.elastic_note.split("; ")) if c.elastic_note else ""
+        cells += [_hours(c.elastic_lost_h, epoch[c.method]), short]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _bytes(b: float) -> str:
     if not math.isfinite(b):
         return "-"
@@ -135,7 +248,9 @@ def describe(cluster: Cluster, work: Workload, steps_per_epoch: float) -> str:
     )
 
 
-def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list[Row], pick: Row, why: str) -> str:
+def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list[Row], pick: Row, why: str,
+            failures: dict | None = None) -> str:  # fmt: skip
+    """The plan as JSON; ``failures``: :func:`failures_json`'s (``--mtbf-hours``)."""
     return json.dumps(
         {
             "cluster": {
@@ -151,7 +266,17 @@ def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list
             "methods": [asdict(r) for r in rows],
             "recommended": pick.method,
             "reason": why,
+            **({"failures": failures} if failures is not None else {}),
         },
         indent=1,
         default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x),
     )
+
+
+def failures_json(failures: Failures, recovery_s: float, costs: list[FailureRow]) -> dict:
+    """The failures' inputs and each method's figures (a time lost that never ends: null)."""
+
+    def finite(row: dict) -> dict:
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+    return {**asdict(failures), "recovery_s": recovery_s, "methods": [finite(asdict(c)) for c in costs]}

@@ -25,6 +25,9 @@ ALERT_KINDS = (
     "drift",
     "repeated_resyncs",
     "tier_change",
+    "replica_lost",
+    "quorum_below_target",
+    "slow_recovery",
 )
 
 
@@ -64,6 +67,13 @@ class HealthSettings:
     resync_limit: int = _opt(3, "alert when this many resyncs happen within resync_window steps")
     resync_window: int = _opt(100, "steps of the resync count")
     cooldown_steps: int = _opt(10, "the same alert on the same rank is not repeated within this many steps")
+    expected_replicas: int = _opt(
+        0, "elastic runs: the replica groups the run should have (0: the largest quorum seen so far)"
+    )
+    quorum_patience: int = _opt(
+        20, "elastic runs: alert when the quorum stays below expected_replicas this many steps in a row"
+    )
+    recovery_alert_s: float = _opt(60.0, "elastic runs: alert when a recovery from a peer takes longer (0 = off)")
 
     @classmethod
     def from_env(cls, environ=os.environ) -> HealthSettings:
