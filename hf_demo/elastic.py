@@ -212,6 +212,7 @@ class Elastic:
         if quorum != self._quorum_id:
             self._count_change(world)
             self._quorum_id = quorum
+            forget_peers(self.opt)
         self.stats.quorum_size = world
         self.stats.quorum_seconds += time.monotonic() - t0
         self._topology = FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
@@ -286,6 +287,16 @@ class Elastic:
         """Stop this replica's Manager (its server and checkpoint transport)."""
         self.manager.shutdown(wait=False)
         self.opt.replication = None
+
+
+def forget_peers(opt) -> None:
+    """What DeMo learnt about the peers of the last quorum, forgotten on every replica of a new one at the same step
+    (each sees the quorum change at the same step): the first exchange compares every replica again (a joiner's
+    recovered state checked against the survivors'), and no payload rides with the headers until the new quorum has
+    agreed its size on the wire. A joiner starts with neither, so a survivor that kept them would meet it with
+    another collective (a drift check or a riding payload on one side only): a collective mismatch."""
+    opt.first_checked = False
+    opt.wire_agreed = {}
 
 
 def _copied(tree):
