@@ -50,15 +50,17 @@ def require_torchft():
         ) from exc
 
 
-def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int = 1000, quorum_tick_ms: int = 50):
+def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int = 1000, quorum_tick_ms: int = 50,
+               heartbeat_timeout_ms: int = 5000):  # fmt: skip
     """A torchft Lighthouse in this process (tests, one-machine runs): ``.address()`` is what every replica's
-    :class:`Elastic` (or ``TORCHFT_LIGHTHOUSE``) takes. On a cluster run ``torchft_lighthouse`` instead."""
+    :class:`Elastic` (or ``TORCHFT_LIGHTHOUSE``) takes. On a cluster run ``torchft_lighthouse`` instead.
+    ``heartbeat_timeout_ms``: how long a silent replica still counts as alive (the detection time of a replica
+    lost between steps)."""
     require_torchft()
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms
-    )
+    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
 
 
 class ManagedTransport(Transport):
@@ -116,6 +118,29 @@ def _issued(call, async_op: bool):
     return None
 
 
+EVENT_KINDS = ("join", "loss", "recovered")
+
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One change of the quorum as this replica saw it (:attr:`Elastic.events`, :meth:`Elastic.add_listener`).
+
+    ``kind``: ``"join"`` (replicas joined this quorum), ``"loss"`` (replicas were lost: on a survivor),
+    ``"recovered"`` (this replica received the agreed state from a live peer). ``step``: torchft's step it
+    happened at; ``quorum``: the replicas in the new quorum; ``seconds``: for a loss, the time the survivors lost
+    (the refused step in flight, the detection and the new quorum), for a recovery the seconds this replica took to
+    receive the state (its quorum included), for a join the seconds the quorum took; ``samples_lost``: the samples
+    whose work was thrown away with the loss (every replica's batch of the refused steps); ``time``: wall clock
+    (``time.time()``)."""
+
+    kind: str
+    step: int
+    quorum: int
+    seconds: float
+    samples_lost: int
+    time: float
+
+
 @dataclass
 class ElasticStats:
     """What the quorum did, as seen by this replica."""
@@ -128,6 +153,7 @@ class ElasticStats:
     committed_steps: int = 0
     refused_steps: int = 0  # steps every survivor refused (nothing applied)
     batches_lost: int = 0  # the batches of the refused steps (one per replica in the quorum)
+    samples_lost: int = 0  # batches_lost x batch_size: the samples whose forward and backward were thrown away
     quorum_seconds: float = 0.0  # time in torchft's quorum, a recovery included
     last_error: str = ""  # the last refused step's reason
 
@@ -139,8 +165,14 @@ class Elastic:
     """DeMo ``opt`` (over ``model``'s parameters) trained elastically under torchft.
 
     Per step, on every replica: :meth:`start_step` (the quorum; a joiner's recovery), forward and backward on the
-    batch of this replica's rank in the quorum (:attr:`rank`, :attr:`world`), then ``opt.step()``, which commits
-    only where torchft says so (:attr:`last_committed`).
+    batch :attr:`batch_index` of the run's batch stream (:attr:`rank` among :attr:`world` replicas), then
+    ``opt.step()``, which commits only where torchft says so (:attr:`last_committed`).
+
+    Data: the run reads one stream of batches; a committed step consumes ``world`` of them (replica ``rank`` reads
+    ``batches_committed + rank``), a refused step none, so its batches (a dead replica's included) are the next
+    step's, read by the replicas present then; a joiner reads from the ``batches_committed`` it receives with the
+    agreed state. No batch is skipped or trained twice; what a loss costs is the work of the refused step, counted
+    in :attr:`samples_lost`.
 
     Args:
         opt: a :class:`hf_demo.DeMo` over ``model``'s parameters, not stepped yet.
@@ -150,20 +182,29 @@ class Elastic:
         min_replicas: the fewest replicas a step commits with.
         timeout: seconds for a collective, ``should_commit`` and a recovery (torchft's ``timeout``).
         quorum_timeout: seconds to wait for a quorum.
+        batch_size: the samples in one replica's batch of one step (for :attr:`samples_lost`).
         manager: a torchft ``Manager`` built by the caller (then the four above are its own).
     """
 
     def __init__(self, opt, model: torch.nn.Module, *, lighthouse: str | None = None, replica_id: str | None = None,
-                 min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, manager=None):  # fmt: skip
+                 min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, batch_size: int = 1,
+                 manager=None):  # fmt: skip
         require_torchft()
         refuse_modes(opt)
-        self.opt, self.model = opt, model
+        if batch_size < 1:
+            raise ValueError(f"Elastic: batch_size={batch_size}; give the samples in one replica's batch (>= 1)")
+        self.opt, self.model, self.batch_size = opt, model, batch_size
         self.stats = ElasticStats()
+        self.events: list[ElasticEvent] = []
+        self._listeners: list = []
         self.timeout = timeout
         self.last_committed = False
         self._topology = None
         self._quorum_id = None
         self._armed = False
+        self._step_started = 0.0  # when this step's start_step began (monotonic)
+        self._refused_since: float | None = None  # when the first refused step since the last commit began
+        self._unreported_lost = 0  # samples of refused steps not yet in a "loss" event
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
         opt.replication = self
 
@@ -199,41 +240,77 @@ class Elastic:
             replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
         )
 
+    # ------------------------------------------------------------------ events
+    def add_listener(self, callback) -> None:
+        """Call ``callback(event)`` with every :class:`ElasticEvent` from now on (operators' metrics)."""
+        self._listeners.append(callback)
+
+    def _emit(self, kind: str, seconds: float, samples_lost: int = 0) -> None:
+        event = ElasticEvent(kind, self.manager.current_step(), self.stats.quorum_size, seconds, samples_lost,
+                             time.time())  # fmt: skip
+        self.events.append(event)
+        for callback in self._listeners:
+            callback(event)
+
+    @property
+    def samples_lost(self) -> int:
+        """The samples whose forward and backward were thrown away: every replica's batch of each refused step
+        (the data themselves are read again at the next step; see the class's note on data)."""
+        return self.stats.samples_lost
+
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:
         """torchft's quorum for the next step (a recovery from a peer included, before the forward pass);
         DeMo's exchange then runs among this quorum's replicas."""
-        t0 = time.monotonic()
+        t0 = self._step_started = time.monotonic()
+        recoveries = self.stats.recoveries
         self.manager.start_quorum()
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:
             raise DeMoSyncError("this replica is not in torchft's quorum (a spare): nothing to step")
+        seconds = time.monotonic() - t0
+        self.stats.quorum_seconds += seconds
         quorum = getattr(self.manager, "_quorum_id", None)
+        before = self.stats.quorum_size
+        self.stats.quorum_size = world
         if quorum != self._quorum_id:
-            self._count_change(world)
+            changed = self._quorum_id is not None
             self._quorum_id = quorum
             forget_peers(self.opt)
-        self.stats.quorum_size = world
-        self.stats.quorum_seconds += time.monotonic() - t0
+            if changed:
+                self._count_change(before, world)
+        if self.stats.recoveries > recoveries and self.manager.current_step() > 0:
+            self._emit("recovered", seconds)
         self._topology = FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
         self._armed = True  # one optimizer.step() may now decide
 
-    def _count_change(self, world: int) -> None:
-        before = self.stats.quorum_size
-        if self._quorum_id is not None:
-            self.stats.quorum_changes += 1
-            self.stats.replicas_lost += max(before - world, 0)
-            self.stats.replicas_joined += max(world - before, 0)
+    def _count_change(self, before: int, world: int) -> None:
+        self.stats.quorum_changes += 1
+        self.stats.replicas_lost += max(before - world, 0)
+        self.stats.replicas_joined += max(world - before, 0)
+        if world < before or self._refused_since is not None:
+            since = self._refused_since if self._refused_since is not None else self._step_started
+            self._emit("loss", time.monotonic() - since, self._unreported_lost)
+            self._refused_since, self._unreported_lost = None, 0
+        if world > before:
+            self._emit("join", time.monotonic() - self._step_started)
 
     @property
     def rank(self) -> int:
-        """This replica's rank in the current quorum (which shard of the data to read)."""
+        """This replica's rank in the current quorum."""
         return self._topology.transport.rank if self._topology is not None else 0
 
     @property
     def world(self) -> int:
         """The number of replicas in the current quorum."""
         return self._topology.transport.world if self._topology is not None else 1
+
+    @property
+    def batch_index(self) -> int:
+        """The index, in the run's stream of batches, of the batch this replica reads at this step:
+        ``batches_committed + rank`` (torchft's count of the batches committed steps consumed, which a joiner
+        receives with the agreed state)."""
+        return self.manager.batches_committed() + self.rank
 
     @property
     def topology(self):
@@ -257,11 +334,18 @@ class Elastic:
         if commit:
             self.stats.committed_steps += 1
         else:
-            self.stats.refused_steps += 1
-            self.stats.batches_lost += self.stats.quorum_size
+            self._refused(self.stats.quorum_size)
         if error is not None and not isinstance(error, DeMoSyncError):
             raise error
         return commit
+
+    def _refused(self, world: int) -> None:
+        self.stats.refused_steps += 1
+        self.stats.batches_lost += world
+        self.stats.samples_lost += world * self.batch_size
+        self._unreported_lost += world * self.batch_size
+        if self._refused_since is None:
+            self._refused_since = self._step_started
 
     # ------------------------------------------------------------------ recovery
     def agreed_state(self) -> dict:
