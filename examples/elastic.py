@@ -33,6 +33,7 @@ from hf_demo.elastic import Elastic
 from hf_demo.exchange.transport import register_collective_hook
 
 BATCH = {"mlp": 32, "llama": 8}  # samples in one replica's batch
+HELD_OUT = 1 << 40  # batch indices from here on are never trained on
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -97,6 +98,19 @@ def die_at(spec: str | None, elastic) -> None:
     elastic.die = die
 
 
+@torch.no_grad()
+def held_out(model, kind: str, batches: int, corpus=None) -> float | None:
+    """The mean loss of ``batches`` batches that training never reads (the same on every replica)."""
+    if not batches:
+        return None
+    return sum(float(loss_of(model, kind, HELD_OUT + i, corpus)) for i in range(batches)) / batches
+
+
+def momentum(opt) -> float:
+    """The sum of this replica's momentum norms (0 right after a restarted replica received the agreed state)."""
+    return sum(float(s["momentum"].norm()) for s in opt.state.values() if "momentum" in s)
+
+
 def target(args) -> int:
     """The committed steps to train: ``--steps``, or the number in ``--steps-file`` once it exists (a harness
     ends every replica at the same step that way)."""
@@ -125,6 +139,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--max-attempts", type=int, default=None, help="stop after this many steps tried")
     ap.add_argument("--digests", action="store_true", help="each step's line carries the parameters' SHA-256")
     ap.add_argument("--start-file", default=None, help="wait for this file before the first quorum (a harness)")
+    ap.add_argument("--eval-batches", type=int, default=0, help="held-out batches for the final record's eval_loss")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args()
 
@@ -143,7 +158,8 @@ def main() -> None:
     opt = hf_demo.DeMo(model.parameters(), lr=args.lr, compression_topk=4, compression_chunk=8)
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
-    elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e)}), flush=True))
+    elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
+                                         flush=True))  # fmt: skip
     die_at(args.die_at, elastic)
     print(json.dumps({"ready": replica}), flush=True)
     while args.start_file and not os.path.exists(args.start_file):
@@ -172,7 +188,9 @@ def main() -> None:
             if not elastic.last_committed:
                 line["error"] = elastic.stats.last_error
             print(json.dumps(line), flush=True)
-    record = {"replica": replica, "digest": digest(model), "steps": elastic.manager.current_step(),
+    eval_loss = held_out(model, args.model, args.eval_batches, corpus)
+    record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
+              "steps": elastic.manager.current_step(),
               "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "loss": loss,
               "seconds": time.monotonic() - started, "batches_committed": elastic.manager.batches_committed(),
               "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip

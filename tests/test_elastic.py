@@ -138,5 +138,64 @@ def test_a_lost_replica_costs_the_survivors_a_step_not_the_run(tmp_path, point):
     _check_data(everyone, records["0"]["batches_committed"], slack=1)
 
 
-def test_the_short_soak_runs_in_the_suite():
-    """Placeholder until benchmarks/elastic_soak.py exists."""
+@pytest.mark.slow
+def test_a_restarted_replica_rejoins_with_the_agreed_state_and_zero_momentum(tmp_path):
+    """Replica 2 of 3 SIGKILLed inside step 5 and started again: it joins the quorum, receives the agreed state
+    from a live peer (its momentum at zero, the survivors keep theirs and reload nothing), reads the batches after
+    those committed, and from then on the three replicas are bitwise identical at every step."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    reps = _harness(
+        tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file)], extra={"2": ["--die-at", "5:inside"]}
+    )
+    try:
+        reps.wait_exit("2", 120)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 180
+        while len([x for x in _steps(joiner) if x["committed"]]) < 3:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        steps_file.write_text(str(max(r.step() for r in reps.live.values()) + 8))
+        records = reps.finish(180)
+        live = dict(reps.live)
+    finally:
+        reps.close()
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    (recovered,) = [x for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    assert recovered["momentum"] == 0.0 and recovered["event"]["step"] > 5 and recovered["event"]["quorum"] == 3
+    for rid in ("0", "1"):
+        assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
+        assert not [e for e in records[rid]["events"] if e["kind"] == "recovered"]
+    joined = recovered["event"]["step"]
+    for step, lines in _by_step(live.values()).items():
+        if step >= joined:
+            assert set(lines) == {"0", "1", "2"} and len({x["digest"] for x in lines.values()}) == 1, step
+            assert {x["quorum"] for x in lines.values()} == {3}
+    _check_data(reps.dead, records["0"]["batches_committed"], slack=0)
+
+
+@pytest.mark.slow
+def test_the_guards_hold_on_the_managed_group(tmp_path):
+    """On torchft's group as on a plain one: a replica whose settings differ (its learning rate) makes every
+    replica refuse every step, naming the setting, with nothing applied; a non-finite gradient on one replica
+    makes every replica skip that step alike. Either way the replicas stay bitwise identical."""
+    reps = _harness(tmp_path / "settings", 2, ["--steps", "10", "--max-attempts", "3"], extra={"1": ["--lr", "1e-3"]})
+    try:
+        records = reps.finish(180)
+        lines = [_steps(r) for r in reps.live.values()]
+    finally:
+        reps.close()
+    assert records["0"]["digest"] == records["1"]["digest"] and records["0"]["steps"] == 0
+    for rec in records.values():
+        assert rec["refused_steps"] == 3 and rec["samples_lost"] == 3 * 2 * 32
+    assert all("param_groups[0].lr" in x["error"] or "lr" in x["error"] for got in lines for x in got), lines
+
+    reps = _harness(tmp_path / "nan", 2, ["--steps", "8"], extra={"1": ["--nan-at", "4"]})
+    try:
+        records = reps.finish(180)
+    finally:
+        reps.close()
+    assert records["0"]["digest"] == records["1"]["digest"]
+    for rec in records.values():
+        assert rec["steps"] == 8 and rec["skipped_steps"] == 1 and rec["refused_steps"] == 0
