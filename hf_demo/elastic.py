@@ -328,7 +328,7 @@ class Elastic:
         self._armed = False
         if error is not None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
-            self.stats.last_error = str(error).splitlines()[0][:300]
+            self.stats.last_error = " ".join(str(error).split())[:1000]
         commit = bool(self.manager.should_commit()) and error is None
         self.last_committed = commit
         if commit:
