@@ -7,7 +7,8 @@ replica in the quorum is SIGKILLed and at once started again, as its launcher (`
 it joins the quorum and receives the agreed state from a live peer. Then the same run without faults gives
 ``loss_fault_free``. Prints one JSON line:
 
-    failures, full_restarts, steps_committed, replicas_identical, replicas_finished, loss_final, loss_fault_free,
+    failures, full_restarts, steps_committed, replicas_identical, replicas_finished, rejoins, loss_final,
+    loss_fault_free,
     loss_gap, seconds_lost_per_failure (mean, max), samples_lost, seconds, seconds_fault_free
 
 ``loss_*``: the held-out loss of the final parameters (``--eval-batches`` batches never trained on).
@@ -105,6 +106,7 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
     started = time.monotonic()
     deadline = started + a.max_seconds
     reps = Replicas(a.replicas, out, _args(a))
+    originals = {id(r) for r in reps.live.values()}
     try:
         done, full = _kill_loop(reps, a, rng, deadline)
         records = _finish(reps, a, deadline)
@@ -124,6 +126,11 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
         "steps_committed": max((rec["steps"] for rec in finals), default=0),
         "replicas_identical": len(finals) >= 1 and len({rec["digest"] for rec in finals}) == 1,
         "replicas_finished": len(finals),
+        "rejoins": sum(
+            1
+            for r in incarnations
+            if id(r) not in originals and any(x.get("committed") for x in r.lines if "step" in x)
+        ),
         "loss_final": finals[0]["eval_loss"] if finals else None,
         "seconds_lost_per_failure": round(sum(losses.values()) / len(losses), 3) if losses else 0.0,
         "seconds_lost_max": round(max(losses.values()), 3) if losses else 0.0,
