@@ -4,12 +4,12 @@ Three replica groups of ``examples/elastic.py`` (one gloo process each, DeMo ove
 loopback around an in-process torchft Lighthouse train a small byte-level Llama on the Python stdlib sources for
 ``--steps`` committed steps. At ``--kills`` random steps (the last one by ``--quiet-tail`` of the run) a random
 replica in the quorum is SIGKILLed and at once started again, as its launcher (``torchrun --max-restarts``) would;
-it joins the quorum and receives the agreed state from a live peer. Then the same run without faults gives
-``loss_fault_free``. Prints one JSON line:
+it joins the quorum and receives the agreed state from a live peer. The run ends at ``--steps`` once every
+restarted replica is back in the quorum (a few steps later where a restart took longer: ``steps_committed``).
+Then the same run without faults gives ``loss_fault_free``. Prints one JSON line:
 
     failures, full_restarts, steps_committed, replicas_identical, replicas_finished, rejoins, loss_final,
-    loss_fault_free,
-    loss_gap, seconds_lost_per_failure (mean, max), samples_lost, seconds, seconds_fault_free
+    loss_fault_free, loss_gap, seconds_lost_per_failure (mean, max), samples_lost, seconds, seconds_fault_free
 
 ``loss_*``: the held-out loss of the final parameters (``--eval-batches`` batches never trained on).
 ``seconds_lost_per_failure``: the time the survivors lost per failure (each failure's ``loss`` event: the refused
@@ -54,8 +54,9 @@ def parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _args(a) -> list[str]:
-    return ["--model", a.model, "--steps", str(a.steps), "--seed", "0", "--timeout", str(a.timeout),
+def _args(a, steps_file: Path) -> list[str]:
+    return ["--model", a.model, "--steps", str(10**9), "--steps-file", str(steps_file), "--seed", "0",
+            "--timeout", str(a.timeout),
             "--step-seconds", str(a.step_seconds), "--eval-batches", str(a.eval_batches)]  # fmt: skip
 
 
@@ -88,6 +89,14 @@ def _kill_loop(reps: Replicas, a, rng: random.Random, deadline: float) -> tuple[
     return kills, full
 
 
+def _end(reps: Replicas, a, steps_file: Path, deadline: float) -> None:
+    """Once every restarted replica is back in the quorum (or the time is up), every replica's last step:
+    ``a.steps``, or a few steps on where the rejoins took longer (written once: the replicas end together)."""
+    while time.monotonic() < deadline and len(_in_quorum(reps)) < len(reps.live):
+        time.sleep(0.05)
+    steps_file.write_text(str(max(a.steps, max(r.step() for r in reps.live.values()) + 5)))
+
+
 def _finish(reps: Replicas, a, deadline: float) -> dict[str, dict]:
     """The records of the replicas that finished; a restarted replica still outside the quorum when the others
     are done is ended (it is a restart in progress, not a replica of the run)."""
@@ -105,10 +114,12 @@ def _finish(reps: Replicas, a, deadline: float) -> dict[str, dict]:
 def run(a, out: Path, kills: int, rng: random.Random) -> dict:
     started = time.monotonic()
     deadline = started + a.max_seconds
-    reps = Replicas(a.replicas, out, _args(a))
+    steps_file = out / "steps"
+    reps = Replicas(a.replicas, out, _args(a, steps_file))
     originals = {id(r) for r in reps.live.values()}
     try:
         done, full = _kill_loop(reps, a, rng, deadline)
+        _end(reps, a, steps_file, deadline)
         records = _finish(reps, a, deadline)
         incarnations = reps.dead + list(reps.live.values())
     finally:
@@ -120,6 +131,7 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
             if e and e["kind"] == "loss":
                 losses[e["step"]] = max(losses.get(e["step"], 0.0), e["seconds"])
     finals = [rec for rec in records.values() if rec["steps"] >= a.steps]
+    # every replica that finished ended at the same step: the last one written to the steps file
     return {
         "failures": done,
         "full_restarts": full,

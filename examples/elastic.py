@@ -127,7 +127,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps-file", default=None, help="a file whose number, once it exists, replaces --steps")
     ap.add_argument("--model", default="mlp", choices=["mlp", "llama"])
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--topk", type=int, default=4, help="compression_topk (of chunks of 8)")
+    ap.add_argument("--topk", type=int, default=4, help="compression_topk (of chunks of 8; not with --preset)")
+    ap.add_argument("--sync-every", type=int, default=1, help="DeMo's sync_every (local steps between exchanges)")
+    ap.add_argument("--preset", default=None, help="a DeMo preset (e.g. from_scratch)")
     ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
@@ -156,7 +158,10 @@ def main() -> None:
         from hf_demo.stdlib_corpus import stdlib_bytes
 
         corpus = stdlib_bytes(1 << 20)
-    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, compression_topk=args.topk, compression_chunk=8)
+    shape = {} if args.preset else {"compression_topk": args.topk, "compression_chunk": 8}
+    if args.sync_every > 1:
+        shape["sync_every"] = args.sync_every
+    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),

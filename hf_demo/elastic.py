@@ -36,7 +36,14 @@ from hf_demo.exchange.transport import Transport
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
-OWN_KEYS = ("momentum", "signal_momentum")  # each rank's own state: never sent to a joiner, kept by a healed one
+OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
+OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
+
+
+def own_key(key: str) -> bool:
+    """Whether a per-parameter state entry is this rank's own (its momenta, its inner rule's state) rather than
+    agreed by every replica (the anchor, an update rule's state driven by the mean update)."""
+    return key in OWN_KEYS or key.startswith(OWN_PREFIX)
 
 
 def require_torchft():
@@ -264,7 +271,9 @@ class Elastic:
         DeMo's exchange then runs among this quorum's replicas."""
         t0 = self._step_started = time.monotonic()
         recoveries = self.stats.recoveries
-        self.manager.start_quorum()
+        # inside a local phase (sync_every > 1) each replica's parameters are its own: no joiner until the next
+        # synchronisation has made them agree again (torchft's shrink_only quorum: replicas may leave, none join)
+        self.manager.start_quorum(shrink_only=bool(self.opt.unsynced))
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:
             raise DeMoSyncError("this replica is not in torchft's quorum (a spare): nothing to step")
@@ -352,14 +361,14 @@ class Elastic:
         """What a joiner receives (torchft's ``state_dict`` callback, on a live peer): the model's state and DeMo's
         state but each rank's own momentum, as copies."""
         optim = self.opt.state_dict()
-        optim["state"] = {pid: {k: v for k, v in s.items() if k not in OWN_KEYS} for pid, s in optim["state"].items()}
+        optim["state"] = {pid: {k: v for k, v in s.items() if not own_key(k)} for pid, s in optim["state"].items()}
         return _copied({"model": self.model.state_dict(), "optimizer": optim})
 
     def load_agreed(self, state: dict) -> None:
         """A peer's agreed state, loaded (torchft's ``load_state_dict`` callback, before the forward pass): the
         model, the rule state, the counters, the policy's tier; this replica's own momentum is kept where it has
         one (a replica that lagged), zero otherwise (a restarted one)."""
-        own = {p: {k: s[k] for k in OWN_KEYS if k in s} for p, s in self.opt.state.items()}
+        own = {p: {k: v for k, v in s.items() if own_key(k)} for p, s in self.opt.state.items()}
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.opt.saved_world, self.opt.saved_identity = None, (None, None, None)  # a live peer's, not a resume
@@ -402,10 +411,11 @@ def refuse_modes(opt) -> None:
             "overlap=True: the exchange in flight spans two quorums, so a replica lost after it started would leave "
             "the survivors with an update that landed on some of them only"
         )
-    if s.sync_every > 1 or (s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers)):
+    if s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers):
         refusals.append(
-            "sync_every > 1 or comm_budget (tiers with local steps): inside a local phase each replica's parameters "
-            "are its own, so a joiner could not be given an agreed state before the next synchronisation"
+            "comm_budget with tiers of local steps (policy_sync_every > 1): the policy's moves into and out of a "
+            "local phase under a changing quorum are not tested elastically yet (sync_every > 1 without a budget "
+            "runs: joiners wait for a synchronisation)"
         )
     if opt.device_mesh is not None:
         refusals.append("device_mesh (HSDP): a whole node as one replica group is not supported yet")

@@ -25,15 +25,17 @@ def test_missing_torchft_names_the_extra(monkeypatch):
         elastic.require_torchft()
 
 
-def test_overlap_and_local_steps_are_refused_with_the_reason():
+def test_the_modes_elastic_does_not_run_are_refused_with_the_reason():
     from hf_demo.elastic import refuse_modes
 
     model = torch.nn.Linear(8, 8)
     with pytest.raises(DeMoSetupError, match="overlap=True"):
         refuse_modes(hf_demo.DeMo(model.parameters(), overlap=True))
-    with pytest.raises(DeMoSetupError, match="sync_every > 1"):
-        refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))
+    with pytest.raises(DeMoSetupError, match="comm_budget"):
+        refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))
     refuse_modes(hf_demo.DeMo(model.parameters()))  # every-step DeMo runs
+    refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))  # local steps run: joiners wait for a sync
+    refuse_modes(hf_demo.DeMo(model.parameters(), preset="from_scratch"))
 
 
 class _Group:
@@ -48,7 +50,8 @@ class _Manager:
         self.quorum, self.world, self.step, self.batches, self.commit, self.heal = 1, 3, 0, 0, True, None
         self._pg, self.errors = _Group(), []
 
-    def start_quorum(self):
+    def start_quorum(self, shrink_only=False):
+        self.shrink_only = shrink_only
         self._quorum_id = self.quorum
         if self.heal is not None:
             self.heal()
@@ -314,9 +317,54 @@ def test_the_short_soak_survives_its_kills_without_a_restart(tmp_path):
     pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
     import elastic_soak
 
-    args = ["--model", "mlp", "--steps", "80", "--kills", "2", "--step-seconds", "0.25", "--quiet-tail", "0.6",
+    args = ["--model", "mlp", "--steps", "40", "--kills", "2", "--step-seconds", "0.1", "--quiet-tail", "0.5",
             "--eval-batches", "2", "--no-baseline", "--max-seconds", "200", "--out", str(tmp_path)]  # fmt: skip
     result = elastic_soak.main(args)
     assert result["failures"] == 2 and result["full_restarts"] == 0, result
-    assert result["steps_committed"] == 80 and result["replicas_identical"] and result["rejoins"] >= 1, result
+    assert result["steps_committed"] >= 40 and result["replicas_identical"] and result["rejoins"] == 2, result
+    assert result["replicas_finished"] == 3
     assert 0 < result["seconds_lost_per_failure"] < 60
+
+
+def _rejoin(tmp_path, args, die: str, after: int = 3):
+    """3 replicas; replica 2 SIGKILLed at ``die`` and started again; the run ends ``after``-odd steps once it is
+    back. Returns (records, the live replicas, the joiner)."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    reps = _harness(tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file), *args],
+                    extra={"2": ["--die-at", die]})  # fmt: skip
+    try:
+        reps.wait_exit("2", 120)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 240
+        while len([x for x in _steps(joiner) if x["committed"]]) < after:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        last = max(r.step() for r in reps.live.values()) + 6
+        steps_file.write_text(str(last + last % 2))  # an even count of steps: the run ends on a synchronisation
+        records = reps.finish(180)
+        live = dict(reps.live)
+    finally:
+        reps.close()
+    return records, live, joiner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync_every", "from_scratch"])
+def test_local_steps_lose_a_replica_inside_a_phase_and_a_joiner_waits_for_a_synchronisation(tmp_path, mode):
+    """sync_every=2 (and the from_scratch preset, which has it): replica 2 of 3 SIGKILLed inside a local phase;
+    the survivors go on, synchronise over the two present, and the restarted replica joins only at a
+    synchronisation (its recovery at an even step), after which the three agree at every synchronisation and end
+    bitwise identical."""
+    args = ["--sync-every", "2"] if mode == "sync_every" else ["--preset", "from_scratch"]
+    records, live, joiner = _rejoin(tmp_path, args, "4:before")
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    (recovered,) = [x["event"] for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    assert recovered["step"] % 2 == 0 and recovered["step"] > 4 and recovered["quorum"] == 3
+    for rid in ("0", "1"):
+        kinds = [e["kind"] for e in records[rid]["events"]]
+        assert kinds == ["loss", "join"] and records[rid]["refused_steps"] == 0, records[rid]
+    for step, lines in _by_step(live.values()).items():
+        if step % 2 == 1 and step >= recovered["step"]:  # after each synchronisation: one state everywhere
+            assert set(lines) == {"0", "1", "2"} and len({x["digest"] for x in lines.values()}) == 1, step
