@@ -43,7 +43,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kills", type=int, default=24, help="SIGKILLs to deliver (fewer if --max-seconds runs out)")
     ap.add_argument("--model", default="llama", choices=["llama", "mlp"])
-    ap.add_argument("--step-seconds", type=float, default=0.25, help="added to each step (a longer step)")
+    ap.add_argument("--step-seconds", type=float, default=0.7, help="added to each step (a restart spans steps)")
     ap.add_argument("--timeout", type=float, default=10.0, help="the replicas' collective/commit timeout")
     ap.add_argument("--quiet-tail", type=float, default=0.15, help="the last fraction of steps without kills")
     ap.add_argument("--eval-batches", type=int, default=16)
@@ -124,12 +124,13 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
         incarnations = reps.dead + list(reps.live.values())
     finally:
         reps.close()
-    losses = {}  # per failure (the step it hit): the most any survivor lost
+    losses, samples = {}, {}  # per failure (the step it hit): the most any survivor lost, in seconds and samples
     for r in incarnations:
         for x in r.lines:
             e = x.get("event")
             if e and e["kind"] == "loss":
                 losses[e["step"]] = max(losses.get(e["step"], 0.0), e["seconds"])
+                samples[e["step"]] = max(samples.get(e["step"], 0), e["samples_lost"])
     finals = [rec for rec in records.values() if rec["steps"] >= a.steps]
     # every replica that finished ended at the same step: the last one written to the steps file
     return {
@@ -146,7 +147,7 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
         "loss_final": finals[0]["eval_loss"] if finals else None,
         "seconds_lost_per_failure": round(sum(losses.values()) / len(losses), 3) if losses else 0.0,
         "seconds_lost_max": round(max(losses.values()), 3) if losses else 0.0,
-        "samples_lost": max((rec["samples_lost"] for rec in finals), default=0),
+        "samples_lost": sum(samples.values()),  # the refused steps' samples, trained again at the next step
         "seconds": round(time.monotonic() - started, 1),
     }
 

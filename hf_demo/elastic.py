@@ -13,7 +13,12 @@ One replica group per DeMo rank (one process each), a torchft Lighthouse, and pe
    failed because a peer died, a payload or header refused by DeMo's all-ranks vote) is reported to torchft
    (``Manager.report_error``), and ``Manager.should_commit()`` decides whether the step's transaction commits.
    A refused step applies nothing (parameters, momenta, counters: DeMo's transaction) and does not count as a
-   torchft step either; the survivors go on at the next quorum without reloading anything.
+   torchft step either; the survivors go on at the next quorum without reloading anything. A peer that dies
+   between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
+   apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
+
+With local steps (``sync_every > 1``) every quorum inside a local phase may only shrink (torchft's
+``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the replicas' parameters agree.
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
