@@ -6,7 +6,7 @@ loopback around an in-process torchft Lighthouse train a small byte-level Llama 
 replica in the quorum is SIGKILLed and at once started again, as its launcher (``torchrun --max-restarts``) would;
 it joins the quorum and receives the agreed state from a live peer. The run ends at ``--steps`` once every
 restarted replica is back in the quorum (a few steps later where a restart took longer: ``steps_committed``).
-Then the same run without faults gives ``loss_fault_free``. Prints one JSON line:
+Then the same run without faults (as many steps) gives ``loss_fault_free``. Prints one JSON line:
 
     failures, full_restarts, steps_committed, replicas_identical, replicas_finished, rejoins, loss_final,
     loss_fault_free, loss_gap, seconds_lost_per_failure (mean, max), samples_lost, seconds, seconds_fault_free
@@ -159,7 +159,8 @@ def main(argv=None) -> dict:
         out = Path(a.out or tmp)
         result = run(a, out / "faults", a.kills, rng)
         if not a.no_baseline:
-            clean = run(argparse.Namespace(**{**vars(a), "kills": 0}), out / "fault_free", 0, rng)
+            steps = max(a.steps, result["steps_committed"])  # the same number of steps, without faults
+            clean = run(argparse.Namespace(**{**vars(a), "kills": 0, "steps": steps}), out / "fault_free", 0, rng)
             result["loss_fault_free"] = clean["loss_final"]
             result["seconds_fault_free"] = clean["seconds"]
             if result["loss_final"] is not None and clean["loss_final"]:
