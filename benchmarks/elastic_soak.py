@@ -9,7 +9,8 @@ restarted replica is back in the quorum (a few steps later where a restart took 
 Then the same run without faults (as many steps) gives ``loss_fault_free``. Prints one JSON line:
 
     failures, full_restarts, steps_committed, replicas_identical, replicas_finished, rejoins, loss_final,
-    loss_fault_free, loss_gap, seconds_lost_per_failure (mean, max), samples_lost, seconds, seconds_fault_free
+    loss_fault_free, loss_gap, seconds_lost_per_failure (mean, max), batches_committed (and fault-free's),
+    samples_lost, seconds, seconds_fault_free
 
 ``loss_*``: the held-out loss of the final parameters (``--eval-batches`` batches never trained on).
 ``seconds_lost_per_failure``: the time the survivors lost per failure (each failure's ``loss`` event: the refused
@@ -147,6 +148,7 @@ def run(a, out: Path, kills: int, rng: random.Random) -> dict:
         "loss_final": finals[0]["eval_loss"] if finals else None,
         "seconds_lost_per_failure": round(sum(losses.values()) / len(losses), 3) if losses else 0.0,
         "seconds_lost_max": round(max(losses.values()), 3) if losses else 0.0,
+        "batches_committed": max((rec["batches_committed"] for rec in finals), default=0),  # samples trained / batch
         "samples_lost": sum(samples.values()),  # the refused steps' samples, trained again at the next step
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -163,6 +165,7 @@ def main(argv=None) -> dict:
             clean = run(argparse.Namespace(**{**vars(a), "kills": 0, "steps": steps}), out / "fault_free", 0, rng)
             result["loss_fault_free"] = clean["loss_final"]
             result["seconds_fault_free"] = clean["seconds"]
+            result["batches_committed_fault_free"] = clean["batches_committed"]
             if result["loss_final"] is not None and clean["loss_final"]:
                 result["loss_gap"] = round(result["loss_final"] / clean["loss_final"] - 1, 4)
     result.update(model=a.model, steps=a.steps, replicas=a.replicas, kills_asked=a.kills)
