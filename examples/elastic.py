@@ -130,6 +130,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=4, help="compression_topk (of chunks of 8; not with --preset)")
     ap.add_argument("--sync-every", type=int, default=1, help="DeMo's sync_every (local steps between exchanges)")
     ap.add_argument("--preset", default=None, help="a DeMo preset (e.g. from_scratch)")
+    ap.add_argument("--overlap", action="store_true", help="DeMo's overlap=True (the exchange lands a step late)")
     ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
@@ -161,6 +162,8 @@ def main() -> None:
     shape = {} if args.preset else {"compression_topk": args.topk, "compression_chunk": 8}
     if args.sync_every > 1:
         shape["sync_every"] = args.sync_every
+    if args.overlap:
+        shape["overlap"] = True
     opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
@@ -194,6 +197,8 @@ def main() -> None:
             if not elastic.last_committed:
                 line["error"] = elastic.stats.last_error
             print(json.dumps(line), flush=True)
+    if args.overlap:
+        opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
     eval_loss = held_out(model, args.model, args.eval_batches, corpus)
     record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
               "steps": elastic.manager.current_step(),

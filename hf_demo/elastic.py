@@ -367,6 +367,8 @@ class Elastic:
         state but each rank's own momentum, as copies."""
         optim = self.opt.state_dict()
         optim["state"] = {pid: {k: v for k, v in s.items() if not own_key(k)} for pid, s in optim["state"].items()}
+        if "demo" in optim:
+            optim["demo"] = {**optim["demo"], "pending": None}  # overlap: dropped by every replica at the new quorum
         return _copied({"model": self.model.state_dict(), "optimizer": optim})
 
     def load_agreed(self, state: dict) -> None:
@@ -392,9 +394,12 @@ def forget_peers(opt) -> None:
     (each sees the quorum change at the same step): the first exchange compares every replica again (a joiner's
     recovered state checked against the survivors'), and no payload rides with the headers until the new quorum has
     agreed its size on the wire. A joiner starts with neither, so a survivor that kept them would meet it with
-    another collective (a drift check or a riding payload on one side only): a collective mismatch."""
+    another collective (a drift check or a riding payload on one side only): a collective mismatch. With
+    ``overlap=True`` the exchange still in flight is dropped on every replica alike (its update, one step's, is
+    lost: a joiner has none to land, and after a loss it cannot finish)."""
     opt.first_checked = False
     opt.wire_agreed = {}
+    opt.pending = None  # overlap: the exchange in flight ran over the last quorum's group; nobody applies it
 
 
 def _copied(tree):
@@ -411,11 +416,6 @@ def refuse_modes(opt) -> None:
     """The modes elastic DeMo does not run yet, refused with the reason (never a silent fallback)."""
     s = opt.settings
     refusals = []
-    if s.overlap:
-        refusals.append(
-            "overlap=True: the exchange in flight spans two quorums, so a replica lost after it started would leave "
-            "the survivors with an update that landed on some of them only"
-        )
     if s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers):
         refusals.append(
             "comm_budget with tiers of local steps (policy_sync_every > 1): the policy's moves into and out of a "
