@@ -19,6 +19,9 @@ One replica group per DeMo rank (one process each), a torchft Lighthouse, and pe
 
 With local steps (``sync_every > 1``) every quorum inside a local phase may only shrink (torchft's
 ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the replicas' parameters agree.
+With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
+update lost, alike everywhere). HSDP (a node of several processes as one replica group) and ``comm_budget`` with
+local-step tiers are refused (:func:`refuse_modes`).
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
