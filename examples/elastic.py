@@ -17,9 +17,11 @@ writes ``replica<id>.json`` at the end: the parameters' SHA-256, the steps, the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,10 @@ import torch
 
 import hf_demo
 from hf_demo.elastic import Elastic
+from hf_demo.exchange.transport import register_collective_hook
+
+BATCH = {"mlp": 32, "llama": 8}  # samples in one replica's batch
+HELD_OUT = 1 << 40  # batch indices from here on are never trained on
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -44,15 +50,15 @@ def build(kind: str, seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def loss_of(model, kind: str, rank: int, step: int, corpus=None) -> torch.Tensor:
-    """The loss of the batch of (this replica's rank in the quorum, the run's step): every step's data is
-    split among the replicas present (a lost replica's share of a refused step is not read again)."""
-    g = torch.Generator().manual_seed(100_003 * step + rank)
+def loss_of(model, kind: str, batch: int, corpus=None) -> torch.Tensor:
+    """The loss of batch ``batch`` of the run's stream (``Elastic.batch_index``: a committed step consumes one
+    batch per replica present, a refused step none, so a dead replica's batch is read at the next step)."""
+    g = torch.Generator().manual_seed(100_003 + batch)
     if kind == "mlp":
         x = torch.randn(32, 16, generator=g)
         y = torch.randint(0, 8, (32,), generator=g)
         return torch.nn.functional.cross_entropy(model(x), y)
-    starts = torch.randint(0, corpus.numel() - 65, (8,), generator=g)
+    starts = torch.randint(0, corpus.numel() - 65, (BATCH[kind],), generator=g)
     ids = torch.stack([corpus[s : s + 64] for s in starts.tolist()]).long()
     return model(input_ids=ids, labels=ids).loss
 
@@ -62,6 +68,47 @@ def digest(model) -> str:
     for p in model.parameters():
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def die_at(spec: str | None, elastic) -> None:
+    """``--die-at STEP:POINT``: SIGKILL this process at torchft step STEP, at POINT of the step: ``before`` its
+    exchange (after the quorum, in the forward pass), ``inside`` it (at DeMo's second collective), ``after`` it
+    (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum)."""
+    if not spec:
+        return
+    step, point = int(spec.split(":")[0]), spec.split(":")[1]
+    points = ("before", "inside", "after", "between")
+    if point not in points:
+        raise SystemExit(f"--die-at {spec}: the point is one of {points}")
+
+    def die(at: str) -> None:
+        if at == point and elastic.manager.current_step() == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    seen = []
+
+    def collective(name: str, nbytes: int) -> None:
+        seen.append(elastic.manager.current_step())
+        if seen.count(step) == 2:
+            die("inside")
+
+    register_collective_hook(collective) if point == "inside" else None
+    decide = elastic.decide
+    elastic.decide = lambda error: (die("after"), decide(error))[1]
+    elastic.die = die
+
+
+@torch.no_grad()
+def held_out(model, kind: str, batches: int, corpus=None) -> float | None:
+    """The mean loss of ``batches`` batches that training never reads (the same on every replica)."""
+    if not batches:
+        return None
+    return sum(float(loss_of(model, kind, HELD_OUT + i, corpus)) for i in range(batches)) / batches
+
+
+def momentum(opt) -> float:
+    """The sum of this replica's momentum norms (0 right after a restarted replica received the agreed state)."""
+    return sum(float(s["momentum"].norm()) for s in opt.state.values() if "momentum" in s)
 
 
 def target(args) -> int:
@@ -74,12 +121,16 @@ def target(args) -> int:
     return args.steps
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200, help="committed steps to train")
     ap.add_argument("--steps-file", default=None, help="a file whose number, once it exists, replaces --steps")
     ap.add_argument("--model", default="mlp", choices=["mlp", "llama"])
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--topk", type=int, default=4, help="compression_topk (of chunks of 8; not with --preset)")
+    ap.add_argument("--sync-every", type=int, default=1, help="DeMo's sync_every (local steps between exchanges)")
+    ap.add_argument("--preset", default=None, help="a DeMo preset (e.g. from_scratch)")
+    ap.add_argument("--overlap", action="store_true", help="DeMo's overlap=True (the exchange lands a step late)")
     ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
@@ -87,8 +138,18 @@ def main() -> None:
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (emulates a longer step)")
     ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
     ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
+    ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between): SIGKILL itself")
+    ap.add_argument("--nan-at", type=int, default=None, help="a NaN gradient at this step (the non-finite guard)")
+    ap.add_argument("--max-attempts", type=int, default=None, help="stop after this many steps tried")
+    ap.add_argument("--digests", action="store_true", help="each step's line carries the parameters' SHA-256")
+    ap.add_argument("--start-file", default=None, help="wait for this file before the first quorum (a harness)")
+    ap.add_argument("--eval-batches", type=int, default=0, help="held-out batches for the final record's eval_loss")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
     replica = args.replica_id if args.replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "0")
     torch.set_num_threads(1)
     # each replica may start from its own weights: the first quorum gives every replica the same (torchft's init_sync)
@@ -98,28 +159,52 @@ def main() -> None:
         from hf_demo.stdlib_corpus import stdlib_bytes
 
         corpus = stdlib_bytes(1 << 20)
-    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, compression_topk=4, compression_chunk=8)
+    shape = {} if args.preset else {"compression_topk": args.topk, "compression_chunk": 8}
+    if args.sync_every > 1:
+        shape["sync_every"] = args.sync_every
+    if args.overlap:
+        shape["overlap"] = True
+    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
-                      timeout=args.timeout)  # fmt: skip
-    loss, started = float("nan"), time.monotonic()
-    while elastic.manager.current_step() < target(args):
+                      timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
+    elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
+                                         flush=True))  # fmt: skip
+    die_at(args.die_at, elastic)
+    print(json.dumps({"ready": replica}), flush=True)
+    while args.start_file and not os.path.exists(args.start_file):
+        time.sleep(0.05)
+    loss, started, attempts = float("nan"), time.monotonic(), 0
+    while elastic.manager.current_step() < target(args) and attempts != args.max_attempts:
+        attempts += 1
         elastic.start_step()
-        step = elastic.manager.current_step()
+        step, batch = elastic.manager.current_step(), elastic.batch_index
         model.zero_grad(set_to_none=True)
-        value = loss_of(model, args.model, elastic.rank, step, corpus)
+        value = loss_of(model, args.model, batch, corpus)
         value.backward()
+        if step == args.nan_at:
+            next(model.parameters()).grad.fill_(float("nan"))
         time.sleep(args.step_seconds)
+        getattr(elastic, "die", lambda at: None)("before")
         opt.step()
+        getattr(elastic, "die", lambda at: None)("between")
         loss = value.item()
         if not args.quiet:
-            line = {"replica": replica, "step": step, "committed": elastic.last_committed, "quorum": elastic.world,
-                    "loss": round(loss, 5), "time": round(time.monotonic() - started, 3)}  # fmt: skip
+            line = {"replica": replica, "step": step, "batch": batch, "committed": elastic.last_committed,
+                    "quorum": elastic.world, "loss": round(loss, 5),
+                    "time": round(time.monotonic() - started, 3)}  # fmt: skip
+            if args.digests:
+                line["digest"] = digest(model)
             if not elastic.last_committed:
                 line["error"] = elastic.stats.last_error
             print(json.dumps(line), flush=True)
-    record = {"replica": replica, "digest": digest(model), "steps": elastic.manager.current_step(),
-              "demo_steps": opt.steps, "loss": loss, "seconds": time.monotonic() - started,
-              **elastic.stats.as_dict()}  # fmt: skip
+    if args.overlap:
+        opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
+    eval_loss = held_out(model, args.model, args.eval_batches, corpus)
+    record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
+              "steps": elastic.manager.current_step(),
+              "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "loss": loss,
+              "seconds": time.monotonic() - started, "batches_committed": elastic.manager.batches_committed(),
+              "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, f"replica{replica}.json").write_text(json.dumps(record))

@@ -13,7 +13,15 @@ One replica group per DeMo rank (one process each), a torchft Lighthouse, and pe
    failed because a peer died, a payload or header refused by DeMo's all-ranks vote) is reported to torchft
    (``Manager.report_error``), and ``Manager.should_commit()`` decides whether the step's transaction commits.
    A refused step applies nothing (parameters, momenta, counters: DeMo's transaction) and does not count as a
-   torchft step either; the survivors go on at the next quorum without reloading anything.
+   torchft step either; the survivors go on at the next quorum without reloading anything. A peer that dies
+   between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
+   apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
+
+With local steps (``sync_every > 1``) every quorum inside a local phase may only shrink (torchft's
+``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the replicas' parameters agree.
+With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
+update lost, alike everywhere). HSDP (a node of several processes as one replica group) and ``comm_budget`` with
+local-step tiers are refused (:func:`refuse_modes`).
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
@@ -23,7 +31,6 @@ fresh gradients like any rank's first steps.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import os
@@ -37,7 +44,14 @@ from hf_demo.exchange.transport import Transport
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
-OWN_KEYS = ("momentum", "signal_momentum")  # each rank's own state: never sent to a joiner, kept by a healed one
+OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
+OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
+
+
+def own_key(key: str) -> bool:
+    """Whether a per-parameter state entry is this rank's own (its momenta, its inner rule's state) rather than
+    agreed by every replica (the anchor, an update rule's state driven by the mean update)."""
+    return key in OWN_KEYS or key.startswith(OWN_PREFIX)
 
 
 def require_torchft():
@@ -51,15 +65,17 @@ def require_torchft():
         ) from exc
 
 
-def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int = 1000, quorum_tick_ms: int = 50):
+def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int = 1000, quorum_tick_ms: int = 50,
+               heartbeat_timeout_ms: int = 5000):  # fmt: skip
     """A torchft Lighthouse in this process (tests, one-machine runs): ``.address()`` is what every replica's
-    :class:`Elastic` (or ``TORCHFT_LIGHTHOUSE``) takes. On a cluster run ``torchft_lighthouse`` instead."""
+    :class:`Elastic` (or ``TORCHFT_LIGHTHOUSE``) takes. On a cluster run ``torchft_lighthouse`` instead.
+    ``heartbeat_timeout_ms``: how long a silent replica still counts as alive (the detection time of a replica
+    lost between steps)."""
     require_torchft()
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms
-    )
+    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
 
 
 class ManagedTransport(Transport):
@@ -117,16 +133,27 @@ def _issued(call, async_op: bool):
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class ElasticEvent:
-    """One change of the quorum as this replica saw it (:attr:`Elastic.events`, :meth:`Elastic.add_listener`)."""
+EVENT_KINDS = ("join", "loss", "recovered")
 
-    kind: str  # "join" | "loss" | "recovered"
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One change of the quorum as this replica saw it (:attr:`Elastic.events`, :meth:`Elastic.add_listener`).
+
+    ``kind``: ``"join"`` (replicas joined this quorum), ``"loss"`` (replicas were lost: on a survivor),
+    ``"recovered"`` (this replica received the agreed state from a live peer). ``step``: torchft's step it
+    happened at; ``quorum``: the replicas in the new quorum; ``seconds``: for a loss, the time the survivors lost
+    (the refused step in flight, the detection and the new quorum), for a recovery the seconds this replica took to
+    receive the state (its quorum included), for a join the seconds the quorum took; ``samples_lost``: the samples
+    whose work was thrown away with the loss (every replica's batch of the refused steps); ``time``: wall clock
+    (``time.time()``)."""
+
+    kind: str
     step: int
     quorum: int
     seconds: float
     samples_lost: int
-    time: float  # wall clock (Unix seconds)
+    time: float
 
 
 @dataclass
@@ -141,6 +168,7 @@ class ElasticStats:
     committed_steps: int = 0
     refused_steps: int = 0  # steps every survivor refused (nothing applied)
     batches_lost: int = 0  # the batches of the refused steps (one per replica in the quorum)
+    samples_lost: int = 0  # batches_lost x batch_size: the samples whose forward and backward were thrown away
     quorum_seconds: float = 0.0  # time in torchft's quorum, a recovery included
     last_error: str = ""  # the last refused step's reason
 
@@ -152,8 +180,14 @@ class Elastic:
     """DeMo ``opt`` (over ``model``'s parameters) trained elastically under torchft.
 
     Per step, on every replica: :meth:`start_step` (the quorum; a joiner's recovery), forward and backward on the
-    batch of this replica's rank in the quorum (:attr:`rank`, :attr:`world`), then ``opt.step()``, which commits
-    only where torchft says so (:attr:`last_committed`).
+    batch :attr:`batch_index` of the run's batch stream (:attr:`rank` among :attr:`world` replicas), then
+    ``opt.step()``, which commits only where torchft says so (:attr:`last_committed`).
+
+    Data: the run reads one stream of batches; a committed step consumes ``world`` of them (replica ``rank`` reads
+    ``batches_committed + rank``), a refused step none, so its batches (a dead replica's included) are the next
+    step's, read by the replicas present then; a joiner reads from the ``batches_committed`` it receives with the
+    agreed state. No batch is skipped or trained twice; what a loss costs is the work of the refused step, counted
+    in :attr:`samples_lost`.
 
     Args:
         opt: a :class:`hf_demo.DeMo` over ``model``'s parameters, not stepped yet.
@@ -163,22 +197,29 @@ class Elastic:
         min_replicas: the fewest replicas a step commits with.
         timeout: seconds for a collective, ``should_commit`` and a recovery (torchft's ``timeout``).
         quorum_timeout: seconds to wait for a quorum.
+        batch_size: the samples in one replica's batch of one step (for :attr:`samples_lost`).
         manager: a torchft ``Manager`` built by the caller (then the four above are its own).
     """
 
     def __init__(self, opt, model: torch.nn.Module, *, lighthouse: str | None = None, replica_id: str | None = None,
-                 min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, manager=None):  # fmt: skip
+                 min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, batch_size: int = 1,
+                 manager=None):  # fmt: skip
         require_torchft()
         refuse_modes(opt)
-        self.opt, self.model = opt, model
+        if batch_size < 1:
+            raise ValueError(f"Elastic: batch_size={batch_size}; give the samples in one replica's batch (>= 1)")
+        self.opt, self.model, self.batch_size = opt, model, batch_size
         self.stats = ElasticStats()
+        self.events: list[ElasticEvent] = []
+        self._listeners: list = []
         self.timeout = timeout
         self.last_committed = False
         self._topology = None
         self._quorum_id = None
         self._armed = False
-        self.events: list[ElasticEvent] = []
-        self._listeners: list = []
+        self._step_started = 0.0  # when this step's start_step began (monotonic)
+        self._refused_since: float | None = None  # when the first refused step since the last commit began
+        self._unreported_lost = 0  # samples of refused steps not yet in a "loss" event
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
         opt.replication = self
 
@@ -214,49 +255,79 @@ class Elastic:
             replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
         )
 
+    # ------------------------------------------------------------------ events
     def add_listener(self, callback) -> None:
-        """``callback(event)`` with each :class:`ElasticEvent` from now on (the ops layer's metrics and alerts)."""
+        """Call ``callback(event)`` with every :class:`ElasticEvent` from now on (operators' metrics)."""
         self._listeners.append(callback)
 
-    def _emit(self, event: ElasticEvent) -> None:
+    def _emit(self, kind: str, seconds: float, samples_lost: int = 0) -> None:
+        event = ElasticEvent(kind, self.manager.current_step(), self.stats.quorum_size, seconds, samples_lost,
+                             time.time())  # fmt: skip
         self.events.append(event)
         for callback in self._listeners:
             callback(event)
+
+    @property
+    def samples_lost(self) -> int:
+        """The samples whose forward and backward were thrown away: every replica's batch of each refused step
+        (the data themselves are read again at the next step; see the class's note on data)."""
+        return self.stats.samples_lost
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:
         """torchft's quorum for the next step (a recovery from a peer included, before the forward pass);
         DeMo's exchange then runs among this quorum's replicas."""
-        t0 = time.monotonic()
-        self.manager.start_quorum()
+        t0 = self._step_started = time.monotonic()
+        recoveries = self.stats.recoveries
+        # inside a local phase (sync_every > 1) each replica's parameters are its own: no joiner until the next
+        # synchronisation has made them agree again (torchft's shrink_only quorum: replicas may leave, none join)
+        self.manager.start_quorum(shrink_only=bool(self.opt.unsynced))
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:
             raise DeMoSyncError("this replica is not in torchft's quorum (a spare): nothing to step")
+        seconds = time.monotonic() - t0
+        self.stats.quorum_seconds += seconds
         quorum = getattr(self.manager, "_quorum_id", None)
-        if quorum != self._quorum_id:
-            self._count_change(world)
-            self._quorum_id = quorum
+        before = self.stats.quorum_size
         self.stats.quorum_size = world
-        self.stats.quorum_seconds += time.monotonic() - t0
+        if quorum != self._quorum_id:
+            changed = self._quorum_id is not None
+            self._quorum_id = quorum
+            forget_peers(self.opt)
+            if changed:
+                self._count_change(before, world)
+        if self.stats.recoveries > recoveries and self.manager.current_step() > 0:
+            self._emit("recovered", seconds)
         self._topology = FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
         self._armed = True  # one optimizer.step() may now decide
 
-    def _count_change(self, world: int) -> None:
-        before = self.stats.quorum_size
-        if self._quorum_id is not None:
-            self.stats.quorum_changes += 1
-            self.stats.replicas_lost += max(before - world, 0)
-            self.stats.replicas_joined += max(world - before, 0)
+    def _count_change(self, before: int, world: int) -> None:
+        self.stats.quorum_changes += 1
+        self.stats.replicas_lost += max(before - world, 0)
+        self.stats.replicas_joined += max(world - before, 0)
+        if world < before or self._refused_since is not None:
+            since = self._refused_since if self._refused_since is not None else self._step_started
+            self._emit("loss", time.monotonic() - since, self._unreported_lost)
+            self._refused_since, self._unreported_lost = None, 0
+        if world > before:
+            self._emit("join", time.monotonic() - self._step_started)
 
     @property
     def rank(self) -> int:
-        """This replica's rank in the current quorum (which shard of the data to read)."""
+        """This replica's rank in the current quorum."""
         return self._topology.transport.rank if self._topology is not None else 0
 
     @property
     def world(self) -> int:
         """The number of replicas in the current quorum."""
         return self._topology.transport.world if self._topology is not None else 1
+
+    @property
+    def batch_index(self) -> int:
+        """The index, in the run's stream of batches, of the batch this replica reads at this step:
+        ``batches_committed + rank`` (torchft's count of the batches committed steps consumed, which a joiner
+        receives with the agreed state)."""
+        return self.manager.batches_committed() + self.rank
 
     @property
     def topology(self):
@@ -274,31 +345,40 @@ class Elastic:
         self._armed = False
         if error is not None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
-            self.stats.last_error = str(error).splitlines()[0][:300]
+            self.stats.last_error = " ".join(str(error).split())[:1000]
         commit = bool(self.manager.should_commit()) and error is None
         self.last_committed = commit
         if commit:
             self.stats.committed_steps += 1
         else:
-            self.stats.refused_steps += 1
-            self.stats.batches_lost += self.stats.quorum_size
+            self._refused(self.stats.quorum_size)
         if error is not None and not isinstance(error, DeMoSyncError):
             raise error
         return commit
+
+    def _refused(self, world: int) -> None:
+        self.stats.refused_steps += 1
+        self.stats.batches_lost += world
+        self.stats.samples_lost += world * self.batch_size
+        self._unreported_lost += world * self.batch_size
+        if self._refused_since is None:
+            self._refused_since = self._step_started
 
     # ------------------------------------------------------------------ recovery
     def agreed_state(self) -> dict:
         """What a joiner receives (torchft's ``state_dict`` callback, on a live peer): the model's state and DeMo's
         state but each rank's own momentum, as copies."""
         optim = self.opt.state_dict()
-        optim["state"] = {pid: {k: v for k, v in s.items() if k not in OWN_KEYS} for pid, s in optim["state"].items()}
+        optim["state"] = {pid: {k: v for k, v in s.items() if not own_key(k)} for pid, s in optim["state"].items()}
+        if "demo" in optim:
+            optim["demo"] = {**optim["demo"], "pending": None}  # overlap: dropped by every replica at the new quorum
         return _copied({"model": self.model.state_dict(), "optimizer": optim})
 
     def load_agreed(self, state: dict) -> None:
         """A peer's agreed state, loaded (torchft's ``load_state_dict`` callback, before the forward pass): the
         model, the rule state, the counters, the policy's tier; this replica's own momentum is kept where it has
         one (a replica that lagged), zero otherwise (a restarted one)."""
-        own = {p: {k: s[k] for k in OWN_KEYS if k in s} for p, s in self.opt.state.items()}
+        own = {p: {k: v for k, v in s.items() if own_key(k)} for p, s in self.opt.state.items()}
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.opt.saved_world, self.opt.saved_identity = None, (None, None, None)  # a live peer's, not a resume
@@ -310,6 +390,19 @@ class Elastic:
         """Stop this replica's Manager (its server and checkpoint transport)."""
         self.manager.shutdown(wait=False)
         self.opt.replication = None
+
+
+def forget_peers(opt) -> None:
+    """What DeMo learnt about the peers of the last quorum, forgotten on every replica of a new one at the same step
+    (each sees the quorum change at the same step): the first exchange compares every replica again (a joiner's
+    recovered state checked against the survivors'), and no payload rides with the headers until the new quorum has
+    agreed its size on the wire. A joiner starts with neither, so a survivor that kept them would meet it with
+    another collective (a drift check or a riding payload on one side only): a collective mismatch. With
+    ``overlap=True`` the exchange still in flight is dropped on every replica alike (its update, one step's, is
+    lost: a joiner has none to land, and after a loss it cannot finish)."""
+    opt.first_checked = False
+    opt.wire_agreed = {}
+    opt.pending = None  # overlap: the exchange in flight ran over the last quorum's group; nobody applies it
 
 
 def _copied(tree):
@@ -326,15 +419,11 @@ def refuse_modes(opt) -> None:
     """The modes elastic DeMo does not run yet, refused with the reason (never a silent fallback)."""
     s = opt.settings
     refusals = []
-    if s.overlap:
+    if s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers):
         refusals.append(
-            "overlap=True: the exchange in flight spans two quorums, so a replica lost after it started would leave "
-            "the survivors with an update that landed on some of them only"
-        )
-    if s.sync_every > 1 or (s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers)):
-        refusals.append(
-            "sync_every > 1 or comm_budget (tiers with local steps): inside a local phase each replica's parameters "
-            "are its own, so a joiner could not be given an agreed state before the next synchronisation"
+            "comm_budget with tiers of local steps (policy_sync_every > 1): the policy's moves into and out of a "
+            "local phase under a changing quorum are not tested elastically yet (sync_every > 1 without a budget "
+            "runs: joiners wait for a synchronisation)"
         )
     if opt.device_mesh is not None:
         refusals.append("device_mesh (HSDP): a whole node as one replica group is not supported yet")

@@ -16,7 +16,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 EXTRAS=${EXTRAS:-dev}
-if ! "$PY" -c "import hf_demo, transformers, accelerate, datasets, evaluate, gguf, vaderSentiment, pytest, ruff, trl, peft, prometheus_client, pyarrow, mlflow, cryptography, hypothesis" 2>/dev/null \
+if ! "$PY" -c "import hf_demo, transformers, accelerate, datasets, evaluate, gguf, vaderSentiment, pytest, ruff, trl, peft, prometheus_client, pyarrow, mlflow, cryptography, hypothesis, torchft" 2>/dev/null \
    || { [ "$EXTRAS" = dev ] && ! "$VENV/bin/ruff" --version >/dev/null 2>&1; } || [ "${SETUP_FORCE:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[$EXTRAS]"
 fi

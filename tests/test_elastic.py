@@ -25,12 +25,364 @@ def test_missing_torchft_names_the_extra(monkeypatch):
         elastic.require_torchft()
 
 
-def test_overlap_and_local_steps_are_refused_with_the_reason():
+def test_the_modes_elastic_does_not_run_are_refused_with_the_reason():
     from hf_demo.elastic import refuse_modes
 
     model = torch.nn.Linear(8, 8)
-    with pytest.raises(DeMoSetupError, match="overlap=True"):
-        refuse_modes(hf_demo.DeMo(model.parameters(), overlap=True))
-    with pytest.raises(DeMoSetupError, match="sync_every > 1"):
-        refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))
+    with pytest.raises(DeMoSetupError, match="comm_budget"):
+        refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))
     refuse_modes(hf_demo.DeMo(model.parameters()))  # every-step DeMo runs
+    refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))  # local steps run: joiners wait for a sync
+    refuse_modes(hf_demo.DeMo(model.parameters(), preset="from_scratch"))
+    refuse_modes(hf_demo.DeMo(model.parameters(), overlap=True))  # the exchange in flight dropped at a new quorum
+
+
+class _Group:
+    def getBackendName(self):  # noqa: N802 - torch's name
+        return "gloo"
+
+
+class _Manager:
+    """torchft's Manager as Elastic sees it: a quorum (id, size, this replica's rank), a step, a commit decision."""
+
+    def __init__(self):
+        self.quorum, self.world, self.step, self.batches, self.commit, self.heal = 1, 3, 0, 0, True, None
+        self._pg, self.errors = _Group(), []
+
+    def start_quorum(self, shrink_only=False):
+        self.shrink_only = shrink_only
+        self._quorum_id = self.quorum
+        if self.heal is not None:
+            self.heal()
+
+    def participating_rank(self):
+        return 0
+
+    def num_participants(self):
+        return self.world
+
+    def current_step(self):
+        return self.step
+
+    def batches_committed(self):
+        return self.batches
+
+    def report_error(self, e):
+        self.errors.append(e)
+
+    def should_commit(self):
+        if self.commit and not self.errors:
+            self.step, self.batches = self.step + 1, self.batches + self.world
+            return True
+        self.errors = []
+        return False
+
+    def shutdown(self, wait=False):
+        pass
+
+
+def _elastic(manager):
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from hf_demo.elastic import Elastic
+
+    model = torch.nn.Linear(8, 8)
+    return Elastic(hf_demo.DeMo(model.parameters()), model, batch_size=4, manager=manager), model
+
+
+def test_a_loss_and_a_join_are_events_with_the_time_and_samples_lost():
+    """The accounting of the quorum's changes (no processes): a refused step's samples, the loss event when the
+    quorum shrinks (the seconds since the refused step began), a join, the batch each replica reads, and every
+    replica of a new quorum forgetting what it learnt about the last one's peers."""
+    from hf_demo.elastic import ElasticEvent
+    from hf_demo.errors import DeMoSyncError
+
+    manager = _Manager()
+    elastic, _ = _elastic(manager)
+    heard = []
+    elastic.add_listener(heard.append)
+    elastic.start_step()
+    assert elastic.decide(None) and elastic.batch_index == 3  # step 1 reads the batches after step 0's three
+    elastic.start_step()
+    assert not elastic.decide(DeMoSyncError("a peer died")) and elastic.samples_lost == 3 * 4
+    elastic.opt.first_checked, elastic.opt.wire_agreed = True, {(3, 0): 100}
+    manager.quorum, manager.world = 2, 2
+    elastic.start_step()
+    (loss,) = elastic.events
+    assert isinstance(loss, ElasticEvent) and heard == [loss]
+    assert (loss.kind, loss.step, loss.quorum, loss.samples_lost) == ("loss", 1, 2, 12) and loss.seconds > 0
+    assert elastic.opt.first_checked is False and elastic.opt.wire_agreed == {}
+    assert elastic.decide(None) and elastic.batch_index == 3 + 2
+    manager.quorum, manager.world = 3, 3
+    elastic.start_step()
+    assert [e.kind for e in elastic.events] == ["loss", "join"] and elastic.events[-1].quorum == 3
+    assert elastic.stats.replicas_lost == 1 and elastic.stats.replicas_joined == 1
+    with pytest.raises(AttributeError):
+        loss.kind = "join"  # frozen
+
+
+def test_a_joiner_receives_the_agreed_state_without_momentum():
+    """A restarted replica receives the parameters and DeMo's agreed state from a peer, its momentum at zero; a
+    replica that only lagged keeps its own momentum; the recovery is an event."""
+    peer, peer_model = _elastic(_Manager())
+    for p in peer_model.parameters():
+        peer.opt.state[p]["momentum"] = torch.ones(8, 8)
+    state = peer.agreed_state()
+    assert all("momentum" not in s for s in state["optimizer"]["state"].values())
+    manager = _Manager()
+    manager.step = 7
+    joiner, model = _elastic(manager)
+    manager.heal = lambda: joiner.load_agreed(state)
+    joiner.start_step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))
+    assert all("momentum" not in joiner.opt.state[p] for p in model.parameters())
+    (recovered,) = joiner.events
+    assert recovered.kind == "recovered" and recovered.step == 7
+    own = torch.full((8, 8), 2.0)
+    for p in model.parameters():
+        joiner.opt.state[p]["momentum"] = own.clone()
+    joiner.load_agreed(state)  # lagged: received the state again, its own momentum kept
+    assert all(torch.equal(joiner.opt.state[p]["momentum"], own) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- replica groups on loopback (real gloo, a Lighthouse)
+FAST = ["--timeout", "10", "--step-seconds", "0.05", "--digests"]
+
+
+def _harness(tmp_path, n, args, extra=None):
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from benchlib.elastic import Replicas
+
+    return Replicas(n, tmp_path, [*FAST, *args], extra=extra)
+
+
+def _steps(replica):
+    return [x for x in replica.lines if "step" in x]
+
+
+def _events(replica, kind):
+    return [x["event"] for x in replica.lines if "event" in x and x["event"]["kind"] == kind]
+
+
+def _by_step(replicas):
+    """{step: {replica id: its committed line}}: what each replica committed at each step."""
+    out = {}
+    for r in replicas:
+        for x in _steps(r):
+            if x["committed"]:
+                out.setdefault(x["step"], {})[r.rid] = x
+    return out
+
+
+def _check_refused_apply_nothing(replica):
+    """A refused step leaves the parameters as the last committed step left them."""
+    last = None
+    for x in _steps(replica):
+        if x["committed"]:
+            last = x["digest"]
+        elif last is not None:
+            assert x["digest"] == last, f"replica {replica.rid} changed its parameters at refused step {x['step']}"
+
+
+def _check_data(replicas, committed_batches: int, slack: int):
+    """Every committed step read batches no other committed step read, and none was skipped (but the batches of a
+    replica that died before printing its committed line: ``slack``)."""
+    read = [x["batch"] for r in replicas for x in _steps(r) if x["committed"]]
+    assert len(read) == len(set(read)), "a batch was trained twice"
+    assert set(read) <= set(range(committed_batches))
+    assert len(read) >= committed_batches - slack
+
+
+def _run_loss(tmp_path, point: str, steps: int):
+    """Replica 2 of 3 lost at step 6 (SIGKILLed at ``point``, or ``frozen`` by SIGSTOP); the survivors' records and
+    every incarnation's replica object."""
+    import os
+    import signal
+
+    die = [] if point == "frozen" else ["--die-at", f"6:{point}"]
+    reps = _harness(tmp_path, 3, ["--steps", str(steps)], extra={"2": die})
+    try:
+        if point == "frozen":
+            reps.wait_step("2", 6, 120)
+            os.kill(reps.live["2"].proc.pid, signal.SIGSTOP)
+            reps.kill("2")  # stays frozen until the survivors are done, then SIGKILLed
+        else:
+            reps.wait_exit("2", 120)
+        records = reps.finish(180)
+        survivors = [reps.live["0"], reps.live["1"]]
+    finally:
+        reps.close()
+    return records, survivors, reps.dead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before", "inside", "after", "between", "frozen"])
+def test_a_lost_replica_costs_the_survivors_a_step_not_the_run(tmp_path, point):
+    """Replica 2 of 3 SIGKILLed at a point of step 6 (or frozen with SIGSTOP: the collective's timeout): both
+    survivors refuse that step alike (nothing applied) or commit it alike, go on with a quorum of 2 averaging over
+    the replicas present, never receive a state from a peer, end bitwise identical, and count the loss's seconds
+    and samples; no batch is trained twice or skipped."""
+    records, survivors, everyone = _run_loss(tmp_path, point, 16)
+    assert records["0"]["digest"] == records["1"]["digest"]
+    for rec in records.values():
+        assert rec["steps"] == 16 and rec["quorum_size"] == 2 and rec["replicas_lost"] == 1, rec
+        assert not [e for e in rec["events"] if e["kind"] == "recovered"], "a survivor reloaded a state"
+        (loss,) = [e for e in rec["events"] if e["kind"] == "loss"]
+        assert loss["quorum"] == 2 and 0 < loss["seconds"] < 60  # the step in flight + the detection
+        assert loss["samples_lost"] == rec["samples_lost"] == 32 * 3 * rec["refused_steps"]
+        if point in ("before", "inside", "frozen"):  # the exchange could not finish: the step is refused
+            assert rec["refused_steps"] >= 1 and "failed" in rec["last_error"], rec["last_error"]
+        else:  # the exchange was done: the survivors commit it (the dead one's batch counted)
+            assert rec["refused_steps"] == 0
+    assert records["0"]["refused_steps"] == records["1"]["refused_steps"]
+    for r in survivors:
+        _check_refused_apply_nothing(r)
+    quorums = []
+    for step, lines in sorted(_by_step(survivors).items()):
+        assert lines["0"]["digest"] == lines["1"]["digest"], f"replicas apart after step {step}"
+        quorums.append(lines["0"]["quorum"])
+    lost_at = quorums.index(2)  # every step after the loss averages over the two replicas present
+    assert lost_at in (6, 7) and quorums == [3] * lost_at + [2] * (16 - lost_at), quorums
+    _check_data(everyone, records["0"]["batches_committed"], slack=1)
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_rejoins_with_the_agreed_state_and_zero_momentum(tmp_path):
+    """Replica 2 of 3 SIGKILLed inside step 5 and started again: it joins the quorum, receives the agreed state
+    from a live peer (its momentum at zero, the survivors keep theirs and reload nothing), reads the batches after
+    those committed, and from then on the three replicas are bitwise identical at every step."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    reps = _harness(
+        tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file)], extra={"2": ["--die-at", "5:inside"]}
+    )
+    try:
+        reps.wait_exit("2", 120)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 180
+        while len([x for x in _steps(joiner) if x["committed"]]) < 3:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        steps_file.write_text(str(max(r.step() for r in reps.live.values()) + 8))
+        records = reps.finish(180)
+        live = dict(reps.live)
+    finally:
+        reps.close()
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    (recovered,) = [x for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    assert recovered["momentum"] == 0.0 and recovered["event"]["step"] > 5 and recovered["event"]["quorum"] == 3
+    for rid in ("0", "1"):
+        assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
+        assert not [e for e in records[rid]["events"] if e["kind"] == "recovered"]
+    joined = recovered["event"]["step"]
+    for step, lines in _by_step(live.values()).items():
+        if step >= joined:
+            assert set(lines) == {"0", "1", "2"} and len({x["digest"] for x in lines.values()}) == 1, step
+            assert {x["quorum"] for x in lines.values()} == {3}
+    _check_data(reps.dead, records["0"]["batches_committed"], slack=0)
+
+
+@pytest.mark.slow
+def test_the_guards_hold_on_the_managed_group(tmp_path):
+    """On torchft's group as on a plain one: a replica whose settings differ (its top-k) makes every
+    replica refuse every step, naming the setting, with nothing applied; a non-finite gradient on one replica
+    makes every replica skip that step alike. Either way the replicas stay bitwise identical."""
+    reps = _harness(tmp_path / "settings", 2, ["--steps", "10", "--max-attempts", "3"], extra={"1": ["--topk", "2"]})
+    try:
+        records = reps.finish(180)
+        lines = [_steps(r) for r in reps.live.values()]
+    finally:
+        reps.close()
+    assert records["0"]["digest"] == records["1"]["digest"] and records["0"]["steps"] == 0
+    for rec in records.values():
+        assert rec["refused_steps"] == 3 and rec["samples_lost"] == 3 * 2 * 32
+    assert all("compression_topk" in x["error"] for got in lines for x in got), lines
+
+    reps = _harness(tmp_path / "nan", 2, ["--steps", "8"], extra={"1": ["--nan-at", "4"]})
+    try:
+        records = reps.finish(180)
+    finally:
+        reps.close()
+    assert records["0"]["digest"] == records["1"]["digest"]
+    for rec in records.values():
+        assert rec["steps"] == 8 and rec["skipped_steps"] == 1 and rec["refused_steps"] == 0
+
+
+@pytest.mark.slow
+def test_the_short_soak_survives_its_kills_without_a_restart(tmp_path):
+    """benchmarks/elastic_soak.py in small: 3 replica groups, replicas SIGKILLed at random steps and restarted;
+    every failure survived, no full restart, a restarted replica back in the quorum, the replicas that finish
+    bitwise identical. (Slow: a restarted process takes ~10-15 s to import torch and torchft here.)"""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    import elastic_soak
+
+    args = ["--model", "mlp", "--steps", "40", "--kills", "2", "--step-seconds", "0.1", "--quiet-tail", "0.5",
+            "--eval-batches", "2", "--no-baseline", "--max-seconds", "200", "--out", str(tmp_path)]  # fmt: skip
+    result = elastic_soak.main(args)
+    assert result["failures"] == 2 and result["full_restarts"] == 0, result
+    assert result["steps_committed"] >= 40 and result["replicas_identical"] and result["rejoins"] == 2, result
+    assert result["replicas_finished"] == 3
+    assert 0 < result["seconds_lost_per_failure"] < 60
+
+
+def _rejoin(tmp_path, args, die: str, after: int = 3):
+    """3 replicas; replica 2 SIGKILLed at ``die`` and started again; the run ends ``after``-odd steps once it is
+    back. Returns (records, the live replicas, the joiner)."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    reps = _harness(tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file), *args],
+                    extra={"2": ["--die-at", die]})  # fmt: skip
+    try:
+        reps.wait_exit("2", 120)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 240
+        while len([x for x in _steps(joiner) if x["committed"]]) < after:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        last = max(r.step() for r in reps.live.values()) + 6
+        steps_file.write_text(str(last + last % 2))  # an even count of steps: the run ends on a synchronisation
+        records = reps.finish(180)
+        live = dict(reps.live)
+    finally:
+        reps.close()
+    return records, live, joiner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync_every", "from_scratch"])
+def test_local_steps_lose_a_replica_inside_a_phase_and_a_joiner_waits_for_a_synchronisation(tmp_path, mode):
+    """sync_every=2 (and the from_scratch preset, which has it): replica 2 of 3 SIGKILLed inside a local phase;
+    the survivors go on, synchronise over the two present, and the restarted replica joins only at a
+    synchronisation (its recovery at an even step), after which the three agree at every synchronisation and end
+    bitwise identical."""
+    args = ["--sync-every", "2"] if mode == "sync_every" else ["--preset", "from_scratch"]
+    records, live, joiner = _rejoin(tmp_path, args, "4:before")
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    (recovered,) = [x["event"] for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    assert recovered["step"] % 2 == 0 and recovered["step"] > 4 and recovered["quorum"] == 3
+    for rid in ("0", "1"):
+        kinds = [e["kind"] for e in records[rid]["events"]]
+        assert kinds == ["loss", "join"] and records[rid]["refused_steps"] == 0, records[rid]
+    for step, lines in _by_step(live.values()).items():
+        if step % 2 == 1 and step >= recovered["step"]:  # after each synchronisation: one state everywhere
+            assert set(lines) == {"0", "1", "2"} and len({x["digest"] for x in lines.values()}) == 1, step
+
+
+@pytest.mark.slow
+def test_overlap_drops_the_exchange_in_flight_on_every_replica_when_the_quorum_changes(tmp_path):
+    """overlap=True: replica 2 of 3 SIGKILLed while its step's exchange is in flight; every survivor drops that
+    exchange alike at the new quorum (nothing of it applied anywhere), the restarted replica joins with no
+    exchange in flight, and from then on the three are bitwise identical at every step."""
+    records, live, joiner = _rejoin(tmp_path, ["--overlap"], "6:inside")
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    (recovered,) = [x["event"] for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    for rid in ("0", "1"):
+        assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
+    by_step = _by_step(live.values())
+    for step, lines in by_step.items():
+        assert len({x["digest"] for x in lines.values()}) == 1, step  # the survivors, then all three
+        if step >= recovered["step"]:
+            assert set(lines) == {"0", "1", "2"}
+    lost = next(e["step"] for e in records["0"]["events"] if e["kind"] == "loss")
+    assert by_step[lost]["0"]["digest"] == by_step[lost - 1]["0"]["digest"]  # the dropped exchange: nothing landed

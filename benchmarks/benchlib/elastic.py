@@ -55,21 +55,33 @@ class Replica:
 class Replicas:
     """``n`` replica groups of ``examples/elastic.py`` around an in-process Lighthouse."""
 
-    def __init__(self, n: int, out: Path, args: list[str], min_replicas: int = 1, join_timeout_ms: int = 2000):
+    def __init__(self, n: int, out: Path, args: list[str], min_replicas: int = 1, join_timeout_ms: int = 2000,
+                 heartbeat_timeout_ms: int = 2000, extra: dict[str, list[str]] | None = None):  # fmt: skip
         from hf_demo.elastic import lighthouse
 
         self.out, self.args = Path(out), list(args)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.lighthouse = lighthouse(min_replicas=min_replicas, join_timeout_ms=join_timeout_ms)
+        self.lighthouse = lighthouse(min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                     heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
         self.env.pop("MASTER_ADDR", None)
         self.live: dict[str, Replica] = {}
         self.dead: list[Replica] = []
+        self.go = self.out / "go"
+        self.go.unlink(missing_ok=True)
         for rid in range(n):
-            self.start(str(rid))
+            self.start(str(rid), (extra or {}).get(str(rid), []))
+        deadline = time.monotonic() + 300
+        while not all(any("ready" in x for x in r.lines) for r in self.live.values()):  # imports take a while
+            if time.monotonic() > deadline or any(r.proc.poll() is not None for r in self.live.values()):
+                raise RuntimeError(f"the replicas did not all start: {[self.logs(rid) for rid in self.live]}")
+            time.sleep(0.05)
+        self.go.write_text("go")  # every replica's first quorum at once
 
-    def start(self, rid: str) -> Replica:
-        args = ["--lighthouse", self.lighthouse.address(), "--out", str(self.out), *self.args]
+    def start(self, rid: str, extra: list[str] = ()) -> Replica:
+        """Start (or restart) replica ``rid``, with ``extra`` arguments for this start only."""
+        args = ["--lighthouse", self.lighthouse.address(), "--out", str(self.out), "--start-file", str(self.go),
+                *self.args, *extra]  # fmt: skip
         self.live[rid] = Replica(rid, args, self.out, self.env)
         return self.live[rid]
 
@@ -78,6 +90,11 @@ class Replicas:
         replica.kill()
         self.dead.append(replica)
         return replica
+
+    def wait_exit(self, rid: str, timeout: float) -> Replica:
+        """Until replica ``rid`` has exited (a ``--die-at``); then it is among the dead."""
+        self.live[rid].proc.wait(timeout)
+        return self.kill(rid)
 
     def wait_step(self, rid: str, step: int, timeout: float) -> None:
         """Until replica ``rid`` has printed step ``step`` (or later); raises after ``timeout`` seconds."""

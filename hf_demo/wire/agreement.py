@@ -122,16 +122,25 @@ def _check_naming_settings(transport, headers: list[codec.Header], settings: Cal
 def name_settings(transport, mine: dict[str, str]) -> str:
     """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree), the
     differing ones named with each rank's value."""
-    import torch.distributed as dist
-
-    views = [mine]
-    if transport.world > 1:
-        views = [None] * transport.world
-        dist.all_gather_object(views, mine, group=transport.transport.group)
+    views = gather_objects(transport, mine, "settings_names") if transport.world > 1 else [mine]
     lines = differing_settings(views)
     if not lines:
         return "the settings by name agree: the difference is in a value not shown by name"
     return "settings that differ:\n    " + "\n    ".join(lines)
+
+
+def gather_objects(transport, obj, name: str) -> list:
+    """Every rank's ``obj`` (JSON-able), through the transport's own all-gathers (lengths, then the padded bytes),
+    so it runs on any group DeMo exchanges over (torchft's managed one included), not only torch.distributed's."""
+    import json
+
+    mine = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([mine.numel()], dtype=torch.int64).view(torch.uint8)
+    sizes = transport.all_gather(size, name + "_sizes", count=False).view(torch.int64).view(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    rows = transport.all_gather(padded, name, count=False)
+    return [json.loads(bytes(rows[r, :n].tolist()).decode()) for r, n in enumerate(sizes)]
 
 
 def differing_settings(views: list[dict[str, str]]) -> list[str]:
