@@ -395,12 +395,14 @@ class Elastic:
 def forget_peers(opt) -> None:
     """What DeMo learnt about the peers of the last quorum, forgotten on every replica of a new one at the same step
     (each sees the quorum change at the same step): the first exchange compares every replica again (a joiner's
-    recovered state checked against the survivors'), and no payload rides with the headers until the new quorum has
-    agreed its size on the wire. A joiner starts with neither, so a survivor that kept them would meet it with
-    another collective (a drift check or a riding payload on one side only): a collective mismatch. With
-    ``overlap=True`` the exchange still in flight is dropped on every replica alike (its update, one step's, is
-    lost: a joiner has none to land, and after a loss it cannot finish)."""
+    recovered state checked against the survivors'), the first-step DDP guard runs again, and no payload rides
+    with the headers until the new quorum has agreed its size on the wire. A joiner starts with none of these, so
+    a survivor that kept them would meet it with another collective (a drift check, the guard's all-gather or a
+    riding payload on one side only): a collective mismatch. With ``overlap=True`` the exchange still in flight is
+    dropped on every replica alike (its update, one step's, is lost: a joiner has none to land, and after a loss
+    it cannot finish)."""
     opt.first_checked = False
+    opt.ddp_checked = False  # a joiner under a launcher runs the first-step DDP guard's all-gather: so does everyone
     opt.wire_agreed = {}
     opt.pending = None  # overlap: the exchange in flight ran over the last quorum's group; nobody applies it
 

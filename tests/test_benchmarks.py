@@ -13,6 +13,7 @@ from launch_utils import ROOT
 pytestmark = pytest.mark.ranks
 
 
+@pytest.mark.slow  # five methods' runs, ~40 s (test_orthogonal runs the convergence benchmark in the default run)
 def test_convergence_benchmark_runs_every_method_on_a_tiny_model(tmp_path):
     tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
     run = f"--tag smoke --results-dir {tmp_path} --steps 3 --eval-every 3 --warmup 1 --topk 4 --chunk 8".split()
@@ -61,6 +62,7 @@ def test_fsdp_memory_times_both_whole_matrix_schemes_against_the_unsharded_newto
     assert "| 32 x 64 x 1 | 7 |" in (tmp_path / "fsdp_newton_schulz.md").read_text()
 
 
+@pytest.mark.slow  # every layout on 4 ranks, ~25 s
 def test_fsdp_memory_benchmark_measures_every_layout_on_a_tiny_model(tmp_path):
     """The four layouts train and report; HSDP-DeMo holds half of DDP-DeMo's bytes per rank, FSDP2's HSDP hands
     the replicate all-reduce 2 bytes/param/step (fp32 gradient shards), DeMo far less."""

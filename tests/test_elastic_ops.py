@@ -308,7 +308,8 @@ def test_the_plan_prices_failures_restart_from_checkpoint_against_elastic(tmp_pa
     assert cost["elastic_lost_h"] < cost["restart_lost_h"]
     # what hf_demo.elastic does not run has no elastic figure, and says why
     assert costs["ddp-adamw"]["elastic_lost_h"] is None and "runs DeMo" in costs["ddp-adamw"]["elastic_note"]
-    assert costs["demo-overlap"]["elastic_lost_h"] is None and "overlap" in costs["demo-overlap"]["elastic_note"]
+    assert costs["demo-budget"]["elastic_lost_h"] is None and "comm_budget" in costs["demo-budget"]["elastic_note"]
+    assert costs["demo-overlap"]["elastic_lost_h"] is not None  # overlap runs elastically
 
 
 def test_failures_faster_than_the_recovery_never_end(tmp_path, capsys):

@@ -127,14 +127,6 @@ def test_a_killed_replica_group_costs_the_survivor_one_step_under_trainer(tmp_pa
 
 @pytest.mark.launch
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="hf_demo.elastic's core (issue 40, item 3): a restarted replica's first step runs collectives the "
-    "survivors do not (DeMo's DDP first-step check, 16 bytes, under torchrun; a header without the riding payload "
-    "in a custom loop), and gloo aborts it ('Received data size doesn't match expected size'): the optimizer's "
-    "ddp_checked, wire_agreed and first_checked are each process's own and not in Elastic.agreed_state. Carried "
-    "there (and set by load_agreed) this test passes",
-    strict=False,
-)
 def test_a_killed_replica_group_comes_back_under_trainer(tmp_path, lighthouse):
     """Replica group 1's worker SIGKILLs itself inside step 5; torchrun restarts it (--max-restarts); the restarted
     worker receives the agreed state from group 0 and continues at group 0's step with the same learning rate.

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -84,15 +85,28 @@ def from_model(source: str | Path) -> list[Shape]:
 
 
 def from_gguf(path: str | Path) -> list[Shape]:
-    """The tensor shapes a GGUF file's header lists (ggml lists dimensions fastest first: reversed here)."""
+    """The tensor shapes a GGUF file's header lists (ggml lists dimensions fastest first: reversed here); read once
+    per file version (gguf's reader maps the whole file: seconds for a model of hundreds of MB)."""
     from hf_demo.ops.optional import require
 
-    gguf = require("gguf", "reading a .gguf model")
+    require("gguf", "reading a .gguf model")
     try:
-        reader = gguf.GGUFReader(str(path))
+        info = Path(path).stat()
+    except OSError as exc:
+        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
+    return list(_gguf_shapes(str(Path(path).resolve()), info.st_size, info.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_shapes(path: str, size: int, mtime_ns: int) -> tuple[Shape, ...]:
+    """``path``'s tensor shapes (``size`` and ``mtime_ns`` name the file's version: a changed file is read again)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
-    return [tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors]
+    return tuple(tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors)
 
 
 def from_config(path: str | Path) -> list[Shape]:
