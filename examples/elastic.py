@@ -12,6 +12,15 @@ peer here), forward and backward on this replica's batch (its rank in the quorum
 commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the step in flight;
 they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
 writes ``replica<id>.json`` at the end: the parameters' SHA-256, the steps, the final loss, the quorum's figures.
+
+A warm standby (``--standby FILE``): the process imports torch, transformers and torchft, builds its model,
+optimizer and data, prints ``{"standby": "warm"}`` and waits until FILE holds a replica id; then it joins the
+quorum as that replica group and receives the agreed state from a live peer, like a restarted one. A launcher that
+keeps one standby warm replaces a dead replica group within the quorum and recovery time instead of a process's
+start-up (tens of seconds for the imports alone on a busy machine):
+
+    python examples/elastic.py --standby /run/spare0 --steps 200 &     # warm, waiting
+    echo 1 > /run/spare0.tmp && mv /run/spare0.tmp /run/spare0          # replica group 1 died: take its place
 """
 
 from __future__ import annotations
@@ -98,6 +107,42 @@ def die_at(spec: str | None, elastic) -> None:
     elastic.die = die
 
 
+def flip_at(spec: str | None, elastic) -> None:
+    """``--flip-at STEP:WHAT[:BYTE]``: at torchft step STEP, the lowest bit of one byte of another replica's row
+    flipped in what this replica receives: its header's byte BYTE (default 40, the flags word) for ``header``, the
+    middle of its payload for ``payload``. DeMo's guards (CRC32; HMAC-SHA256 with ``HF_DEMO_SECRET``) refuse it."""
+    if not spec:
+        return
+    from hf_demo.elastic import ManagedTransport
+    from hf_demo.wire import codec, sealing
+
+    parts = spec.split(":")
+    step, what, byte = int(parts[0]), parts[1], int(parts[2]) if len(parts) > 2 else 5 * 8
+    if what not in ("header", "payload"):
+        raise SystemExit(f"--flip-at {spec}: header or payload")
+    real = ManagedTransport._gather
+
+    def gather(transport, out, wire, async_op=False):
+        work = real(transport, out, wire, async_op)
+        if async_op or elastic.manager.current_step() != step:
+            return work
+        n, other = wire.numel(), 1 if transport.rank == 0 else 0
+        row = out.view(-1)[other * n : (other + 1) * n]
+        header = n >= codec.HEADER_BYTES and (
+            int.from_bytes(row[:8].numpy().tobytes(), "little") == codec.MAGIC
+            or sealing.is_sealed(row[: codec.HEADER_BYTES])
+        )
+        if what == "header" and header:
+            row[byte] ^= 0x01
+        elif what == "payload" and not header:
+            row[n // 2] ^= 0x01
+        elif what == "payload" and n > codec.HEADER_BYTES:  # the payload rides after the header
+            row[codec.HEADER_BYTES + (n - codec.HEADER_BYTES) // 2] ^= 0x01
+        return work
+
+    ManagedTransport._gather = gather
+
+
 @torch.no_grad()
 def held_out(model, kind: str, batches: int, corpus=None) -> float | None:
     """The mean loss of ``batches`` batches that training never reads (the same on every replica)."""
@@ -144,16 +189,18 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--digests", action="store_true", help="each step's line carries the parameters' SHA-256")
     ap.add_argument("--start-file", default=None, help="wait for this file before the first quorum (a harness)")
     ap.add_argument("--eval-batches", type=int, default=0, help="held-out batches for the final record's eval_loss")
+    ap.add_argument(
+        "--standby", default=None, help="a warm standby: ready, then wait for this file to name its replica id"
+    )
+    ap.add_argument("--flip-at", default=None, help="STEP:header|payload: a bit of rank 0's row flipped on receipt")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args()
 
 
-def main() -> None:
-    args = parse()
-    replica = args.replica_id if args.replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "0")
+def prepare(args, seed: int):
+    """What a replica builds before its first quorum: the model, the corpus (``llama``) and DeMo over the model."""
     torch.set_num_threads(1)
-    # each replica may start from its own weights: the first quorum gives every replica the same (torchft's init_sync)
-    model = build(args.model, int(replica) if args.seed is None else args.seed)
+    model = build(args.model, seed)
     corpus = None
     if args.model == "llama":
         from hf_demo.stdlib_corpus import stdlib_bytes
@@ -164,15 +211,24 @@ def main() -> None:
         shape["sync_every"] = args.sync_every
     if args.overlap:
         shape["overlap"] = True
-    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
-    elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
-                      timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
-    elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
-                                         flush=True))  # fmt: skip
-    die_at(args.die_at, elastic)
-    print(json.dumps({"ready": replica}), flush=True)
-    while args.start_file and not os.path.exists(args.start_file):
+    return model, corpus, hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
+
+
+def wait_for_id(path: str) -> str:
+    """A warm standby's wait: torchft's Manager imported, ``{"standby": "warm"}`` printed, then the replica id once
+    ``path`` holds one (the launcher writes it whole: a rename)."""
+    import torchft.manager  # noqa: F401 - imported now, not after the call
+    import torchft.process_group  # noqa: F401
+
+    print(json.dumps({"standby": "warm", "pid": os.getpid()}), flush=True)
+    while not (os.path.exists(path) and Path(path).read_text().strip()):
         time.sleep(0.05)
+    return Path(path).read_text().strip()
+
+
+def train(args, replica: str, elastic, model, opt, corpus) -> float:
+    """Steps until torchft's step reaches the target (``--steps``/``--steps-file``) or ``--max-attempts``; the
+    last step's loss."""
     loss, started, attempts = float("nan"), time.monotonic(), 0
     while elastic.manager.current_step() < target(args) and attempts != args.max_attempts:
         attempts += 1
@@ -197,12 +253,34 @@ def main() -> None:
             if not elastic.last_committed:
                 line["error"] = elastic.stats.last_error
             print(json.dumps(line), flush=True)
+    return loss
+
+
+def main() -> None:
+    args = parse()
+    own = args.replica_id if args.replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "0")
+    # each replica may start from its own weights: the first quorum gives every replica the same (torchft's
+    # init_sync); a standby's are replaced by the agreed state when it joins
+    seed = args.seed if args.seed is not None else (0 if args.standby else int(own))
+    model, corpus, opt = prepare(args, seed)
+    replica = wait_for_id(args.standby) if args.standby else own
+    elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
+                      timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
+    elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
+                                         flush=True))  # fmt: skip
+    die_at(args.die_at, elastic)
+    flip_at(args.flip_at, elastic)
+    print(json.dumps({"ready": replica}), flush=True)
+    while args.start_file and not os.path.exists(args.start_file):
+        time.sleep(0.05)
+    started = time.monotonic()
+    loss = train(args, replica, elastic, model, opt, corpus)
     if args.overlap:
         opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
     eval_loss = held_out(model, args.model, args.eval_batches, corpus)
     record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
               "steps": elastic.manager.current_step(),
-              "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "loss": loss,
+              "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "resyncs": opt.resyncs, "loss": loss,
               "seconds": time.monotonic() - started, "batches_committed": elastic.manager.batches_committed(),
               "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip
     if args.out:

@@ -1,8 +1,10 @@
 """Replica groups of ``examples/elastic.py`` on loopback around one in-process torchft Lighthouse: started,
 SIGKILLed and restarted by the caller (tests/test_elastic.py, benchmarks/elastic_soak.py).
 
-Each replica is one process; its per-step JSON lines are collected as they come (:meth:`Replicas.lines`), its
-final record is ``<out>/replica<id>.json``.
+Each replica is one process; its per-step JSON lines are collected as they come (:meth:`Replica.lines`), its
+final record is ``<out>/replica<id>.json``. Warm standbys (:meth:`Replicas.add_standby`) are processes of the same
+script that have imported everything and built their model and wait (``--standby FILE``); :meth:`Replicas.replace`
+hands one a dead replica's id, and it joins the quorum as that replica group.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ EXAMPLE = ROOT / "examples" / "elastic.py"
 
 
 class Replica:
-    def __init__(self, rid: str, args: list[str], out: Path, env: dict):
-        self.rid, self.lines, self.started = rid, [], time.monotonic()
+    """One process of ``examples/elastic.py``: replica group ``rid``, or (``standby``: the file it waits on) a warm
+    standby named ``rid`` until :meth:`take` gives it a replica group's id."""
+
+    def __init__(self, rid: str, args: list[str], out: Path, env: dict, standby: Path | None = None):
+        self.rid, self.lines, self.started, self.standby = rid, [], time.monotonic(), standby
+        self.took: float | None = None  # when a standby was given its replica id (monotonic)
         log = open(out / f"replica{rid}.{int(time.time() * 1000)}.log", "w")  # noqa: SIM115 - closed with the process
+        who = ["--standby", str(standby)] if standby is not None else ["--replica-id", rid]
         self.proc = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--replica-id", rid, *args],
+            [sys.executable, str(EXAMPLE), *who, *args],
             stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
         )  # fmt: skip
         self._log = log
@@ -39,6 +46,18 @@ class Replica:
                     self.lines.append(json.loads(line))
                 except json.JSONDecodeError:
                     pass
+
+    @property
+    def warm(self) -> bool:
+        """A standby that has imported everything and waits for its replica id."""
+        return self.standby is not None and self.took is None and any("standby" in x for x in self.lines)
+
+    def take(self, rid: str) -> None:
+        """This standby becomes replica group ``rid`` (the file written whole: a rename)."""
+        tmp = self.standby.with_suffix(".tmp")
+        tmp.write_text(rid)
+        tmp.rename(self.standby)
+        self.rid, self.took = rid, time.monotonic()
 
     def step(self) -> int:
         """The last step this replica printed (-1: none yet)."""
@@ -56,7 +75,8 @@ class Replicas:
     """``n`` replica groups of ``examples/elastic.py`` around an in-process Lighthouse."""
 
     def __init__(self, n: int, out: Path, args: list[str], min_replicas: int = 1, join_timeout_ms: int = 2000,
-                 heartbeat_timeout_ms: int = 2000, extra: dict[str, list[str]] | None = None):  # fmt: skip
+                 heartbeat_timeout_ms: int = 2000, extra: dict[str, list[str]] | None = None,
+                 standbys: int = 0):  # fmt: skip
         from hf_demo.elastic import lighthouse
 
         self.out, self.args = Path(out), list(args)
@@ -67,10 +87,14 @@ class Replicas:
         self.env.pop("MASTER_ADDR", None)
         self.live: dict[str, Replica] = {}
         self.dead: list[Replica] = []
+        self.standbys: list[Replica] = []  # warming or warm, not yet given an id
+        self._spares = 0
         self.go = self.out / "go"
         self.go.unlink(missing_ok=True)
         for rid in range(n):
             self.start(str(rid), (extra or {}).get(str(rid), []))
+        for _ in range(standbys):  # warming beside the replicas' own start-up
+            self.add_standby()
         deadline = time.monotonic() + 300
         while not all(any("ready" in x for x in r.lines) for r in self.live.values()):  # imports take a while
             if time.monotonic() > deadline or any(r.proc.poll() is not None for r in self.live.values()):
@@ -84,6 +108,28 @@ class Replicas:
                 *self.args, *extra]  # fmt: skip
         self.live[rid] = Replica(rid, args, self.out, self.env)
         return self.live[rid]
+
+    def add_standby(self) -> Replica:
+        """Start one more warm standby (it imports, builds its model, then waits for an id)."""
+        self._spares += 1
+        name = f"standby{self._spares}"
+        args = ["--lighthouse", self.lighthouse.address(), "--out", str(self.out), *self.args]
+        replica = Replica(name, args, self.out, self.env, standby=self.out / name)
+        self.standbys.append(replica)
+        return replica
+
+    def replace(self, rid: str) -> Replica | None:
+        """A warm standby takes replica group ``rid``'s place (now live); None when no standby is warm yet."""
+        for replica in self.standbys:
+            if replica.proc.poll() is not None:
+                raise RuntimeError(f"standby {replica.rid} exited with {replica.proc.returncode}: {replica.proc.args}")
+        warm = [r for r in self.standbys if r.warm]
+        if not warm:
+            return None
+        self.standbys.remove(warm[0])
+        warm[0].take(rid)
+        self.live[rid] = warm[0]
+        return warm[0]
 
     def kill(self, rid: str) -> Replica:
         replica = self.live.pop(rid)
@@ -126,4 +172,6 @@ class Replicas:
     def close(self) -> None:
         for rid in list(self.live):
             self.kill(rid)
+        for replica in self.standbys:
+            replica.kill()
         self.lighthouse.shutdown()
