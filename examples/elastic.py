@@ -108,9 +108,10 @@ def die_at(spec: str | None, elastic) -> None:
 
 
 def flip_at(spec: str | None, elastic) -> None:
-    """``--flip-at STEP:WHAT[:BYTE]``: at torchft step STEP, the lowest bit of one byte of another replica's row
-    flipped in what this replica receives: its header's byte BYTE (default 40, the flags word) for ``header``, the
-    middle of its payload for ``payload``. DeMo's guards (CRC32; HMAC-SHA256 with ``HF_DEMO_SECRET``) refuse it."""
+    """``--flip-at STEP:WHAT[:BYTE]``: at torchft step STEP (its first try), the lowest bit of one byte of another
+    replica's row flipped in what this replica receives: its header's byte BYTE (default 40, the flags word) for
+    ``header``, the middle of its payload for ``payload``. DeMo's guards (CRC32; HMAC-SHA256 with
+    ``HF_DEMO_SECRET``) refuse it on every replica."""
     if not spec:
         return
     from hf_demo.elastic import ManagedTransport
@@ -120,12 +121,12 @@ def flip_at(spec: str | None, elastic) -> None:
     step, what, byte = int(parts[0]), parts[1], int(parts[2]) if len(parts) > 2 else 5 * 8
     if what not in ("header", "payload"):
         raise SystemExit(f"--flip-at {spec}: header or payload")
-    real = ManagedTransport._gather
+    real, spent = ManagedTransport._gather, []
 
     def gather(transport, out, wire, async_op=False):
         work = real(transport, out, wire, async_op)
-        if async_op or elastic.manager.current_step() != step:
-            return work
+        if async_op or spent or elastic.manager.current_step() != step:
+            return work  # once: the step, refused, is tried again intact
         n, other = wire.numel(), 1 if transport.rank == 0 else 0
         row = out.view(-1)[other * n : (other + 1) * n]
         header = n >= codec.HEADER_BYTES and (
@@ -138,6 +139,9 @@ def flip_at(spec: str | None, elastic) -> None:
             row[n // 2] ^= 0x01
         elif what == "payload" and n > codec.HEADER_BYTES:  # the payload rides after the header
             row[codec.HEADER_BYTES + (n - codec.HEADER_BYTES) // 2] ^= 0x01
+        else:
+            return work
+        spent.append(step)
         return work
 
     ManagedTransport._gather = gather
@@ -184,6 +188,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
     ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
     ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between): SIGKILL itself")
+    ap.add_argument("--drift-at", type=int, default=None, help="nudge a parameter after this step (the drift check)")
+    ap.add_argument("--check-every", type=int, default=None, help="DeMo's check_every (the drift check's period)")
     ap.add_argument("--nan-at", type=int, default=None, help="a NaN gradient at this step (the non-finite guard)")
     ap.add_argument("--max-attempts", type=int, default=None, help="stop after this many steps tried")
     ap.add_argument("--digests", action="store_true", help="each step's line carries the parameters' SHA-256")
@@ -192,7 +198,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--standby", default=None, help="a warm standby: ready, then wait for this file to name its replica id"
     )
-    ap.add_argument("--flip-at", default=None, help="STEP:header|payload: a bit of rank 0's row flipped on receipt")
+    ap.add_argument(
+        "--flip-at", action="append", default=[], help="STEP:header|payload[:BYTE]: a bit flipped on receipt"
+    )
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args()
 
@@ -211,6 +219,8 @@ def prepare(args, seed: int):
         shape["sync_every"] = args.sync_every
     if args.overlap:
         shape["overlap"] = True
+    if args.check_every is not None:
+        shape["check_every"] = args.check_every
     return model, corpus, hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
 
 
@@ -243,6 +253,9 @@ def train(args, replica: str, elastic, model, opt, corpus) -> float:
         getattr(elastic, "die", lambda at: None)("before")
         opt.step()
         getattr(elastic, "die", lambda at: None)("between")
+        if step == args.drift_at and elastic.last_committed:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1e-3  # this replica alone: a bit flip, a kernel's noise
         loss = value.item()
         if not args.quiet:
             line = {"replica": replica, "step": step, "batch": batch, "committed": elastic.last_committed,
@@ -269,7 +282,8 @@ def main() -> None:
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
     die_at(args.die_at, elastic)
-    flip_at(args.flip_at, elastic)
+    for spec in args.flip_at:
+        flip_at(spec, elastic)
     print(json.dumps({"ready": replica}), flush=True)
     while args.start_file and not os.path.exists(args.start_file):
         time.sleep(0.05)
