@@ -169,6 +169,7 @@ class ElasticStats:
     refused_steps: int = 0  # steps every survivor refused (nothing applied)
     batches_lost: int = 0  # the batches of the refused steps (one per replica in the quorum)
     samples_lost: int = 0  # batches_lost x batch_size: the samples whose forward and backward were thrown away
+    samples_unread: int = 0  # data no replica reads (Trainer: lost replicas' shards at the steps they are away)
     quorum_seconds: float = 0.0  # time in torchft's quorum, a recovery included
     last_error: str = ""  # the last refused step's reason
 
@@ -272,6 +273,12 @@ class Elastic:
         """The samples whose forward and backward were thrown away: every replica's batch of each refused step
         (the data themselves are read again at the next step; see the class's note on data)."""
         return self.stats.samples_lost
+
+    def unread(self, samples: int) -> None:
+        """Count ``samples`` of the run's data that no replica will read (``ElasticStats.samples_unread``): under
+        Trainer, where each replica group reads its own shard, the shards of the replicas missing from a committed
+        step. (A custom loop reading one stream by :attr:`batch_index` leaves none.)"""
+        self.stats.samples_unread += int(samples)
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:

@@ -150,6 +150,26 @@ def test_a_killed_replica_group_comes_back_under_trainer(tmp_path, lighthouse):
     assert b["recoveries"] >= 1 and b["steps"][0]["step"] > alone  # the restarted worker began at the quorum's step
     lr_a = {s["step"]: s["lr"] for s in a["steps"] if s["committed"]}
     assert all(lr_a[s["step"]] == s["lr"] for s in b["steps"] if s["committed"])
+    # data: the restarted worker read its shard on from torchft's committed step (not from the epoch's start); the
+    # survivor read its own shard in order, the refused step's batch included (Trainer's loader does not read it
+    # again: samples_lost); the survivor counted the restarted one's shard at the steps it was away
+    committed = [s for s in b["steps"] if s["committed"]]
+    assert [s["samples"] for s in committed] == [_shard_batch(1, s["step"] - 1) for s in committed]
+    assert [s["samples"] for s in a["steps"]] == [_shard_batch(0, i) for i in range(len(a["steps"]))]
+    assert a["samples_lost"] == 2 * 4  # the refused step: both replicas' batches
+    away = sum(1 for s in a["steps"] if s["committed"] and s["quorum"] == 1)
+    assert away >= 1 and a["samples_unread"] == 4 * away and b["samples_unread"] == 0, (a, b)
+
+
+def _shard_batch(rid: int, step: int, batch: int = 4, size: int = 512, seed: int = 42) -> list[int]:
+    """The samples replica ``rid`` of 2 reads at committed step ``step`` (0-based) when each step reads the next batch
+    of its shard's stream (the epochs one after another, DistributedSampler's shard of each epoch's permutation)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    shard = DistributedSampler(range(size), num_replicas=2, rank=rid, shuffle=True, seed=seed)
+    epoch, offset = divmod(step * batch, len(shard))
+    shard.set_epoch(epoch)
+    return list(shard)[offset : offset + batch]
 
 
 # ---------------------------------------------------------------- the parts, in one process
@@ -202,10 +222,19 @@ class _FakeElastic:
     """What ElasticCallback reads of hf_demo.elastic.Elastic: start_step, the manager's step, the verdict."""
 
     def __init__(self):
-        self.manager, self.last_committed, self.world = _FakeManager(), True, 2
+        self.manager, self.last_committed, self.world, self.batch_size, self.unread_samples = (
+            _FakeManager(),
+            True,
+            2,
+            4,
+            0,
+        )
 
     def start_step(self):
         pass
+
+    def unread(self, samples):
+        self.unread_samples += samples
 
 
 def test_a_refused_step_does_not_count_and_max_steps_is_reached_by_committed_steps():
@@ -213,7 +242,8 @@ def test_a_refused_step_does_not_count_and_max_steps_is_reached_by_committed_ste
 
     from hf_demo.hf.elastic import ElasticCallback
 
-    trainer = type("T", (), {"demo_elastic": _FakeElastic(), "lr_scheduler": None})()
+    options = {"replica_id": 0, "replicas": 3}
+    trainer = type("T", (), {"demo_elastic": _FakeElastic(), "lr_scheduler": None, "_elastic_options": options})()
     callback = ElasticCallback(trainer)
     state, control = TrainerState(max_steps=3), TrainerControl()
     for verdict in (True, False, True, True):  # step 2 is refused: it takes four steps to commit three
@@ -227,6 +257,7 @@ def test_a_refused_step_does_not_count_and_max_steps_is_reached_by_committed_ste
         assert state.global_step == trainer.demo_elastic.manager.step
         assert control.should_log == verdict  # a refused step logs nothing
     assert state.global_step == 3 and control.should_training_stop
+    assert trainer.demo_elastic.unread_samples == 3 * 4  # a third replica missing from each committed step
 
 
 def test_demo_elastic_refuses_a_trainer_without_demo(tmp_path):
@@ -241,3 +272,26 @@ def test_demo_elastic_refuses_a_trainer_without_demo(tmp_path):
     args = hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", use_cpu=True, report_to=[])
     with pytest.raises(DeMoSetupError, match="demo_elastic trains DeMo elastically: give --optim demo"):
         hf_demo.DeMoTrainer(model=model, args=args, train_dataset=data, demo_elastic=True)
+
+
+def test_a_shard_stream_reads_on_from_its_position_across_epochs():
+    """ShardStream: DistributedSampler's shard of each epoch's permutation, one epoch after another; a replica that
+    sets its position (a restarted one, at torchft's committed step) reads on from there, and the next iteration
+    starts the next epoch."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from hf_demo.hf.elastic import ShardStream
+
+    reference = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=3)
+    epochs = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        epochs += list(reference)
+    stream = ShardStream(range(20), rank=1, replicas=2, seed=3)
+    assert len(stream) == 10
+    whole = list(stream) + list(stream) + list(stream)  # epochs 0, 1, 2 of the shard
+    assert whole == epochs and whole[:10] != whole[10:20]
+    stream.position = 14  # epoch 1, its fifth sample
+    assert list(stream) == whole[14:20] and list(stream) == whole[20:30]
+    stream.set_epoch(0)  # Trainer's epoch counter does not move the stream
+    assert stream.position == 30

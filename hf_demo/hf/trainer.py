@@ -201,19 +201,20 @@ class DeMoTrainerMixin:
         if opt is not None and mesh is not None and mesh.ndim == 2:
             opt.device_mesh = mesh  # HSDP: DeMo exchanges across the replicate dimension of Accelerate's mesh
         if self._elastic_options is not None and self.demo_elastic is None:
-            self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options)
+            per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+            self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options, per_step)
         return optimizer
 
     def _get_train_sampler(self, train_dataset=None):
         """Trainer's sampler; with ``demo_elastic`` this replica group's shard of the training set (torchft's static
-        split: replica ``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, shuffled with the run's seed)."""
+        split: replica ``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, shuffled with the run's seed), read as a
+        stream whose position a restarted replica sets from torchft's committed step (``ShardStream``)."""
         if self._elastic_options is None:
             return super()._get_train_sampler(train_dataset)
-        from torch.utils.data.distributed import DistributedSampler
-
         rid, n = elastic_trainer.data_shard(self._elastic_options)
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return DistributedSampler(dataset, num_replicas=n, rank=rid, shuffle=True, seed=self.args.seed)
+        self._elastic_stream = elastic_trainer.ShardStream(dataset, rid, n, self.args.seed)
+        return self._elastic_stream
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """Trainer's accelerator arguments, without DDP's search for unused parameters unless asked for (Trainer's

@@ -30,6 +30,7 @@ class Regression(torch.nn.Module):
         self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
 
     def forward(self, x, labels=None):
+        self.last_x = x.detach()  # the batch this step read (the test finds its samples' indices)
         y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
         return {"loss": ((y - labels) ** 2).mean(), "logits": y}
 
@@ -40,8 +41,8 @@ class Record(TrainerCallback):
     before the first step a wait until ``--start-file`` exists (every replica's Manager is up: none trains ahead
     alone), and the end of training at the committed step written in ``--stop-file``, once it exists."""
 
-    def __init__(self, trainer_ref, cli):
-        self.trainer_ref, self.cli, self.steps = trainer_ref, cli, []
+    def __init__(self, trainer_ref, cli, x):
+        self.trainer_ref, self.cli, self.steps, self.x = trainer_ref, cli, [], x
 
     def on_train_begin(self, args, state, control, **kwargs):  # the optimizer (and torchft's Manager) exist now
         print(json.dumps({"replica": os.environ["REPLICA_GROUP_ID"], "train_begin": os.getpid()}), flush=True)
@@ -56,8 +57,10 @@ class Record(TrainerCallback):
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         elastic = self.trainer_ref[0].demo_elastic
         lr = self.trainer_ref[0].optimizer.param_groups[0]["lr"]
+        read = self.trainer_ref[0].model.last_x
+        samples = [int((self.x == row).all(1).nonzero()[0]) for row in read]  # the dataset's indices of the batch
         self.steps.append({"step": state.global_step, "quorum": elastic.world, "committed": elastic.last_committed,
-                           "lr": lr, "time": time.time()})  # fmt: skip
+                           "lr": lr, "samples": samples, "time": time.time()})  # fmt: skip
         print(json.dumps({"replica": os.environ["REPLICA_GROUP_ID"], **self.steps[-1]}), flush=True)
         if elastic.last_committed and self.cli.stop_file and os.path.exists(self.cli.stop_file):
             text = Path(self.cli.stop_file).read_text().strip()
@@ -95,7 +98,7 @@ def main() -> None:
         save_strategy="no", disable_tqdm=True, demo_compression_topk=4, demo_compression_chunk=8,
     )  # fmt: skip
     ref: list = []
-    record = Record(ref, args)
+    record = Record(ref, args, x)
     trainer = trainer_cls(
         model=Regression(seed=rid), args=targs, train_dataset=data, callbacks=[record],
         demo_elastic={"min_replicas": args.min_replicas, "timeout": 20.0},
