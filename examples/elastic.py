@@ -73,16 +73,20 @@ def digest(model) -> str:
 def die_at(spec: str | None, elastic) -> None:
     """``--die-at STEP:POINT``: SIGKILL this process at torchft step STEP, at POINT of the step: ``before`` its
     exchange (after the quorum, in the forward pass), ``inside`` it (at DeMo's second collective), ``after`` it
-    (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum)."""
+    (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum);
+    ``local``: before the exchange of the first step from STEP on that is inside a local phase (the replicas'
+    parameters apart: ``sync_every > 1`` or a budget policy's local-step tier)."""
     if not spec:
         return
     step, point = int(spec.split(":")[0]), spec.split(":")[1]
-    points = ("before", "inside", "after", "between")
+    points = ("before", "inside", "after", "between", "local")
     if point not in points:
         raise SystemExit(f"--die-at {spec}: the point is one of {points}")
 
     def die(at: str) -> None:
-        if at == point and elastic.manager.current_step() == step:
+        now = elastic.manager.current_step()
+        local = point == "local" and at == "before" and now >= step and bool(elastic.opt.unsynced)
+        if local or (at == point and now == step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     seen = []
@@ -96,6 +100,21 @@ def die_at(spec: str | None, elastic) -> None:
     decide = elastic.decide
     elastic.decide = lambda error: (die("after"), decide(error))[1]
     elastic.die = die
+
+
+def slow_link(spec: str | None, elastic) -> None:
+    """``--slow-link FROM:TO:SECONDS``: sleep SECONDS before each of DeMo's collectives at torchft steps FROM to
+    TO-1 (a slow link: the other replicas wait for this one inside the collective, and their headers carry that
+    time to the budget policy)."""
+    if not spec:
+        return
+    first, last, seconds = spec.split(":")
+
+    def wait(name: str, nbytes: int) -> None:
+        if int(first) <= elastic.manager.current_step() < int(last):
+            time.sleep(float(seconds))
+
+    register_collective_hook(wait)
 
 
 @torch.no_grad()
@@ -131,6 +150,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=1, help="DeMo's sync_every (local steps between exchanges)")
     ap.add_argument("--preset", default=None, help="a DeMo preset (e.g. from_scratch)")
     ap.add_argument("--overlap", action="store_true", help="DeMo's overlap=True (the exchange lands a step late)")
+    ap.add_argument("--comm-budget", type=float, default=0.0, help="DeMo's comm_budget (0: no budget policy)")
+    ap.add_argument("--policy-sync-every", type=int, default=None, help="DeMo's policy_sync_every")
+    ap.add_argument("--policy-patience", type=int, default=None, help="DeMo's policy_patience")
+    ap.add_argument("--slow-link", default=None, help="FROM:TO:SECONDS: sleep before each collective of those steps")
     ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
@@ -164,12 +187,18 @@ def main() -> None:
         shape["sync_every"] = args.sync_every
     if args.overlap:
         shape["overlap"] = True
+    if args.comm_budget:
+        shape["comm_budget"] = args.comm_budget
+    for name in ("policy_sync_every", "policy_patience"):
+        if getattr(args, name) is not None:
+            shape[name] = getattr(args, name)
     opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
     die_at(args.die_at, elastic)
+    slow_link(args.slow_link, elastic)
     print(json.dumps({"ready": replica}), flush=True)
     while args.start_file and not os.path.exists(args.start_file):
         time.sleep(0.05)
@@ -190,7 +219,8 @@ def main() -> None:
         loss = value.item()
         if not args.quiet:
             line = {"replica": replica, "step": step, "batch": batch, "committed": elastic.last_committed,
-                    "quorum": elastic.world, "loss": round(loss, 5),
+                    "quorum": elastic.world, "loss": round(loss, 5), "tier": opt.tier,
+                    "local": opt.tiers[opt.tier].sync_every > 1, "unsynced": bool(opt.unsynced),
                     "time": round(time.monotonic() - started, 3)}  # fmt: skip
             if args.digests:
                 line["digest"] = digest(model)
@@ -203,6 +233,7 @@ def main() -> None:
     record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
               "steps": elastic.manager.current_step(),
               "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "loss": loss,
+              "policy": opt.policy.state_dict(),
               "seconds": time.monotonic() - started, "batches_committed": elastic.manager.batches_committed(),
               "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip
     if args.out:

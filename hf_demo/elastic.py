@@ -17,11 +17,14 @@ One replica group per DeMo rank (one process each), a torchft Lighthouse, and pe
    between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
    apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
 
-With local steps (``sync_every > 1``) every quorum inside a local phase may only shrink (torchft's
-``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the replicas' parameters agree.
+With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
+may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
+replicas' parameters agree. The policy's tier is agreed state (a joiner receives it); the figures it decides from
+are forgotten by every replica at each change of the quorum (:func:`forget_peers`), so every replica takes the same
+decision.
 With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
-update lost, alike everywhere). HSDP (a node of several processes as one replica group) and ``comm_budget`` with
-local-step tiers are refused (:func:`refuse_modes`).
+update lost, alike everywhere). HSDP (a node of several processes as one replica group) is refused
+(:func:`refuse_modes`).
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
@@ -41,6 +44,7 @@ import torch
 
 from hf_demo.errors import DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
+from hf_demo.optim.policy import Clock
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
@@ -400,7 +404,12 @@ def forget_peers(opt) -> None:
     a survivor that kept them would meet it with another collective (a drift check, the guard's all-gather or a
     riding payload on one side only): a collective mismatch. With ``overlap=True`` the exchange still in flight is
     dropped on every replica alike (its update, one step's, is lost: a joiner has none to land, and after a loss
-    it cannot finish)."""
+    it cannot finish). The budget policy's figures of the last exchange (``comm_budget``: its time, the time since
+    it began, the tier it ran in) are forgotten too: a joiner has none, and a survivor's would scale its predictions
+    from another tier than the joiner's, so the replicas would choose different tiers; with none anywhere the first
+    exchange of the new quorum takes no decision (its headers carry no time), and every replica keeps the agreed
+    tier."""
+    opt.clock = Clock()  # comm_budget: every replica decides its next tier from the same (no) figures
     opt.first_checked = False
     opt.ddp_checked = False  # a joiner under a launcher runs the first-step DDP guard's all-gather: so does everyone
     opt.wire_agreed = {}
@@ -419,14 +428,7 @@ def _copied(tree):
 
 def refuse_modes(opt) -> None:
     """The modes elastic DeMo does not run yet, refused with the reason (never a silent fallback)."""
-    s = opt.settings
     refusals = []
-    if s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers):
-        refusals.append(
-            "comm_budget with tiers of local steps (policy_sync_every > 1): the policy's moves into and out of a "
-            "local phase under a changing quorum are not tested elastically yet (sync_every > 1 without a budget "
-            "runs: joiners wait for a synchronisation)"
-        )
     if opt.device_mesh is not None:
         refusals.append("device_mesh (HSDP): a whole node as one replica group is not supported yet")
     if refusals:

@@ -1,6 +1,7 @@
 """hf_demo.elastic: the missing extra is named, and the modes it does not run are refused with the reason."""
 
 import builtins
+import json
 
 import pytest
 import torch
@@ -29,12 +30,13 @@ def test_the_modes_elastic_does_not_run_are_refused_with_the_reason():
     from hf_demo.elastic import refuse_modes
 
     model = torch.nn.Linear(8, 8)
-    with pytest.raises(DeMoSetupError, match="comm_budget"):
-        refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))
     refuse_modes(hf_demo.DeMo(model.parameters()))  # every-step DeMo runs
+    refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))  # local-step tiers run
     refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))  # local steps run: joiners wait for a sync
     refuse_modes(hf_demo.DeMo(model.parameters(), preset="from_scratch"))
     refuse_modes(hf_demo.DeMo(model.parameters(), overlap=True))  # the exchange in flight dropped at a new quorum
+    with pytest.raises(DeMoSetupError, match="device_mesh"):
+        refuse_modes(hf_demo.DeMo(model.parameters(), device_mesh=object()))
 
 
 class _Group:
@@ -142,6 +144,35 @@ def test_a_joiner_receives_the_agreed_state_without_momentum():
         joiner.opt.state[p]["momentum"] = own.clone()
     joiner.load_agreed(state)  # lagged: received the state again, its own momentum kept
     assert all(torch.equal(joiner.opt.state[p]["momentum"], own) for p in model.parameters())
+
+
+def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica():
+    """comm_budget: the policy's next decision reads the last exchange's figures and the tier it ran in, which a
+    survivor holds and a joiner does not (a joiner's are reset by the load). At a new quorum every replica forgets
+    them, so survivor and joiner decide from the same figures; the tier itself travels with the agreed state."""
+    from hf_demo.optim.policy import Clock
+
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from hf_demo.elastic import Elastic
+
+    def replica(manager):
+        model = torch.nn.Linear(8, 8)
+        opt = hf_demo.DeMo(model.parameters(), comm_budget=0.3, policy_sync_every=2)
+        return Elastic(opt, model, manager=manager), model
+
+    survivor, _ = replica(_Manager())
+    survivor.start_step()
+    survivor.decide(None)
+    survivor.opt.policy.tier, survivor.opt.clock = 5, Clock(40.0, 12.5, 4)  # moved up after an exchange in tier 4
+    state = survivor.agreed_state()
+    manager = _Manager()
+    joiner, _ = replica(manager)
+    manager.heal = lambda: joiner.load_agreed(state)
+    survivor.manager.quorum = 2  # the join: a new quorum on both
+    survivor.start_step()
+    joiner.start_step()
+    assert joiner.opt.policy.tier == survivor.opt.policy.tier == 5
+    assert joiner.opt.clock == survivor.opt.clock == Clock()
 
 
 # ---------------------------------------------------------------- replica groups on loopback (real gloo, a Lighthouse)
@@ -386,3 +417,48 @@ def test_overlap_drops_the_exchange_in_flight_on_every_replica_when_the_quorum_c
             assert set(lines) == {"0", "1", "2"}
     lost = next(e["step"] for e in records["0"]["events"] if e["kind"] == "loss")
     assert by_step[lost]["0"]["digest"] == by_step[lost - 1]["0"]["digest"]  # the dropped exchange: nothing landed
+
+
+@pytest.mark.slow
+def test_the_budget_policy_moves_into_a_local_phase_loses_a_replica_there_and_a_joiner_gets_the_tier(tmp_path):
+    """comm_budget with local-step tiers (policy_sync_every=2): a slow link (replica 0 waits 1 s before each
+    collective from step 3 to 12) drives the policy into its local-step tiers; replica 2 is SIGKILLed inside a
+    local phase and started again. Every replica decides the same tier at every step (the survivors forgot the
+    last exchange's figures at each change of the quorum, as the joiner has none), the joiner enters only at a
+    quorum after a synchronisation and receives the tier with the agreed state, and the three end bitwise
+    identical."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    args = ["--steps", "100000", "--steps-file", str(steps_file), "--comm-budget", "0.3",
+            "--policy-sync-every", "2", "--policy-patience", "1", "--step-seconds", "0.2"]  # fmt: skip
+    reps = _harness(tmp_path, 3, args, extra={"0": ["--slow-link", "3:12:1.0"], "2": ["--die-at", "4:local"]})
+    try:
+        reps.wait_exit("2", 180)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 240
+        while len([x for x in _steps(joiner) if x["committed"]]) < 3:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        last = max(max(r.step() for r in reps.live.values()) + 8, 24)
+        steps_file.write_text(str(last + last % 2))  # an even count of steps: the run ends on a synchronisation
+        records = reps.finish(240)
+        live, dead = dict(reps.live), list(reps.dead)
+    finally:
+        reps.close()
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    assert len({json.dumps(rec["policy"], sort_keys=True) for rec in records.values()}) == 1, records
+    killed = _steps(dead[0])
+    assert killed[-1]["unsynced"] and killed[-1]["local"], killed[-1]  # it died inside a local phase
+    (recovered,) = [x["event"] for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    by_step = _by_step(live.values())
+    assert not by_step[recovered["step"] - 1]["0"]["unsynced"]  # the joiner entered after a synchronisation
+    for step, lines in by_step.items():
+        assert len({x["tier"] for x in lines.values()}) == 1, (step, lines)  # one tier everywhere
+        if not lines["0"]["unsynced"]:
+            assert len({x["digest"] for x in lines.values()}) == 1, step
+    for rid in ("0", "1"):
+        assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
+    tiers = [lines["0"]["local"] for _, lines in sorted(by_step.items())]
+    entered = tiers.index(True)
+    assert False in tiers[entered:], tiers  # and moved out of it once the link was fast again
