@@ -64,18 +64,37 @@ def loss_of(model, kind: str, batch: int, corpus=None) -> torch.Tensor:
 
 
 def digest(model) -> str:
+    """The SHA-256 of the parameters this process holds (HSDP: its shards)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        mine = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 parameter (DTensor): this rank's shard
+        h.update(mine.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def die_at(spec: str | None, elastic) -> None:
+def shard_group(model: torch.nn.Module, kind: str) -> tuple[int, int]:
+    """HSDP (``torchrun --nproc_per_node N``, N > 1): the replica group's processes shard ``model`` with FSDP2 over
+    their own process group (gloo on CPU); torchft's quorum is the replicate dimension. Returns (shard rank,
+    shards): (0, 1) for a replica group of one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_demo.fsdp import shard_model
+
+    dist.init_process_group("gloo")
+    shard_model(model, init_device_mesh("cpu", (dist.get_world_size(),)), layers=[] if kind == "mlp" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def die_at(spec: str | None, elastic, group: bool = False) -> None:
     """``--die-at STEP:POINT``: SIGKILL this process at torchft step STEP, at POINT of the step: ``before`` its
     exchange (after the quorum, in the forward pass), ``inside`` it (at DeMo's second collective), ``after`` it
     (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum);
     ``local``: before the exchange of the first step from STEP on that is inside a local phase (the replicas'
-    parameters apart: ``sync_every > 1`` or a budget policy's local-step tier)."""
+    parameters apart: ``sync_every > 1`` or a budget policy's local-step tier). ``group``: every process of this
+    process's Unix process group dies with it (an HSDP replica group started as one, as a node fails)."""
     if not spec:
         return
     step, point = int(spec.split(":")[0]), spec.split(":")[1]
@@ -87,7 +106,7 @@ def die_at(spec: str | None, elastic) -> None:
         now = elastic.manager.current_step()
         local = point == "local" and at == "before" and now >= step and bool(elastic.opt.unsynced)
         if local or (at == point and now == step):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.killpg(os.getpgrp(), signal.SIGKILL) if group else os.kill(os.getpid(), signal.SIGKILL)
 
     seen = []
 
@@ -161,7 +180,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (emulates a longer step)")
     ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
     ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
-    ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between): SIGKILL itself")
+    ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between, local): SIGKILL itself")
+    ap.add_argument("--die-group", action="store_true", help="--die-at kills this process's whole process group")
     ap.add_argument("--nan-at", type=int, default=None, help="a NaN gradient at this step (the non-finite guard)")
     ap.add_argument("--max-attempts", type=int, default=None, help="stop after this many steps tried")
     ap.add_argument("--digests", action="store_true", help="each step's line carries the parameters' SHA-256")
@@ -177,6 +197,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # each replica may start from its own weights: the first quorum gives every replica the same (torchft's init_sync)
     model = build(args.model, int(replica) if args.seed is None else args.seed)
+    shard, shards = shard_group(model, args.model)
     corpus = None
     if args.model == "llama":
         from hf_demo.stdlib_corpus import stdlib_bytes
@@ -197,7 +218,7 @@ def main() -> None:
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
-    die_at(args.die_at, elastic)
+    die_at(args.die_at, elastic, args.die_group)
     slow_link(args.slow_link, elastic)
     print(json.dumps({"ready": replica}), flush=True)
     while args.start_file and not os.path.exists(args.start_file):
@@ -208,7 +229,7 @@ def main() -> None:
         elastic.start_step()
         step, batch = elastic.manager.current_step(), elastic.batch_index
         model.zero_grad(set_to_none=True)
-        value = loss_of(model, args.model, batch, corpus)
+        value = loss_of(model, args.model, batch * shards + shard, corpus)  # HSDP: each shard rank its part
         value.backward()
         if step == args.nan_at:
             next(model.parameters()).grad.fill_(float("nan"))
@@ -218,9 +239,9 @@ def main() -> None:
         getattr(elastic, "die", lambda at: None)("between")
         loss = value.item()
         if not args.quiet:
-            line = {"replica": replica, "step": step, "batch": batch, "committed": elastic.last_committed,
-                    "quorum": elastic.world, "loss": round(loss, 5), "tier": opt.tier,
-                    "local": opt.tiers[opt.tier].sync_every > 1, "unsynced": bool(opt.unsynced),
+            line = {"replica": replica, "shard": shard, "step": step, "batch": batch,
+                    "committed": elastic.last_committed, "quorum": elastic.world, "loss": round(loss, 5),
+                    "tier": opt.tier, "local": opt.tiers[opt.tier].sync_every > 1, "unsynced": bool(opt.unsynced),
                     "time": round(time.monotonic() - started, 3)}  # fmt: skip
             if args.digests:
                 line["digest"] = digest(model)
@@ -230,7 +251,7 @@ def main() -> None:
     if args.overlap:
         opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
     eval_loss = held_out(model, args.model, args.eval_batches, corpus)
-    record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
+    record = {"replica": replica, "shard": shard, "eval_loss": eval_loss, "digest": digest(model),
               "steps": elastic.manager.current_step(),
               "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "loss": loss,
               "policy": opt.policy.state_dict(),
@@ -238,7 +259,8 @@ def main() -> None:
               "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"replica{replica}.json").write_text(json.dumps(record))
+        name = f"replica{replica}" if shards == 1 else f"replica{replica}-{shard}"
+        Path(args.out, f"{name}.json").write_text(json.dumps(record))
     print(json.dumps({"done": record}), flush=True)
     elastic.shutdown()
     sys.stdout.flush()

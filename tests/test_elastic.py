@@ -462,3 +462,54 @@ def test_the_budget_policy_moves_into_a_local_phase_loses_a_replica_there_and_a_
     tiers = [lines["0"]["local"] for _, lines in sorted(by_step.items())]
     entered = tiers.index(True)
     assert False in tiers[entered:], tiers  # and moved out of it once the link was fast again
+
+
+@pytest.mark.slow
+def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from_a_live_peer(tmp_path):
+    """HSDP: 2 replica groups x 2 shard ranks (FSDP2 over each group's own gloo group; DeMo between the groups over
+    torchft's managed group, shard rank i with shard rank i). Replica group 1 is SIGKILLed whole (both processes, as
+    a node fails) inside step 6: both shard ranks of group 0 refuse that step alike, go on alone and reload nothing;
+    group 1, started again, receives each shard's agreed state from the same shard rank of group 0 (momentum at
+    zero), and from then on every shard rank is bitwise identical to its peer in the other group at every step."""
+    import time
+
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from benchlib.elastic_groups import ReplicaGroups
+
+    steps_file = tmp_path / "steps"
+    args = [*FAST, "--steps", "100000", "--steps-file", str(steps_file)]
+    groups = ReplicaGroups(2, 2, tmp_path, args, extra={"1": ["--die-at", "6:inside", "--die-group"]})
+    try:
+        groups.wait_exit("1", 180)
+        joiners = groups.start("1")
+        deadline = time.monotonic() + 300
+        while min(len([x for x in _steps(j) if x["committed"]]) for j in joiners) < 3:
+            assert time.monotonic() < deadline and all(j.proc.poll() is None for j in joiners), groups.logs("1-0")
+            time.sleep(0.05)
+        steps_file.write_text(str(max(r.step() for r in groups.live.values()) + 4))
+        records = groups.finish(180)
+        live = dict(groups.live)
+    finally:
+        groups.close()
+    for shard in (0, 1):
+        assert records[f"0-{shard}"]["digest"] == records[f"1-{shard}"]["digest"], shard
+    assert records["0-0"]["digest"] != records["0-1"]["digest"]  # two shards of one model, not two copies
+    survivors = [records["0-0"], records["0-1"]]
+    for rec in survivors:
+        assert [e["kind"] for e in rec["events"]] == ["loss", "join"], rec["events"]
+        assert rec["refused_steps"] >= 1 and "failed" in rec["last_error"], rec
+    assert survivors[0]["refused_steps"] == survivors[1]["refused_steps"]  # the whole replica group refused alike
+    recovered = [[x for x in _events_lines(j) if x["event"]["kind"] == "recovered"] for j in joiners]
+    assert all(len(r) == 1 and r[0]["momentum"] == 0.0 for r in recovered), recovered
+    joined = {r[0]["event"]["step"] for r in recovered}
+    assert len(joined) == 1 and min(joined) > 6  # both shard ranks joined at one step, after the loss
+    lines = {key: {x["step"]: x for x in _steps(p) if x["committed"]} for key, p in live.items()}
+    for step in lines["0-0"]:
+        if step >= min(joined):
+            for shard in (0, 1):
+                a, b = lines[f"0-{shard}"][step], lines[f"1-{shard}"][step]
+                assert a["digest"] == b["digest"] and a["quorum"] == b["quorum"] == 2, (step, shard)
+
+
+def _events_lines(process):
+    return [x for x in process.lines if "event" in x]
