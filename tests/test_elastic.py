@@ -175,6 +175,99 @@ def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica(
     assert joiner.opt.clock == survivor.opt.clock == Clock()
 
 
+def _hsdp_modes(rank, world):
+    """On 2 gloo ranks sharding a model with FSDP2 (one HSDP replica group): what refuse_modes says per mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_demo.elastic import node_shards, refuse_modes
+
+    out = {}
+    modes = {"every_step": {}, "budget": {"comm_budget": 0.1, "policy_sync_every": 1}, "overlap": {"overlap": True},
+             "sync_every": {"sync_every": 2}, "budget_local": {"comm_budget": 0.1, "policy_sync_every": 4}}  # fmt: skip
+    for name, kw in modes.items():
+        model = torch.nn.Linear(8, 8)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        try:
+            refuse_modes(hf_demo.DeMo(model.parameters(), **kw))
+            out[name] = None
+        except DeMoSetupError as exc:
+            out[name] = str(exc)
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    out["node"] = node_shards(hf_demo.DeMo(model.parameters()), 5.0).world
+    return out
+
+
+@pytest.mark.ranks
+def test_hsdp_replica_groups_run_every_step_demo_and_refuse_what_they_do_not_run_with_the_reason():
+    """A replica group of FSDP2 shard ranks (HSDP) runs every-step DeMo (with or without a budget of every-step
+    tiers) elastically; an exchange in flight (overlap) and local phases are refused, each naming why."""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from dist_utils import expect_ok, run_ranks
+
+    for out in expect_ok(run_ranks(_hsdp_modes, 2)):
+        assert out["every_step"] is None and out["budget"] is None and out["node"] == 2, out
+        assert "overlap=True on HSDP" in out["overlap"] and "no exchange in flight" in out["overlap"], out
+        for name in ("sync_every", "budget_local"):
+            assert "local steps" in out[name] and "parameters of a rank's own" in out[name], out
+
+
+class _Work:
+    def wait(self):
+        return True
+
+
+class _PeerGroup:
+    """torchft's group as one shard rank sees it: shard rank 0's peer replica died, shard rank 1's answered."""
+
+    def __init__(self, dead: bool):
+        self.dead = dead
+
+    def getBackendName(self):  # noqa: N802 - torch's name
+        return "gloo"
+
+    def allgather(self, outs, ins, opts):
+        if self.dead:
+            raise RuntimeError("Connection closed by peer")
+        for row in outs[0]:
+            row.copy_(ins[0])
+        return _Work()
+
+
+def _lockstep(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_demo.elastic import LockstepTransport, node_shards
+    from hf_demo.errors import DeMoSyncError
+
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    node = node_shards(hf_demo.DeMo(model.parameters()), 5.0)
+    transport = LockstepTransport(_PeerGroup(dead=rank == 0), 0, 2, 5.0, node)
+    try:
+        transport.all_gather(torch.zeros(8, dtype=torch.uint8), "header", 3, None)
+        raised = None
+    except DeMoSyncError as exc:
+        raised = str(exc)
+    after = node.shards.all_gather(torch.full((8,), rank, dtype=torch.uint8), "node_header", 4, None)  # in step
+    return raised, after[:, 0].tolist()
+
+
+@pytest.mark.ranks
+def test_a_replicate_collective_failed_on_one_shard_rank_stops_every_shard_rank_at_that_collective():
+    """HSDP: the peer replica group died between two shard ranks' collectives (shard rank 0's failed, shard rank
+    1's went through). Both raise at that collective, so the shard group's next collective meets in step."""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from dist_utils import expect_ok, run_ranks
+
+    (raised0, after0), (raised1, after1) = expect_ok(run_ranks(_lockstep, 2))
+    assert "header exchange of optimizer step 3 failed" in raised0, raised0
+    assert "failed on shard rank(s) [0] of this replica group" in raised1, raised1
+    assert after0 == after1 == [0, 1]
+
+
 # ---------------------------------------------------------------- replica groups on loopback (real gloo, a Lighthouse)
 FAST = ["--timeout", "10", "--step-seconds", "0.05", "--digests"]
 
