@@ -1,4 +1,4 @@
-"""Elastic DeMo on torchft: one replica group per process, a Lighthouse, replicas lost and back mid-run.
+"""Elastic DeMo on torchft: one replica group per process (or per HSDP node), a Lighthouse, replicas lost and back.
 
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
     # one per replica group (each restarted by its launcher when it dies: --max-restarts)
@@ -7,11 +7,19 @@
     REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
         torchrun --nproc_per_node 1 --master_port 29601 --max-restarts 10 examples/elastic.py --steps 200
 
+HSDP: a node as one replica group, ``--nproc_per_node`` shard ranks (FSDP2 over the node's processes; DeMo's
+exchange between replica groups, shard rank i with shard rank i)::
+
+    REPLICA_GROUP_ID=0 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
+        torchrun --nproc_per_node 2 --master_addr $(hostname) --master_port 29600 --max-restarts 10 \\
+        examples/elastic.py --steps 200
+
 Each step: torchft's quorum (``Elastic.start_step``: a restarted replica receives the agreed state from a live
 peer here), forward and backward on this replica's batch (its rank in the quorum), ``optimizer.step()``, which
 commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the step in flight;
 they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
-writes ``replica<id>.json`` at the end: the parameters' SHA-256, the steps, the final loss, the quorum's figures.
+writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256 (HSDP: of
+this rank's shards), the steps, the final loss, the quorum's figures.
 """
 
 from __future__ import annotations

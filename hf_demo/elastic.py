@@ -1,6 +1,7 @@
 """Elastic DeMo on torchft: a lost replica costs a step, not the run (``pip install 'hf-demo[ft]'``).
 
-One replica group per DeMo rank (one process each), a torchft Lighthouse, and per step:
+One replica group per DeMo replica (one process, or an HSDP node of shard ranks), a torchft Lighthouse, and per
+step:
 
 1. :meth:`Elastic.start_step`: torchft's quorum. The Manager reconfigures its process group when the quorum
    changed (a replica lost or back), and a replica behind the quorum (a restarted one, or one that failed to
@@ -23,8 +24,16 @@ replicas' parameters agree. The policy's tier is agreed state (a joiner receives
 are forgotten by every replica at each change of the quorum (:func:`forget_peers`), so every replica takes the same
 decision.
 With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
-update lost, alike everywhere). HSDP (a node of several processes as one replica group) is refused
-(:func:`refuse_modes`).
+update lost, alike everywhere).
+
+HSDP (:class:`NodeShards`): a node of FSDP2 shard ranks is one replica group (one ``torchrun --nproc_per_node``
+per node, FSDP2 over the node's own process group); every shard rank runs torchft's Manager with its rank in the
+node, so shard rank ``i`` exchanges with shard rank ``i`` of every other replica group over torchft's managed group
+(DeMo's sharded topology over it, :func:`sharded_topology`), receives its own shard's agreed state from the same
+shard rank of a live peer, and the outcome of every collective across replica groups is agreed over the shard group
+(:class:`LockstepTransport`): every shard rank of a replica group refuses a step alike, as torchft's
+``should_commit`` (which needs every rank of a replica group) decides it. Overlap and local steps on HSDP are
+refused with the reason (:func:`refuse_modes`).
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
