@@ -252,9 +252,8 @@ class Elastic:
                 "launch one torchrun --nproc_per_node=1 per replica group"
             )
         self._store = None
-        if (
-            "MASTER_ADDR" not in os.environ and self.node is None
-        ):  # no launcher's store: this process hosts its replica group's
+        # no launcher's store: this process hosts its replica group's (HSDP: the launcher's, shared by the node)
+        if "MASTER_ADDR" not in os.environ and self.node is None:
             self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         seconds = datetime.timedelta(seconds=timeout)
         return Manager(
