@@ -560,12 +560,15 @@ def test_the_budget_policy_moves_into_a_local_phase_loses_a_replica_there_and_a_
 
 
 @pytest.mark.slow
-def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from_a_live_peer(tmp_path):
+@pytest.mark.parametrize("mode", ["every_step", "comm_budget"])
+def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from_a_live_peer(tmp_path, mode):
     """HSDP: 2 replica groups x 2 shard ranks (FSDP2 over each group's own gloo group; DeMo between the groups over
     torchft's managed group, shard rank i with shard rank i). Replica group 1 is SIGKILLed whole (both processes, as
     a node fails) inside step 6: both shard ranks of group 0 refuse that step alike, go on alone and reload nothing;
     group 1, started again, receives each shard's agreed state from the same shard rank of group 0 (momentum at
-    zero), and from then on every shard rank is bitwise identical to its peer in the other group at every step."""
+    zero), and from then on every shard rank is bitwise identical to its peer in the other group at every step.
+    ``comm_budget``: the same with the budget policy's every-step tiers (its figures agreed over the shard group,
+    forgotten at each new quorum), one tier everywhere."""
     import time
 
     pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
@@ -573,6 +576,8 @@ def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from
 
     steps_file = tmp_path / "steps"
     args = [*FAST, "--steps", "100000", "--steps-file", str(steps_file)]
+    if mode == "comm_budget":
+        args += ["--comm-budget", "0.3", "--policy-sync-every", "1", "--policy-patience", "1"]
     groups = ReplicaGroups(2, 2, tmp_path, args, extra={"1": ["--die-at", "6:inside", "--die-group"]})
     try:
         groups.wait_exit("1", 180)
@@ -604,6 +609,7 @@ def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from
             for shard in (0, 1):
                 a, b = lines[f"0-{shard}"][step], lines[f"1-{shard}"][step]
                 assert a["digest"] == b["digest"] and a["quorum"] == b["quorum"] == 2, (step, shard)
+                assert a["tier"] == b["tier"] == lines["0-0"][step]["tier"], (step, shard)
 
 
 def _events_lines(process):
