@@ -462,23 +462,32 @@ def refuse_modes(opt) -> None:
             "rebuilt at every change of the quorum; for HSDP shard the model over the replica group's own processes "
             "(fully_shard(model, mesh=init_device_mesh(device, (WORLD_SIZE,)))) and give DeMo neither"
         )
-    if any(is_sharded(p) for g in opt.param_groups for p in g["params"]):
-        local_tiers = opt.settings.sync_every > 1 or (
-            opt.settings.comm_budget and any(t.sync_every > 1 for t in opt.tiers)
-        )
-        if opt.settings.overlap:
-            refusals.append(
-                "overlap=True on HSDP replica groups: a sharded state holds no exchange in flight, so a live replica "
-                "could not send its state to a recovering one mid-run"
-            )
-        if local_tiers:
-            refusals.append(
-                "local steps (sync_every > 1, or comm_budget's local-step tiers) on HSDP replica groups: a sharded "
-                "state holds no parameters of a rank's own, so a replica that lagged inside a local phase could not "
-                "receive a peer's; not run elastically yet (every-step DeMo on HSDP is)"
-            )
+    refusals += mode_refusals(
+        opt.settings, opt.tiers, any(is_sharded(p) for g in opt.param_groups for p in g["params"])
+    )
     if refusals:
         raise DeMoSetupError("hf_demo.elastic does not run with " + "; ".join(refusals))
+
+
+def mode_refusals(settings, tiers, sharded: bool) -> list[str]:
+    """What elastic DeMo does not run of ``settings`` (with ``tiers``, the budget policy's) on a layout of whole
+    (``sharded`` False) or FSDP2-sharded parameters (HSDP replica groups), each with its reason; [] when it runs
+    (:func:`refuse_modes`; the planner asks it of a method's settings and layout)."""
+    if not sharded:
+        return []
+    refusals = []
+    if settings.overlap:
+        refusals.append(
+            "overlap=True on HSDP replica groups: a sharded state holds no exchange in flight, so a live replica "
+            "could not send its state to a recovering one mid-run"
+        )
+    if settings.sync_every > 1 or (settings.comm_budget and any(t.sync_every > 1 for t in tiers)):
+        refusals.append(
+            "local steps (sync_every > 1, or comm_budget's local-step tiers) on HSDP replica groups: a sharded "
+            "state holds no parameters of a rank's own, so a replica that lagged inside a local phase could not "
+            "receive a peer's; not run elastically yet (every-step DeMo on HSDP is)"
+        )
+    return refusals
 
 
 # ---------------------------------------------------------------------------------------------- HSDP replica groups
