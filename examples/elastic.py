@@ -1,4 +1,4 @@
-"""Elastic DeMo on torchft: one replica group per process, a Lighthouse, replicas lost and back mid-run.
+"""Elastic DeMo on torchft: one replica group per process (or per HSDP node), a Lighthouse, replicas lost and back.
 
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
     # one per replica group (each restarted by its launcher when it dies: --max-restarts)
@@ -7,11 +7,19 @@
     REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
         torchrun --nproc_per_node 1 --master_port 29601 --max-restarts 10 examples/elastic.py --steps 200
 
+HSDP: a node as one replica group, ``--nproc_per_node`` shard ranks (FSDP2 over the node's processes; DeMo's
+exchange between replica groups, shard rank i with shard rank i)::
+
+    REPLICA_GROUP_ID=0 TORCHFT_LIGHTHOUSE=http://$(hostname):29510 \\
+        torchrun --nproc_per_node 2 --master_addr $(hostname) --master_port 29600 --max-restarts 10 \\
+        examples/elastic.py --steps 200
+
 Each step: torchft's quorum (``Elastic.start_step``: a restarted replica receives the agreed state from a live
 peer here), forward and backward on this replica's batch (its rank in the quorum), ``optimizer.step()``, which
 commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the step in flight;
 they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
-writes ``replica<id>.json`` at the end: the parameters' SHA-256, the steps, the final loss, the quorum's figures.
+writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256 (HSDP: of
+this rank's shards), the steps, the final loss, the quorum's figures.
 
 A warm standby (``--standby FILE``): the process imports torch, transformers and torchft, builds its model,
 optimizer and data, prints ``{"standby": "warm"}`` and waits until FILE holds a replica id; then it joins the
@@ -73,26 +81,49 @@ def loss_of(model, kind: str, batch: int, corpus=None) -> torch.Tensor:
 
 
 def digest(model) -> str:
+    """The SHA-256 of the parameters this process holds (HSDP: its shards)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        mine = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 parameter (DTensor): this rank's shard
+        h.update(mine.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def die_at(spec: str | None, elastic) -> None:
+def shard_group(model: torch.nn.Module, kind: str) -> tuple[int, int]:
+    """HSDP (``torchrun --nproc_per_node N``, N > 1): the replica group's processes shard ``model`` with FSDP2 over
+    their own process group (gloo on CPU); torchft's quorum is the replicate dimension. Returns (shard rank,
+    shards): (0, 1) for a replica group of one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_demo.fsdp import shard_model
+
+    dist.init_process_group("gloo")
+    shard_model(model, init_device_mesh("cpu", (dist.get_world_size(),)), layers=[] if kind == "mlp" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def die_at(spec: str | None, elastic, group: bool = False) -> None:
     """``--die-at STEP:POINT``: SIGKILL this process at torchft step STEP, at POINT of the step: ``before`` its
     exchange (after the quorum, in the forward pass), ``inside`` it (at DeMo's second collective), ``after`` it
-    (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum)."""
+    (the exchange done, before the commit decision) or ``between`` steps (committed, before the next quorum);
+    ``local``: before the exchange of the first step from STEP on that is inside a local phase (the replicas'
+    parameters apart: ``sync_every > 1`` or a budget policy's local-step tier). ``group``: every process of this
+    process's Unix process group dies with it (an HSDP replica group started as one, as a node fails)."""
     if not spec:
         return
     step, point = int(spec.split(":")[0]), spec.split(":")[1]
-    points = ("before", "inside", "after", "between")
+    points = ("before", "inside", "after", "between", "local")
     if point not in points:
         raise SystemExit(f"--die-at {spec}: the point is one of {points}")
 
     def die(at: str) -> None:
-        if at == point and elastic.manager.current_step() == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        now = elastic.manager.current_step()
+        local = point == "local" and at == "before" and now >= step and bool(elastic.opt.unsynced)
+        if local or (at == point and now == step):
+            os.killpg(os.getpgrp(), signal.SIGKILL) if group else os.kill(os.getpid(), signal.SIGKILL)
 
     seen = []
 
@@ -147,6 +178,21 @@ def flip_at(spec: str | None, elastic) -> None:
     ManagedTransport._gather = gather
 
 
+def slow_link(spec: str | None, elastic) -> None:
+    """``--slow-link FROM:TO:SECONDS``: sleep SECONDS before each of DeMo's collectives at torchft steps FROM to
+    TO-1 (a slow link: the other replicas wait for this one inside the collective, and their headers carry that
+    time to the budget policy)."""
+    if not spec:
+        return
+    first, last, seconds = spec.split(":")
+
+    def wait(name: str, nbytes: int) -> None:
+        if int(first) <= elastic.manager.current_step() < int(last):
+            time.sleep(float(seconds))
+
+    register_collective_hook(wait)
+
+
 @torch.no_grad()
 def held_out(model, kind: str, batches: int, corpus=None) -> float | None:
     """The mean loss of ``batches`` batches that training never reads (the same on every replica)."""
@@ -180,6 +226,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=1, help="DeMo's sync_every (local steps between exchanges)")
     ap.add_argument("--preset", default=None, help="a DeMo preset (e.g. from_scratch)")
     ap.add_argument("--overlap", action="store_true", help="DeMo's overlap=True (the exchange lands a step late)")
+    ap.add_argument("--comm-budget", type=float, default=0.0, help="DeMo's comm_budget (0: no budget policy)")
+    ap.add_argument("--policy-sync-every", type=int, default=None, help="DeMo's policy_sync_every")
+    ap.add_argument("--policy-patience", type=int, default=None, help="DeMo's policy_patience")
+    ap.add_argument("--slow-link", default=None, help="FROM:TO:SECONDS: sleep before each collective of those steps")
     ap.add_argument("--lighthouse", default=None, help="default TORCHFT_LIGHTHOUSE")
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
@@ -187,7 +237,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (emulates a longer step)")
     ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
     ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
-    ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between): SIGKILL itself")
+    ap.add_argument("--die-at", default=None, help="STEP:POINT (before, inside, after, between, local): SIGKILL itself")
+    ap.add_argument("--die-group", action="store_true", help="--die-at kills this process's whole process group")
     ap.add_argument("--drift-at", type=int, default=None, help="nudge a parameter after this step (the drift check)")
     ap.add_argument("--check-every", type=int, default=None, help="DeMo's check_every (the drift check's period)")
     ap.add_argument("--nan-at", type=int, default=None, help="a NaN gradient at this step (the non-finite guard)")
@@ -209,6 +260,7 @@ def prepare(args, seed: int):
     """What a replica builds before its first quorum: the model, the corpus (``llama``) and DeMo over the model."""
     torch.set_num_threads(1)
     model = build(args.model, seed)
+    shard, shards = shard_group(model, args.model)
     corpus = None
     if args.model == "llama":
         from hf_demo.stdlib_corpus import stdlib_bytes
@@ -221,7 +273,13 @@ def prepare(args, seed: int):
         shape["overlap"] = True
     if args.check_every is not None:
         shape["check_every"] = args.check_every
-    return model, corpus, hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
+    if args.comm_budget:
+        shape["comm_budget"] = args.comm_budget
+    for name in ("policy_sync_every", "policy_patience"):
+        if getattr(args, name) is not None:
+            shape[name] = getattr(args, name)
+    opt = hf_demo.DeMo(model.parameters(), lr=args.lr, preset=args.preset, **shape)
+    return model, corpus, opt, shard, shards
 
 
 def wait_for_id(path: str) -> str:
@@ -236,7 +294,7 @@ def wait_for_id(path: str) -> str:
     return Path(path).read_text().strip()
 
 
-def train(args, replica: str, elastic, model, opt, corpus) -> float:
+def train(args, replica: str, elastic, model, opt, corpus, shard: int = 0, shards: int = 1) -> float:
     """Steps until torchft's step reaches the target (``--steps``/``--steps-file``) or ``--max-attempts``; the
     last step's loss."""
     loss, started, attempts = float("nan"), time.monotonic(), 0
@@ -245,7 +303,7 @@ def train(args, replica: str, elastic, model, opt, corpus) -> float:
         elastic.start_step()
         step, batch = elastic.manager.current_step(), elastic.batch_index
         model.zero_grad(set_to_none=True)
-        value = loss_of(model, args.model, batch, corpus)
+        value = loss_of(model, args.model, batch * shards + shard, corpus)  # HSDP: each shard rank its part
         value.backward()
         if step == args.nan_at:
             next(model.parameters()).grad.fill_(float("nan"))
@@ -258,8 +316,9 @@ def train(args, replica: str, elastic, model, opt, corpus) -> float:
                 next(model.parameters()).view(-1)[0] += 1e-3  # this replica alone: a bit flip, a kernel's noise
         loss = value.item()
         if not args.quiet:
-            line = {"replica": replica, "step": step, "batch": batch, "committed": elastic.last_committed,
-                    "quorum": elastic.world, "loss": round(loss, 5),
+            line = {"replica": replica, "shard": shard, "step": step, "batch": batch,
+                    "committed": elastic.last_committed, "quorum": elastic.world, "loss": round(loss, 5),
+                    "tier": opt.tier, "local": opt.tiers[opt.tier].sync_every > 1, "unsynced": bool(opt.unsynced),
                     "time": round(time.monotonic() - started, 3)}  # fmt: skip
             if args.digests:
                 line["digest"] = digest(model)
@@ -275,31 +334,34 @@ def main() -> None:
     # each replica may start from its own weights: the first quorum gives every replica the same (torchft's
     # init_sync); a standby's are replaced by the agreed state when it joins
     seed = args.seed if args.seed is not None else (0 if args.standby else int(own))
-    model, corpus, opt = prepare(args, seed)
+    model, corpus, opt, shard, shards = prepare(args, seed)
     replica = wait_for_id(args.standby) if args.standby else own
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
                       timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
-    die_at(args.die_at, elastic)
+    die_at(args.die_at, elastic, args.die_group)
+    slow_link(args.slow_link, elastic)
     for spec in args.flip_at:
         flip_at(spec, elastic)
     print(json.dumps({"ready": replica}), flush=True)
     while args.start_file and not os.path.exists(args.start_file):
         time.sleep(0.05)
     started = time.monotonic()
-    loss = train(args, replica, elastic, model, opt, corpus)
+    loss = train(args, replica, elastic, model, opt, corpus, shard, shards)
     if args.overlap:
         opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
     eval_loss = held_out(model, args.model, args.eval_batches, corpus)
-    record = {"replica": replica, "eval_loss": eval_loss, "digest": digest(model),
+    record = {"replica": replica, "shard": shard, "eval_loss": eval_loss, "digest": digest(model),
               "steps": elastic.manager.current_step(),
               "demo_steps": opt.steps, "skipped_steps": opt.skipped_steps, "resyncs": opt.resyncs, "loss": loss,
+              "policy": opt.policy.state_dict(),
               "seconds": time.monotonic() - started, "batches_committed": elastic.manager.batches_committed(),
               "events": [dataclasses.asdict(e) for e in elastic.events], **elastic.stats.as_dict()}  # fmt: skip
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"replica{replica}.json").write_text(json.dumps(record))
+        name = f"replica{replica}" if shards == 1 else f"replica{replica}-{shard}"
+        Path(args.out, f"{name}.json").write_text(json.dumps(record))
     print(json.dumps({"done": record}), flush=True)
     elastic.shutdown()
     sys.stdout.flush()

@@ -1,6 +1,7 @@
 """Elastic DeMo on torchft: a lost replica costs a step, not the run (``pip install 'hf-demo[ft]'``).
 
-One replica group per DeMo rank (one process each), a torchft Lighthouse, and per step:
+One replica group per DeMo replica (one process, or an HSDP node of shard ranks), a torchft Lighthouse, and per
+step:
 
 1. :meth:`Elastic.start_step`: torchft's quorum. The Manager reconfigures its process group when the quorum
    changed (a replica lost or back), and a replica behind the quorum (a restarted one, or one that failed to
@@ -17,11 +18,22 @@ One replica group per DeMo rank (one process each), a torchft Lighthouse, and pe
    between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
    apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
 
-With local steps (``sync_every > 1``) every quorum inside a local phase may only shrink (torchft's
-``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the replicas' parameters agree.
+With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
+may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
+replicas' parameters agree. The policy's tier is agreed state (a joiner receives it); the figures it decides from
+are forgotten by every replica at each change of the quorum (:func:`forget_peers`), so every replica takes the same
+decision.
 With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
-update lost, alike everywhere). HSDP (a node of several processes as one replica group) and ``comm_budget`` with
-local-step tiers are refused (:func:`refuse_modes`).
+update lost, alike everywhere).
+
+HSDP (:class:`NodeShards`): a node of FSDP2 shard ranks is one replica group (one ``torchrun --nproc_per_node``
+per node, FSDP2 over the node's own process group); every shard rank runs torchft's Manager with its rank in the
+node, so shard rank ``i`` exchanges with shard rank ``i`` of every other replica group over torchft's managed group
+(DeMo's sharded topology over it, :func:`sharded_topology`), receives its own shard's agreed state from the same
+shard rank of a live peer, and the outcome of every collective across replica groups is agreed over the shard group
+(:class:`LockstepTransport`): every shard rank of a replica group refuses a step alike, as torchft's
+``should_commit`` (which needs every rank of a replica group) decides it. Overlap and local steps on HSDP are
+refused with the reason (:func:`refuse_modes`).
 
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
@@ -41,6 +53,8 @@ import torch
 
 from hf_demo.errors import DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
+from hf_demo.optim.policy import Clock
+from hf_demo.topology.dtensor import is_sharded, local, placed_like
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
@@ -221,6 +235,9 @@ class Elastic:
         self._step_started = 0.0  # when this step's start_step began (monotonic)
         self._refused_since: float | None = None  # when the first refused step since the last commit began
         self._unreported_lost = 0  # samples of refused steps not yet in a "loss" event
+        self.node = node_shards(opt, timeout)  # HSDP: this replica group's shard group; None: one process
+        if self.node is not None:  # now, on every shard rank: a state sent by one while another heals needs it
+            opt.establish_run_id()
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
         opt.replication = self
 
@@ -228,15 +245,16 @@ class Elastic:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        group_world = int(os.environ.get("WORLD_SIZE", "1"))
-        if group_world != 1:
+        group_rank, group_world = (0, 1) if self.node is None else (self.node.rank, self.node.world)
+        if self.node is None and int(os.environ.get("WORLD_SIZE", "1")) != 1:
             raise DeMoSetupError(
-                f"hf_demo.elastic runs one process per replica group; this replica group has {group_world} "
-                "(WORLD_SIZE): launch one torchrun --nproc_per_node=1 per replica group (an HSDP node as one "
-                "replica group is not supported yet)"
+                f"hf_demo.elastic runs a replica group of {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) only as "
+                "HSDP, its parameters sharded over them (fully_shard on the node's mesh); with whole parameters "
+                "launch one torchrun --nproc_per_node=1 per replica group"
             )
         self._store = None
-        if "MASTER_ADDR" not in os.environ:  # no launcher's store: this process hosts its replica group's
+        # no launcher's store: this process hosts its replica group's (HSDP: the launcher's, shared by the node)
+        if "MASTER_ADDR" not in os.environ and self.node is None:
             self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         seconds = datetime.timedelta(seconds=timeout)
         return Manager(
@@ -248,8 +266,8 @@ class Elastic:
             timeout=seconds,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout),
             connect_timeout=seconds,
-            rank=0,
-            world_size=1,
+            rank=group_rank,  # HSDP: shard rank i meets shard rank i of every replica group in torchft's group
+            world_size=group_world,
             store_addr="localhost" if self._store is not None else None,
             store_port=self._store.port if self._store is not None else None,
             lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
@@ -305,7 +323,7 @@ class Elastic:
                 self._count_change(before, world)
         if self.stats.recoveries > recoveries and self.manager.current_step() > 0:
             self._emit("recovered", seconds)
-        self._topology = FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
+        self._topology = self._topology_over(rank, world)
         self._armed = True  # one optimizer.step() may now decide
 
     def _count_change(self, before: int, world: int) -> None:
@@ -340,7 +358,15 @@ class Elastic:
     def topology(self):
         """The flat topology over this quorum's group (``DeMo.topology`` while elastic; a world of one before the
         first quorum, for the state a peer's recovery asks for)."""
-        return self._topology if self._topology is not None else FlatTopology(Transport.alone())
+        if self._topology is not None:
+            return self._topology
+        return FlatTopology(Transport.alone()) if self.node is None else sharded_topology(Transport.alone(), self.node)
+
+    def _topology_over(self, rank: int, world: int):
+        """This quorum's topology: flat over torchft's group, or (HSDP) sharded with the replicate dimension on it."""
+        if self.node is None:
+            return FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
+        return sharded_topology(LockstepTransport(self.manager._pg, rank, world, self.timeout, self.node), self.node)
 
     def decide(self, error: BaseException | None) -> bool:
         """The one commit decision of a step, on every replica: DeMo's verdict (``error``: what the step raised,
@@ -379,15 +405,20 @@ class Elastic:
         optim["state"] = {pid: {k: v for k, v in s.items() if not own_key(k)} for pid, s in optim["state"].items()}
         if "demo" in optim:
             optim["demo"] = {**optim["demo"], "pending": None}  # overlap: dropped by every replica at the new quorum
-        return _copied({"model": self.model.state_dict(), "optimizer": optim})
+        state = {"model": self.model.state_dict(), "optimizer": optim}
+        return _copied(state if self.node is None else local_tree(state))  # HSDP: this shard's, to the same shard
 
     def load_agreed(self, state: dict) -> None:
         """A peer's agreed state, loaded (torchft's ``load_state_dict`` callback, before the forward pass): the
         model, the rule state, the counters, the policy's tier; this replica's own momentum is kept where it has
         one (a replica that lagged), zero otherwise (a restarted one)."""
         own = {p: {k: v for k, v in s.items() if own_key(k)} for p, s in self.opt.state.items()}
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        if self.node is None:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+        else:  # HSDP: this shard's state, from the same shard rank of a live replica group
+            load_local_model(self.model, state["model"])
+            self.opt.load_state_dict(placed_optimizer_state(self.opt, state["optimizer"]))
         self.opt.saved_world, self.opt.saved_identity = None, (None, None, None)  # a live peer's, not a resume
         for p, kept in own.items():
             self.opt.state[p].update(kept)
@@ -407,7 +438,12 @@ def forget_peers(opt) -> None:
     a survivor that kept them would meet it with another collective (a drift check, the guard's all-gather or a
     riding payload on one side only): a collective mismatch. With ``overlap=True`` the exchange still in flight is
     dropped on every replica alike (its update, one step's, is lost: a joiner has none to land, and after a loss
-    it cannot finish)."""
+    it cannot finish). The budget policy's figures of the last exchange (``comm_budget``: its time, the time since
+    it began, the tier it ran in) are forgotten too: a joiner has none, and a survivor's would scale its predictions
+    from another tier than the joiner's, so the replicas would choose different tiers; with none anywhere the first
+    exchange of the new quorum takes no decision (its headers carry no time), and every replica keeps the agreed
+    tier."""
+    opt.clock = Clock()  # comm_budget: every replica decides its next tier from the same (no) figures
     opt.first_checked = False
     opt.ddp_checked = False  # a joiner under a launcher runs the first-step DDP guard's all-gather: so does everyone
     opt.wire_agreed = {}
@@ -425,16 +461,170 @@ def _copied(tree):
 
 
 def refuse_modes(opt) -> None:
-    """The modes elastic DeMo does not run yet, refused with the reason (never a silent fallback)."""
-    s = opt.settings
+    """The modes elastic DeMo does not run, refused with the reason (never a silent fallback)."""
     refusals = []
-    if s.comm_budget and any(tier.sync_every > 1 for tier in opt.tiers):
+    if opt.device_mesh is not None or opt.process_group is not None:
         refusals.append(
-            "comm_budget with tiers of local steps (policy_sync_every > 1): the policy's moves into and out of a "
-            "local phase under a changing quorum are not tested elastically yet (sync_every > 1 without a budget "
-            "runs: joiners wait for a synchronisation)"
+            "device_mesh or process_group: under torchft the replicate dimension is the quorum's managed group, "
+            "rebuilt at every change of the quorum; for HSDP shard the model over the replica group's own processes "
+            "(fully_shard(model, mesh=init_device_mesh(device, (WORLD_SIZE,)))) and give DeMo neither"
         )
-    if opt.device_mesh is not None:
-        refusals.append("device_mesh (HSDP): a whole node as one replica group is not supported yet")
+    refusals += mode_refusals(
+        opt.settings, opt.tiers, any(is_sharded(p) for g in opt.param_groups for p in g["params"])
+    )
     if refusals:
         raise DeMoSetupError("hf_demo.elastic does not run with " + "; ".join(refusals))
+
+
+def mode_refusals(settings, tiers, sharded: bool) -> list[str]:
+    """What elastic DeMo does not run of ``settings`` (with ``tiers``, the budget policy's) on a layout of whole
+    (``sharded`` False) or FSDP2-sharded parameters (HSDP replica groups), each with its reason; [] when it runs
+    (:func:`refuse_modes`; the planner asks it of a method's settings and layout)."""
+    if not sharded:
+        return []
+    refusals = []
+    if settings.overlap:
+        refusals.append(
+            "overlap=True on HSDP replica groups: a sharded state holds no exchange in flight, so a live replica "
+            "could not send its state to a recovering one mid-run"
+        )
+    if settings.sync_every > 1 or (settings.comm_budget and any(t.sync_every > 1 for t in tiers)):
+        refusals.append(
+            "local steps (sync_every > 1, or comm_budget's local-step tiers) on HSDP replica groups: a sharded "
+            "state holds no parameters of a rank's own, so a replica that lagged inside a local phase could not "
+            "receive a peer's; not run elastically yet (every-step DeMo on HSDP is)"
+        )
+    return refusals
+
+
+# ---------------------------------------------------------------------------------------------- HSDP replica groups
+@dataclass(frozen=True)
+class NodeShards:
+    """An HSDP replica group: the processes of one node (or launcher) hold the shards of one replica, FSDP2 on
+    their own process group (``torch.distributed``'s world in each process, ``--nproc_per_node`` of them); DeMo
+    exchanges shard ``i`` with shard ``i`` of every other replica group over torchft's managed group."""
+
+    spec: object  # the parameters' ShardSpec (hf_demo.topology.sharded): the shard group's mesh and ranks
+    shards: Transport  # the shard group (the node's world), with a timeout above the replicate collectives'
+
+    @property
+    def rank(self) -> int:
+        return self.shards.rank
+
+    @property
+    def world(self) -> int:
+        return self.shards.world
+
+
+def node_shards(opt, timeout: float) -> NodeShards | None:
+    """The HSDP layout of ``opt``'s parameters (FSDP2 DTensors sharded over every process of this replica group),
+    or None for a replica group of one process with whole parameters. Raises naming the fix for the layouts elastic
+    DeMo does not run. ``timeout``: the replicate collectives'; the shard group waits longer (a shard rank may wait
+    there for another one's replicate collective to time out)."""
+    import torch.distributed as dist
+
+    from hf_demo.topology.sharded import ShardSpec, refuse_unshardable
+
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    spec = ShardSpec.of(params)
+    if spec is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or len(spec.ranks) != dist.get_world_size():
+        raise DeMoSetupError(
+            "hf_demo.elastic with FSDP2-sharded parameters (HSDP): each replica group is one shard group, so shard "
+            "the model over every process of the replica group (torch.distributed initialised by its launcher, "
+            "fully_shard(model, mesh=init_device_mesh(device, (WORLD_SIZE,)))); torchft's quorum is the replicate "
+            f"dimension. Got parameters sharded over ranks {list(spec.ranks)}"
+        )
+    refuse_unshardable(opt)
+    return NodeShards(spec, Transport(None, 2 * timeout + 10))
+
+
+class LockstepTransport(ManagedTransport):
+    """:class:`ManagedTransport` for a replica group of several processes (HSDP): shard rank ``i`` exchanges with
+    shard rank ``i`` of every replica of the quorum over torchft's managed group, and the outcome of every such
+    collective is agreed over the shard group right after it (one 8-byte all-gather on the fast link). A collective
+    that failed on any shard rank (a peer replica group died between two shard ranks' collectives) then raises on
+    every shard rank of the replica group at the same collective: their shard-group collectives stay in step, the
+    step is refused on all of them, and torchft's ``should_commit`` (which needs every rank of a replica group)
+    agrees."""
+
+    def __init__(self, pg, rank: int, world: int, timeout: float, node: NodeShards):
+        super().__init__(pg, rank, world, timeout)
+        self.node = node
+
+    def _run(self, name, sent, received, op, device, step, traffic) -> None:
+        failed = None
+        try:
+            super()._run(name, sent, received, op, device, step, traffic)
+        except DeMoSyncError as exc:
+            failed = exc
+        self._agree(name, step, traffic, failed)
+
+    def _agree(self, name: str, step: int, traffic, failed: DeMoSyncError | None) -> None:
+        from hf_demo.wire.agreement import pack_words, unpack_words
+
+        rows = self.node.shards.all_gather(pack_words([int(failed is not None)]), "node_replicate", step, traffic)
+        if failed is not None:
+            raise failed
+        failing = [r for r, (bad,) in enumerate(unpack_words(rows, 1)) if bad]
+        if failing:
+            raise DeMoSyncError(
+                f"DeMo's {name} exchange of optimizer step {step} failed on shard rank(s) {failing} of this replica "
+                "group (a peer replica group is gone): every shard rank refuses the step. No state was changed"
+            )
+
+    def start_all_gather(self, buf, name, step):
+        raise DeMoSetupError("hf_demo.elastic: overlap=True is not run on HSDP replica groups (refuse_modes)")
+
+    start_all_reduce = start_all_gather
+
+
+def sharded_topology(transport, node: NodeShards):
+    """The sharded topology of an HSDP replica group: DeMo over ``transport`` (the replicate dimension: torchft's
+    managed group, or a world of one before the first quorum), the shard group the node's own."""
+    from hf_demo.topology.sharded import ShardedTopology
+
+    return ShardedTopology(transport, node.shards, node.spec)
+
+
+def local_tree(tree):
+    """``tree`` with every DTensor replaced by this rank's local shard (what torchft's checkpoint transport sends
+    from shard rank ``i`` to shard rank ``i`` of a recovering replica group)."""
+    if is_sharded(tree):
+        return local(tree)
+    if isinstance(tree, dict):
+        return {k: local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(local_tree(v) for v in tree)
+    return tree
+
+
+@torch.no_grad()
+def load_local_model(model: torch.nn.Module, shards: dict) -> None:
+    """A peer's local shards of ``model``'s state (:func:`local_tree`), copied into this rank's shards."""
+    for name, mine in model.state_dict().items():
+        local(mine).copy_(shards[name])
+
+
+def placed_optimizer_state(opt, optim: dict) -> dict:
+    """A peer's agreed optimizer state as local shards (:func:`local_tree` of ``opt.state_dict()`` without each
+    rank's own entries), placed again as the DTensors ``opt.load_state_dict`` takes: every tensor entry left is
+    computed from the averaged update and placed like its parameter."""
+    from hf_demo.optim.sharded_checkpoint import SAME_ON_REPLICAS, params_by_id
+
+    by_id = params_by_id(optim, opt)
+    state = {}
+    for pid, entry in optim["state"].items():
+        placed = dict(entry)
+        for key, value in entry.items():
+            if not (torch.is_tensor(value) and value.dim() > 0):
+                continue
+            if key not in SAME_ON_REPLICAS:
+                raise DeMoSetupError(f"hf_demo.elastic: the agreed state holds {key!r}, which is no agreed entry")
+            placed[key] = placed_like(by_id[pid], value)
+        state[pid] = placed
+    groups = [dict(g) for g in optim["param_groups"]]
+    rank, world, scope = opt.identity()  # a live peer's state, not a resume: the resume's checks of whose it is pass
+    groups[0]["demo"] = {**groups[0]["demo"], "rank": rank, "world_size": world, "rank_scope": scope, "run_id": None}
+    return {**optim, "state": state, "param_groups": groups}

@@ -1,6 +1,7 @@
 """hf_demo.elastic: the missing extra is named, and the modes it does not run are refused with the reason."""
 
 import builtins
+import json
 
 import pytest
 import torch
@@ -29,12 +30,13 @@ def test_the_modes_elastic_does_not_run_are_refused_with_the_reason():
     from hf_demo.elastic import refuse_modes
 
     model = torch.nn.Linear(8, 8)
-    with pytest.raises(DeMoSetupError, match="comm_budget"):
-        refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))
     refuse_modes(hf_demo.DeMo(model.parameters()))  # every-step DeMo runs
+    refuse_modes(hf_demo.DeMo(model.parameters(), comm_budget=0.01, policy_sync_every=4))  # local-step tiers run
     refuse_modes(hf_demo.DeMo(model.parameters(), sync_every=4))  # local steps run: joiners wait for a sync
     refuse_modes(hf_demo.DeMo(model.parameters(), preset="from_scratch"))
     refuse_modes(hf_demo.DeMo(model.parameters(), overlap=True))  # the exchange in flight dropped at a new quorum
+    with pytest.raises(DeMoSetupError, match="device_mesh"):
+        refuse_modes(hf_demo.DeMo(model.parameters(), device_mesh=object()))
 
 
 class _Group:
@@ -142,6 +144,128 @@ def test_a_joiner_receives_the_agreed_state_without_momentum():
         joiner.opt.state[p]["momentum"] = own.clone()
     joiner.load_agreed(state)  # lagged: received the state again, its own momentum kept
     assert all(torch.equal(joiner.opt.state[p]["momentum"], own) for p in model.parameters())
+
+
+def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica():
+    """comm_budget: the policy's next decision reads the last exchange's figures and the tier it ran in, which a
+    survivor holds and a joiner does not (a joiner's are reset by the load). At a new quorum every replica forgets
+    them, so survivor and joiner decide from the same figures; the tier itself travels with the agreed state."""
+    from hf_demo.optim.policy import Clock
+
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from hf_demo.elastic import Elastic
+
+    def replica(manager):
+        model = torch.nn.Linear(8, 8)
+        opt = hf_demo.DeMo(model.parameters(), comm_budget=0.3, policy_sync_every=2)
+        return Elastic(opt, model, manager=manager), model
+
+    survivor, _ = replica(_Manager())
+    survivor.start_step()
+    survivor.decide(None)
+    survivor.opt.policy.tier, survivor.opt.clock = 5, Clock(40.0, 12.5, 4)  # moved up after an exchange in tier 4
+    state = survivor.agreed_state()
+    manager = _Manager()
+    joiner, _ = replica(manager)
+    manager.heal = lambda: joiner.load_agreed(state)
+    survivor.manager.quorum = 2  # the join: a new quorum on both
+    survivor.start_step()
+    joiner.start_step()
+    assert joiner.opt.policy.tier == survivor.opt.policy.tier == 5
+    assert joiner.opt.clock == survivor.opt.clock == Clock()
+
+
+def _hsdp_modes(rank, world):
+    """On 2 gloo ranks sharding a model with FSDP2 (one HSDP replica group): what refuse_modes says per mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_demo.elastic import node_shards, refuse_modes
+
+    out = {}
+    modes = {"every_step": {}, "budget": {"comm_budget": 0.1, "policy_sync_every": 1}, "overlap": {"overlap": True},
+             "sync_every": {"sync_every": 2}, "budget_local": {"comm_budget": 0.1, "policy_sync_every": 4}}  # fmt: skip
+    for name, kw in modes.items():
+        model = torch.nn.Linear(8, 8)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        try:
+            refuse_modes(hf_demo.DeMo(model.parameters(), **kw))
+            out[name] = None
+        except DeMoSetupError as exc:
+            out[name] = str(exc)
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    out["node"] = node_shards(hf_demo.DeMo(model.parameters()), 5.0).world
+    return out
+
+
+@pytest.mark.ranks
+def test_hsdp_replica_groups_run_every_step_demo_and_refuse_what_they_do_not_run_with_the_reason():
+    """A replica group of FSDP2 shard ranks (HSDP) runs every-step DeMo (with or without a budget of every-step
+    tiers) elastically; an exchange in flight (overlap) and local phases are refused, each naming why."""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from dist_utils import expect_ok, run_ranks
+
+    for out in expect_ok(run_ranks(_hsdp_modes, 2)):
+        assert out["every_step"] is None and out["budget"] is None and out["node"] == 2, out
+        assert "overlap=True on HSDP" in out["overlap"] and "no exchange in flight" in out["overlap"], out
+        for name in ("sync_every", "budget_local"):
+            assert "local steps" in out[name] and "parameters of a rank's own" in out[name], out
+
+
+class _Work:
+    def wait(self):
+        return True
+
+
+class _PeerGroup:
+    """torchft's group as one shard rank sees it: shard rank 0's peer replica died, shard rank 1's answered."""
+
+    def __init__(self, dead: bool):
+        self.dead = dead
+
+    def getBackendName(self):  # noqa: N802 - torch's name
+        return "gloo"
+
+    def allgather(self, outs, ins, opts):
+        if self.dead:
+            raise RuntimeError("Connection closed by peer")
+        for row in outs[0]:
+            row.copy_(ins[0])
+        return _Work()
+
+
+def _lockstep(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_demo.elastic import LockstepTransport, node_shards
+    from hf_demo.errors import DeMoSyncError
+
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    node = node_shards(hf_demo.DeMo(model.parameters()), 5.0)
+    transport = LockstepTransport(_PeerGroup(dead=rank == 0), 0, 2, 5.0, node)
+    try:
+        transport.all_gather(torch.zeros(8, dtype=torch.uint8), "header", 3, None)
+        raised = None
+    except DeMoSyncError as exc:
+        raised = str(exc)
+    after = node.shards.all_gather(torch.full((8,), rank, dtype=torch.uint8), "node_header", 4, None)  # in step
+    return raised, after[:, 0].tolist()
+
+
+@pytest.mark.ranks
+def test_a_replicate_collective_failed_on_one_shard_rank_stops_every_shard_rank_at_that_collective():
+    """HSDP: the peer replica group died between two shard ranks' collectives (shard rank 0's failed, shard rank
+    1's went through). Both raise at that collective, so the shard group's next collective meets in step."""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from dist_utils import expect_ok, run_ranks
+
+    (raised0, after0), (raised1, after1) = expect_ok(run_ranks(_lockstep, 2))
+    assert "header exchange of optimizer step 3 failed" in raised0, raised0
+    assert "failed on shard rank(s) [0] of this replica group" in raised1, raised1
+    assert after0 == after1 == [0, 1]
 
 
 # ---------------------------------------------------------------- replica groups on loopback (real gloo, a Lighthouse)
@@ -434,3 +558,107 @@ def test_overlap_drops_the_exchange_in_flight_on_every_replica_when_the_quorum_c
             assert set(lines) == {"0", "1", "2"}
     lost = next(e["step"] for e in records["0"]["events"] if e["kind"] == "loss")
     assert by_step[lost]["0"]["digest"] == by_step[lost - 1]["0"]["digest"]  # the dropped exchange: nothing landed
+
+
+@pytest.mark.slow
+def test_the_budget_policy_moves_into_a_local_phase_loses_a_replica_there_and_a_joiner_gets_the_tier(tmp_path):
+    """comm_budget with local-step tiers (policy_sync_every=2): a slow link (replica 0 waits 0.5 s before each
+    collective from step 3 to 12) drives the policy into its local-step tiers; replica 2 is SIGKILLed inside a
+    local phase and started again. Every replica decides the same tier at every step (the survivors forgot the
+    last exchange's figures at each change of the quorum, as the joiner has none), the joiner enters only at a
+    quorum after a synchronisation and receives the tier with the agreed state, and the three end bitwise
+    identical."""
+    import time
+
+    steps_file = tmp_path / "steps"
+    args = ["--steps", "100000", "--steps-file", str(steps_file), "--comm-budget", "0.3",
+            "--policy-sync-every", "2", "--policy-patience", "1", "--step-seconds", "0.2"]  # fmt: skip
+    # a step stays shorter than the Lighthouse's join window (2 s), so a joiner never makes a quorum form without a
+    # live replica still finishing its step (which would then receive the state from a peer too)
+    reps = _harness(tmp_path, 3, args, extra={"0": ["--slow-link", "3:12:0.5"], "2": ["--die-at", "4:local"]})
+    try:
+        reps.wait_exit("2", 180)
+        joiner = reps.start("2")
+        deadline = time.monotonic() + 240
+        while len([x for x in _steps(joiner) if x["committed"]]) < 3:
+            assert time.monotonic() < deadline and joiner.proc.poll() is None, reps.logs("2")
+            time.sleep(0.05)
+        last = max(max(r.step() for r in reps.live.values()) + 8, 24)
+        steps_file.write_text(str(last + last % 2))  # an even count of steps: the run ends on a synchronisation
+        records = reps.finish(240)
+        live, dead = dict(reps.live), list(reps.dead)
+    finally:
+        reps.close()
+    assert len({rec["digest"] for rec in records.values()}) == 1
+    assert len({json.dumps(rec["policy"], sort_keys=True) for rec in records.values()}) == 1, records
+    killed = _steps(dead[0])
+    assert killed[-1]["unsynced"] and killed[-1]["local"], killed[-1]  # it died inside a local phase
+    (recovered,) = [x["event"] for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
+    by_step = _by_step(live.values())
+    assert not by_step[recovered["step"] - 1]["0"]["unsynced"]  # the joiner entered after a synchronisation
+    for step, lines in by_step.items():
+        assert len({x["tier"] for x in lines.values()}) == 1, (step, lines)  # one tier everywhere
+        if not lines["0"]["unsynced"]:
+            assert len({x["digest"] for x in lines.values()}) == 1, step
+    for rid in ("0", "1"):
+        assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
+    tiers = [lines["0"]["local"] for _, lines in sorted(by_step.items())]
+    entered = tiers.index(True)
+    assert False in tiers[entered:], tiers  # and moved out of it once the link was fast again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["every_step", "comm_budget"])
+def test_an_hsdp_replica_group_lost_whole_and_restarted_recovers_each_shard_from_a_live_peer(tmp_path, mode):
+    """HSDP: 2 replica groups x 2 shard ranks (FSDP2 over each group's own gloo group; DeMo between the groups over
+    torchft's managed group, shard rank i with shard rank i). Replica group 1 is SIGKILLed whole (both processes, as
+    a node fails) inside step 6: both shard ranks of group 0 refuse that step alike, go on alone and reload nothing;
+    group 1, started again, receives each shard's agreed state from the same shard rank of group 0 (momentum at
+    zero), and from then on every shard rank is bitwise identical to its peer in the other group at every step.
+    ``comm_budget``: the same with the budget policy's every-step tiers (its figures agreed over the shard group,
+    forgotten at each new quorum), one tier everywhere."""
+    import time
+
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from benchlib.elastic_groups import ReplicaGroups
+
+    steps_file = tmp_path / "steps"
+    args = [*FAST, "--steps", "100000", "--steps-file", str(steps_file)]
+    if mode == "comm_budget":
+        args += ["--comm-budget", "0.3", "--policy-sync-every", "1", "--policy-patience", "1"]
+    groups = ReplicaGroups(2, 2, tmp_path, args, extra={"1": ["--die-at", "6:inside", "--die-group"]})
+    try:
+        groups.wait_exit("1", 180)
+        joiners = groups.start("1")
+        deadline = time.monotonic() + 300
+        while min(len([x for x in _steps(j) if x["committed"]]) for j in joiners) < 3:
+            assert time.monotonic() < deadline and all(j.proc.poll() is None for j in joiners), groups.logs("1-0")
+            time.sleep(0.05)
+        steps_file.write_text(str(max(r.step() for r in groups.live.values()) + 4))
+        records = groups.finish(180)
+        live = dict(groups.live)
+    finally:
+        groups.close()
+    for shard in (0, 1):
+        assert records[f"0-{shard}"]["digest"] == records[f"1-{shard}"]["digest"], shard
+    assert records["0-0"]["digest"] != records["0-1"]["digest"]  # two shards of one model, not two copies
+    survivors = [records["0-0"], records["0-1"]]
+    for rec in survivors:
+        assert [e["kind"] for e in rec["events"]] == ["loss", "join"], rec["events"]
+        assert rec["refused_steps"] >= 1 and "failed" in rec["last_error"], rec
+    assert survivors[0]["refused_steps"] == survivors[1]["refused_steps"]  # the whole replica group refused alike
+    recovered = [[x for x in _events_lines(j) if x["event"]["kind"] == "recovered"] for j in joiners]
+    assert all(len(r) == 1 and r[0]["momentum"] == 0.0 for r in recovered), recovered
+    joined = {r[0]["event"]["step"] for r in recovered}
+    assert len(joined) == 1 and min(joined) > 6  # both shard ranks joined at one step, after the loss
+    lines = {key: {x["step"]: x for x in _steps(p) if x["committed"]} for key, p in live.items()}
+    for step in lines["0-0"]:
+        if step >= min(joined):
+            for shard in (0, 1):
+                a, b = lines[f"0-{shard}"][step], lines[f"1-{shard}"][step]
+                assert a["digest"] == b["digest"] and a["quorum"] == b["quorum"] == 2, (step, shard)
+                assert a["tier"] == b["tier"] == lines["0-0"][step]["tier"], (step, shard)
+
+
+def _events_lines(process):
+    return [x for x in process.lines if "event" in x]

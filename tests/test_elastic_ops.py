@@ -308,8 +308,22 @@ def test_the_plan_prices_failures_restart_from_checkpoint_against_elastic(tmp_pa
     assert cost["elastic_lost_h"] < cost["restart_lost_h"]
     # what hf_demo.elastic does not run has no elastic figure, and says why
     assert costs["ddp-adamw"]["elastic_lost_h"] is None and "runs DeMo" in costs["ddp-adamw"]["elastic_note"]
-    assert costs["demo-budget"]["elastic_lost_h"] is None and "comm_budget" in costs["demo-budget"]["elastic_note"]
+    assert costs["demo-budget"]["elastic_lost_h"] is not None  # the budget's local-step tiers run elastically
     assert costs["demo-overlap"]["elastic_lost_h"] is not None  # overlap runs elastically
+
+
+def test_the_plan_prices_hsdp_nodes_as_elastic_replica_groups_and_says_what_it_refuses_there(tmp_path):
+    """HSDP (a node as one replica group) runs every-step DeMo elastically; its local steps (the from_scratch
+    preset) are refused there, and the plan says why."""
+    import json
+
+    from hf_demo.ops import cli
+
+    assert cli.main([*FAILING, "--devices-per-node", "2", "--json", str(tmp_path / "plan.json")]) == 0
+    costs = {c["method"]: c for c in json.loads((tmp_path / "plan.json").read_text())["failures"]["methods"]}
+    assert costs["demo-hsdp"]["elastic_lost_h"] is not None and costs["demo-hsdp"]["elastic_note"] == ""
+    refused = costs["demo-hsdp-from_scratch"]
+    assert refused["elastic_lost_h"] is None and "local steps" in refused["elastic_note"], refused
 
 
 def test_failures_faster_than_the_recovery_never_end(tmp_path, capsys):

@@ -30,7 +30,6 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from hf_demo.errors import DeMoSetupError
 from hf_demo.ops.links import format_rate
 from hf_demo.ops.methods import DEMO_VARIANTS, METHODS, Cluster, Estimate, Workload, demo_layout
 from hf_demo.ops.prices import Prices
@@ -151,17 +150,12 @@ def elastic_refusal(row: Row) -> str:
         return "hf_demo.elastic runs DeMo"
     import torch
 
-    from hf_demo.elastic import refuse_modes
+    from hf_demo.elastic import mode_refusals
     from hf_demo.optim.optimizer import DeMo
 
     opt = DeMo([torch.nn.Parameter(torch.zeros(8, 8))], **row.settings)
-    if row.method in DEMO_VARIANTS and demo_layout(row.method) == "hsdp":
-        opt.device_mesh = "hsdp"  # what refuse_modes looks at: the layout, not a real mesh
-    try:
-        refuse_modes(opt)
-    except DeMoSetupError as exc:
-        return str(exc).removeprefix("hf_demo.elastic does not run with ")
-    return ""
+    sharded = row.method in DEMO_VARIANTS and demo_layout(row.method) == "hsdp"  # HSDP: a node as one replica group
+    return "; ".join(mode_refusals(opt.settings, opt.tiers, sharded))
 
 
 def _lost_h(epoch_h: float, per_hour: float, cost_s: float) -> float:
