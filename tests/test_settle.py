@@ -250,7 +250,8 @@ def test_flush_settles_the_last_step_and_a_refusing_rank_saves_nothing():
     assert saved0 == "saved"
     assert isinstance(saved1, RankError) and "no state is saved from here" in saved1.message, saved1
     for error in (err0, err1):
-        assert isinstance(error, RankError) and "every rank refused optimizer step 1 because rank(s) [1]" in error.message
+        assert isinstance(error, RankError), error
+        assert "every rank refused optimizer step 1 because rank(s) [1]" in error.message, error.message
     assert back0 and back1
 
 

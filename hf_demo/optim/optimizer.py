@@ -281,6 +281,12 @@ class DeMo(torch.optim.Optimizer):
         """Whether the last step's verdict has not been read yet (it settles in the next step or confirm())."""
         return self.unsettled is not None
 
+    @property
+    def settling(self) -> bool:
+        """Whether this rank refused the last step and its settling row is still on its way (an all-gather in
+        flight until the next step or confirm())."""
+        return self.unsettled is not None and self.unsettled.posted is not None
+
     @torch.no_grad()
     def confirm(self) -> None:
         """Read every rank's verdict on the last step where it has not been read (one all-gather; nothing where
@@ -297,7 +303,8 @@ class DeMo(torch.optim.Optimizer):
         """What the step concluded (:class:`~hf_demo.optim.records.Outcome`), staged after every other write."""
         if outcome.landed is not None:
             tx.stage(lambda: setattr(self, "pending", outcome.landed.pending), before=keep_attributes(self, "pending"))
-        tx.stage(lambda: self.comm_stats.commit_step(outcome.dense, outcome.traffic), before=keep_fields(self.comm_stats))
+        stats = self.comm_stats
+        tx.stage(lambda: stats.commit_step(outcome.dense, outcome.traffic), before=keep_fields(stats))
         if outcome.exchanged:
             kept = keep_attributes(self, "first_checked", "policy", "clock")
             tx.stage(lambda: self._exchanged(outcome), before=kept)
