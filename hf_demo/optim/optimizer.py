@@ -259,17 +259,12 @@ class DeMo(torch.optim.Optimizer):
             return loss
         if self.replication is None or self.replication.decide(None):
             self._stage_outcome(stepped.tx, made["outcome"])
-            self._commit(stepped.tx, made.get("settled"), transport.step)
+            settled = made.get("settled")
+            tentative = settled is not None and settled.tentative  # its verdict settles in the next exchange
+            undo = stepped.tx.commit(undo=tentative)  # (committed here: the warnings it stages name the caller)
+            if tentative:
+                self.unsettled = settle.Unsettled(transport.step, settled.row_bytes, undo=undo)
         return loss
-
-    def _commit(self, tx, settled, number: int) -> None:
-        """Commit the step; tentatively (with an undo log, :mod:`hf_demo.optim.settle`) where its verdict settles
-        in the next exchange."""
-        if settled is None or not settled.tentative:
-            tx.commit()
-            return
-        self.unsettled = None
-        self.unsettled = settle.Unsettled(number, settled.row_bytes, undo=tx.commit(undo=True))
 
     def _settle_prior(self) -> None:
         """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
