@@ -65,6 +65,22 @@ def test_an_undo_log_puts_every_write_back_bitwise():
     assert (holder.counters, holder.policy, stats.sent) == before[4:]
 
 
+def test_an_undo_log_reuses_the_copies_of_the_last_one():
+    p = torch.randn(6)
+    first = Transaction()
+    first.stage(lambda: p.add_(1), touches=[p])
+    log = first.commit(undo=True)
+    [copy] = log._copies
+    spare = log.spare()
+    again = Transaction()
+    before = p.clone()
+    again.stage(lambda: p.mul_(2), touches=[p])
+    log = again.commit(undo=True, spare=spare)
+    assert log._copies[0] is copy and not spare[(p.shape, p.dtype, p.device)]  # the same memory, refilled
+    log()
+    assert torch.equal(p, before)
+
+
 def test_a_write_without_a_pre_image_cannot_commit_with_an_undo_log():
     tx = Transaction()
     tx.stage(lambda: None)

@@ -107,6 +107,7 @@ class DeMo(torch.optim.Optimizer):
         self.saved_identity: tuple = (None, None, None)  # (run, optimizer step, parameter fingerprint) loaded
         self.first_checked = False  # this process's first exchange compares the replicas and the gradients
         self.unsettled: settle.Unsettled | None = None  # the last step, its verdict not read yet (hf_demo.optim.settle)
+        self._undo_spare: dict = {}  # the copies of the last undo log no longer needed, for the next one
         # {(world, tier): payload bytes on the wire} of the last committed exchange there: where a payload rides
         self.wire_agreed: dict[tuple[int, int], int] = {}
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
@@ -261,7 +262,8 @@ class DeMo(torch.optim.Optimizer):
             self._stage_outcome(stepped.tx, made["outcome"])
             settled = made.get("settled")
             tentative = settled is not None and settled.tentative  # its verdict settles in the next exchange
-            undo = stepped.tx.commit(undo=tentative)  # (committed here: the warnings it stages name the caller)
+            spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
+            undo = stepped.tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
             if tentative:
                 self.unsettled = settle.Unsettled(transport.step, settled.row_bytes, undo=undo)
         return loss
@@ -269,6 +271,7 @@ class DeMo(torch.optim.Optimizer):
     def _settle_prior(self) -> None:
         """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
         if self.unsettled is not None and self.unsettled.posted is None:
+            self._undo_spare = self.unsettled.undo.spare()  # its copies take the next step's pre-images
             self.unsettled = None
 
     @property
@@ -410,6 +413,7 @@ class DeMo(torch.optim.Optimizer):
         return checkpointing.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
+        settle.state_check(self, "loaded")  # its settling row still travels: the next collectives would not pair
         checkpointing.load(self, state_dict)
         self.unsettled = None  # the loaded state replaces the step whose verdict was pending (on every rank)
 

@@ -199,12 +199,13 @@ def deferred(opt, exc: Deferred) -> None:
     opt.unsettled = replace(exc.unsettled, earlier=earlier)
 
 
-def state_check(opt) -> None:
-    """``state_dict()`` of a rank that refused a step still unsettled: that state is never saved (the step is
-    refused on every rank at the next step or confirm)."""
+def state_check(opt, what: str = "saved") -> None:
+    """``state_dict()`` (or ``load_state_dict()``) of a rank that refused a step still unsettled: no state is saved
+    from there (the step is refused on every rank at the next step or confirm), and none is loaded while its
+    settling row travels (the next collectives would pair with it)."""
     u = opt.unsettled
     if u is not None and u.posted is not None:
         raise DeMoPayloadError(
             f"{u.refusal}; this rank refused optimizer step {u.step}, which every rank refuses at its next step() "
-            "or confirm(): no state is saved from here (call optimizer.confirm() on every rank before saving)"
+            f"or confirm(): no state is {what} from here (call optimizer.confirm() on every rank first)"
         )

@@ -23,21 +23,36 @@ _MISSING = object()
 
 
 class Undo:
-    """The pre-images of one committed transaction; calling it restores them (once)."""
+    """The pre-images of one committed transaction; calling it restores them (once). Its tensor copies can go to
+    the next transaction's log once it is no longer needed (:meth:`spare`): the copy then reuses their memory."""
 
     def __init__(self):
         self._restores: list[Restore] = []
-        self.nbytes = 0  # bytes held by the tensors cloned for it
+        self._copies: list[torch.Tensor] = []
+        self.nbytes = 0  # bytes held by the tensors copied for it
 
-    def keep(self, restore: Restore, nbytes: int = 0) -> None:
+    def keep(self, restore: Restore, copy: torch.Tensor | None = None) -> None:
         self._restores.append(restore)
-        self.nbytes += nbytes
+        if copy is not None:
+            self._copies.append(copy)
+            self.nbytes += copy.numel() * copy.element_size()
+
+    def spare(self) -> dict:
+        """Drop the log and hand over its tensor copies, by (shape, dtype, device), for the next log to fill."""
+        spare: dict = {}
+        for c in self._copies:
+            spare.setdefault((c.shape, c.dtype, c.device), []).append(c)
+        self._restores.clear()
+        self._copies.clear()
+        self.nbytes = 0
+        return spare
 
     def __call__(self) -> None:
         with torch.no_grad():
             for restore in reversed(self._restores):
                 restore()
         self._restores.clear()
+        self._copies.clear()
         self.nbytes = 0
 
 
@@ -127,8 +142,9 @@ class Transaction:
         """``dst.copy_(src)`` at commit (a parameter's new value)."""
         self._writes.append((lambda: dst.copy_(src), None, (dst,)))
 
-    def commit(self, undo: bool = False) -> Undo | None:
-        """Run every write; with ``undo``, keep each one's pre-image first and return the :class:`Undo`."""
+    def commit(self, undo: bool = False, spare: dict | None = None) -> Undo | None:
+        """Run every write; with ``undo``, keep each one's pre-image first and return the :class:`Undo` (its
+        tensor copies made into ``spare``'s tensors where they fit: :meth:`Undo.spare` of a log no longer needed)."""
         if self.committed:
             raise RuntimeError("a step's transaction commits once")
         if undo and not self.undoable:
@@ -138,15 +154,16 @@ class Transaction:
         with torch.no_grad():
             for write, before, touches in self._writes:
                 if log is not None:
-                    _keep(log, before, touches)
+                    _keep(log, before, touches, spare if spare is not None else {})
                 write()
         self._writes.clear()
         return log
 
 
-def _keep(log: Undo, before, touches) -> None:
+def _keep(log: Undo, before, touches, spare: dict) -> None:
     for t in touches:
-        saved = t.detach().clone()
-        log.keep(lambda t=t, saved=saved: t.copy_(saved), saved.numel() * saved.element_size())
+        free = spare.get((t.shape, t.dtype, t.device))
+        saved = free.pop().copy_(t.detach()) if free else t.detach().clone()
+        log.keep(lambda t=t, saved=saved: t.copy_(saved), saved)
     if before is not None:
         log.keep(before())
