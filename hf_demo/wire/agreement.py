@@ -213,11 +213,11 @@ def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sea
         world_size=transport.world,
         payload_bytes=0,
     )
-    empty = torch.empty(0, dtype=torch.uint8)
+    empty = torch.empty(0, dtype=torch.uint8, device="cpu")
     signed = codec.sign(header, empty, None if sealer is not None else secret)
     me = transport.global_rank(transport.rank)
     own = sealer.seal_header(signed, settled + 1, me) if sealer is not None else signed.to_bytes()
-    return torch.cat([own, torch.zeros(row_bytes - own.numel(), dtype=torch.uint8)])
+    return torch.cat([own, torch.zeros(row_bytes - own.numel(), dtype=torch.uint8, device="cpu")])
 
 
 UNREAD = -1  # a settling row this rank could not trust: counted as a refusal
