@@ -1,6 +1,7 @@
 """The wire protocol: what one rank sends in one step, byte for byte, and every check made on receipt.
 
-Every step a rank sends two buffers (two collectives):
+Every step a rank sends two buffers (in steady state in one all-gather: the payload rides after the header, and
+the verdict on the step before rides as the row's kind: a step's header, or a ``FLAG_SETTLES`` row):
 
 1. a fixed header (:data:`HEADER_BYTES`): fourteen int64 words (magic, format version, step, layout
    checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
