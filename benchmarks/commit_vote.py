@@ -87,7 +87,7 @@ def main(argv=None) -> None:
         print(rows[-1], flush=True)
     params = 2 * (args.size * args.size + args.size)
     memory = (
-        f'The undo log of `commit_vote="on"`: {held[0]:,} bytes cloned per step ({held[0] / params:.1f} bytes '
+        f'The undo log of `commit_vote="on"`: {held[0]:,} bytes copied per step ({held[0] / params:.1f} bytes '
         f"per parameter: the parameters), and {held[1]:,} bytes of replaced state tensors kept by reference "
         "(the momenta) until the verdict is read."
     )
