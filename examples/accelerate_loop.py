@@ -78,7 +78,7 @@ def train(args, accelerator, model, optimizer, loader, scheduler) -> None:
             if step >= args.steps:
                 break
         batches = loader
-    optimizer.flush()  # lands an exchange in flight (overlap=True), ends a local phase (sync_every > 1)
+    optimizer.flush()  # the last step's verdict; an exchange in flight (overlap); ends a local phase (sync_every > 1)
     accelerator.print(f"skipped steps {optimizer.skipped_steps}, resyncs {optimizer.resyncs}, tier {optimizer.tier}")
 
 

@@ -73,6 +73,7 @@ def train(args):
                 f"step {step:4d}  loss {loss.item():.3f}  sent {opt.comm_stats.bytes_sent} B "
                 f"({opt.comm_stats.ratio_to_dense:.4f} of a dense all-reduce)"
             )
+    opt.flush()  # every rank reads the last step's verdict (it rides in the next step's all-gather otherwise)
     s = opt.comm_stats
     if rank == 0:
         dense_total = s.dense_bytes * s.steps

@@ -171,10 +171,13 @@ class DeMoSettings:
     full_sync_every: int = _setting(0, "every this many steps, copy rank 0's parameters to every rank (0 = never)")
     commit_vote: str = _setting(
         "on",
-        "on: before a step commits, every rank says whether what it received passed its checks (one 8-byte "
-        "all-gather per rank), and a refusal on any rank stops the step on every rank, so the replicas stay "
-        "identical; off: a refusal raises on the refusing rank only and the drift check finds the replicas apart",
-        ("on", "off"),
+        "every rank's verdict on what it received (passed its checks or not) reaches every rank, and a refusal on "
+        "any rank stops the step on every rank, so the replicas stay identical. on: in steady state the verdict "
+        "rides in the next exchange (the step commits tentatively and is undone on every rank if any refused: "
+        "one round trip per step, with the defaults), in a small all-gather of its own where the mode needs it; "
+        "separate: always in a small all-gather of its own (two round trips); off: no verdict is exchanged, a "
+        "refusal raises on the refusing rank only and the drift check finds the replicas apart",
+        ("on", "separate", "off"),
     )
     end_local_phase: str = _setting(
         "average",

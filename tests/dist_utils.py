@@ -47,6 +47,31 @@ def carries_header(row: torch.Tensor) -> bool:
     return first == codec.MAGIC or sealing.is_sealed(row[: codec.HEADER_BYTES])
 
 
+class _FlipAfter:
+    """An asynchronous all-gather's work whose rows are corrupted once they have arrived."""
+
+    def __init__(self, work, flip):
+        self.work, self.flip = work, flip
+
+    def wait(self, *args, **kwargs):
+        done = self.work.wait(*args, **kwargs)
+        self.flip()
+        return done
+
+
+def _flipping(real, flip):
+    """``real`` (an all-gather), with ``flip(out, buf)`` applied to what arrives (also where it runs in the
+    background: a settling row)."""
+
+    def gather(out, buf, group=None, async_op=False):
+        if async_op:
+            return _FlipAfter(real(out, buf, group=group, async_op=True), lambda: flip(out, buf))
+        real(out, buf, group=group)
+        flip(out, buf)
+
+    return gather
+
+
 def flip_received_header_bit(byte: int, once: bool = False):
     """From now on, this rank's all-gathers that carry headers arrive with the lowest bit of ``byte`` of rank 0's
     header flipped (``once``: the next one only). Returns what makes the link whole again."""
@@ -54,14 +79,13 @@ def flip_received_header_bit(byte: int, once: bool = False):
 
     real = comm._all_gather
 
-    def flipping(out, buf, group=None):
-        real(out, buf, group=group)
+    def flip(out, buf):
         if carries_header(out[: buf.numel()]):
             out[byte] ^= 0x01
             if once:
                 comm._all_gather = real
 
-    comm._all_gather = flipping
+    comm._all_gather = _flipping(real, flip)
     return lambda: setattr(comm, "_all_gather", real)
 
 
@@ -74,15 +98,14 @@ def flip_received_payload_bit():
 
     real = comm._all_gather
 
-    def flipping(out, buf, group=None):
-        real(out, buf, group=group)
+    def flip(out, buf):
         n = buf.numel()
         if not carries_header(out[:n]):
             out[n // 2] ^= 0x01
         elif n > codec.HEADER_BYTES:
             out[codec.HEADER_BYTES + (n - codec.HEADER_BYTES) // 2] ^= 0x01
 
-    comm._all_gather = flipping
+    comm._all_gather = _flipping(real, flip)
     return lambda: setattr(comm, "_all_gather", real)
 
 

@@ -41,9 +41,10 @@ def test_ranks_end_bitwise_identical(world, fmt):
         assert not all(torch.equal(a, b) for a, b in zip(grads0, grads))  # from different data
         assert not all(torch.equal(a, b) for a, b in zip(momenta0, momenta))  # each rank its own momentum
     assert sum(losses0[-10:]) < sum(losses0[:10])
-    # two round trips a step once the payload's size is agreed (the first step: the header alone first), bytes
-    # counted from the buffers handed to torch.distributed
-    assert stats0["collectives"] == 2 and stats0["total_collectives"] == 201  # header with payload, vote
+    # one round trip a step once the payload's size is agreed (the verdict settles in the next step's all-gather;
+    # the first step: the header alone, the payload, the settling all-gather), bytes counted from the buffers
+    # handed to torch.distributed
+    assert stats0["collectives"] == 1 and stats0["total_collectives"] == 3 + 99
     assert stats0["bytes_received"] == (world - 1) * stats0["bytes_sent"]
     assert 0 < stats0["ratio_to_dense"] < 1
 
@@ -143,6 +144,7 @@ def _corrupt_payload(rank, world, what):
     loss_and_backward(model, rank, 0)
     try:
         opt.step()
+        opt.confirm()  # a rank that refused the step raises at its next step or here, with every rank
     finally:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert unchanged, "parameters changed before the bad payload was detected"
@@ -282,6 +284,8 @@ def test_rank_files_of_another_run_or_step_are_named_on_every_rank(tmp_path, mix
 def _round_trips(rank, world, kw):
     from hf_demo.exchange.transport import register_collective_hook
 
+    kw = dict(kw)
+    os.environ.update(kw.pop("env", {}))
     model = tiny_mlp()
     opt = small_demo(model, **kw)
     named = []
@@ -292,35 +296,55 @@ def _round_trips(rank, world, kw):
         named.clear()
         opt.step()
         seen.append([(name, n) for name, n in named if name != "ddp_check"])  # the first step's DDP guard
+    named.clear()
+    opt.confirm()
+    seen.append(list(named))
     handle.remove()
     return seen, opt.settings, [tuple(p.shape) for p in model.parameters()]
 
 
-@pytest.mark.parametrize(
-    "kw,steady",
-    [
-        ({}, ["payload", "vote"]),
-        ({"commit_vote": "off"}, ["payload"]),
-        ({"overlap": True}, ["header", "payload"]),
-        ({"exchange": "all_reduce"}, ["positions", "values", "vote"]),
-    ],
-    ids=["defaults", "vote_off", "overlap", "all_reduce"],
-)
-def test_round_trips_and_bytes_of_a_step(kw, steady):
-    """The header rides with the payload once its size is agreed (the first step sends it alone first): two
-    round trips a step with the vote, one without; overlap sends its header alone (the payload goes in the
-    background, the verdict rides in the next header); all_reduce's union nominations ride with the header, its
-    values follow. Bytes: the planner's."""
-    from hf_demo.ops.traffic import demo_payload
-    from hf_demo.wire import agreement, codec
+SECRET = {"env": {"HF_DEMO_SECRET": "s3cret"}}
+SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 
+
+@pytest.mark.parametrize(
+    "kw,first,steady,confirm",
+    [
+        ({}, ["header", "payload", "settle"], ["payload"], ["settle"]),
+        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle"]),
+        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle"]),
+        ({"commit_vote": "separate"}, ["header", "payload", "vote"], ["payload", "vote"], []),
+        ({"commit_vote": "off"}, ["header", "payload"], ["payload"], []),
+        ({"overlap": True}, ["header", "payload"], ["header", "payload"], []),
+        ({"exchange": "all_reduce"}, ["header", "positions", "values", "vote"], ["positions", "values", "vote"], []),
+    ],
+    ids=["defaults", "secret", "sealed", "vote_separate", "vote_off", "overlap", "all_reduce"],
+)
+def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
+    """The header rides with the payload once its size is agreed (the first step sends it alone first). With the
+    defaults (and a secret, and sealed traffic) a steady step is one round trip: its verdict settles in the next
+    step's all-gather, and confirm() settles the last one (one all-gather of the row's size); the first step
+    settles at once (not steady). commit_vote='separate' votes in an all-gather of its own (two round trips);
+    overlap sends its header alone (the payload goes in the background, the verdict rides in the next header,
+    confirm() has nothing to settle); all_reduce's union nominations ride with the header, its values follow, the vote
+    is its own. Bytes: the planner's."""
+    from hf_demo.ops.traffic import demo_payload
+    from hf_demo.wire import agreement, codec, sealing
+
+    if kw is SEALED:
+        pytest.importorskip("cryptography")
     seen, settings, shapes = expect_ok(run_ranks(_round_trips, 2, kw))[0]
-    assert [[name for name, _ in step] for step in seen[1:]] == [steady] * 3, seen
+    assert [[name for name, _ in step] for step in seen[1:4]] == [steady] * 3, seen
+    assert [name for name, _ in seen[0]] == first, seen[0]
+    assert [name for name, _ in seen[4]] == confirm, seen[4]
     rides = not kw.get("overlap")
-    assert [name for name, _ in seen[0]] == (["header"] + steady if rides else steady), seen[0]
     size = demo_payload(shapes, settings, 2)
     payload = size.index_nbytes if kw.get("exchange") else size.payload_nbytes
-    expected = {"payload": payload, "positions": payload, "vote": agreement.VOTE_BYTES}
-    for name, sent in seen[-1]:
-        if name in expected:
-            assert sent == expected[name] + (codec.HEADER_BYTES if name == steady[0] and rides else 0), seen[-1]
+    tags = sealing.TAG_BYTES if kw is SEALED else 0
+    expected = {"payload": payload + tags, "positions": payload, "vote": agreement.VOTE_BYTES}
+    expected["settle"] = codec.HEADER_BYTES + payload + tags
+    for name, sent in seen[-2] + seen[-1]:
+        if name in expected and name != "settle":
+            assert sent == expected[name] + (codec.HEADER_BYTES if name == steady[0] and rides else 0), seen[-2]
+        if name == "settle":
+            assert sent == expected["settle"], seen[-1]  # the size of the steady rows it settles

@@ -78,6 +78,7 @@ def _fail_on_second_step(rank, world, fault, kw):
     started = time.monotonic()
     try:
         opt.step()
+        opt.confirm()  # a steady step's verdict settles in the next exchange, or here
     except Exception as exc:  # noqa: BLE001 - reported with the state check
         return (RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started)
     return ("no error", _same(before, _snapshot(model, opt)), time.monotonic() - started)
@@ -155,6 +156,7 @@ def _flip(rank, world, kw, header_byte=None, secret=None):
     started = time.monotonic()
     try:
         opt.step()
+        opt.confirm()  # a steady step's verdict settles in the next exchange, or here
         return "no error", True, 0.0, None
     except Exception as exc:  # noqa: BLE001
         error, unchanged, secs = RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started
@@ -163,6 +165,7 @@ def _flip(rank, world, kw, header_byte=None, secret=None):
     if rank == 1:
         whole()  # the link is whole again: the same step, retried, commits everywhere
     opt.step()
+    opt.confirm()
     return error, unchanged, secs, [p.detach().clone() for p in model.parameters()]
 
 
@@ -223,6 +226,7 @@ def _flip_header_of_a_skip(rank, world, at, settings=None):
     started = time.monotonic()
     try:
         opt.step()
+        opt.confirm()  # rank 1, which refused, raises here with rank 0 (which settled the skipped step at once)
         return "no error", True, 0.0
     except Exception as exc:  # noqa: BLE001
         return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started

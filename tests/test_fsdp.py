@@ -159,7 +159,8 @@ def _recorded(rank, world, pieces=False):
     handle = transport.register_collective_hook(lambda name, nbytes: named.append((name, nbytes)))
     try:
         if pieces:
-            _flat_on_shard_pieces(rank, world, steps=4)
+            # HSDP keeps a vote of its own (a refusal stops the shard group): compare with flat DeMo voting alike
+            _flat_on_shard_pieces(rank, world, steps=4, kw={"commit_vote": "separate"})
         else:
             _hsdp(rank, world, steps=4)
     finally:

@@ -48,8 +48,14 @@ def track(optimizer) -> None:
 
 
 def _in_flight() -> bool:
-    # an overlapped step's exchange stays in flight until the next step or flush()
-    return any(getattr(opt, "in_flight", False) for opt in list(_optimizers))
+    # an overlapped step's exchange stays in flight until the next step or flush(); so does the settling row of a
+    # rank that refused the last step (hf_demo.optim.settle) until the next step or confirm()
+    return any(getattr(opt, "in_flight", False) or getattr(opt, "settling", False) for opt in list(_optimizers))
+
+
+def _unconfirmed() -> bool:
+    # the last step committed tentatively and its verdict never read: flush() (or confirm()) was not called
+    return any(getattr(opt, "unconfirmed", False) for opt in list(_optimizers))
 
 
 WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
@@ -121,11 +127,17 @@ def _at_exit() -> None:
         return
     if _in_flight():
         print(
-            "hf_demo: a DeMo exchange is still in flight at exit (overlap=True: call optimizer.flush() after "
-            "the last step); the process group is left as it is",
+            "hf_demo: a DeMo exchange is still in flight at exit (call optimizer.flush() on every rank after the "
+            "last step); the process group is left as it is",
             file=sys.stderr,
         )
         return
+    if _unconfirmed():
+        print(
+            "hf_demo: the last DeMo step's verdict was never read (call optimizer.flush() on every rank after the "
+            "last step: a rank that refused that step waits for it until comm_timeout)",
+            file=sys.stderr,
+        )
     try:
         shutdown()
     except Exception as exc:  # noqa: BLE001 - never turn a finished run into a failure at exit

@@ -42,7 +42,7 @@ def inspect(step, signal, late_refused: bool) -> Findings:
     first = not view.first_checked and world > 1
     bad_grads, zero_grads = nonfinite_or_zero([g for g in signal.signals if g is not None])
     if zero_grads and any(g["lr"] for g in view.param_groups):  # torch's DCP helpers step once at lr 0
-        step.tx.stage(lambda: warnings.warn(zero_gradients(number), stacklevel=4))
+        step.tx.stage(lambda: warnings.warn(zero_gradients(number), stacklevel=4), keeps_nothing=True)
     bad_params = any_nonfinite(signal.replicas)
     check_drift = (due(s.check_every, number) or first) and world > 1
     # a DDP wrapper taken for an unused one at the first step (guards.ddp.first_step_check): still?

@@ -2,8 +2,8 @@
 
 ``hf_demo.prepare`` hands back Accelerate's ``AcceleratedOptimizer`` as a :class:`DeMoAcceleratedOptimizer`
 (the same object, so the accelerator's own list and the prepared schedulers keep pointing at it): DeMo's calls
-and figures (``flush()``, ``averaged_parameters()``, ``comm_stats``, ``skipped_steps``, ``resyncs``, ``tier``)
-work on it, ``.demo`` is the DeMo inside, and ``demo_metrics()`` is the ``demo/*`` dict that
+and figures (``flush()``, ``confirm()``, ``averaged_parameters()``, ``comm_stats``, ``skipped_steps``,
+``resyncs``, ``tier``) work on it, ``.demo`` is the DeMo inside, and ``demo_metrics()`` is the ``demo/*`` dict that
 ``hf_demo.log_metrics(accelerator, optimizer, step)`` hands to ``accelerator.log``.
 
 ``accelerator.save_state(folder)`` keeps only rank 0's optimizer state (``optimizer.bin``), but each rank's DeMo
@@ -26,8 +26,8 @@ from hf_demo.hf.metrics import CommMetrics
 from hf_demo.optim.optimizer import DeMo
 
 DEMO_ATTRIBUTES = frozenset(
-    {"flush", "averaged_parameters", "comm_stats", "skipped_steps", "resyncs", "tier", "in_flight", "policy",
-     "settings", "counters", "unsynced"}
+    {"flush", "confirm", "unconfirmed", "averaged_parameters", "comm_stats", "skipped_steps", "resyncs", "tier",
+     "in_flight", "policy", "settings", "counters", "unsynced"}
 )  # fmt: skip
 
 
@@ -93,9 +93,13 @@ class AcceleratorCheckpoints:
         return len(objects) - 1
 
     def before_save(self, models, weights, output_dir: str) -> None:
-        """Save pre-hook: ranks other than 0 write their DeMo state (Accelerate writes rank 0's)."""
+        """Save pre-hook, on every rank: the last step's verdict is read first (``confirm()``: a step refused by any
+        rank is undone and raised on every rank, and nothing is saved), then ranks other than 0 write their DeMo
+        state (Accelerate writes rank 0's)."""
         self.folder = output_dir
         rank = self.accelerator.process_index
+        for _, opt in self.demo_optimizers():
+            opt.demo.confirm()
         for index, opt in self.demo_optimizers():
             if rank > 0:
                 torch.save(opt.demo.state_dict(), os.path.join(output_dir, rank_state_file(index, rank)))

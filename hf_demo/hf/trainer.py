@@ -321,6 +321,8 @@ class DeMoTrainerMixin:
         """Trainer's ``load_best_model_at_end``; overlap's last exchange in flight lands first, so the best
         checkpoint's weights are what ``train()`` ends with (the flush after ``train()`` added it on top)."""
         opt = unwrap_optimizer(self.optimizer)
+        if opt is not None and hasattr(opt, "confirm"):
+            opt.confirm()  # the last step's verdict, read on every rank before the weights are replaced
         if opt is not None and opt.in_flight:
             opt.flush()
         return super()._load_best_model()
@@ -328,8 +330,13 @@ class DeMoTrainerMixin:
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.
 
-        Old checkpoints are deleted only once the new one is complete (Trainer rotates before that).
+        Old checkpoints are deleted only once the new one is complete (Trainer rotates before that). The last
+        step's verdict is read first on every rank (``confirm()``): a step that any rank refused is undone and
+        raised on every rank before anything is written.
         """
+        opt = unwrap_optimizer(self.optimizer)
+        if opt is not None and hasattr(opt, "confirm"):
+            opt.confirm()
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # Trainer's rotation waits until the manifest is written
         try:

@@ -137,7 +137,7 @@ def described(specs, sizes: dict, settings: DeMoSettings, every: int, world: int
     ranks over ``scope``, once per the steps its ``when`` says."""
     out = []
     for spec in specs:
-        often = _often(spec.when, settings, every, world)
+        often = _often(spec.when, settings, every, world, sharded=parallel > 1)
         if often is None:
             continue
         nbytes = spec.nbytes if isinstance(spec.nbytes, int) else sizes[spec.nbytes]
@@ -146,15 +146,17 @@ def described(specs, sizes: dict, settings: DeMoSettings, every: int, world: int
     return out
 
 
-def _often(when: str, settings: DeMoSettings, every: int, world: int) -> float | None:
-    """Once per how many steps a collective described as running ``when`` runs (None: never, here)."""
+def _often(when: str, settings: DeMoSettings, every: int, world: int, sharded: bool = False) -> float | None:
+    """Once per how many steps a collective described as running ``when`` runs (None: never, here). The vote is
+    not counted where a steady step's verdict settles in the next exchange (hf_demo.optim.settle.defers)."""
     from hf_demo.optim import update_rules
 
     rules = update_rules.RULES
     whole = (rules[settings.update_rule].whole_matrix and every == 1) or (
         rules[settings.inner_rule].whole_matrix and every > 1
     )
-    voting = not settings.overlap and settings.commit_vote != "off" and world > 1
+    settles = settings.commit_vote == "on" and settings.exchange == "all_gather" and every == 1 and not sharded
+    voting = not settings.overlap and settings.commit_vote != "off" and world > 1 and not settles
     return {
         collectives.EXCHANGE: every,
         collectives.COMMIT_VOTE: every if voting else None,

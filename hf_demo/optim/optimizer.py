@@ -22,11 +22,12 @@ from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import exchanges, liveness, teardown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.guards import ddp
-from hf_demo.optim import checkpointing, groups, local_phase, overlap, stages
+from hf_demo.optim import checkpointing, groups, local_phase, overlap, settle, stages
 from hf_demo.optim import policy as policies
 from hf_demo.optim import view as views
 from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
+from hf_demo.optim.transaction import keep_attributes, keep_fields
 from hf_demo.settings import DeMoSettings, refuse_retired
 from hf_demo.topology import choose as choose_topology
 from hf_demo.wire import sealing
@@ -105,6 +106,8 @@ class DeMo(torch.optim.Optimizer):
         self.run_id: str | None = None  # this run's identity, saved with the state (checkpointing.agreed_run_id)
         self.saved_identity: tuple = (None, None, None)  # (run, optimizer step, parameter fingerprint) loaded
         self.first_checked = False  # this process's first exchange compares the replicas and the gradients
+        self.unsettled: settle.Unsettled | None = None  # the last step, its verdict not read yet (hf_demo.optim.settle)
+        self._undo_spare: dict = {}  # the copies of the last undo log no longer needed, for the next one
         # {(world, tier): payload bytes on the wire} of the last committed exchange there: where a payload rides
         self.wire_agreed: dict[tuple[int, int], int] = {}
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
@@ -208,6 +211,9 @@ class DeMo(torch.optim.Optimizer):
             header_timings=self.header_timings,
             ddp_suspects=self.ddp_suspects,
             rescan_ddp=self._rescan_ddp,
+            elastic=self.replication is not None,
+            unsettled=self.unsettled,
+            settle_prior=self._settle_prior,
         )
 
     def identity(self) -> tuple[int, int, str]:
@@ -232,9 +238,16 @@ class DeMo(torch.optim.Optimizer):
         self.check_saved_world()
         self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
         self._first_step_guard(transport)
+        if self.unsettled is not None and self.unsettled.posted is not None:
+            settle.confirm(self)  # this rank refused the last step: it raises now, with every other rank
         try:
             stepped, made = run_step(self.step_view(), PIPELINE, transport, self._on_cuda())
+        except settle.Deferred as exc:  # refused here; raised at the next step or confirm, with every rank
+            settle.deferred(self, exc)
+            return loss
         except BaseException as exc:
+            if getattr(exc, "undo_unsettled", False):
+                settle.undo(self)  # another rank refused the last step, committed here tentatively
             arrived = self.pending.in_flight.arrived if self.pending is not None else None
             if arrived is not None and not self.pending.counted:  # it arrived during this try: it happened
                 self.comm_stats.record(arrived.sent, arrived.received, arrived.waited)
@@ -247,8 +260,39 @@ class DeMo(torch.optim.Optimizer):
             return loss
         if self.replication is None or self.replication.decide(None):
             self._stage_outcome(stepped.tx, made["outcome"])
-            stepped.tx.commit()
+            settled = made.get("settled")
+            tentative = settled is not None and settled.tentative  # its verdict settles in the next exchange
+            spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
+            undo = stepped.tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
+            if tentative:
+                self.unsettled = settle.Unsettled(transport.step, settled.row_bytes, undo=undo)
         return loss
+
+    def _settle_prior(self) -> None:
+        """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
+        if self.unsettled is not None and self.unsettled.posted is None:
+            self._undo_spare = self.unsettled.undo.spare()  # its copies take the next step's pre-images
+            self.unsettled = None
+
+    @property
+    def unconfirmed(self) -> bool:
+        """Whether the last step's verdict has not been read yet (it settles in the next step or confirm())."""
+        return self.unsettled is not None
+
+    @property
+    def settling(self) -> bool:
+        """Whether this rank refused the last step and its settling row is still on its way (an all-gather in
+        flight until the next step or confirm())."""
+        return self.unsettled is not None and self.unsettled.posted is not None
+
+    @torch.no_grad()
+    def confirm(self) -> None:
+        """Read every rank's verdict on the last step where it has not been read (one all-gather; nothing where
+        it has). With ``commit_vote="on"`` a steady step commits tentatively and its verdict travels with the
+        next step; after the last step, and before saving a checkpoint, call this on every rank (``flush()`` and
+        ``DeMoTrainer`` do): where any rank refused the step, every rank undoes it and raises the same
+        :class:`~hf_demo.errors.DeMoPayloadError`."""
+        settle.confirm(self)
 
     def _on_cuda(self) -> bool:
         return any(p.is_cuda for group in self.param_groups for p in group["params"][:1])
@@ -256,17 +300,20 @@ class DeMo(torch.optim.Optimizer):
     def _stage_outcome(self, tx, outcome) -> None:
         """What the step concluded (:class:`~hf_demo.optim.records.Outcome`), staged after every other write."""
         if outcome.landed is not None:
-            tx.stage(lambda: setattr(self, "pending", outcome.landed.pending))
-        tx.stage(lambda: self.comm_stats.commit_step(outcome.dense, outcome.traffic))
+            tx.stage(lambda: setattr(self, "pending", outcome.landed.pending), before=keep_attributes(self, "pending"))
+        stats = self.comm_stats
+        tx.stage(lambda: stats.commit_step(outcome.dense, outcome.traffic), before=keep_fields(stats))
         if outcome.exchanged:
-            tx.stage(lambda: self._exchanged(outcome))
+            kept = keep_attributes(self, "first_checked", "policy", "clock")
+            tx.stage(lambda: self._exchanged(outcome), before=kept)
         elif outcome.policy is not None:  # moved down into a local phase: this step communicates no more
-            tx.stage(lambda: setattr(self, "policy", outcome.policy))
+            tx.stage(lambda: setattr(self, "policy", outcome.policy), before=keep_attributes(self, "policy"))
         if outcome.wire_agreed is not None:  # what the payload takes on the wire, agreed: it rides from now on
-            tx.stage(lambda: setattr(self, "wire_agreed", outcome.wire_agreed))
+            kept = keep_attributes(self, "wire_agreed")
+            tx.stage(lambda: setattr(self, "wire_agreed", outcome.wire_agreed), before=kept)
         if outcome.warn_skips:
-            tx.stage(lambda: stages.warn_skips(self.settings, outcome.counters))
-        tx.stage(lambda: setattr(self, "counters", outcome.counters))
+            tx.stage(lambda: stages.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
+        tx.stage(lambda: setattr(self, "counters", outcome.counters), before=keep_attributes(self, "counters"))
 
     def _exchanged(self, outcome) -> None:
         self.first_checked = True
@@ -312,11 +359,13 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def flush(self) -> None:
-        """After the last step, on every rank. Overlap: apply the update of the exchange still in flight. Inside
+        """After the last step, on every rank. The last step's verdict is read where it has not been
+        (:meth:`confirm`). Overlap: apply the update of the exchange still in flight. Inside
         a local phase (``sync_every > 1``, or a policy's local-step tier) the ranks' parameters are their own
         until the next synchronisation: ``end_local_phase='average'`` ends the phase now
         (:meth:`end_local_phase`), ``'warn'`` leaves them apart and warns (a model saved from rank 0 holds
         rank 0's)."""
+        settle.confirm(self)
         if self.pending is not None:
             overlap.flush(self)
         if not self.in_local_phase():
@@ -358,10 +407,15 @@ class DeMo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        """This rank's state (no collective). A step committed tentatively is saved as committed: a checkpoint
+        holds it on every rank only if every rank received it whole (a rank that refused it raises here)."""
+        settle.state_check(self)
         return checkpointing.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
+        settle.state_check(self, "loaded")  # its settling row still travels: the next collectives would not pair
         checkpointing.load(self, state_dict)
+        self.unsettled = None  # the loaded state replaces the step whose verdict was pending (on every rank)
 
     def establish_run_id(self) -> str:
         """This run's identity, the same on every rank (a resumed run keeps the one it resumed)."""

@@ -99,7 +99,7 @@ def flush(opt) -> None:
         updates, refusal = finish(view, transport.traffic), None
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
-    if transport.world > 1 and opt.settings.commit_vote == "on":
+    if transport.world > 1 and opt.settings.commit_vote != "off":
         agreement.vote(transport, refusal, opt.device(), opt.sealer)
     elif refusal is not None:
         raise refusal

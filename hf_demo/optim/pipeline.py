@@ -6,7 +6,7 @@
 A part is an object with a ``name`` and ``run(step, <records>)``: it is given the :class:`~hf_demo.optim.records.Step`
 (the optimizer's narrow view :class:`~hf_demo.optim.view.OptimizerView`, this step's transport, its transaction) and,
 by parameter name, the records of :mod:`hf_demo.optim.records` it reads; it returns the one record it makes
-(``makes``; none for ``vote`` and ``update``, which raise or stage writes only). The records, and the part that
+(``makes``; none for ``update``, which stages writes only). The records, and the part that
 makes each:
 
     ========== ===================== =============================================================================
@@ -20,6 +20,7 @@ makes each:
     prepared   Prepared              ``prepare``: the exchange and this rank's payload
     agreed     Agreed                ``agreement``: every rank's header (and payload, where it rode)
     exchanged  Exchanged             ``communicate``: the averaged coefficients, or this rank's refusal
+    settled    Settled               ``vote``: a tentative commit (its verdict settles in the next exchange)
     decision   Decision              ``policy``: the budget policy, a move down
     verdict    Verdict               ``judge``: skip, resync
     landed     Landed                ``land``: the exchange left in flight (overlap)

@@ -137,6 +137,7 @@ class Agreed:
     arrived: torch.Tensor | None
     header_refusal: Exception | None
     wire_bytes: int | None
+    row_bytes: int = 0  # each rank's row in the headers' all-gather
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,15 @@ class Exchanged:
 
     updates: list | None = None
     refusal: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """``vote``: whether the step commits tentatively (its verdict settles in the next exchange:
+    :mod:`hf_demo.optim.settle`), and the size of its header rows (what the collective after them has)."""
+
+    tentative: bool = False
+    row_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +211,7 @@ MADE_BY = {  # each record's name (as parts' ``run`` take it) -> (its type, the 
     "prepared": (Prepared, "prepare"),
     "agreed": (Agreed, "agreement"),
     "exchanged": (Exchanged, "communicate"),
+    "settled": (Settled, "vote"),
     "decision": (Decision, "policy"),
     "verdict": (Verdict, "judge"),
     "landed": (Landed, "land"),

@@ -15,6 +15,7 @@ from hf_demo.compression import functional as F
 from hf_demo.guards.checks import any_nonfinite
 from hf_demo.optim import local_steps
 from hf_demo.optim.records import Chosen, Signalled, Step, StepPlan
+from hf_demo.optim.transaction import keep_mapping
 from hf_demo.topology.dtensor import local
 
 
@@ -25,7 +26,7 @@ class GradientSignal:
         state = step.view.state
         for p in chosen.params:  # a tier without local steps: a later local phase starts afresh
             if any(k in state[p] for k in local_steps.LOCAL_KEYS):
-                step.tx.stage(lambda state=state[p]: local_steps.forget(state))
+                step.tx.stage(lambda state=state[p]: local_steps.forget(state), before=keep_mapping(state[p]))
         return Signalled(local=False, signals=list(chosen.grads), replicas=[local(p) for p in chosen.params])
 
     @staticmethod
@@ -56,7 +57,7 @@ class GradientSignal:
         lrs, wds = [g["lr"] for g in groups], [g["weight_decay"] for g in groups]
         views = [local(p) for p in params]
         generator = plan.generator
-        tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator))
+        tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator), touches=views)
 
 
 def rule_directions(view, params, groups, updates, layouts, matrices):

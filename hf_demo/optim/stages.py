@@ -15,7 +15,7 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange import exchanges
 from hf_demo.guards import verdicts
-from hf_demo.optim import overlap, signals
+from hf_demo.optim import overlap, settle, signals
 from hf_demo.optim.records import (
     Agreed,
     Chosen,
@@ -26,6 +26,7 @@ from hf_demo.optim.records import (
     Momenta,
     Outcome,
     Prepared,
+    Settled,
     Signalled,
     Step,
     StepPlan,
@@ -176,8 +177,13 @@ class Agreement:
             view.sealer,
             riding,
         )
+        if gathered.settling:  # rows settling the last step: a rank refused it (hf_demo.optim.settle)
+            raise settle.refused_before(transport, gathered.settling, view.unsettled)
         refusal = found.header_refusal or gathered.refusal  # raised through the vote (Communicate, Vote)
-        return Agreed(gathered.headers, gathered.rows, refusal, gathered.wire_bytes)
+        if refusal is None:
+            view.settle_prior()  # every row a step's header, trusted: every rank received the last step whole
+        row_bytes = codec.HEADER_BYTES + (riding.agreed if riding is not None else 0)
+        return Agreed(gathered.headers, gathered.rows, refusal, gathered.wire_bytes, row_bytes)
 
 
 class Policy:
@@ -219,7 +225,7 @@ class Judge:
         if found.first and verdict.drifted:
             cause = f"the replicas differed at this process's first exchange. {verdicts.UNSYNCED_START}"
         message = f"DeMo: copied rank 0's parameters to every rank at optimizer step {step.transport.step} ({cause})"
-        step.tx.stage(lambda: _warn(message))
+        step.tx.stage(lambda: _warn(message), keeps_nothing=True)
         return verdict
 
 
@@ -261,23 +267,31 @@ class Communicate:
 
 
 class Vote:
-    """All ranks commit the step, or none: every rank says whether what it received passed its checks (one
-    small all-gather), and a refusal anywhere raises the same error on every rank (``commit_vote``). It runs
-    before the parts that act on the headers (policy, judge), on every rank alike.
+    """All ranks commit the step, or none: every rank's verdict on what it received (passed its checks or not)
+    reaches every rank before any rank keeps the step, and a refusal anywhere raises the same error on every rank
+    (``commit_vote``). It runs before the parts that act on the headers (policy, judge), on every rank alike.
 
-    Why it is a round trip of its own and does not ride in the next step's row: a verdict that arrives a step
-    late means every rank commits before knowing it, so a rank that refused what it received would owe the
-    step's update and need it sent again, and a rank that refused a header would not know the step's other
-    collectives (a resync's broadcast, a policy's second try): the ranks would meet out of step. Each step
-    therefore costs two round trips with the vote and one with ``commit_vote="off"``."""
+    With ``commit_vote="on"``, where the mode allows it (:func:`hf_demo.optim.settle.defers`: the defaults), a
+    steady step's verdict settles in the next exchange's all-gather: the step commits tentatively with an undo
+    log, no collective here (one round trip per step); a refusal posts a settling row and waits for the next
+    step; a step that is not steady runs the settling all-gather now (:mod:`hf_demo.optim.settle`).
+
+    Elsewhere (``commit_vote="separate"``, overlap, ``exchange="all_reduce"``, local steps, sharded parameters,
+    elastic runs: why, in :mod:`hf_demo.optim.settle`) the verdict is a small all-gather of its own here
+    (:func:`hf_demo.wire.agreement.vote`): two round trips per step; ``commit_vote="off"`` leaves it out (one
+    round trip, and a refusal raises on the refusing rank only)."""
 
     name = "vote"
-    makes = None
+    makes = "settled"
 
-    def run(self, step: Step, chosen: Chosen, agreed: Agreed, exchanged: Exchanged) -> None:
+    def run(
+        self, step: Step, plan: StepPlan, chosen: Chosen, found: Findings, agreed: Agreed, exchanged: Exchanged
+    ) -> Settled:
+        if step.settings.commit_vote == "on" and settle.defers(step, plan):
+            return settle.vote(step, chosen, found, agreed, exchanged.refusal)
         refusal, transport = exchanged.refusal, step.transport
         alone = step.settings.overlap or transport.world == 1  # overlap votes in the next header
-        if not alone and step.settings.commit_vote == "on":
+        if not alone and step.settings.commit_vote != "off":
             try:
                 agreement.vote(transport, exchanged.refusal, chosen.device, step.view.sealer)
             except DeMoPayloadError as exc:
@@ -287,6 +301,7 @@ class Vote:
         refusal = step.view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
         if refusal is not None:
             raise refusal
+        return Settled(row_bytes=agreed.row_bytes)
 
 
 class Update:

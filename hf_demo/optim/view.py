@@ -4,8 +4,8 @@
 The view holds the settings, the secret and sealer, the topology, the policy's figures, the counters, the exchange
 in flight and the per-parameter state (read; a part writes it only through the step's transaction). It has no
 setter: what the step changes in the optimizer is the :class:`~hf_demo.optim.records.Outcome` the optimizer takes
-at the commit. The one write it allows outside the transaction is :attr:`OptimizerView.rescan_ddp` (see
-``docs/DESIGN.md``, "The transaction").
+at the commit. The writes it allows outside the transaction are :attr:`OptimizerView.rescan_ddp` and
+:attr:`OptimizerView.settle_prior` (see ``docs/DESIGN.md``, "The transaction").
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class OptimizerView:
     header_timings: Callable[[float], dict]  # this rank's figures for the policy (exchange_ms, elapsed_ms)
     ddp_suspects: Callable[[], list]  # the parameters that DDP wrappers still all-reducing hold
     rescan_ddp: Callable[[], None]  # the first-step guard scans again at the next step (outside the transaction)
+    elastic: bool = False  # torchft says whom DeMo exchanges with and whether a step commits
+    unsettled: object = None  # hf_demo.optim.settle.Unsettled: the last step, committed tentatively (or None)
+    settle_prior: Callable[[], None] = lambda: None  # every rank received that step whole: its undo log goes
 
     def plan(self, tier):
         return groups.plan_items(self.param_groups, self.settings, self.secret, tier)

@@ -58,6 +58,7 @@ class Gathered:
     refusal: object
     rows: torch.Tensor | None
     wire_bytes: int | None
+    settling: dict | None = None  # {rank: verdict} of rows that settle the last step instead (codec.FLAG_SETTLES)
 
 
 def gather_headers(
@@ -104,6 +105,9 @@ def gather_headers(
         headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank), None
     else:
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
+    settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
+    if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
+        return Gathered(headers, refusal, None, wire_bytes, settling)
     _check_naming_settings(transport, headers, settings)
     arrived = rows[:, own_row.numel() :] if fits else None
     return Gathered(headers, refusal, arrived, wire_bytes)
@@ -196,6 +200,76 @@ def unpack_words(rows: torch.Tensor, count: int) -> list[list[int]]:
     return rows.cpu().contiguous().view(torch.int64).reshape(-1, count).tolist()
 
 
+def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sealer) -> torch.Tensor:
+    """This rank's row settling optimizer step ``settled``: a header with :data:`codec.FLAG_SETTLES` and its verdict
+    ``word`` (:func:`verdict`), signed (or sealed) like a header, then zeros to ``row_bytes``, the size of that
+    step's header rows. Sealed for step ``settled + 1``, as every row of the all-gather after those headers is
+    (the next step's headers included), so that one all-gather can hold both kinds."""
+    header = codec.Header(
+        step=settled,
+        layout_checksum=0,
+        settings_checksum=0,
+        flags=codec.FLAG_SETTLES | (word << codec.VERDICT_SHIFT),
+        world_size=transport.world,
+        payload_bytes=0,
+    )
+    empty = torch.empty(0, dtype=torch.uint8, device="cpu")
+    signed = codec.sign(header, empty, None if sealer is not None else secret)
+    me = transport.global_rank(transport.rank)
+    own = sealer.seal_header(signed, settled + 1, me) if sealer is not None else signed.to_bytes()
+    return torch.cat([own, torch.zeros(row_bytes - own.numel(), dtype=torch.uint8, device="cpu")])
+
+
+UNREAD = -1  # a settling row this rank could not trust: counted as a refusal
+
+
+def read_settling(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list[int]:
+    """Every rank's verdict on optimizer step ``settled`` from the all-gather after its headers: a settling row's
+    word, 0 for the next step's header (its sender received step ``settled`` whole and went on), :data:`UNREAD`
+    for a row that fails its CRC32 or HMAC or names another step. Sealed rows that do not open raise
+    :class:`DeMoSyncError` (as sealed headers do)."""
+    header_rows = rows[:, : codec.HEADER_BYTES].cpu()
+    if sealer is not None:
+        senders = [transport.global_rank(r) for r in range(rows.shape[0])]
+        headers = sealer.open_headers(header_rows, settled + 1, senders, transport.rank)
+        trusted = [True] * len(headers)
+    else:
+        headers = [codec.Header.from_bytes(row) for row in header_rows]
+        trusted = [r == transport.rank or codec.header_refusal(h, secret) is None for r, h in enumerate(headers)]
+    out = []
+    for ok, h in zip(trusted, headers):
+        word = codec.settles(h) if ok else None
+        if ok and word is not None and h.step == settled:
+            out.append(word)
+        else:
+            out.append(0 if ok and word is None and h.step == settled + 1 else UNREAD)
+    return out
+
+
+def refused_everywhere(transport, settled: int, words: list[int], refusal, undone: str = "") -> DeMoPayloadError:
+    """The error every rank raises when any rank's verdict on step ``settled`` is not whole: the refusing ranks
+    named (and, for a header, whose header), ``refusal`` this rank's own (or None), ``undone`` what this rank put
+    back."""
+    refusing = [transport.global_rank(r) for r, v in enumerate(words) if v]
+    headers = [
+        f"rank {transport.global_rank(r)} refused the header from rank {transport.global_rank(v >> 8)}"
+        for r, v in enumerate(words)
+        if v > 0 and v & HEADER_REFUSED
+    ]
+    unread = [transport.global_rank(r) for r, v in enumerate(words) if v == UNREAD]
+    me = transport.global_rank(transport.rank)
+    notes = headers + ([f"rank {me} could not trust the verdict of rank(s) {unread}"] if unread else [])
+    everyone = (
+        f"every rank refused optimizer step {settled} because rank(s) {refusing} found what they received "
+        f"corrupted{' (' + '; '.join(notes) + ')' if notes else ''}: nothing was applied on any rank{undone}, the "
+        "replicas are still identical and the step can be run again (a faulty link, NIC or memory, or injected "
+        "traffic, if it repeats)"
+    )
+    if refusal is not None:
+        return DeMoPayloadError(f"{refusal}; {everyone}")
+    return DeMoPayloadError(f"rank {me}: {everyone}")
+
+
 def verdict(refusal: DeMoPayloadError | None) -> int:
     """What this rank says in the vote: 0 (whole), REFUSED (a payload), or HEADER_REFUSED with the sender of the
     header it refused in the bits above (:func:`codec.receive_headers`)."""
@@ -213,23 +287,9 @@ def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> No
         rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
     else:
         rows = [v for (v,) in unpack_words(transport.all_gather(mine.to(device), "vote"), 1)]
-    refusing = [transport.global_rank(r) for r, v in enumerate(rows) if v]
-    if not refusing:
+    if not any(rows):
         return
-    headers = [
-        f"rank {transport.global_rank(r)} refused the header from rank {transport.global_rank(v >> 8)}"
-        for r, v in enumerate(rows)
-        if v & HEADER_REFUSED
-    ]
-    everyone = (
-        f"every rank refused optimizer step {transport.step} because rank(s) {refusing} found what they received "
-        f"corrupted{' (' + '; '.join(headers) + ')' if headers else ''}: nothing was applied on any rank, the "
-        "replicas are still identical and the step can be run again (a faulty link, NIC or memory, or injected "
-        "traffic, if it repeats)"
-    )
-    if refusal is not None:
-        raise DeMoPayloadError(f"{refusal}; {everyone}") from refusal
-    raise DeMoPayloadError(f"rank {transport.global_rank(transport.rank)}: {everyone}")
+    raise refused_everywhere(transport, transport.step, rows, refusal) from refusal
 
 
 def _sealed_verdicts(transport, mine: torch.Tensor, refusal, sealer, device) -> tuple[list[int], object]:

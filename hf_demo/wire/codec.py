@@ -1,6 +1,7 @@
 """The wire protocol: what one rank sends in one step, byte for byte, and every check made on receipt.
 
-Every step a rank sends two buffers (two collectives):
+Every step a rank sends two buffers (in steady state in one all-gather: the payload rides after the header, and
+the verdict on the step before rides as the row's kind: a step's header, or a ``FLAG_SETTLES`` row):
 
 1. a fixed header (:data:`HEADER_BYTES`): fourteen int64 words (magic, format version, step, layout
    checksum, settings checksum, flags, world size, payload length, payload CRC32, parameter fingerprint,
@@ -41,7 +42,8 @@ from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
-FORMAT_VERSION = 5  # 4: the header's own CRC32 (the 14th word); 5: the payload rides in the header's all-gather
+FORMAT_VERSION = 6  # 4: the header's own CRC32 (the 14th word); 5: the payload rides in the header's all-gather;
+# 6: a step's verdict settles in the next exchange's all-gather (FLAG_SETTLES rows, hf_demo.optim.settle)
 HEADER_WORDS = 14
 BODY_WORDS = 13  # the words the header CRC32 and the header HMAC cover (all but the CRC32 itself)
 TAG_BYTES = 32
@@ -55,6 +57,14 @@ FLAG_GRAD_FINGERPRINT = 16  # the grad_fingerprint word holds this rank's local-
 FLAG_DDP_SUSPECT = 32  # a DDP wrapper that all-reduces holds some of DeMo's parameters here: grad_fingerprint is
 # the fingerprint of those parameters' gradients, which tells whether the wrapper really averaged them
 FLAG_REFUSED = 64  # this rank refused the exchange the last step started (overlap): no rank applies it
+FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its ``step`` word names, in the flags'
+# bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
+VERDICT_SHIFT = 16
+
+
+def settles(h) -> int | None:
+    """The verdict a settling row carries (0: whole), or None for a step's header."""
+    return h.flags >> VERDICT_SHIFT if h.flags & FLAG_SETTLES else None
 
 
 def _align(n: int) -> int:

@@ -1,0 +1,211 @@
+"""One round trip per step in steady state, all ranks or none: a step's verdict settles in the next exchange.
+
+A step's one collective is the headers' all-gather with the payloads riding in it (G_t). A step whose every
+rank received everything whole and whose headers ask for nothing but the steady path commits *tentatively*:
+the transaction commits and keeps an undo log (:class:`~hf_demo.optim.transaction.Undo`), and the verdict
+travels with the next exchange. The rule every rank follows, since every rank took part in G_t and knows its row
+size: **the collective after G_t is an all-gather of G_t's row size.** It is, on each rank, one of
+
+* the next step's headers (G_t+1): this rank received step t whole and the step was steady;
+* a *settling row* (a header with ``FLAG_SETTLES`` and the rank's verdict, zeros to the row size): posted at
+  once, without waiting, by a rank that refused something at step t (a payload, a header: it cannot know what
+  the others do next), and run and waited for by every rank whose step t is not steady (a skip, a resync, a
+  policy's move, a tier's first exchange, a process's first exchange, a payload that did not ride) before any
+  collective the headers choose, and by :func:`confirm` (``DeMo.confirm()``, ``flush()``) after the last step.
+
+Every rank then reads every rank's verdict on step t in that all-gather. All whole: the undo log is dropped.
+Any refusal: every rank raises the same :class:`~hf_demo.errors.DeMoPayloadError` naming step t and the refusing
+ranks, and a rank that committed step t tentatively undoes it first (bitwise back to before step t; nothing of
+step t+1 was applied). A rank that refused step t returns from ``step()`` without applying it (so that it takes
+part in whatever the training loop does between steps, Trainer's own collectives included) and raises at its next
+``step()``/``confirm()``, where the others raise too. Non-steady steps keep two round trips (the second of the
+row's size); a refusal of step t is never seen later than at step t+1's all-gather.
+
+Where the verdict waits instead in a round trip of its own (``agreement.vote``, and why): ``commit_vote=
+"separate"``; ``overlap=True`` (its exchange runs in the background and its verdict already rides in the next
+header); ``exchange="all_reduce"`` (its values' all-reduce follows the headers, so the collective after G_t is
+not row-sized); local steps (``sync_every > 1``: the next exchange is H steps away, and the undo would have to
+span the local steps); the sharded (HSDP) topology (a refusal must stop the whole shard group, whose rules gather
+matrices at step t); elastic runs (torchft counts a step committed at ``should_commit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.exchange.transport import Pending
+from hf_demo.guards import verdicts
+from hf_demo.optim.records import Settled
+from hf_demo.optim.transaction import Undo
+from hf_demo.wire import agreement, codec
+
+STEADY_FLAGS = codec.FLAG_AUTH | codec.FLAG_FINGERPRINT  # header flags that ask for nothing beyond the steady path
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """A step whose verdict has not been read: ``undo`` where this rank committed it tentatively; ``posted`` (this
+    rank's settling row on its way) and ``refusal`` where this rank refused it and applied nothing; ``earlier``:
+    the step before's undo, kept where this rank refused step ``step`` without trusting every header of it."""
+
+    step: int
+    row_bytes: int
+    undo: Undo | None = None
+    posted: Pending | None = None
+    refusal: Exception | None = None
+    earlier: Undo | None = None
+
+
+class Deferred(Exception):
+    """This rank refused what it received at a step that settles later (raised by the vote part, caught by
+    ``DeMo.step``, which keeps :attr:`unsettled` and returns: the rank raises at its next step or confirm)."""
+
+    def __init__(self, unsettled: Unsettled):
+        super().__init__(f"optimizer step {unsettled.step} refused here: {unsettled.refusal}")
+        self.unsettled = unsettled
+
+
+def defers(step, plan) -> bool:
+    """Whether this step's verdict may settle in the next exchange (the modes in the module's docstring)."""
+    s, view = step.settings, step.view
+    return (
+        s.commit_vote == "on"
+        and not s.overlap
+        and s.exchange == "all_gather"
+        and agreement.RIDE
+        and step.transport.world > 1
+        and plan.tier.sync_every == 1
+        and view.topology.name == "flat"
+        and not view.elastic
+    )
+
+
+def steady(step, chosen, found, agreed) -> bool:
+    """The same on every rank that trusted every header: the payloads rode, no header flag asks for more (a skip,
+    a drift, a first exchange, a DDP check), no resync is due, the policy stays in its tier, this is the first
+    try of the step."""
+    headers, view, s = agreed.headers, step.view, step.settings
+    if agreed.arrived is None or step.decided is not None or found.first:
+        return False
+    if any(h.flags & ~STEADY_FLAGS for h in headers):
+        return False
+    if found.check_drift and len({h.fingerprint for h in headers}) > 1:
+        return False
+    if verdicts.due(s.full_sync_every, step.transport.step):
+        return False
+    if s.comm_budget:
+        exchange_ms, elapsed_ms = max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers)
+        figures = view.topology.agree_figures(
+            step.transport, chosen.device, exchange_ms, elapsed_ms, view.bytes_by_tier(chosen.items)
+        )
+        if view.policy.decide(*figures, view.clock.last_exchange_tier).tier != view.policy.tier:
+            return False
+    return True
+
+
+def post(transport, settled: int, refusal, row_bytes: int, view, device) -> Pending:
+    """This rank's settling row for step ``settled``, all-gathered in the background (``view``: what holds the
+    secret and the sealer)."""
+    row = agreement.settling_row(transport, settled, agreement.verdict(refusal), row_bytes, view.secret, view.sealer)
+    return transport.start_all_gather(agreement.to_device(row, device), "settle")
+
+
+def vote(step, chosen, found, agreed, refusal) -> Settled:
+    """The vote part where the step's verdict may settle later: a steady step that this rank received whole
+    commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`);
+    any other step runs the settling all-gather now and raises on every rank where any rank refused."""
+    transport, row_bytes = step.transport, agreed.row_bytes
+    if refusal is None and steady(step, chosen, found, agreed):
+        return Settled(tentative=True, row_bytes=row_bytes)
+    posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device)
+    if refusal is not None:
+        raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
+    try:
+        rows = posted.wait(transport.traffic)
+    except DeMoSyncError as exc:
+        raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
+    words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
+    if any(words):
+        raise agreement.refused_everywhere(transport, transport.step, words, None)
+    return Settled(tentative=False, row_bytes=row_bytes)
+
+
+def refused_before(transport, settling: dict, unsettled) -> Exception:
+    """Settling rows in this step's headers' all-gather: another rank refused the last step. The error this rank
+    raises, marked to undo the last step (``undo_unsettled``) where it committed it tentatively."""
+    if unsettled is None or unsettled.undo is None or not any(settling.values()):
+        return DeMoSyncError(
+            f"rank {transport.global_rank(transport.rank)}: rank(s) {sorted(settling)} settled optimizer step "
+            f"{transport.step - 1} while this rank started step {transport.step} (the ranks disagree on whether "
+            "the step before was steady: different settings or state); no state was changed"
+        )
+    words = [settling.get(r, 0) for r in range(transport.world)]
+    exc = agreement.refused_everywhere(transport, unsettled.step, words, None, ", this rank undid it")
+    exc.undo_unsettled = True
+    return exc
+
+
+def confirm(opt) -> None:
+    """Read every rank's verdict on the step still unsettled (none: nothing to do, no collective). Every rank
+    must call it at the same point (after the last step, before a checkpoint): ``DeMo.confirm()``."""
+    u = opt.unsettled
+    if u is None:
+        return
+    transport = opt.transport.at(u.step)
+    if u.posted is not None:
+        return _refused_here(opt, u, transport)
+    posted = post(transport, u.step, None, u.row_bytes, opt, opt.device())
+    try:
+        rows = posted.wait(transport.traffic)
+    except DeMoSyncError as exc:
+        undo(opt)
+        raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
+    finally:
+        opt.comm_stats.add(transport.traffic)
+    words = agreement.read_settling(transport, rows, u.step, opt.secret, opt.sealer)
+    if any(words):
+        undo(opt)
+        raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
+    opt.unsettled = None
+
+
+def _refused_here(opt, u: Unsettled, transport) -> None:
+    """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise."""
+    try:
+        rows = u.posted.wait(transport.traffic)
+    except DeMoSyncError as exc:
+        opt.unsettled = None
+        if u.earlier is not None:
+            u.earlier()
+        what = f", and undid optimizer step {u.step - 1}, whose verdict it could not read" if u.earlier else ""
+        raise DeMoSyncError(f"{exc}. This rank refused optimizer step {u.step} ({u.refusal}){what}") from exc
+    opt.unsettled = None  # every rank that answered received the step before whole: it stays
+    words = agreement.read_settling(transport, rows, u.step, opt.secret, opt.sealer)
+    raise agreement.refused_everywhere(transport, u.step, words, u.refusal)
+
+
+def undo(opt) -> None:
+    """Put the optimizer back as it was before the step committed tentatively (nothing where none is)."""
+    u, opt.unsettled = opt.unsettled, None
+    if u is not None and u.undo is not None:
+        u.undo()
+
+
+def deferred(opt, exc: Deferred) -> None:
+    """``DeMo.step``'s answer to :class:`Deferred`: the refused step is kept unsettled (and the step before's undo
+    where this rank did not trust every header, so did not read every verdict on it)."""
+    earlier = opt.unsettled.undo if opt.unsettled is not None else None
+    opt.unsettled = replace(exc.unsettled, earlier=earlier)
+
+
+def state_check(opt, what: str = "saved") -> None:
+    """``state_dict()`` (or ``load_state_dict()``) of a rank that refused a step still unsettled: no state is saved
+    from there (the step is refused on every rank at the next step or confirm), and none is loaded while its
+    settling row travels (the next collectives would pair with it)."""
+    u = opt.unsettled
+    if u is not None and u.posted is not None:
+        raise DeMoPayloadError(
+            f"{u.refusal}; this rank refused optimizer step {u.step}, which every rank refuses at its next step() "
+            f"or confirm(): no state is {what} from here (call optimizer.confirm() on every rank first)"
+        )
