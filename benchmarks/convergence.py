@@ -16,8 +16,8 @@ The job is ``benchlib.toy``'s (the WAN benchmark's too): a byte-level ``LlamaFor
 sources; the last 2% of the bytes are held out; rank r draws its windows from its own shard with a generator
 seeded by (seed, rank), so every method sees the same batches. ``--shards`` says how the rest is split between
 the ranks (``benchlib.toy``): ``contiguous`` (default: equal byte ranges of the sorted files), ``interleaved``
-(IID: whole files dealt in turn to the least-loaded rank) or ``by_directory`` (non-IID: whole packages per rank); the held-out set is the
-same in every mode. ``--world`` gloo ranks (default 2) are forked
+(IID: whole files dealt in turn to the least-loaded rank) or ``by_directory`` (non-IID: whole packages per
+rank); the held-out set is the same in every mode. ``--world`` gloo ranks (default 2) are forked
 per run (``torch.multiprocessing``), one torch thread each, on 127.0.0.1.
 
 Methods (``--methods``; each may be given several times through ``--demo-configs``):
@@ -563,7 +563,8 @@ def write_report(tag: str, runs: list[dict], args) -> str:
         c = rows[0]["runs"][0]["config"]
         lines += [
             f"Byte-level Llama ({rows[0]['runs'][0]['n_params'] / 1e6:.2f}M params: hidden {c['hidden']}, "
-            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks ({c.get('shards', 'contiguous')} shards) x batch "
+            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks "
+            f"({c.get('shards', 'contiguous')} shards) x batch "
             f"{c['batch_size']}x{c['seq_len']}, stdlib corpus, {c['steps']} steps, warmup {c['warmup']} + "
             f"{c['schedule']}"
             + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "")

@@ -70,7 +70,7 @@ def test_contiguous_is_the_default_and_reads_what_it_always_read():
     corpus = torch.arange(1000, dtype=torch.int64) % 251
     for rank in range(4):
         new = toy.Data(corpus, rank, 4, 16, 3, seed=7, heldout=0.02, eval_batches=2)
-        cut, shard = 980, 980 // 4
+        shard = 980 // 4  # the training bytes (98%) in 4
         assert torch.equal(new.train, corpus[rank * shard : (rank + 1) * shard])
         gen = torch.Generator().manual_seed(7 * 1000003 + rank)  # the old code's windows, drawn alike
         starts = torch.randint(0, shard - 16, (3,), generator=gen)
