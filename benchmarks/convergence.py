@@ -14,7 +14,10 @@
 The job is ``benchlib.toy``'s (the WAN benchmark's too): a byte-level ``LlamaForCausalLM`` (vocab 256, hidden 256,
 4 layers, intermediate 688: 3.3M parameters, random init from the seed) on the Python standard library's
 sources; the last 2% of the bytes are held out; rank r draws its windows from its own shard with a generator
-seeded by (seed, rank), so every method sees the same batches. ``--world`` gloo ranks (default 2) are forked
+seeded by (seed, rank), so every method sees the same batches. ``--shards`` says how the rest is split between
+the ranks (``benchlib.toy``): ``contiguous`` (default: equal byte ranges of the sorted files), ``interleaved``
+(IID: whole files dealt in turn to the least-loaded rank) or ``by_directory`` (non-IID: whole packages per
+rank); the held-out set is the same in every mode. ``--world`` gloo ranks (default 2) are forked
 per run (``torch.multiprocessing``), one torch thread each, on 127.0.0.1.
 
 Methods (``--methods``; each may be given several times through ``--demo-configs``):
@@ -147,9 +150,11 @@ class RunConfig:
     powersgd_rank: int = 4
     threads: int = 1
     timeout_s: float = 3600.0
+    shards: str = "contiguous"
 
     def key(self) -> str:
         m = self.method
+        extra = [] if self.shards == "contiguous" else [f"shards={self.shards}"]  # earlier runs' keys unchanged
         return json.dumps(
             [
                 m.kind,
@@ -168,6 +173,7 @@ class RunConfig:
                 self.batch_size,
                 self.topk,
                 self.chunk,
+                *extra,
             ],
             default=str,
         )
@@ -185,12 +191,13 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
 
 _CORPUS = None
+_SPANS = None
 
 
 def _corpus():
-    global _CORPUS
+    global _CORPUS, _SPANS
     if _CORPUS is None:
-        _CORPUS = toy.stdlib_bytes()
+        _CORPUS, _SPANS = toy.stdlib_bytes(), toy.stdlib_spans()
     return _CORPUS
 
 
@@ -375,7 +382,10 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-        data = toy.Data(_corpus(), rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches)
+        corpus = _corpus()
+        data = toy.Data(
+            corpus, rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, _SPANS
+        )
         model = toy.byte_llama(
             hidden=cfg.hidden,
             intermediate=cfg.intermediate,
@@ -553,7 +563,8 @@ def write_report(tag: str, runs: list[dict], args) -> str:
         c = rows[0]["runs"][0]["config"]
         lines += [
             f"Byte-level Llama ({rows[0]['runs'][0]['n_params'] / 1e6:.2f}M params: hidden {c['hidden']}, "
-            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks x batch "
+            f"intermediate {c['intermediate']}, {c['layers']} layers), {c['world']} gloo ranks "
+            f"({c.get('shards', 'contiguous')} shards) x batch "
             f"{c['batch_size']}x{c['seq_len']}, stdlib corpus, {c['steps']} steps, warmup {c['warmup']} + "
             f"{c['schedule']}"
             + (f" to {c['min_lr_ratio']} x lr" if c["schedule"] == "cosine" else "")
@@ -773,6 +784,13 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument(
+        "--shards",
+        choices=toy.SHARDS,
+        default="contiguous",
+        help="how the training bytes are split between ranks: contiguous byte ranges (default), interleaved files "
+        "(IID), or whole packages per rank (by_directory, non-IID); the held-out set is the same",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)
@@ -819,6 +837,7 @@ def main(argv=None):
                             schedule=args.schedule,
                             min_lr_ratio=args.min_lr_ratio,
                             world=args.world,
+                            shards=args.shards,
                             eval_every=args.eval_every,
                             hidden=args.hidden,
                             intermediate=args.intermediate,
