@@ -89,7 +89,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
 
 from benchlib import toy  # noqa: E402
-from benchlib.baselines import POWERSGD_START_ITER, ddp_baseline, powersgd_bytes  # noqa: E402
+from benchlib.baselines import POWERSGD_START_ITER, ddp_baseline, ddp_muon, powersgd_bytes  # noqa: E402
 from benchlib.overrides import ALIASES, parse_overrides  # noqa: E402
 from benchlib.ranks import free_port  # noqa: E402
 
@@ -237,9 +237,7 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         return model, opt, lambda: opt.data_transmit
     dense = 4 * n_params
     if m.kind == "muon":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model), ddp_muon(model, cfg.lr), lambda: dense
+        return ddp_baseline(model, "muon"), ddp_muon(model, cfg.lr), lambda: dense
     net = ddp_baseline(model, m.kind, powersgd_rank=cfg.powersgd_rank)
     if m.kind == "adamw":
         sent = lambda: dense  # noqa: E731
@@ -335,40 +333,6 @@ def _shared_positions() -> None:
         return idx, momentum.gather(1, idx)
 
     functional.select = select
-
-
-class _Optimizers:
-    """Several optimizers stepped as one (DDP-Muon: Muon for the hidden matrices, AdamW for the rest)."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = optimizers
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-
-    def step(self):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-
-def ddp_muon(model, lr: float) -> _Optimizers:
-    """``torch.optim.Muon`` (momentum 0.95, Nesterov, 5 Newton-Schulz steps, ``adjust_lr_fn="match_rms_adamw"``:
-    AdamW's lr carries over) on the hidden matrices of ``muon_style_groups``, AdamW (0.9/0.95) on the rest; no
-    weight decay. torch's Newton-Schulz runs in bf16, ~20x slower on a CPU: it is replaced here, in this run's
-    process, by hf_demo's fp32 iteration (the one ``update_rule="orthogonal"`` uses)."""
-    import torch
-    from torch.optim import _muon
-
-    from hf_demo.optim.param_groups import muon_style_groups
-    from hf_demo.optim.update_rules import newton_schulz
-
-    _muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(grad, steps, coefficients)
-    hidden, others = muon_style_groups(model, hidden={}, others={})
-    muon = torch.optim.Muon(hidden["params"], lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(others["params"], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    return _Optimizers(muon, adamw)
 
 
 def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:

@@ -51,8 +51,11 @@ LABELS = {
     "demo-policy": "DeMo policy (budget 0.15)",
     "demo-policy30": "DeMo policy (budget 0.3)",
     "demo-hsdp": "HSDP-DeMo (FSDP2 in a node)",
+    "demo-scratch": "DeMo from_scratch preset",
+    "demo-scratch-few": "DeMo from_scratch_few_bytes preset",
     "adamw": "DDP AdamW",
     "powersgd": "DDP PowerSGD r4",
+    "muon": "DDP Muon",
 }
 
 COLORS = {
@@ -66,8 +69,11 @@ COLORS = {
     "demo-policy": "tab:pink",
     "demo-policy30": "tab:olive",
     "demo-hsdp": "tab:gray",
+    "demo-scratch": "navy",
+    "demo-scratch-few": "teal",
     "adamw": "tab:red",
     "powersgd": "tab:orange",
+    "muon": "maroon",
 }
 
 # Scenarios (issue 12): the link's rate over time (seconds from the first training step), links that drop,

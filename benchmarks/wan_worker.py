@@ -25,7 +25,13 @@ Methods (``--method``):
 - ``demo-hsdp``  HSDP-DeMo (``hf_demo.fsdp``): the model sharded by FSDP2 over the LOCAL_WORLD_SIZE processes
   of a node (torchrun's ``--nproc_per_node``), gradients reduce-scattered inside the node, DeMo between nodes
   (each process exchanging its own shard); every rank of a node takes part in the evaluation's forward pass.
+- ``demo-scratch``  the ``from_scratch`` preset (``hf_demo.create_optimizer``: local Muon steps in Muon-style
+  groups, synchronising every 2 steps); ``demo-scratch-few`` the ``from_scratch_few_bytes`` preset (every 4 steps,
+  top-4). The evaluation reads rank 0's parameters: evaluate at synchronisations (``--eval-every`` a multiple of
+  the interval).
 - ``adamw``      ``torch.optim.AdamW`` on a ``DistributedDataParallel`` model (gloo all-reduce of fp32 grads).
+- ``muon``       DDP-Muon: ``torch.optim.Muon`` on the hidden matrices, AdamW on the rest
+  (``benchlib.baselines.ddp_muon``), on a ``DistributedDataParallel`` model.
 - ``powersgd``   the same with DDP's ``powerSGD_hook`` (rank 4, vanilla all-reduce for the first 2 steps), in
   one DDP bucket (the hook's chained all-reduces can get out of order between ranks with several buckets).
 
@@ -57,7 +63,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchlib.baselines import ddp_baseline
+from benchlib.baselines import ddp_baseline, ddp_muon
 from benchlib.overrides import parse_overrides
 from benchlib.toy import Data, byte_llama, evaluate, stdlib_bytes
 
@@ -72,9 +78,15 @@ METHODS = (
     "demo-policy",
     "demo-policy30",
     "demo-hsdp",
+    "demo-scratch",
+    "demo-scratch-few",
     "adamw",
     "powersgd",
+    "muon",
 )
+
+# methods built by hf_demo.create_optimizer from a preset (its top-k and chunk: --topk/--chunk do not apply)
+PRESET_OF = {"demo-scratch": "from_scratch", "demo-scratch-few": "from_scratch_few_bytes"}
 
 # methods whose top-k grows with the world: --topk x max(1, W // 2), the union all-reduce's top-k that trained
 # level with the all-gather's --topk at W = 4 and 8 (benchmarks/reports/2026-11-30-convergence.md)
@@ -213,6 +225,39 @@ def install_delay(args, world: int, rank: int, demo: bool, log: list) -> None:
 
 
 # ------------------------------------------------------------------ main
+def params_digest(model) -> str:
+    """sha256 of this rank's parameters (its local shards under HSDP), in the model's order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_demo(args, model, lr: float, world: int, mesh):
+    """The DeMo optimizer of a ``demo-*`` method: a preset through ``hf_demo.create_optimizer`` (``PRESET_OF``), or
+    ``hf_demo.DeMo`` with ``--topk``/``--chunk`` and the method's keywords; ``--demo-settings`` win over both."""
+    import hf_demo
+
+    overrides = parse_overrides(args.demo_settings)  # e.g. topk=64 over --topk
+    if args.method in PRESET_OF:
+        return hf_demo.create_optimizer(
+            model, lr=lr, preset=PRESET_OF[args.method], comm_timeout=args.comm_timeout, **overrides
+        )
+    kw = dict(
+        compression_topk=args.topk * (max(1, world // 2) if args.method in TOPK_PER_HALF_WORLD else 1),
+        compression_chunk=args.chunk,
+        comm_timeout=args.comm_timeout,
+        **DEMO_KW[args.method],
+    )
+    if args.method == "demo-policy":
+        kw["comm_budget"] = args.comm_budget
+    return hf_demo.DeMo(model.parameters(), lr=lr, device_mesh=mesh, **{**kw, **overrides})
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -249,27 +294,19 @@ def main(argv=None):
         mesh = fsdp.hsdp_mesh()  # (nodes, LOCAL_WORLD_SIZE)
         fsdp.shard_model(model, mesh)
     if is_demo:
-        from hf_demo import DeMo
-
         net = model
-        kw = dict(
-            compression_topk=args.topk * (max(1, world // 2) if args.method in TOPK_PER_HALF_WORLD else 1),
-            compression_chunk=args.chunk,
-            comm_timeout=args.comm_timeout,
-            **DEMO_KW[args.method],
-        )
-        if args.method == "demo-policy":
-            kw["comm_budget"] = args.comm_budget
-        kw.update(parse_overrides(args.demo_settings))  # --demo-settings win, e.g. topk=64 over --topk
-        opt = DeMo(model.parameters(), lr=lr, device_mesh=mesh, **kw)
+        opt = build_demo(args, model, lr, world, mesh)
     else:
         net = ddp_baseline(model, args.method, powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb)
-        if args.method == "adamw" and (args.delay_ms > 0 or args.delay_dist):
+        if args.method in ("adamw", "muon") and (args.delay_ms > 0 or args.delay_dist):
             # DDP's all-reduce through the Python hook, so that the delay wrapper sees it
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.allreduce_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if args.method == "muon":
+            opt = ddp_muon(model, lr)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def lr_at(step):  # step counts from 0
         return lr * min(1.0, (step + 1) / max(1, args.warmup))
@@ -332,6 +369,8 @@ def main(argv=None):
     dist.all_gather_object(
         per_rank, dict(rank=rank, wire_tx=wire_tx, wire_rx=wire_rx, train_time=train_time, steps=steps)
     )
+    digests = [None] * world  # every rank's final parameters, hashed: the replicas must end identical
+    dist.all_gather_object(digests, params_digest(model))
     if rank == 0:
         extra = {}
         if is_demo:
@@ -353,6 +392,7 @@ def main(argv=None):
             local_world_size=local_size,
             load_start=load_start,
             load_end=open("/proc/loadavg").read().split()[:3],
+            params_digest=digests,
             **extra,
         )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -435,10 +435,10 @@ def test_presets_sit_under_settings_given_by_name():
     assert parse("--optim", "demo", "--demo_preset", "balanced").demo_settings()["compression_topk"] == 64
     args = parse("--optim", "demo", "--demo_preset", "balanced", "--optim_args", "preset=lean")
     assert args.demo_settings()["compression_topk"] == 32  # --optim_args wins: lean keeps the default top-32
-    assert set(PRESETS) == {"balanced", "lean", "extreme", "many_nodes", "from_scratch"}
+    assert set(PRESETS) == {"balanced", "lean", "extreme", "many_nodes", "from_scratch", "from_scratch_few_bytes"}
     many = hf_demo.DeMo(model.parameters(), preset="many_nodes").settings
     assert (many.exchange, many.compression_topk, many.value_format) == ("all_reduce", 128, "bf16")
-    listed = "unknown preset 'fast'; presets: balanced, lean, extreme, many_nodes, from_scratch"
+    listed = "unknown preset 'fast'; presets: balanced, lean, extreme, many_nodes, from_scratch, from_scratch_few_bytes"
     with pytest.raises(ValueError, match=listed):
         hf_demo.DeMo(model.parameters(), preset="fast")
     with pytest.raises(SystemExit):

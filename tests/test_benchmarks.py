@@ -74,3 +74,26 @@ def test_fsdp_memory_benchmark_measures_every_layout_on_a_tiny_model(tmp_path):
     assert all(f"| {layout} | 3 |" in text for layout in ("ddp-demo", "hsdp-demo", "fsdp-adamw", "hsdp-adamw"))
     assert "hsdp-demo / ddp-demo (largest rank): 0.500" in text, text
     assert "hsdp-adamw: 2.0000 bytes/param/step" in text and "fsdp-adamw: 0.0000 bytes/param/step" in text, text
+
+
+@pytest.mark.parametrize("method", ["muon", "demo-scratch", "demo-scratch-few"])
+def test_wan_worker_trains_ddp_muon_and_the_from_scratch_presets_on_two_ranks(tmp_path, method):
+    """The slow-link job's DDP-Muon and preset methods run under torchrun (loopback, latency emulated before each
+    exchange, none on a local step), and every rank ends with the same parameters (the presets' evaluation reads
+    rank 0's at a synchronisation)."""
+    out = tmp_path / "run.json"
+    tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
+    worker = [str(ROOT / "benchmarks" / "wan_worker.py"), "--method", method, "--out", str(out), *tiny]
+    worker += ["--steps", "4", "--eval-every", "4", "--warmup", "1", "--delay-ms", "1", "--lr", "1e-2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *worker]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["world"] == 2 and run["method"] == method and len(run["ranks"]) == 2
+    assert [e["step"] for e in run["evals"]] == [0, 4] and run["evals"][1]["loss"] < run["evals"][0]["loss"]
+    assert run["params_digest"][0] == run["params_digest"][1]
+    interval = {"muon": 1, "demo-scratch": 2, "demo-scratch-few": 4}[method]
+    waited = [s["delay_s"] > 0 for s in run["ranks"][0]["steps"]]
+    # the emulated latency at each exchange only (and at the first step, which agrees the run's settings)
+    assert waited == [i == 0 or (i + 1) % interval == 0 for i in range(4)]
