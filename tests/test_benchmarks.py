@@ -97,3 +97,28 @@ def test_wan_worker_trains_ddp_muon_and_the_from_scratch_presets_on_two_ranks(tm
     waited = [s["delay_s"] > 0 for s in run["ranks"][0]["steps"]]
     # the emulated latency at each exchange only (and at the first step, which agrees the run's settings)
     assert waited == [i == 0 or (i + 1) % interval == 0 for i in range(4)]
+
+
+def test_the_slow_link_headline_tables_the_runs_with_the_planner_beside_them(tmp_path):
+    """``wan_headline.py --report-only`` on kept ``wan.py`` runs: a row per method with its lr, time to target and
+    ratio to DDP-AdamW's, and the planner's step for every method it has a row for (its bytes checked against the
+    run's), DDP-Muon named as having none."""
+    kept = ROOT / "benchmarks" / "results" / "wan_headline_lr" / "lr1"
+    (tmp_path / "run1").symlink_to(kept)
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import wan_headline as h; "
+        f"rows = h.report(h.parse_args(['--report-only', '--out-dir', {str(tmp_path)!r}, '--target-loss', '2.9'])); "
+        "import json; print(json.dumps(rows))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(proc.stdout.splitlines()[-1])}
+    assert set(rows) == {"adamw", "muon", "powersgd", "demo-bf16", "demo-scratch", "demo-scratch-few"}
+    assert rows["adamw"]["vs_adamw"] == 1.0 and rows["adamw"]["lr"] == 1e-3
+    assert rows["demo-bf16"]["reached"] == 0 and rows["demo-bf16"]["vs_adamw"] is None  # 3.0071 > 2.9
+    assert rows["demo-scratch"]["vs_adamw"] < 1.0 and rows["demo-scratch"]["step_target"] < 32
+    assert rows["muon"]["predicted_step_s"] is None
+    assert all(rows[m]["predicted_step_s"] > 0 for m in rows if m != "muon")
+    table = (tmp_path / "wan_headline.md").read_text()
+    assert "| DDP-Muon | 0.004 |" in table and "no planner row" in table and "0 of 1 runs reached 2.9" in table
