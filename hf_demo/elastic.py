@@ -415,11 +415,10 @@ class Elastic:
         own = {p: {k: v for k, v in s.items() if own_key(k)} for p, s in self.opt.state.items()}
         if self.node is None:
             self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["optimizer"])
+            self.opt.load_peer_state(state["optimizer"])
         else:  # HSDP: this shard's state, from the same shard rank of a live replica group
             load_local_model(self.model, state["model"])
-            self.opt.load_state_dict(placed_optimizer_state(self.opt, state["optimizer"]))
-        self.opt.saved_world, self.opt.saved_identity = None, (None, None, None)  # a live peer's, not a resume
+            self.opt.load_peer_state(placed_optimizer_state(self.opt, state["optimizer"]))
         for p, kept in own.items():
             self.opt.state[p].update(kept)
         self.stats.recoveries += 1

@@ -146,6 +146,35 @@ def test_a_joiner_receives_the_agreed_state_without_momentum():
     assert all(torch.equal(joiner.opt.state[p]["momentum"], own) for p in model.parameters())
 
 
+def test_a_joiner_in_a_process_group_of_its_own_loads_a_peers_state_saved_in_a_larger_quorum():
+    """Under Trainer each replica group is a torchrun of one process, so torch.distributed is initialised (a group of
+    one) when a restarted replica receives a live peer's state. That state was saved by the peer's rank 1 of a
+    quorum of 2: it is the peer's, loaded as such, not refused as a checkpoint resumed with another world (the
+    restarted replica would crash again and the survivor lose the step it joined at)."""
+    import torch.distributed as dist
+
+    from dist_utils import free_port
+    from hf_demo.errors import DeMoStateError
+
+    peer, peer_model = _elastic(_Manager())
+    state = peer.agreed_state()
+    state["optimizer"]["demo"].update(rank=1, world_size=2)  # the peer's place in the quorum it saved in
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        resumed = hf_demo.DeMo(torch.nn.Linear(8, 8).parameters())
+        with pytest.raises(DeMoStateError, match="saved with 2 process"):
+            resumed.load_state_dict(state["optimizer"])  # a checkpoint's resume still checks
+        manager = _Manager()
+        manager.step = 4
+        joiner, model = _elastic(manager)
+        manager.heal = lambda: joiner.load_agreed(state)
+        joiner.start_step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))
+        assert joiner.stats.recoveries == 1 and joiner.opt.saved_world is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica():
     """comm_budget: the policy's next decision reads the last exchange's figures and the tier it ran in, which a
     survivor holds and a joiner does not (a joiner's are reset by the load). At a new quorum every replica forgets

@@ -66,6 +66,42 @@ def test_the_quorums_events_become_each_steps_figures_and_the_runs_totals():
         StepMonitor(0, 0, 1, None, sync_cuda=False).record_elastic(event("rejoin", 1, 2))
 
 
+def test_the_samples_no_replica_reads_are_each_steps_figure_a_total_and_a_prometheus_counter():
+    """Trainer's elastic callback counts the shards of missing replicas in ``ElasticStats.samples_unread``; the
+    monitor reads what was added since the previous step at each step's end (with the quorum the step ran with)."""
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    import hf_demo
+    from dist_utils import free_port
+    from hf_demo.elastic import ElasticStats
+    from hf_demo.ops.exporters import PrometheusExporter, Snapshot
+
+    opt = hf_demo.DeMo([torch.nn.Parameter(torch.zeros(8, 8))], lr=1e-3)
+    stats = ElasticStats()
+    opt.replication = SimpleNamespace(world=2, stats=stats)
+    monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
+    seen = []
+    try:
+        for step, unread in enumerate([0, 8, 8, 0, 4], 1):
+            monitor.step_begin(opt)
+            monitor.pre_optimizer()
+            monitor.optimizer_done()
+            stats.samples_unread += unread  # the elastic callback's on_step_end runs before the ops callback's
+            sample = monitor.step_end(step, opt)
+            seen.append((sample.quorum, sample.samples_unread))
+    finally:
+        monitor.close()
+    assert seen == [(2, 0), (2, 8), (2, 8), (2, 0), (2, 4)] and monitor.totals.samples_unread == 20
+    exporter = PrometheusExporter(free_port(), "127.0.0.1", "el")
+    try:
+        exporter.update(0, Snapshot(monitor.totals, sample, 5, ""))
+        labels = {"rank": "0", "node": "0", "run": "el"}
+        assert exporter.registry.get_sample_value("hf_demo_samples_unread_total", labels) == 20.0
+    finally:
+        exporter.close()
+
+
 def test_a_loss_a_quorum_that_stays_short_and_a_slow_recovery_alert():
     samples, _ = _monitored()
     rules = HealthRules(HealthSettings(quorum_patience=20, recovery_alert_s=2.0, cooldown_steps=10))
@@ -220,6 +256,16 @@ def test_mlflow_and_the_csv_log_get_the_quorums_figures(tmp_path, monkeypatch):
     table = pd.read_csv(tmp_path / "out" / "ops" / "steps-rank0.csv")
     assert list(table["quorum"]) == [3, 3, 3, 2, 2, 2, 3, 3, 2, 2, 2, 2] and table["samples_lost"].sum() == 48
     assert not math.isnan(table["recovery_s"].sum())
+    # the run report: the quorum's figures in its summary, and the quorum over the steps
+    from hf_demo.ops import report
+
+    rows, _ = report.log_rows(tmp_path / "out")
+    summary = dict(report._elastic_summary(rows))
+    assert summary["quorum (smallest, last)"] == "2, 2" and summary["replicas lost, joined"] == "2, 2"
+    assert summary["samples lost (refused steps)"] == "48"
+    assert summary["recoveries from a live peer (seconds)"] == "1 (2.5)"
+    assert summary["samples unread (missing replicas' shards)"] == "0"
+    assert "Elastic: replicas in the quorum" in report.render(tmp_path / "out")
 
 
 # ---------------------------------------------------------------- the shipped Prometheus rules

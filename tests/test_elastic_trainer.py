@@ -135,7 +135,10 @@ def test_a_killed_replica_group_comes_back_under_trainer(tmp_path, lighthouse):
     steps = ["--steps", "1000", "--step-seconds", "0.2", "--start-file", str(tmp_path / "start"), "--stop-file",
              str(stop)]  # fmt: skip
     survivor = Replica(0, lighthouse, tmp_path, *steps)
-    lost = Replica(1, lighthouse, tmp_path, *steps, "--trainer", "with_demo", "--die-at", "5", restarts=2)
+    # restarted, it waits 10 s: past the Lighthouse's heartbeat timeout, so the survivor trains alone meanwhile
+    # (one that is back at once may join the survivor's next quorum directly: test_elastic.py covers that recovery)
+    lost = Replica(1, lighthouse, tmp_path, *steps, "--trainer", "with_demo", "--die-at", "5", "--restart-delay",
+                   "10", restarts=2)  # fmt: skip
     _start_together([survivor, lost], tmp_path)
     first = lost.seen(lambda x: "train_begin" in x, 240)["train_begin"]
     alone = survivor.seen(lambda x: x.get("quorum") == 1, 240)["step"]
@@ -159,6 +162,10 @@ def test_a_killed_replica_group_comes_back_under_trainer(tmp_path, lighthouse):
     assert a["samples_lost"] == 2 * 4  # the refused step: both replicas' batches
     away = sum(1 for s in a["steps"] if s["committed"] and s["quorum"] == 1)
     assert away >= 1 and a["samples_unread"] == 4 * away and b["samples_unread"] == 0, (a, b)
+    # the same figures as the survivor's ops metrics (the monitor's totals and the last log row)
+    ops = a["ops"]
+    assert (ops["samples_unread"], ops["samples_lost"], ops["losses"]) == (4 * away, 2 * 4, 1), ops
+    assert (ops["logged_unread"], ops["logged_lost"]) == (4.0 * away, 8.0), ops
 
 
 def _shard_batch(rid: int, step: int, batch: int = 4, size: int = 512, seed: int = 42) -> list[int]:

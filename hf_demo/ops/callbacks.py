@@ -26,7 +26,9 @@ rank, where Trainer logs):
 ``ops/replica_joins``          elastic runs, since the last row: quorum changes where replicas joined;
                                ``ops/replica_losses`` where they were lost; ``ops/recoveries`` this replica's
                                recoveries from a peer and ``ops/recovery_s`` their seconds; ``ops/samples_lost``
-                               the samples of the refused steps (``ops/samples_lost_total`` since the start)
+                               the samples of the refused steps (``ops/samples_lost_total`` since the start);
+                               ``ops/samples_unread`` the samples no replica reads: the shards of replicas
+                               missing from committed steps, Trainer (``ops/samples_unread_total``)
 =============================  ==========================================================================
 """
 
@@ -227,9 +229,10 @@ def _window_summary(samples: list[StepSample]) -> dict:
     return out
 
 
-ELASTIC_WINDOW = ("joins", "losses", "recoveries", "recovery_s", "samples_lost")  # StepSample fields, per log row
+ELASTIC_WINDOW = ("joins", "losses", "recoveries", "recovery_s", "samples_lost", "samples_unread")  # per log row
 ELASTIC_KEYS = {"joins": "ops/replica_joins", "losses": "ops/replica_losses", "recoveries": "ops/recoveries",
-                "recovery_s": "ops/recovery_s", "samples_lost": "ops/samples_lost"}  # fmt: skip
+                "recovery_s": "ops/recovery_s", "samples_lost": "ops/samples_lost",
+                "samples_unread": "ops/samples_unread"}  # fmt: skip
 
 
 def _elastic_row(summaries: list, everyone: list) -> dict:
@@ -241,6 +244,7 @@ def _elastic_row(summaries: list, everyone: list) -> dict:
     row = {"ops/quorum": float(min(quorums))}
     row.update({name: max(w.get(key, 0.0) for _, w in summaries) for key, name in ELASTIC_KEYS.items()})
     row["ops/samples_lost_total"] = float(max(s.totals.samples_lost for _, _, s, _ in everyone))
+    row["ops/samples_unread_total"] = float(max(s.totals.samples_unread for _, _, s, _ in everyone))
     return row
 
 

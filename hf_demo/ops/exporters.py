@@ -68,6 +68,10 @@ METRICS = {
     "hf_demo_recovery_seconds_total": ("counter", "elastic runs: seconds this replica spent in those recoveries"),
     "hf_demo_last_recovery_seconds": ("gauge", "elastic runs: the last recovery's seconds"),
     "hf_demo_samples_lost_total": ("counter", "elastic runs: samples of the steps refused when replicas were lost"),
+    "hf_demo_samples_unread_total": (
+        "counter",
+        "elastic runs: samples no replica reads (the shards of replicas missing from committed steps, Trainer)",
+    ),
 }
 
 ELASTIC_TOTALS = {  # the elastic counters (exported once the run is elastic: a quorum seen) -> their Totals field
@@ -76,6 +80,7 @@ ELASTIC_TOTALS = {  # the elastic counters (exported once the run is elastic: a 
     "hf_demo_recoveries_total": "recoveries",
     "hf_demo_recovery_seconds_total": "recovery_s",
     "hf_demo_samples_lost_total": "samples_lost",
+    "hf_demo_samples_unread_total": "samples_unread",
 }
 
 

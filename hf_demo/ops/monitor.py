@@ -16,7 +16,8 @@
 - elastic runs (:mod:`hf_demo.elastic`): the quorum's size and the quorum's events since the previous step
   (joins, losses, this replica's recoveries and their seconds, the samples lost), from the
   :class:`~hf_demo.elastic.ElasticEvent` objects given to :meth:`StepMonitor.record_elastic`
-  (``elastic.add_listener(monitor.record_elastic)``; ``DeMoOpsCallback`` does it for a Trainer).
+  (``elastic.add_listener(monitor.record_elastic)``; ``DeMoOpsCallback`` does it for a Trainer), and the samples
+  no replica reads (``ElasticStats.samples_unread``, read at each step's end).
 
 ``bytes_between_nodes`` (what the price table bills as traffic between sites) is the received bytes of the
 collectives over DeMo's group (those over the shard group excluded) times the share of the group's other ranks that
@@ -77,6 +78,8 @@ class StepSample:
     recoveries: int = 0  # ... where this replica received the agreed state from a live peer
     recovery_s: float = 0.0  # the seconds of those recoveries
     samples_lost: int = 0  # the samples of the steps refused for those events
+    samples_unread: int = 0  # elastic: samples no replica reads, counted since the previous step (lost replicas'
+    # shards at the committed steps they are away: ElasticStats.samples_unread)
 
     @property
     def bytes_saved(self) -> float:
@@ -119,6 +122,7 @@ class Totals:
     recovery_s: float = 0.0
     last_recovery_s: float = math.nan
     samples_lost: int = 0
+    samples_unread: int = 0
 
     def add(self, s: StepSample) -> None:
         self.steps += 1
@@ -140,6 +144,7 @@ class Totals:
         self.recoveries += s.recoveries
         self.recovery_s += s.recovery_s
         self.samples_lost += s.samples_lost
+        self.samples_unread += s.samples_unread
 
 
 PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
@@ -148,13 +153,23 @@ ELASTIC_KINDS = {"join": "joins", "loss": "losses", "recovered": "recoveries"}
 
 
 class _ElasticWindow:
-    """The quorum's events since the last step's end (:meth:`StepMonitor.record_elastic`), and its last size."""
+    """The quorum's events since the last step's end (:meth:`StepMonitor.record_elastic`), its last size and the
+    samples no replica reads since then."""
 
     def __init__(self):
         self.quorum = 0
         self.counts = dict.fromkeys(ELASTIC_KINDS.values(), 0)
         self.recovery_s = 0.0
         self.samples_lost = 0
+        self.unread_seen = 0  # the replica's ElasticStats.samples_unread at the last step's end
+
+    def observe(self, replication) -> int:
+        """At a step's end: the quorum ``replication`` ran with, and the samples it counted unread since the last
+        step's end (a count the Trainer's elastic callback adds to, in either order with the monitor's)."""
+        self.quorum = replication.world
+        total = int(getattr(getattr(replication, "stats", None), "samples_unread", 0))
+        new, self.unread_seen = max(total - self.unread_seen, 0), total
+        return new
 
     def add(self, event) -> None:
         if event.kind not in ELASTIC_KINDS:
@@ -286,8 +301,8 @@ class StepMonitor:
         node_bytes = self._node_bytes.take()
         communicated = after["collectives"] > before["collectives"]
         replication = getattr(opt, "replication", None)
-        if replication is not None:  # elastic: the quorum this step ran with, events or not
-            self._elastic.quorum = replication.world
+        # elastic: the quorum this step ran with, events or not
+        unread = self._elastic.observe(replication) if replication is not None else 0
         sample = StepSample(
             step=step,
             rank=self.rank,
@@ -316,6 +331,7 @@ class StepMonitor:
             tokens=float(sum(int(t) for t in self._tokens)),
             forward_wait_s=self._forward_wait,
             **self._elastic.take(),
+            samples_unread=unread,
         )
         if sample.recoveries:
             self.totals.last_recovery_s = sample.recovery_s / sample.recoveries

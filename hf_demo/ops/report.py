@@ -6,7 +6,8 @@ folder or of its newest checkpoint), the per-step table if one was kept (``ops/s
 ``ops/steps/*.parquet``), the alerts (``ops/alerts-rank*.jsonl``) and the run's configuration (``ops/run.json``).
 The page: the run's figures over the whole run (bytes sent against a dense all-reduce, tokens per second),
 its configuration, loss (train and held-out), bytes per step against a dense all-reduce, the step-time split,
-every rank's own time and wait (the straggler stands out), tokens per second, the tier timeline, the cost,
+every rank's own time and wait (the straggler stands out), tokens per second, the tier timeline, for elastic
+runs the quorum over the steps with the replicas lost and joined and the samples lost and unread, the cost,
 and the alerts (a table, and labelled markers on the plots).
 """
 
@@ -186,6 +187,9 @@ def figures(rows: list[dict], steps: list[dict], found: list[dict]) -> list[tupl
         plot("Tokens per second (every rank)", [("tokens/s", tokens)], "tokens/s", marks=marks)
     tier = _per_step_mean(steps, "tier") if steps else _series(rows, "demo/tier")
     plot("Tier timeline (0: the configured settings)", [("tier", tier)], "tier", kind="step")
+    quorum = _series(rows, "ops/quorum")
+    if quorum[0]:
+        plot("Elastic: replicas in the quorum", [("quorum", quorum)], "replicas", kind="step", marks=marks)
     cost = _series(rows, "ops/cost")
     if cost[0]:
         plot("Running cost estimate (every rank)", [("cost", cost)], "cost")
@@ -253,8 +257,31 @@ def _summary(rows: list[dict], found: list[dict], steps: list[dict] = ()) -> lis
         out.append(("tokens per second, whole run (every rank)", f"{speed:.4g}"))
     if "ops/cost" in last:
         out.append(("cost so far", f"{last['ops/cost']:.4g}"))
+    out.extend(_elastic_summary(rows))
     out.append(("alerts", str(len(found))))
     return out
+
+
+def _elastic_summary(rows: list[dict]) -> list[tuple[str, str]]:
+    """Elastic runs (log rows with ``ops/quorum``): the quorum's range, the replicas lost and joined, the
+    recoveries, and the samples lost (refused steps) and unread (missing replicas' shards) since the start."""
+    quorums = [r["ops/quorum"] for r in rows if r.get("ops/quorum")]
+    if not quorums:
+        return []
+
+    def total(key):
+        return sum(r.get(key, 0) for r in rows)
+
+    def last(key):
+        return max((r[key] for r in rows if key in r), default=0)
+
+    return [
+        ("quorum (smallest, last)", f"{min(quorums):g}, {quorums[-1]:g}"),
+        ("replicas lost, joined", f"{total('ops/replica_losses'):g}, {total('ops/replica_joins'):g}"),
+        ("recoveries from a live peer (seconds)", f"{total('ops/recoveries'):g} ({total('ops/recovery_s'):.3g})"),
+        ("samples lost (refused steps)", f"{last('ops/samples_lost_total'):g}"),
+        ("samples unread (missing replicas' shards)", f"{last('ops/samples_unread_total'):g}"),
+    ]
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fff}

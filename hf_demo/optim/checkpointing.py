@@ -51,7 +51,10 @@ def save(opt, sd: dict) -> dict:
     return sharded_checkpoint.to_checkpoint(opt, sd, topology.world_mesh(), topology.shards.world, bool(own))
 
 
-def load(opt, state_dict: dict) -> None:
+def load(opt, state_dict: dict, resume: bool = True) -> None:
+    """``state_dict`` into ``opt``. ``resume``: a checkpoint of this run, checked to be this rank's, saved with this
+    many ranks, at every rank's step (now where the group exists, else at the first step); ``False``: a live peer's
+    agreed state (elastic recovery), whose rank, world and step are the peer's and are not checked."""
     state_dict = dict(state_dict)
     if opt.topology.name == "sharded":
         state_dict = sharded_checkpoint.from_checkpoint(opt, state_dict)
@@ -78,11 +81,14 @@ def load(opt, state_dict: dict) -> None:
         None if saved.pending is None else PendingExchange.from_state(saved.pending, rank, world, opt.device())
     )
     opt.comm_stats.load(saved.comm)
-    opt.saved_world = (saved.rank, saved.world_size, saved.rank_scope)
     opt.run_id = saved.run_id or opt.run_id  # a resumed run is the run it resumes
-    opt.saved_identity = (saved.run_id, saved.counters.steps, saved.params_print)
-    if dist.is_available() and dist.is_initialized():  # else at the first step, once the group exists
-        opt.check_saved_world()
+    if resume:
+        opt.saved_world = (saved.rank, saved.world_size, saved.rank_scope)
+        opt.saved_identity = (saved.run_id, saved.counters.steps, saved.params_print)
+        if dist.is_available() and dist.is_initialized():  # else at the first step, once the group exists
+            opt.check_saved_world()
+    else:
+        opt.saved_world, opt.saved_identity = None, (None, None, None)
     _restore_own_parameters(opt, ids, [p for p, _, _ in pairs], saved.local_params)
 
 

@@ -417,6 +417,14 @@ class DeMo(torch.optim.Optimizer):
         checkpointing.load(self, state_dict)
         self.unsettled = None  # the loaded state replaces the step whose verdict was pending (on every rank)
 
+    def load_peer_state(self, state_dict: dict) -> None:
+        """A live peer's agreed state (an elastic replica's recovery, :mod:`hf_demo.elastic`): loaded as
+        :meth:`load_state_dict` loads a checkpoint, but the rank, the world and the step it was saved at are the
+        peer's and are not checked against this replica's (it joins the peer's quorum at the peer's step)."""
+        settle.state_check(self, "loaded")
+        checkpointing.load(self, state_dict, resume=False)
+        self.unsettled = None
+
     def establish_run_id(self) -> str:
         """This run's identity, the same on every rank (a resumed run keeps the one it resumed)."""
         if self.run_id is None:

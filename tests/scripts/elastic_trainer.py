@@ -73,6 +73,18 @@ def _wait_for(path: str, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def _ops_figures(trainer) -> dict | None:
+    """The elastic figures the ops callbacks reported: the monitor's totals and the last log row's."""
+    ops = getattr(trainer, "demo_ops", None)
+    if ops is None or ops.monitor is None:
+        return None
+    t = ops.monitor.totals
+    rows = [r for r in trainer.state.log_history if "ops/samples_unread_total" in r]
+    return {"samples_lost": t.samples_lost, "samples_unread": t.samples_unread, "losses": t.losses,
+            "logged_unread": rows[-1]["ops/samples_unread_total"] if rows else None,
+            "logged_lost": rows[-1]["ops/samples_lost_total"] if rows else None}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
@@ -83,7 +95,15 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=-1, help="SIGKILL itself before this step's optimizer step")
     ap.add_argument("--stop-file", default="", help="a file whose number, once written, is the last step")
     ap.add_argument("--start-file", default="", help="before the first step, wait for this file")
+    ap.add_argument(
+        "--restart-delay",
+        type=float,
+        default=0.0,
+        help="restarted by torchrun: wait this long first (the survivors' quorum forms without it)",
+    )
     args = ap.parse_args()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(args.restart_delay)
     rid = int(os.environ["REPLICA_GROUP_ID"])
     x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1).tolist()})
@@ -111,7 +131,7 @@ def main() -> None:
     elastic = trainer.demo_elastic
     result = {"replica": rid, "digest": h.hexdigest(), "global_step": trainer.state.global_step,
               "committed": elastic.manager.current_step(), "steps": record.steps,
-              **elastic.stats.as_dict()}  # fmt: skip
+              **elastic.stats.as_dict(), "ops": _ops_figures(trainer)}  # fmt: skip
     Path(args.out, f"replica{rid}.json").write_text(json.dumps(result))
     print(json.dumps({"done": rid}), flush=True)
 
