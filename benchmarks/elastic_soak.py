@@ -62,13 +62,19 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seconds", type=float, default=1500.0, help="bound on each run's wall time")
     ap.add_argument("--no-baseline", action="store_true", help="skip the fault-free run")
     ap.add_argument("--out", default=None, help="folder for the replicas' logs (default: a temporary one)")
+    ap.add_argument(
+        "--keep-momentum",
+        action="store_true",
+        help="each replica keeps its momentum on disk (Elastic's momentum_dir): a replacement resumes it",
+    )
     return ap.parse_args(argv)
 
 
 def _args(a, steps_file: Path) -> list[str]:
+    keep = ["--momentum-dir", str(steps_file.parent / "momenta")] if a.keep_momentum else []
     return ["--model", a.model, "--steps", str(10**9), "--steps-file", str(steps_file), "--seed", "0",
             "--timeout", str(a.timeout),
-            "--step-seconds", str(a.step_seconds), "--eval-batches", str(a.eval_batches)]  # fmt: skip
+            "--step-seconds", str(a.step_seconds), "--eval-batches", str(a.eval_batches), *keep]  # fmt: skip
 
 
 def _in_quorum(reps: Replicas) -> list[str]:
@@ -200,6 +206,9 @@ def run(a, out: Path, rng: random.Random) -> dict:
         "batches_committed": batches,
         "samples_lost": sum(samples.values()),  # the refused steps' samples, trained again at the next step
         "kills_waited": done["waited"],
+        "momentum_resumed": sum(  # replacements whose momentum came from the dead replica's snapshot
+            1 for r in incarnations for x in r.lines if x.get("event", {}).get("kind") == "recovered" and x["momentum"]
+        ),
         "seconds": round(time.monotonic() - started, 1),
         "timed_out": timed_out,
     }

@@ -252,6 +252,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--flip-at", action="append", default=[], help="STEP:header|payload[:BYTE]: a bit flipped on receipt"
     )
+    ap.add_argument("--momentum-dir", default=None, help="keep this replica's momentum here (resumed on a restart)")
+    ap.add_argument("--momentum-every", type=int, default=1, help="committed steps between momentum snapshots")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args()
 
@@ -319,7 +321,7 @@ def train(args, replica: str, elastic, model, opt, corpus, shard: int = 0, shard
             line = {"replica": replica, "shard": shard, "step": step, "batch": batch,
                     "committed": elastic.last_committed, "quorum": elastic.world, "loss": round(loss, 5),
                     "tier": opt.tier, "local": opt.tiers[opt.tier].sync_every > 1, "unsynced": bool(opt.unsynced),
-                    "time": round(time.monotonic() - started, 3)}  # fmt: skip
+                    "time": round(time.monotonic() - started, 3), "momentum": momentum(opt)}  # fmt: skip
             if args.digests:
                 line["digest"] = digest(model)
             if not elastic.last_committed:
@@ -337,7 +339,8 @@ def main() -> None:
     model, corpus, opt, shard, shards = prepare(args, seed)
     replica = wait_for_id(args.standby) if args.standby else own
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
-                      timeout=args.timeout, batch_size=BATCH[args.model])  # fmt: skip
+                      timeout=args.timeout, batch_size=BATCH[args.model], momentum_dir=args.momentum_dir,
+                      momentum_every=args.momentum_every)  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
     die_at(args.die_at, elastic, args.die_group)

@@ -38,7 +38,9 @@ refused with the reason (:func:`refuse_modes`).
 A returning replica's momentum starts at zero (a live replica that only lagged keeps its own): DeMo's momentum is
 each rank's own residual of what it has not yet transmitted, never averaged, so no peer holds it and none needs
 it; a zero momentum is the state every rank starts a run in, and the replica's next steps send the top-k of its
-fresh gradients like any rank's first steps.
+fresh gradients like any rank's first steps. With ``momentum_dir`` each replica also keeps its own momentum on its
+disk after committed steps, and the process that takes its replica id back resumes it (:mod:`hf_demo.own_momentum`):
+what the dead replica had not yet sent is still unsent, so nothing of its residual is lost.
 """
 
 from __future__ import annotations
@@ -51,21 +53,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hf_demo import own_momentum
 from hf_demo.errors import DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim.policy import Clock
+from hf_demo.own_momentum import own_key
 from hf_demo.topology.dtensor import is_sharded, local, placed_like
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
-OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
-OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
-
-
-def own_key(key: str) -> bool:
-    """Whether a per-parameter state entry is this rank's own (its momenta, its inner rule's state) rather than
-    agreed by every replica (the anchor, an update rule's state driven by the mean update)."""
-    return key in OWN_KEYS or key.startswith(OWN_PREFIX)
 
 
 def require_torchft():
@@ -184,6 +180,7 @@ class ElasticStats:
     batches_lost: int = 0  # the batches of the refused steps (one per replica in the quorum)
     samples_lost: int = 0  # batches_lost x batch_size: the samples whose forward and backward were thrown away
     samples_unread: int = 0  # data no replica reads (Trainer: lost replicas' shards at the steps they are away)
+    momentum_restored: int = 0  # recoveries whose momentum came from this replica's snapshot (momentum_dir)
     quorum_seconds: float = 0.0  # time in torchft's quorum, a recovery included
     last_error: str = ""  # the last refused step's reason
 
@@ -214,15 +211,21 @@ class Elastic:
         quorum_timeout: seconds to wait for a quorum.
         batch_size: the samples in one replica's batch of one step (for :attr:`samples_lost`).
         manager: a torchft ``Manager`` built by the caller (then the four above are its own).
+        momentum_dir: a folder on this replica's disk (one per run) where its own momentum is kept after every
+            ``momentum_every``-th committed step, so that the process taking its replica id back (a restart, a
+            warm standby) resumes it instead of starting at zero (:mod:`hf_demo.own_momentum`); None: not kept.
+        momentum_every: committed steps between two snapshots of the momentum (each writes the momenta's bytes).
     """
 
     def __init__(self, opt, model: torch.nn.Module, *, lighthouse: str | None = None, replica_id: str | None = None,
                  min_replicas: int = 1, timeout: float = 30.0, quorum_timeout: float = 60.0, batch_size: int = 1,
-                 manager=None):  # fmt: skip
+                 manager=None, momentum_dir: str | os.PathLike | None = None, momentum_every: int = 1):  # fmt: skip
         require_torchft()
         refuse_modes(opt)
         if batch_size < 1:
             raise ValueError(f"Elastic: batch_size={batch_size}; give the samples in one replica's batch (>= 1)")
+        self._snapshot = self._snapshot_path(momentum_dir, momentum_every, replica_id, opt)
+        self.momentum_every = momentum_every
         self.opt, self.model, self.batch_size = opt, model, batch_size
         self.stats = ElasticStats()
         self.events: list[ElasticEvent] = []
@@ -273,6 +276,26 @@ class Elastic:
             lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
             replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
         )
+
+    @staticmethod
+    def _snapshot_path(folder, every: int, replica_id: str | None, opt):
+        """Where this replica's momentum snapshot goes (None: ``momentum_dir`` not given); bad input refused."""
+        if folder is None:
+            return None
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Elastic: momentum_every={every!r}; give the committed steps between snapshots (>= 1)")
+        rid = replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID")
+        if rid is None:
+            raise DeMoSetupError(
+                "Elastic: momentum_dir keeps each replica's momentum under its replica id: give replica_id (or set "
+                "REPLICA_GROUP_ID), the same for the process that takes this replica's place"
+            )
+        if any(is_sharded(p) for g in opt.param_groups for p in g["params"]):
+            raise DeMoSetupError(
+                "Elastic: momentum_dir is not supported on HSDP (each shard rank's momentum is blocked on its own "
+                "shard): leave it out, and a restarted node's momentum starts at zero"
+            )
+        return own_momentum.snapshot_path(folder, rid)
 
     # ------------------------------------------------------------------ events
     def add_listener(self, callback) -> None:
@@ -421,7 +444,17 @@ class Elastic:
             self.opt.load_peer_state(placed_optimizer_state(self.opt, state["optimizer"]))
         for p, kept in own.items():
             self.opt.state[p].update(kept)
+        if self._snapshot is not None and not any(own.values()):  # a restarted replica: its momentum from disk
+            if own_momentum.restore(self._snapshot, self.opt, self.manager.current_step()) is not None:
+                self.stats.momentum_restored += 1
         self.stats.recoveries += 1
+
+    def after_commit(self) -> None:
+        """Called by DeMo once a committed step's transaction is applied: this replica's momentum snapshot, every
+        ``momentum_every`` committed steps (``momentum_dir``)."""
+        step = self.manager.current_step()
+        if self._snapshot is not None and step % self.momentum_every == 0:
+            own_momentum.save(self._snapshot, self.opt, step)
 
     def shutdown(self) -> None:
         """Stop this replica's Manager (its server and checkpoint transport)."""

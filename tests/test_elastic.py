@@ -175,6 +175,93 @@ def test_a_joiner_in_a_process_group_of_its_own_loads_a_peers_state_saved_in_a_l
         dist.destroy_process_group()
 
 
+def _stepped(manager, tmp_path, seed: int = 0, **kwargs):
+    """A replica (one process, ``_Manager``) with ``momentum_dir``, after one committed step."""
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from hf_demo.elastic import Elastic
+
+    manager.world = 1  # alone: its step commits without a peer
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    opt = hf_demo.DeMo(model.parameters(), compression_topk=4, compression_chunk=8)
+    elastic = Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path, **kwargs)
+    elastic.start_step()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    return elastic, model
+
+
+def test_a_restarted_replica_resumes_its_own_momentum_from_its_snapshot(tmp_path):
+    """momentum_dir: after each committed step a replica writes its own momentum to momentum_dir/replica-<id>.pt; the
+    process that takes the id back receives the agreed state from a peer and then its momentum from the file, bitwise
+    the momentum the dead replica had after its last committed step; a replica that only lagged keeps its own."""
+    from hf_demo.own_momentum import snapshot_path
+
+    manager = _Manager()
+    dead, dead_model = _stepped(manager, tmp_path)
+    assert manager.step == 1 and snapshot_path(tmp_path, "r1").is_file()
+    kept = {i: s["momentum"].clone() for i, s in enumerate(dead.opt.state.values())}
+    assert all(m.abs().sum() > 0 for m in kept.values())
+    peer, peer_model = _elastic(_Manager())
+    state = peer.agreed_state()
+    state["optimizer"]["demo"]["run_id"] = dead.opt.run_id  # the run's identity, which every replica shares
+    restarted = _Manager()
+    restarted.step = 3
+    joiner, model = _stepped_before(restarted, tmp_path)
+    restarted.heal = lambda: joiner.load_agreed(state)
+    joiner.start_step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))  # the peer's weights
+    got = [joiner.opt.state[p]["momentum"] for p in model.parameters()]
+    assert all(torch.equal(g, kept[i]) for i, g in enumerate(got)) and joiner.stats.momentum_restored == 1
+
+
+def _stepped_before(manager, tmp_path):
+    from hf_demo.elastic import Elastic
+
+    model = torch.nn.Linear(8, 8)
+    opt = hf_demo.DeMo(model.parameters(), compression_topk=4, compression_chunk=8)
+    return Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path), model
+
+
+@pytest.mark.parametrize("unfit", ["another_run", "another_model", "a_later_step", "torn"])
+def test_a_snapshot_that_does_not_fit_is_not_loaded_and_a_warning_says_why(tmp_path, unfit):
+    from hf_demo.own_momentum import snapshot_path
+
+    dead, _ = _stepped(_Manager(), tmp_path)
+    path = snapshot_path(tmp_path, "r1")
+    if unfit == "torn":
+        path.write_bytes(path.read_bytes()[:50])
+    elif unfit == "another_model":
+        blob = torch.load(path, weights_only=True)
+        blob["shapes"][0] = [4, 4]
+        torch.save(blob, path)
+    peer, _ = _elastic(_Manager())
+    state = peer.agreed_state()
+    if unfit != "another_run":
+        state["optimizer"]["demo"]["run_id"] = dead.opt.run_id
+    restarted = _Manager()
+    restarted.step = 0 if unfit == "a_later_step" else 5  # the snapshot is of step 1
+    joiner, model = _stepped_before(restarted, tmp_path)
+    why = {"another_run": "another run", "another_model": "other shapes", "a_later_step": "after the agreed step 0",
+           "torn": "not a momentum snapshot"}[unfit]  # fmt: skip
+    with pytest.warns(UserWarning, match=why):
+        joiner.load_agreed(state)
+    assert all("momentum" not in joiner.opt.state[p] for p in model.parameters()) and not joiner.stats.momentum_restored
+
+
+def test_momentum_dir_refuses_what_it_cannot_keep(tmp_path, monkeypatch):
+    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
+    from hf_demo.elastic import Elastic
+
+    model = torch.nn.Linear(8, 8)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(DeMoSetupError, match="give replica_id"):
+        Elastic(hf_demo.DeMo(model.parameters()), model, manager=_Manager(), momentum_dir=tmp_path)
+    with pytest.raises(ValueError, match="momentum_every=0"):
+        Elastic(hf_demo.DeMo(model.parameters()), model, manager=_Manager(), momentum_dir=tmp_path, replica_id="a",
+                momentum_every=0)  # fmt: skip
+
+
 def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica():
     """comm_budget: the policy's next decision reads the last exchange's figures and the tier it ran in, which a
     survivor holds and a joiner does not (a joiner's are reset by the load). At a new quorum every replica forgets
@@ -399,16 +486,20 @@ def test_a_lost_replica_costs_the_survivors_a_step_not_the_run(tmp_path, point):
 
 
 @pytest.mark.slow
-def test_a_restarted_replica_rejoins_with_the_agreed_state_and_zero_momentum(tmp_path):
+@pytest.mark.parametrize("keep", [False, True], ids=["zero_momentum", "momentum_dir"])
+def test_a_restarted_replica_rejoins_with_the_agreed_state_and_its_momentum(tmp_path, keep):
     """Replica 2 of 3 SIGKILLed inside step 5 and started again: it joins the quorum, receives the agreed state
-    from a live peer (its momentum at zero, the survivors keep theirs and reload nothing), reads the batches after
-    those committed, and from then on the three replicas are bitwise identical at every step."""
+    from a live peer (its momentum at zero, or with momentum_dir the one it had after its last committed step; the
+    survivors keep theirs and reload nothing), reads the batches after those committed, and from then on the three
+    replicas are bitwise identical at every step."""
     import time
 
     steps_file = tmp_path / "steps"
+    kept = ["--momentum-dir", str(tmp_path / "momenta")] if keep else []
     reps = _harness(
-        tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file)], extra={"2": ["--die-at", "5:inside"]}
-    )
+        tmp_path, 3, ["--steps", "100000", "--steps-file", str(steps_file), *kept],
+        extra={"2": ["--die-at", "5:inside"]},
+    )  # fmt: skip
     try:
         reps.wait_exit("2", 120)
         joiner = reps.start("2")
@@ -423,7 +514,9 @@ def test_a_restarted_replica_rejoins_with_the_agreed_state_and_zero_momentum(tmp
         reps.close()
     assert len({rec["digest"] for rec in records.values()}) == 1
     (recovered,) = [x for x in joiner.lines if "event" in x and x["event"]["kind"] == "recovered"]
-    assert recovered["momentum"] == 0.0 and recovered["event"]["step"] > 5 and recovered["event"]["quorum"] == 3
+    last = [x for x in _steps(reps.dead[0]) if x["committed"]][-1]  # the killed one's last committed step
+    assert recovered["momentum"] == (last["momentum"] if keep else 0.0) and last["momentum"] > 0, (recovered, last)
+    assert recovered["event"]["step"] > 5 and recovered["event"]["quorum"] == 3
     for rid in ("0", "1"):
         assert [e["kind"] for e in records[rid]["events"]] == ["loss", "join"], records[rid]["events"]
         assert not [e for e in records[rid]["events"] if e["kind"] == "recovered"]

@@ -266,6 +266,8 @@ class DeMo(torch.optim.Optimizer):
             undo = stepped.tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
             if tentative:
                 self.unsettled = settle.Unsettled(transport.step, settled.row_bytes, undo=undo)
+            if self.replication is not None:
+                self.replication.after_commit()  # elastic: this replica's momentum snapshot, where kept
         return loss
 
     def _settle_prior(self) -> None:

@@ -1,0 +1,96 @@
+"""Each replica's own momentum on its local disk, so that a restarted replica resumes it instead of starting at zero.
+
+DeMo's momentum is each rank's residual of what it has not yet sent; it is never averaged, so no live peer holds
+it and a replica that dies loses it. :class:`hf_demo.elastic.Elastic` with ``momentum_dir`` writes this replica's
+own state entries (:data:`OWN_KEYS`: its momenta and its inner rule's state) after every ``momentum_every``-th
+committed step to ``momentum_dir/<replica id>.pt``; the process that takes the replica id back (torchrun's restart,
+a warm standby told that id) loads them after the agreed state it receives from a live peer. The snapshot is the
+state the replica had after that committed step: what it had not yet sent then is still unsent (a dead replica
+sends nothing), so the restarted replica goes on as if it had paused, its residual a few steps older than the
+parameters, like any replica that lags.
+
+A snapshot is loaded only if it fits: the same run (the run identity the agreed state carries), the same parameter
+shapes, and a step no later than the agreed one. Anything else is not loaded, and a warning names the file and why
+(the momentum then starts at zero, as without ``momentum_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
+OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
+FORMAT = 1
+
+
+def own_key(key: str) -> bool:
+    """Whether a per-parameter state entry is this rank's own (its momenta, its inner rule's state) rather than
+    agreed by every replica (the anchor, an update rule's state driven by the mean update)."""
+    return key in OWN_KEYS or key.startswith(OWN_PREFIX)
+
+
+def snapshot_path(folder: str | os.PathLike, replica_id: str) -> Path:
+    """Where replica ``replica_id``'s snapshot lives (one file per replica id, replaced at each save)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(replica_id))
+    return Path(folder) / f"replica-{safe}.pt"
+
+
+def _params(opt) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def save(path: Path, opt, step: int) -> None:
+    """``opt``'s own state entries after committed step ``step``, written atomically to ``path`` (a reader sees the
+    previous snapshot or this one, never a part)."""
+    params = _params(opt)
+    blob = {
+        "format": FORMAT,
+        "run_id": opt.run_id,
+        "step": int(step),
+        "shapes": [list(p.shape) for p in params],
+        "own": [{k: v for k, v in opt.state.get(p, {}).items() if own_key(k)} for p in params],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def unfit(blob: dict, opt, step: int) -> str | None:
+    """Why snapshot ``blob`` cannot be this replica's momentum at agreed step ``step`` (None: it can)."""
+    if blob.get("format") != FORMAT:
+        return f"format {blob.get('format')!r}, not {FORMAT}"
+    if blob["run_id"] != opt.run_id:
+        return f"another run's (run {blob['run_id']}, this run {opt.run_id}): give each run its own momentum_dir"
+    if blob["shapes"] != [list(p.shape) for p in _params(opt)]:
+        return "saved for parameters of other shapes (another model)"
+    if blob["step"] > step:
+        return f"saved at step {blob['step']}, after the agreed step {step} (a later attempt of the run's)"
+    return None
+
+
+def restore(path: Path, opt, step: int) -> int | None:
+    """This replica's snapshot at ``path`` loaded into ``opt`` (after the agreed state of step ``step``): the step it
+    was saved at, or None where there is none or it does not fit (a warning says why)."""
+    if not path.is_file():
+        return None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a torn or foreign file: the momentum starts at zero, said aloud
+        warnings.warn(
+            f"hf_demo.elastic: {path} is not a momentum snapshot ({exc}); the momentum starts at zero", stacklevel=3
+        )
+        return None
+    why = unfit(blob, opt, step)
+    if why is not None:
+        warnings.warn(
+            f"hf_demo.elastic: {path} not loaded: {why}; this replica's momentum starts at zero", stacklevel=3
+        )
+        return None
+    for p, own in zip(_params(opt), blob["own"]):
+        opt.state[p].update({k: v.to(p.device) if torch.is_tensor(v) else v for k, v in own.items()})
+    return int(blob["step"])
