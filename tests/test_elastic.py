@@ -602,21 +602,22 @@ def test_the_header_payload_and_drift_guards_hold_on_the_managed_group(tmp_path,
 def test_the_short_soak_survives_its_kills_with_warm_standbys_and_no_restart(tmp_path):
     """benchmarks/elastic_soak.py in small, in the default tier: 3 replica groups, 2 SIGKILLed at random steps, each
     replaced by a warm standby (imported and built beforehand) that joins the quorum with the agreed state; every
-    failure survived, no full restart, both replacements in the quorum, the 3 replicas that finish bitwise identical,
-    and the run within its --max-seconds bound (the bound, generous for a loaded machine, fails the test clearly:
-    ``timed_out``)."""
+    failure survived, no full restart, both replacements in the quorum with the dead replica's momentum (kept on disk),
+    the 3 replicas that finish bitwise identical, and the run within its --max-seconds bound (the bound, generous
+    for a loaded machine, fails the test clearly: ``timed_out``)."""
     pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
     import elastic_soak
 
     args = ["--model", "mlp", "--steps", "30", "--kills", "2", "--standbys", "1", "--step-seconds", "0.1",
             "--quiet-tail", "0.3", "--eval-batches", "2", "--no-baseline", "--max-seconds", "360",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--out", str(tmp_path), "--keep-momentum"]  # fmt: skip
     result = elastic_soak.main(args)
     assert not result["timed_out"], result
     assert result["failures"] == 2 and result["full_restarts"] == 0, result
     assert result["steps_committed"] >= 30 and result["replicas_identical"] and result["replicas_finished"] == 3
     assert result["rejoins"] == 2 and result["seconds_to_replace"] > 0, result  # both standbys recovered the state
     assert result["seconds_lost_per_failure"] > 0, result  # each failure's loss event, seen by the survivors
+    assert result["momentum_resumed"] == 2, result  # each standby resumed the dead replica's momentum from its disk
 
 
 def _rejoin(tmp_path, args, die: str, after: int = 3):
