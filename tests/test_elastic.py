@@ -183,7 +183,7 @@ def _stepped(manager, tmp_path, seed: int = 0, **kwargs):
     manager.world = 1  # alone: its step commits without a peer
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
-    opt = hf_demo.DeMo(model.parameters(), compression_topk=4, compression_chunk=8)
+    opt = hf_demo.DeMo(model.parameters())  # the settings of _elastic's peer
     elastic = Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path, **kwargs)
     elastic.start_step()
     model(torch.randn(4, 8)).square().mean().backward()
@@ -219,7 +219,7 @@ def _stepped_before(manager, tmp_path):
     from hf_demo.elastic import Elastic
 
     model = torch.nn.Linear(8, 8)
-    opt = hf_demo.DeMo(model.parameters(), compression_topk=4, compression_chunk=8)
+    opt = hf_demo.DeMo(model.parameters())  # the settings of _elastic's peer
     return Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path), model
 
 
