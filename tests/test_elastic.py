@@ -312,13 +312,21 @@ def _hsdp_modes(rank, world):
     model = torch.nn.Linear(8, 8)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     out["node"] = node_shards(hf_demo.DeMo(model.parameters()), 5.0).world
+    from hf_demo.elastic import Elastic
+
+    try:  # a momentum snapshot of whole tensors: refused before anything is set up
+        Elastic(hf_demo.DeMo(model.parameters()), model, manager=_Manager(), replica_id="a", momentum_dir="unused")
+        out["momentum_dir"] = None
+    except DeMoSetupError as exc:
+        out["momentum_dir"] = str(exc)
     return out
 
 
 @pytest.mark.ranks
 def test_hsdp_replica_groups_run_every_step_demo_and_refuse_what_they_do_not_run_with_the_reason():
     """A replica group of FSDP2 shard ranks (HSDP) runs every-step DeMo (with or without a budget of every-step
-    tiers) elastically; an exchange in flight (overlap) and local phases are refused, each naming why."""
+    tiers) elastically; an exchange in flight (overlap), local phases and momentum snapshots are refused, each
+    naming why."""
     pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
     from dist_utils import expect_ok, run_ranks
 
@@ -327,6 +335,7 @@ def test_hsdp_replica_groups_run_every_step_demo_and_refuse_what_they_do_not_run
         assert "overlap=True on HSDP" in out["overlap"] and "no exchange in flight" in out["overlap"], out
         for name in ("sync_every", "budget_local"):
             assert "local steps" in out[name] and "parameters of a rank's own" in out[name], out
+        assert "momentum_dir is not supported on HSDP" in out["momentum_dir"], out
 
 
 class _Work:
