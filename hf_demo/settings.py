@@ -340,7 +340,7 @@ PRESETS: dict[str, dict] = {
     # the from_scratch recipe at Psyche's bytes: synchronising every 4 steps with top-4 of 32x32 (0.0020
     # B/param/step on the 0.46M Llama): 1.05x the from_scratch preset's held-out loss there for 6.9x fewer bytes;
     # a shorter interval with fewer coefficients beat a longer one with more at equal bytes; on the 3.3M Llama it sends
-    # 0.0030, for 1.15x from_scratch's loss after 300 steps and 1.06x after 1000 (docs/results.md)
+    # 0.0030, for 1.15x from_scratch's loss after 300 steps and 1.04x after 1000 (docs/results.md)
     "from_scratch_few_bytes": {
         "sync_every": 4,
         "inner_rule": "orthogonal",
