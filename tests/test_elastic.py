@@ -83,12 +83,12 @@ class _Manager:
         pass
 
 
-def _elastic(manager):
+def _elastic(manager, **kwargs):
     pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
     from hf_demo.elastic import Elastic
 
     model = torch.nn.Linear(8, 8)
-    return Elastic(hf_demo.DeMo(model.parameters()), model, batch_size=4, manager=manager), model
+    return Elastic(hf_demo.DeMo(model.parameters()), model, batch_size=4, manager=manager, **kwargs), model
 
 
 def test_a_loss_and_a_join_are_events_with_the_time_and_samples_lost():
@@ -175,19 +175,13 @@ def test_a_joiner_in_a_process_group_of_its_own_loads_a_peers_state_saved_in_a_l
         dist.destroy_process_group()
 
 
-def _stepped(manager, tmp_path, seed: int = 0, **kwargs):
+def _stepped(manager, tmp_path):
     """A replica (one process, ``_Manager``) with ``momentum_dir``, after one committed step."""
-    pytest.importorskip("torchft", reason="hf_demo.elastic needs torchft (pip install 'hf-demo[ft]')")
-    from hf_demo.elastic import Elastic
-
     manager.world = 1  # alone: its step commits without a peer
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 8)
-    opt = hf_demo.DeMo(model.parameters())  # the settings of _elastic's peer
-    elastic = Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path, **kwargs)
+    elastic, model = _elastic(manager, replica_id="r1", momentum_dir=tmp_path)
     elastic.start_step()
     model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()
+    elastic.opt.step()
     return elastic, model
 
 
@@ -207,20 +201,12 @@ def test_a_restarted_replica_resumes_its_own_momentum_from_its_snapshot(tmp_path
     state["optimizer"]["demo"]["run_id"] = dead.opt.run_id  # the run's identity, which every replica shares
     restarted = _Manager()
     restarted.step = 3
-    joiner, model = _stepped_before(restarted, tmp_path)
+    joiner, model = _elastic(restarted, replica_id="r1", momentum_dir=tmp_path)
     restarted.heal = lambda: joiner.load_agreed(state)
     joiner.start_step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))  # the peer's weights
     got = [joiner.opt.state[p]["momentum"] for p in model.parameters()]
     assert all(torch.equal(g, kept[i]) for i, g in enumerate(got)) and joiner.stats.momentum_restored == 1
-
-
-def _stepped_before(manager, tmp_path):
-    from hf_demo.elastic import Elastic
-
-    model = torch.nn.Linear(8, 8)
-    opt = hf_demo.DeMo(model.parameters())  # the settings of _elastic's peer
-    return Elastic(opt, model, batch_size=4, manager=manager, replica_id="r1", momentum_dir=tmp_path), model
 
 
 @pytest.mark.parametrize("unfit", ["another_run", "another_model", "a_later_step", "torn"])
@@ -241,7 +227,7 @@ def test_a_snapshot_that_does_not_fit_is_not_loaded_and_a_warning_says_why(tmp_p
         state["optimizer"]["demo"]["run_id"] = dead.opt.run_id
     restarted = _Manager()
     restarted.step = 0 if unfit == "a_later_step" else 5  # the snapshot is of step 1
-    joiner, model = _stepped_before(restarted, tmp_path)
+    joiner, model = _elastic(restarted, replica_id="r1", momentum_dir=tmp_path)
     why = {"another_run": "another run", "another_model": "other shapes", "a_later_step": "after the agreed step 0",
            "torn": "not a momentum snapshot"}[unfit]  # fmt: skip
     with pytest.warns(UserWarning, match=why):
