@@ -32,6 +32,7 @@ loopback's rate, calibrated before each case (:func:`calibrate`) and stated in t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -43,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from hf_demo.ops.links import Link, edge_bytes  # noqa: E402
-from hf_demo.ops.methods import Cluster, Workload, ddp_adamw, ddp_powersgd, demo_estimate  # noqa: E402
+from hf_demo.ops.methods import Cluster, Workload, ddp_adamw, ddp_muon, ddp_powersgd, demo_estimate  # noqa: E402
 from hf_demo.settings import DeMoSettings  # noqa: E402
 from wan_worker import DEMO_KW, PRESET_OF, TOPK_PER_HALF_WORLD  # noqa: E402 - the worker's settings are the ones measured
 
@@ -68,6 +69,44 @@ def llama_shapes(args: dict) -> list[tuple[int, ...]]:
     )
     with torch.device("meta"):
         return [tuple(p.shape) for p in LlamaForCausalLM(cfg).parameters()]
+
+
+@functools.cache
+def _orthogonal_overhead(hidden: int, intermediate: int, layers: int, heads: int, batch: int, seq_len: int) -> float:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_demo.ops.compute_cost import orthogonal_overhead
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg)
+    return orthogonal_overhead(model, {"input_ids": ids, "labels": ids})
+
+
+def orthogonal_overhead_of(args: dict) -> float:
+    """The planner's ``orthogonal_overhead`` for a run's Llama and batch, measured in this process (one thread, as
+    the runs train): one Newton-Schulz run over its hidden matrices / one forward+backward."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(args.get("threads") or 1))
+    try:
+        keys = ("hidden", "intermediate", "layers", "heads", "batch_size", "seq_len")
+        return _orthogonal_overhead(*(int(args[k]) for k in keys))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def parse_config(key: str) -> tuple[int, int, str] | None:
@@ -97,8 +136,9 @@ def predict(method: str, run: dict, cluster: Cluster, work: Workload) -> tuple[f
         return ddp_adamw(cluster, work).step_s(cluster), ""
     if method == "powersgd":
         return ddp_powersgd(cluster, work).step_s(cluster), ""
-    # DDP-Muon (the planner has no row for it), or a method since retired (demo-hier: hierarchy="node", replaced
-    # by demo-hsdp)
+    if method == "muon" and work.orthogonal_overhead is not None:
+        return ddp_muon(cluster, work).step_s(cluster), ""
+    # a method since retired (demo-hier: hierarchy="node", replaced by demo-hsdp)
     if method not in DEMO_KW and method not in PRESET_OF:
         return None
     recorded = run.get("app_sent_mean")
@@ -161,6 +201,7 @@ def check_folder(summary_path: Path, latency: str = "20ms") -> tuple[list[dict],
             llama_shapes(args),
             ref["fwd_bwd_s"],
             demo_overhead=(ref["opt_s"] - ref["comm_s"]) / ref["fwd_bwd_s"],
+            orthogonal_overhead=orthogonal_overhead_of(args),
         )
         cluster = emulated_cluster(nodes, procs, rate, _delay_ms(runs, key))
         for method, run in methods.items():

@@ -88,6 +88,70 @@ def test_the_hsdp_plan_counts_fsdp2_inside_a_node_and_shards_between_nodes():
     assert METHODS["demo-hsdp"](cluster, signal).note.startswith("refused: muon_signal")  # as DeMo refuses it
 
 
+def test_the_plan_counts_the_newton_schulz_runs_of_the_rules_that_orthogonalise(tmp_path):
+    """Forward+backward 1 s, DeMo's own computation 0.1 of it at each synchronisation, one Newton-Schulz run over
+    the hidden matrices 0.5 of it: the step's computation is 1 + 0.1/H + runs x 0.5 (a local Muon step runs it
+    once, muon_signal twice: the rank's gradient and the averaged update); HSDP's owners share it; without the
+    figure the rows that orthogonalise say their step leaves it out."""
+    from hf_demo.ops.methods import demo_compute_s, orthogonalisations
+
+    shape_list = [(256, 256)] * 4 + [(256,)]
+    cluster = Cluster(2, 1, Link(1e10), Link(1e9))
+    known = Workload(shape_list, compute_s=1.0, orthogonal_overhead=0.5)
+    unknown = Workload(shape_list, compute_s=1.0)
+    expected = {"demo": 1.1, "demo-from_scratch": 1 + 0.1 / 2 + 0.5, "demo-from_scratch_few_bytes": 1 + 0.1 / 4 + 0.5}
+    for variant, compute in expected.items():
+        assert METHODS[variant](cluster, known).compute_s == pytest.approx(compute), variant
+        assert METHODS[variant](cluster, known).note == ""
+        left_out = METHODS[variant](cluster, unknown)
+        assert ("--orthogonal-overhead" in left_out.note) == (variant != "demo"), variant
+        assert left_out.compute_s == pytest.approx(compute - (0.5 if variant != "demo" else 0.0))
+    rules = {"sign": 0, "orthogonal": 1, "orthogonal_momentum": 1, "orthogonal_signal": 2, "muon_signal": 2}
+    for rule, runs in rules.items():
+        assert orthogonalisations(DeMoSettings(update_rule=rule), 1) == runs, rule
+    assert orthogonalisations(DeMoSettings(sync_every=4, inner_rule="orthogonal"), 4) == 1
+    assert orthogonalisations(DeMoSettings(sync_every=4), 4) == 0  # local Adam steps
+    preset = DeMoSettings.resolve("from_scratch")
+    assert demo_compute_s(preset, known, 2, shards=4) == pytest.approx(1 + 0.05 + 0.5 / 4)  # 4 equal matrices
+    budget = Workload(shape_list, compute_s=1.0, demo_settings={"comm_budget": 0.1, "inner_rule": "orthogonal"})
+    slow = Cluster(2, 1, Link(1e10), Link(1e3))  # the budget policy settles in its last tier: local Muon steps
+    assert "Newton-Schulz" in METHODS["demo-budget"](slow, budget).note
+    out = tmp_path / "plan.json"
+    for flags, step in (([], 1 + 0.1 / 2), (["--orthogonal-overhead", "0.5"], 1 + 0.1 / 2 + 0.5)):
+        assert cli.main([*PLAN, "--shapes", "256x256*4,256", *flags, "--json", str(out)]) == 0
+        row = next(r for r in json.loads(out.read_text())["methods"] if r["method"] == "demo-from_scratch")
+        assert row["step_s"] == pytest.approx(step, rel=1e-3) and ("Newton-Schulz" in row["note"]) == (not flags)
+
+
+def test_the_orthogonal_overhead_is_measured_on_the_hidden_matrices_and_leaves_the_model_as_it_was():
+    """compute_cost.orthogonal_overhead times Newton-Schulz on the matrices muon_style_groups orthogonalises (not
+    the embeddings, not the head, not the norms) against a forward+backward, and leaves no gradient behind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_demo.ops.compute_cost import hidden_matrices, orthogonal_overhead
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hidden = hidden_matrices(model)
+    assert len(hidden) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert all(p.dim() == 2 for p in hidden)
+    assert all(p is not model.model.embed_tokens.weight and p is not model.lm_head.weight for p in hidden)
+    ids = torch.randint(0, 64, (2, 16))
+    ratio = orthogonal_overhead(model, {"input_ids": ids, "labels": ids}, repeats=2)
+    assert math.isfinite(ratio) and ratio > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="repeats=0"):
+        orthogonal_overhead(model, {"input_ids": ids, "labels": ids}, repeats=0)
+    with pytest.raises(ValueError, match="no hidden matrix"):
+        orthogonal_overhead(torch.nn.Embedding(4, 4), {})
+
+
 def test_plan_refuses_a_model_given_twice_or_not_at_all():
     base = ["plan", "--nodes", "2", "--inter-node", "1gbit", "--compute-s", "1", "--steps-per-epoch", "10"]
     with pytest.raises(SystemExit, match="give the model once"):

@@ -158,6 +158,14 @@ def plan_parser(sub) -> None:
     p.add_argument("--compute-s", type=POSITIVE, required=True, help="forward+backward seconds per step per device")
     p.add_argument("--demo-overhead", type=NON_NEGATIVE, default=0.1, help="DeMo's own compute / forward+backward")
     p.add_argument("--powersgd-overhead", type=NON_NEGATIVE, default=0.15, help="PowerSGD's own compute / fwd+bwd")
+    p.add_argument(
+        "--orthogonal-overhead",
+        type=NON_NEGATIVE,
+        help="one Newton-Schulz run over every hidden matrix / forward+backward, for the variants that orthogonalise "
+        "(local Muon steps: the from_scratch presets; orthogonal update rules): time newton_schulz on the model's "
+        "hidden matrices beside a forward+backward (docs/guides/planning.md); without it those rows say their step "
+        "leaves it out",
+    )
     p.add_argument("--adamw-s", type=NON_NEGATIVE, default=0.0, help="AdamW's step, seconds")
     p.add_argument("--param-bytes", type=int, choices=(1, 2, 4, 8), default=4, help="bytes per parameter (fp32 4)")
     p.add_argument("--steps-per-epoch", type=POSITIVE, help="optimizer steps per epoch")
@@ -228,6 +236,7 @@ def _plan_inputs(args):
         args.compute_s,
         demo_overhead=args.demo_overhead,
         powersgd_overhead=args.powersgd_overhead,
+        orthogonal_overhead=args.orthogonal_overhead,
         adamw_s=args.adamw_s,
         param_bytes=args.param_bytes,
         demo_settings=dict(args.demo),

@@ -25,6 +25,7 @@ from hf_demo.ops.traffic import (
 from hf_demo.optim import policy as policies
 from hf_demo.optim import update_rules
 from hf_demo.settings import PRESETS, DeMoSettings
+from hf_demo.topology import owners
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Workload:
     shapes: list[Shape]
     compute_s: float  # forward + backward of one step on one device (given or measured)
     demo_overhead: float = 0.1  # DeMo's own computation (DCT, top-k, coding) per step, as a fraction of compute_s
+    # one Newton-Schulz orthogonalisation of every hidden matrix, as a fraction of compute_s (None: not known, and
+    # the rows whose rules orthogonalise say their step leaves it out)
+    orthogonal_overhead: float | None = None
     powersgd_overhead: float = 0.15  # PowerSGD's factorisation per step, as a fraction of compute_s
     adamw_s: float = 0.0  # AdamW's own step
     param_bytes: int = 4  # bytes per parameter (fp32 4, bf16 2)
@@ -136,6 +140,25 @@ def ddp_adamw(cluster: Cluster, work: Workload) -> Estimate:
     )
 
 
+def ddp_muon(cluster: Cluster, work: Workload) -> Estimate:
+    """DDP's dense all-reduce with Muon's step (``torch.optim.Muon`` on the hidden matrices, AdamW on the rest):
+    one Newton-Schulz run over the hidden matrices per step (``orthogonal_overhead``, refused without it)."""
+    label = "DDP Muon"
+    if work.orthogonal_overhead is None:
+        return _refused("ddp-muon", label, 0, "its step is mostly Newton-Schulz: give --orthogonal-overhead")
+    n, pb = work.n_params, work.param_bytes
+    return Estimate(
+        "ddp-muon",
+        label,
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        work.compute_s * (1 + work.orthogonal_overhead) + work.adamw_s,
+        work.backward_fraction * work.compute_s,
+        memory_bytes=2 * pb * n + 4 * n + 4 * n,  # parameters, gradients, DDP's buckets, the momentum
+        quality=0,
+        loss_cost=loss_cost("ddp-muon"),
+    )
+
+
 def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
     n, pb, r = work.n_params, work.param_bytes, work.powersgd_rank
     factors = sum(4 * r * (s[0] + math.prod(s[1:])) for s in work.shapes if len(s) >= 2)
@@ -179,6 +202,7 @@ SCRATCH = "0.46M Llama from scratch, 1000 steps"
 LOSS_COST = {  # method -> (its loss against DDP-AdamW or every-step DeMo as measured, the section of RESULTS)
     "ddp-adamw": ("the reference the others are measured against", "summary"),
     "ddp-powersgd": (f"1.107x DDP-AdamW's held-out loss ({SCRATCH})", "training-from-scratch"),
+    "ddp-muon": (f"0.862x DDP-AdamW's held-out loss ({SCRATCH})", "training-from-scratch-against-ddp-muon"),
     "demo": (
         "2.2957 against DDP-AdamW's 2.2927 held-out loss (1.001x; SmolLM2-135M fine-tune, 20 steps, 3 seeds)",
         "against-ddp-adamw-and-powersgd-on-a-fine-tune",
@@ -312,9 +336,9 @@ def demo_estimate(
     layout: str = "flat",
 ) -> Estimate:
     """DeMo with ``settings`` on this cluster in ``layout`` (the budget policy: in the tier it settles in)."""
-    compute = work.compute_s * (1 + work.demo_overhead)
     d = cluster.devices_per_node
     hsdp = layout == "hsdp"
+    compute = demo_compute_s(settings, work, settings.sync_every, d if hsdp else 1)
     est = Estimate(
         variant,
         label,
@@ -335,7 +359,43 @@ def demo_estimate(
     est.loss_cost = loss_cost(variant)
     if settings.comm_budget > 0:
         return _settle_budget(est, settings, cluster, work, layout)
+    est.note = orthogonal_note(settings, work, settings.sync_every)
     return est
+
+
+def orthogonalisations(settings: DeMoSettings, sync_every: int) -> int:
+    """Newton-Schulz runs of each hidden matrix per step: one for local Muon steps (``inner_rule="orthogonal"``
+    with ``sync_every > 1``: every step, synchronising or not, takes one) or an orthogonal update rule, two where
+    each rank's gradient is orthogonalised as well before it enters the momentum (``orthogonal_signal``,
+    ``muon_signal``)."""
+    if sync_every > 1:
+        return int(settings.inner_rule == "orthogonal")
+    if settings.update_rule in update_rules.ORTHOGONAL:
+        return 2 if settings.update_rule in ("orthogonal_signal", "muon_signal") else 1
+    return 0
+
+
+def demo_compute_s(settings: DeMoSettings, work: Workload, sync_every: int, shards: int = 1) -> float:
+    """Forward+backward, DeMo's own computation (at synchronisations only: every ``sync_every`` steps) and the
+    rules' Newton-Schulz runs (where known), per step on one device. ``shards`` > 1 (HSDP): each matrix is
+    orthogonalised whole by one rank of the node, the work balanced as :func:`hf_demo.topology.owners.owners`
+    hands it out; a device does its most loaded rank's share."""
+    orthogonal = orthogonalisations(settings, sync_every) * (work.orthogonal_overhead or 0.0)
+    if orthogonal and shards > 1:
+        load = owners.loads([s for s in work.shapes if len(s) >= 2], shards)
+        orthogonal *= max(load) / max(1, sum(load))
+    return work.compute_s * (1 + work.demo_overhead / sync_every + orthogonal)
+
+
+def orthogonal_note(settings: DeMoSettings, work: Workload, sync_every: int) -> str:
+    """What the step's computation leaves out: the Newton-Schulz runs when their cost was not given."""
+    runs = orthogonalisations(settings, sync_every)
+    if runs == 0 or work.orthogonal_overhead is not None:
+        return ""
+    return (
+        f"step without its {runs} Newton-Schulz run(s) per hidden matrix: give --orthogonal-overhead "
+        "(their seconds / forward+backward's)"
+    )
 
 
 def _refused(variant, label, quality, why) -> Estimate:
@@ -352,15 +412,25 @@ def _settle_budget(est: Estimate, settings: DeMoSettings, cluster: Cluster, work
         est.collectives = demo_collectives(
             work.shapes, settings, cluster.nodes, cluster.devices_per_node, *tier_settings, layout, work.param_bytes
         )
+        est.compute_s = demo_compute_s(
+            settings, work, tier.sync_every, cluster.devices_per_node if layout == "hsdp" else 1
+        )
         if est.exchange_s(cluster) <= settings.comm_budget * est.step_s(cluster):
             break
     est.note = (
         f"settles in tier {index} of {len(tiers) - 1} ({tier.value_format} values, top-k/{tier.topk_divisor}, "
         f"sync every {tier.sync_every})"
     )
+    left_out = orthogonal_note(settings, work, tier.sync_every)
     if index > 0:  # tier 0 is the configured settings
         est.loss_cost = loss_cost(est.method, est.note.removeprefix("settles in "))
+    est.note += f"; {left_out}" if left_out else ""
     return est
 
 
-METHODS = {"ddp-adamw": ddp_adamw, "ddp-powersgd": ddp_powersgd, **{v: demo_method(v) for v in DEMO_VARIANTS}}
+METHODS = {
+    "ddp-adamw": ddp_adamw,
+    "ddp-muon": ddp_muon,
+    "ddp-powersgd": ddp_powersgd,
+    **{v: demo_method(v) for v in DEMO_VARIANTS},
+}
