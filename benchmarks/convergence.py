@@ -219,13 +219,7 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
         elif param_dtype != "fp32":
             raise ValueError(f"params must be fp32 or bf16, got {param_dtype!r}")
         if mlp_topk is not None:  # benchmark-only: another top-k for the MLP matrices (a parameter group)
-            if params is not None:
-                raise ValueError("mlp_topk does not combine with the orthogonal rule's groups")
-            named = list(model.named_parameters())
-            params = [
-                {"params": [p for n, p in named if "mlp" not in n]},
-                {"params": [p for n, p in named if "mlp" in n], "compression_topk": int(mlp_topk)},
-            ]
+            params = _with_mlp_topk(model, params, int(mlp_topk))
         opt = hf_demo.DeMo(model.parameters() if params is None else params, lr=cfg.lr, **kw)
         return model, opt, lambda: opt.comm_stats.bytes_sent
     if m.kind == "peer":
@@ -251,6 +245,20 @@ def _build_optimizer(cfg: RunConfig, model, n_params: int):
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return net, opt, sent
+
+
+def _with_mlp_topk(model, groups: list[dict] | None, topk: int) -> list[dict]:
+    """``groups`` (None: every parameter in one) with each group's MLP matrices in a group of their own, the same
+    settings and top-k ``topk``."""
+    mlp = {id(p) for n, p in model.named_parameters() if "mlp" in n}
+    out = []
+    for group in groups or [{"params": list(model.parameters())}]:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        rest = [p for p in group["params"] if id(p) not in mlp]
+        mine = [p for p in group["params"] if id(p) in mlp]
+        out += [{"params": rest, **settings}] if rest else []
+        out += [{"params": mine, **settings, "compression_topk": topk}] if mine else []
+    return out
 
 
 def _orthogonal_groups(model, kw: dict):

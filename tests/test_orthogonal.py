@@ -346,7 +346,8 @@ def test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule(tmp_path):
     configs = (
         "update_rule=orthogonal;update_rule=orthogonal,others=adam,others_lr=0.5,ortho_rms=0.3;"
         "update_rule=orthogonal_signal;update_rule=orthogonal_momentum,ortho_beta=0.9;"
-        "update_rule=muon_signal,ns_steps=3,shared_positions=true;sync_every=2,inner_rule=orthogonal"
+        "update_rule=muon_signal,ns_steps=3,shared_positions=true;sync_every=2,inner_rule=orthogonal;"
+        "sync_every=2,inner_rule=orthogonal,mlp_topk=2"
     )
     methods = ["--methods", "muon", "demo", "--demo-configs", configs]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), *run, *methods, *tiny]
@@ -354,6 +355,7 @@ def test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "convergence_smoke.json").read_text())
-    assert [r["ok"] for r in runs] == [True] * 7, [r.get("error") for r in runs]
+    assert [r["ok"] for r in runs] == [True] * 8, [r.get("error") for r in runs]
     assert runs[0]["bytes_per_param_step"] == 4.0 and runs[1]["bytes_per_param_step"] < 0.5
+    assert runs[7]["bytes_per_param_step"] < runs[6]["bytes_per_param_step"]  # top-2 of the MLP's blocks, not 4
     assert "| DDP-Muon | 0.001 |" in (tmp_path / "convergence_smoke.md").read_text()
