@@ -91,6 +91,17 @@ def _elastic(manager, **kwargs):
     return Elastic(hf_demo.DeMo(model.parameters()), model, batch_size=4, manager=manager, **kwargs), model
 
 
+def _recovered(state: dict, step: int, **kwargs):
+    """A replica (re)starting at ``step`` whose heal receives ``state`` from a live peer, after its first
+    ``start_step``: (the replica, its model)."""
+    manager = _Manager()
+    manager.step = step
+    joiner, model = _elastic(manager, **kwargs)
+    manager.heal = lambda: joiner.load_agreed(state)
+    joiner.start_step()
+    return joiner, model
+
+
 def test_a_loss_and_a_join_are_events_with_the_time_and_samples_lost():
     """The accounting of the quorum's changes (no processes): a refused step's samples, the loss event when the
     quorum shrinks (the seconds since the refused step began), a join, the batch each replica reads, and every
@@ -130,11 +141,7 @@ def test_a_joiner_receives_the_agreed_state_without_momentum():
         peer.opt.state[p]["momentum"] = torch.ones(8, 8)
     state = peer.agreed_state()
     assert all("momentum" not in s for s in state["optimizer"]["state"].values())
-    manager = _Manager()
-    manager.step = 7
-    joiner, model = _elastic(manager)
-    manager.heal = lambda: joiner.load_agreed(state)
-    joiner.start_step()
+    joiner, model = _recovered(state, 7)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))
     assert all("momentum" not in joiner.opt.state[p] for p in model.parameters())
     (recovered,) = joiner.events
@@ -164,11 +171,7 @@ def test_a_joiner_in_a_process_group_of_its_own_loads_a_peers_state_saved_in_a_l
         resumed = hf_demo.DeMo(torch.nn.Linear(8, 8).parameters())
         with pytest.raises(DeMoStateError, match="saved with 2 process"):
             resumed.load_state_dict(state["optimizer"])  # a checkpoint's resume still checks
-        manager = _Manager()
-        manager.step = 4
-        joiner, model = _elastic(manager)
-        manager.heal = lambda: joiner.load_agreed(state)
-        joiner.start_step()
+        joiner, model = _recovered(state, 4)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))
         assert joiner.stats.recoveries == 1 and joiner.opt.saved_world is None
     finally:
@@ -199,11 +202,7 @@ def test_a_restarted_replica_resumes_its_own_momentum_from_its_snapshot(tmp_path
     peer, peer_model = _elastic(_Manager())
     state = peer.agreed_state()
     state["optimizer"]["demo"]["run_id"] = dead.opt.run_id  # the run's identity, which every replica shares
-    restarted = _Manager()
-    restarted.step = 3
-    joiner, model = _elastic(restarted, replica_id="r1", momentum_dir=tmp_path)
-    restarted.heal = lambda: joiner.load_agreed(state)
-    joiner.start_step()
+    joiner, model = _recovered(state, 3, replica_id="r1", momentum_dir=tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), peer_model.parameters()))  # the peer's weights
     got = [joiner.opt.state[p]["momentum"] for p in model.parameters()]
     assert all(torch.equal(g, kept[i]) for i, g in enumerate(got)) and joiner.stats.momentum_restored == 1
