@@ -116,11 +116,18 @@ def test_the_plan_counts_the_newton_schulz_runs_of_the_rules_that_orthogonalise(
     budget = Workload(shape_list, compute_s=1.0, demo_settings={"comm_budget": 0.1, "inner_rule": "orthogonal"})
     slow = Cluster(2, 1, Link(1e10), Link(1e3))  # the budget policy settles in its last tier: local Muon steps
     assert "Newton-Schulz" in METHODS["demo-budget"](slow, budget).note
+    hsdp = METHODS["demo-hsdp-from_scratch"](Cluster(2, 4, Link(1e10), Link(1e9)), unknown)
+    assert hsdp.note.startswith("hf_demo.fsdp.shard_model") and "--orthogonal-overhead" in hsdp.note  # both kept
     out = tmp_path / "plan.json"
     for flags, step in (([], 1 + 0.1 / 2), (["--orthogonal-overhead", "0.5"], 1 + 0.1 / 2 + 0.5)):
         assert cli.main([*PLAN, "--shapes", "256x256*4,256", *flags, "--json", str(out)]) == 0
-        row = next(r for r in json.loads(out.read_text())["methods"] if r["method"] == "demo-from_scratch")
+        text = out.read_text()
+        assert "NaN" not in text and "Infinity" not in text  # a refused method's figures are null
+        rows = {r["method"]: r for r in json.loads(text)["methods"]}
+        row = rows["demo-from_scratch"]
         assert row["step_s"] == pytest.approx(step, rel=1e-3) and ("Newton-Schulz" in row["note"]) == (not flags)
+        muon = rows["ddp-muon"]  # refused without the figure: its step is mostly Newton-Schulz
+        assert (muon["step_s"] is None) == (not flags) and ("--orthogonal-overhead" in muon["note"]) == (not flags)
 
 
 def test_the_orthogonal_overhead_is_measured_on_the_hidden_matrices_and_leaves_the_model_as_it_was():
@@ -137,6 +144,7 @@ def test_the_orthogonal_overhead_is_measured_on_the_hidden_matrices_and_leaves_t
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)  # a gradient it held before
     hidden = hidden_matrices(model)
     assert len(hidden) == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert all(p.dim() == 2 for p in hidden)
@@ -145,7 +153,8 @@ def test_the_orthogonal_overhead_is_measured_on_the_hidden_matrices_and_leaves_t
     ratio = orthogonal_overhead(model, {"input_ids": ids, "labels": ids}, repeats=2)
     assert math.isfinite(ratio) and ratio > 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model.lm_head.weight.grad, torch.ones_like(model.lm_head.weight))
+    assert all(p.grad is None for p in model.parameters() if p is not model.lm_head.weight)
     with pytest.raises(ValueError, match="repeats=0"):
         orthogonal_overhead(model, {"input_ids": ids, "labels": ids}, repeats=0)
     with pytest.raises(ValueError, match="no hidden matrix"):

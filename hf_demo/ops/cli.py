@@ -156,14 +156,19 @@ def plan_parser(sub) -> None:
         "of a small all-gather between compute steps",
     )
     p.add_argument("--compute-s", type=POSITIVE, required=True, help="forward+backward seconds per step per device")
-    p.add_argument("--demo-overhead", type=NON_NEGATIVE, default=0.1, help="DeMo's own compute / forward+backward")
+    p.add_argument(
+        "--demo-overhead",
+        type=NON_NEGATIVE,
+        default=0.1,
+        help="DeMo's own compute at a synchronisation / forward+backward (paid once per sync_every steps)",
+    )
     p.add_argument("--powersgd-overhead", type=NON_NEGATIVE, default=0.15, help="PowerSGD's own compute / fwd+bwd")
     p.add_argument(
         "--orthogonal-overhead",
         type=NON_NEGATIVE,
         help="one Newton-Schulz run over every hidden matrix / forward+backward, for the variants that orthogonalise "
         "(local Muon steps: the from_scratch presets; orthogonal update rules): time newton_schulz on the model's "
-        "hidden matrices beside a forward+backward (docs/guides/planning.md); without it those rows say their step "
+        "hidden matrices beside a forward+backward (docs/guides/operations.md); without it those rows say their step "
         "leaves it out",
     )
     p.add_argument("--adamw-s", type=NON_NEGATIVE, default=0.0, help="AdamW's step, seconds")

@@ -42,19 +42,27 @@ def _seconds(run, device: torch.device) -> float:
 def orthogonal_overhead(model: torch.nn.Module, batch: dict, repeats: int = 5) -> float:
     """Seconds of one Newton-Schulz run (the rules' steps, fp32) over every hidden matrix of ``model``, divided by
     the seconds of one forward+backward on ``batch`` (a dict ``model(**batch)`` takes, returning a loss): medians
-    of ``repeats`` runs of each, taken in turn after one warm-up of each. Gradients the backward leaves are
-    cleared; the parameters do not change."""
+    of ``repeats`` runs of each, taken in turn after one warm-up of each. The parameters do not change and
+    the gradients they held before are theirs again after. A model sharded by FSDP2 is refused: measure it
+    unsharded."""
     if repeats < 1:
         raise ValueError(f"orthogonal_overhead: repeats={repeats!r}: need at least 1")
     matrices = hidden_matrices(model)
     if not matrices:
         raise ValueError("orthogonal_overhead: the model has no hidden matrix (2-D, not an embedding or the head)")
+    if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in matrices):
+        raise ValueError(
+            "orthogonal_overhead: the model is sharded (FSDP2): measure it on the model before fully_shard, whose "
+            "hidden matrices are whole as the rule orthogonalises them"
+        )
     device = matrices[0].device
+    kept = {p: p.grad for p in model.parameters()}
 
     def forward_backward():
         loss = model(**batch).loss
         loss.backward()
-        model.zero_grad(set_to_none=True)
+        for p in kept:
+            p.grad = None
 
     def orthogonalise():
         with torch.no_grad():
@@ -62,9 +70,15 @@ def orthogonal_overhead(model: torch.nn.Module, batch: dict, repeats: int = 5) -
                 newton_schulz(matrix_view(p.detach()), OrthogonalRule.ns_steps)
 
     times: dict[str, list[float]] = {"fb": [], "ns": []}
-    for i in range(repeats + 1):
-        for key, run in (("fb", forward_backward), ("ns", orthogonalise)):
-            seconds = _seconds(run, device)
-            if i:
-                times[key].append(seconds)
+    try:
+        for p in kept:
+            p.grad = None
+        for i in range(repeats + 1):
+            for key, run in (("fb", forward_backward), ("ns", orthogonalise)):
+                seconds = _seconds(run, device)
+                if i:
+                    times[key].append(seconds)
+    finally:
+        for p, grad in kept.items():
+            p.grad = grad
     return statistics.median(times["ns"]) / statistics.median(times["fb"])

@@ -153,7 +153,9 @@ def ddp_muon(cluster: Cluster, work: Workload) -> Estimate:
         ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
         work.compute_s * (1 + work.orthogonal_overhead) + work.adamw_s,
         work.backward_fraction * work.compute_s,
-        memory_bytes=2 * pb * n + 4 * n + 4 * n,  # parameters, gradients, DDP's buckets, the momentum
+        # parameters, gradients, DDP's buckets, at most AdamW's state: a momentum for every parameter, a second
+        # moment for those AdamW steps (embeddings, head, norms: the shapes do not say which)
+        memory_bytes=2 * pb * n + 4 * n + 8 * n,
         quality=0,
         loss_cost=loss_cost("ddp-muon"),
     )
@@ -359,7 +361,7 @@ def demo_estimate(
     est.loss_cost = loss_cost(variant)
     if settings.comm_budget > 0:
         return _settle_budget(est, settings, cluster, work, layout)
-    est.note = orthogonal_note(settings, work, settings.sync_every)
+    est.note = "; ".join(filter(None, (est.note, orthogonal_note(settings, work, settings.sync_every))))
     return est
 
 
@@ -379,7 +381,9 @@ def demo_compute_s(settings: DeMoSettings, work: Workload, sync_every: int, shar
     """Forward+backward, DeMo's own computation (at synchronisations only: every ``sync_every`` steps) and the
     rules' Newton-Schulz runs (where known), per step on one device. ``shards`` > 1 (HSDP): each matrix is
     orthogonalised whole by one rank of the node, the work balanced as :func:`hf_demo.topology.owners.owners`
-    hands it out; a device does its most loaded rank's share."""
+    hands it out; a device does its most loaded rank's share. The shares are of every matrix of the workload, the
+    embeddings and the head among them, which no rank orthogonalises (the planner's shapes do not say which they
+    are): an upper bound on a device's share."""
     orthogonal = orthogonalisations(settings, sync_every) * (work.orthogonal_overhead or 0.0)
     if orthogonal and shards > 1:
         load = owners.loads([s for s in work.shapes if len(s) >= 2], shards)

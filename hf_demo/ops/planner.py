@@ -257,7 +257,7 @@ def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list
             "n_params": work.n_params,
             "compute_s": work.compute_s,
             "steps_per_epoch": steps_per_epoch,
-            "methods": [asdict(r) for r in rows],
+            "methods": [_finite(asdict(r)) for r in rows],  # a refused method's figures: null
             "recommended": pick.method,
             "reason": why,
             **({"failures": failures} if failures is not None else {}),
@@ -267,10 +267,11 @@ def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list
     )
 
 
+def _finite(row: dict) -> dict:
+    """``row`` with every float that is not finite as None (JSON's null: NaN and Infinity are not JSON)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
 def failures_json(failures: Failures, recovery_s: float, costs: list[FailureRow]) -> dict:
     """The failures' inputs and each method's figures (a time lost that never ends: null)."""
-
-    def finite(row: dict) -> dict:
-        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-
-    return {**asdict(failures), "recovery_s": recovery_s, "methods": [finite(asdict(c)) for c in costs]}
+    return {**asdict(failures), "recovery_s": recovery_s, "methods": [_finite(asdict(c)) for c in costs]}
