@@ -74,24 +74,12 @@ def llama_shapes(args: dict) -> list[tuple[int, ...]]:
 @functools.cache
 def _orthogonal_overhead(hidden: int, intermediate: int, layers: int, heads: int, batch: int, seq_len: int) -> float:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchlib.toy import byte_llama
     from hf_demo.ops.compute_cost import orthogonal_overhead
 
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
+    model = byte_llama(hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, seq_len=seq_len, seed=0)
     ids = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model = LlamaForCausalLM(cfg)
     return orthogonal_overhead(model, {"input_ids": ids, "labels": ids})
 
 
