@@ -38,7 +38,7 @@ LABELS = {
 }
 # each method's best lr in this job: the lowest held-out loss at step 48 of three to four lrs around the 3.3M
 # Llama's best at 300 steps, on the same 4 nodes without link limits (benchmarks/results/wan_headline_lr/)
-BEST_LRS = "adamw=2e-3,muon=8e-3,powersgd=1e-3,demo-bf16=1e-3,demo-scratch=1e-2,demo-scratch-few=2e-2"
+BEST_LRS = "adamw=2e-3,muon=8e-3,powersgd=1e-3,demo-bf16=1e-3,demo-scratch=1e-2,demo-scratch-few=1e-2"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

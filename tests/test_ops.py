@@ -1133,6 +1133,9 @@ def test_plan_check_compares_the_kept_runs_and_says_what_latency_would_add(tmp_p
     text = out.read_text()
     assert "| 4 nodes, 100mbit per link | adamw |" in text and "## Latency: predicted only" in text
     assert "no wan_runs.json beside it" in text  # a folder it cannot plan is named, not a traceback
+    # the lr sweep's folders holding the from_scratch_few_bytes preset alone: its compute has Newton-Schulz in it,
+    # which the planner adds on its own, so it is no reference
+    assert "lr5 / 4 nodes, unlimited per link: no every-step DeMo run to take the compute from" in text
 
 
 # ---------------------------------------------------------------- the step's collectives, as their parts describe them
