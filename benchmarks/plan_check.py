@@ -97,6 +97,17 @@ def orthogonal_overhead_of(args: dict) -> float:
         torch.set_num_threads(threads)
 
 
+def run_workload(args: dict, fwd_bwd_s: float, own_s: float) -> Workload:
+    """The planner's workload for a ``wan.py`` run's Llama: its shapes, DeMo bf16's measured forward+backward and
+    own compute (``own_s``), and the Newton-Schulz share measured here (:func:`orthogonal_overhead_of`)."""
+    return Workload(
+        llama_shapes(args),
+        fwd_bwd_s,
+        demo_overhead=own_s / fwd_bwd_s,
+        orthogonal_overhead=orthogonal_overhead_of(args),
+    )
+
+
 def parse_config(key: str) -> tuple[int, int, str] | None:
     """'4 nodes, 100mbit per link' / '2 nodes × 2 processes, ...' -> (nodes, procs, rate); None for a scenario."""
     if key.startswith("scenario") or "+" in key:
@@ -187,12 +198,7 @@ def check_folder(summary_path: Path, latency: str = "20ms") -> tuple[list[dict],
         for r in runs:
             if not r.get("failed") and r["method"] in methods:
                 methods[r["method"]]["args"] = r["args"]
-        work = Workload(
-            llama_shapes(args),
-            ref["fwd_bwd_s"],
-            demo_overhead=(ref["opt_s"] - ref["comm_s"]) / ref["fwd_bwd_s"],
-            orthogonal_overhead=orthogonal_overhead_of(args),
-        )
+        work = run_workload(args, ref["fwd_bwd_s"], ref["opt_s"] - ref["comm_s"])
         cluster = emulated_cluster(nodes, procs, rate, _delay_ms(runs, key))
         for method, run in methods.items():
             if run.get("failed"):

@@ -93,7 +93,6 @@ def predicted_step(config: str, methods: dict[str, list[dict]]) -> dict[str, flo
     forward+backward and optimizer compute: medians over the runs, and the Newton-Schulz runs of the orthogonalising
     methods measured here against a forward+backward), as ``plan_check.check_folder`` plans."""
     import plan_check
-    from hf_demo.ops.methods import Workload
 
     ref = [s for s in methods.get("demo-bf16", []) if not s.get("failed")]
     if not ref:
@@ -103,13 +102,7 @@ def predicted_step(config: str, methods: dict[str, list[dict]]) -> dict[str, flo
     cluster = plan_check.emulated_cluster(rec["nodes"], rec.get("procs_per_node", 1), rate, rec.get("delay_ms", 0.0))
     fwd_bwd = _median([s["fwd_bwd_s"] for s in ref])
     own = _median([s["opt_s"] - s["comm_s"] for s in ref])
-    args = ref[0]["record"]["args"]
-    work = Workload(
-        plan_check.llama_shapes(args),
-        fwd_bwd,
-        demo_overhead=own / fwd_bwd,
-        orthogonal_overhead=plan_check.orthogonal_overhead_of(args),
-    )
+    work = plan_check.run_workload(ref[0]["record"]["args"], fwd_bwd, own)
     out = {}
     for method, runs in methods.items():
         ok = [s for s in runs if not s.get("failed")]

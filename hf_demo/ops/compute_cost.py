@@ -21,6 +21,7 @@ import torch
 
 from hf_demo.optim.param_groups import embedding_and_head_ids, is_hidden_matrix
 from hf_demo.optim.update_rules import OrthogonalRule, matrix_view, newton_schulz
+from hf_demo.topology.dtensor import is_sharded
 
 
 def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -50,7 +51,7 @@ def orthogonal_overhead(model: torch.nn.Module, batch: dict, repeats: int = 5) -
     matrices = hidden_matrices(model)
     if not matrices:
         raise ValueError("orthogonal_overhead: the model has no hidden matrix (2-D, not an embedding or the head)")
-    if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in matrices):
+    if any(is_sharded(p) for p in matrices):
         raise ValueError(
             "orthogonal_overhead: the model is sharded (FSDP2): measure it on the model before fully_shard, whose "
             "hidden matrices are whole as the rule orthogonalises them"
