@@ -126,3 +126,14 @@ def test_the_slow_link_headline_tables_the_runs_with_the_planner_beside_them(tmp
     assert rows["muon"]["predicted_step_s"] > rows["adamw"]["predicted_step_s"]
     table = (tmp_path / "wan_headline.md").read_text()
     assert "| DDP-Muon | 0.004 |" in table and table.count("no planner row") == 1 and "0 of 1 runs reached 2.9" in table
+
+
+def test_step_trace_counts_the_functions_and_files_of_one_steady_step():
+    """``benchmarks/step_trace.py --json``: the measure of how much code a default step walks through."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json", "--warmup", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["by_file"]) <= out["files"] and sum(out["by_file"].values()) == out["functions"]
+    assert "optim/optimizer.py" in out["by_file"] and out["calls"] >= out["functions"]
