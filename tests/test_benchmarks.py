@@ -137,3 +137,13 @@ def test_step_trace_counts_the_functions_and_files_of_one_steady_step():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(out["by_file"]) <= out["files"] and sum(out["by_file"].values()) == out["functions"]
     assert "optim/optimizer.py" in out["by_file"] and out["calls"] >= out["functions"]
+
+
+def test_plot_ranks_draws_both_plots_from_the_result_files(tmp_path):
+    for path in (ROOT / "benchmarks" / "results").glob("convergence_ranks300_w*_*.json"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "plot_ranks.py"), "--results-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("ranks300_ratio_vs_w.png", "ranks300_loss_vs_bytes.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
