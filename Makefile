@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-slow test-fast lint demo quickstart bench compare gpu-check
+.PHONY: setup test test-slow test-fast lint demo quickstart bench compare gpu-check gpu-quality
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
@@ -21,6 +21,12 @@ test-fast: setup
 # On a machine with an NVIDIA GPU: the CUDA tests, DeMo over NCCL ranks, the step benchmark on CUDA (exit 77: no GPU).
 gpu-check: setup
 	bash scripts/gpu_check.sh
+
+# On a machine with an NVIDIA GPU: DDP-Muon, the from_scratch presets and DDP-AdamW at ~100M parameters on 4 ranks
+# sharing the GPU (exit 77: no GPU). No setup: a GPU machine without the package index uses its own python3 and
+# the tokenizer files that `bash scripts/gpu_quality.sh prepare` wrote here (.gpuq/tokenizer, carried along).
+gpu-quality:
+	bash scripts/gpu_quality.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

