@@ -12,9 +12,12 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
+from transformers import TrainerCallback
 
 from hf_demo.ops import HealthSettings, OpsSettings
 from hf_demo.ops.callbacks import DeMoOpsCallback, _log_row, _window_summary
@@ -276,3 +279,59 @@ def test_promtool_runs_the_rules_test_cases():
     tested = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], capture_output=True, text=True,
                             timeout=120, cwd=RULE_TESTS.parent)  # fmt: skip
     assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+# ---------------------------------------------------------------- a real Trainer, one process
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
+        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+
+class _SlowEvaluation(TrainerCallback):
+    """Each evaluation takes 2.5 s more (it runs before the ops callbacks' on_evaluate); records the alerts."""
+
+    def __init__(self):
+        self.alerts = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        time.sleep(2.5)
+
+    def on_demo_alert(self, args, state, control, alert, **kwargs):
+        self.alerts.append(alert)
+
+
+def test_a_trainer_with_slow_evaluations_and_checkpoints_raises_no_step_time_alert(tmp_path):
+    """DeMoTrainer, 21 steps, an evaluation and a checkpoint every 7: both are their own series in the table log
+    and the log rows, and no step_time alert follows them (the bar of 1 s keeps a loaded host's stalls out;
+    today's split put the 2.5 s evaluation in the next step's own time: an alert at steps 8 and 15)."""
+    import pandas as pd
+    from datasets import Dataset
+
+    import hf_demo
+
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1).tolist()})
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir=str(tmp_path / "out"), optim="demo", per_device_train_batch_size=4, max_steps=21, logging_steps=7,
+        report_to="none", use_cpu=True, learning_rate=1e-3, save_strategy="steps", save_steps=7, disable_tqdm=True,
+        eval_strategy="steps", eval_steps=7, per_device_eval_batch_size=8,
+    )  # fmt: skip
+    slow = _SlowEvaluation()
+    ops = OpsSettings(table_log="csv", health=HealthSettings(min_excess_s=1.0))
+    trainer = hf_demo.DeMoTrainer(model=_Regression(), args=args, train_dataset=data,
+                                  eval_dataset=data.select(range(16)), callbacks=[slow], demo_ops=ops)  # fmt: skip
+    trainer.train()
+    assert [a for a in slow.alerts if a.kind == "step_time"] == []
+    table = pd.read_csv(tmp_path / "out" / "ops" / "steps-rank0.csv").set_index("step")
+    after = table.loc[[8, 15]]
+    assert (after["evaluate_s"] >= 2.5).all() and (after["save_s"] > 0).all() and (after["log_s"] > 0).all()
+    assert (after["own_s"] < 2.5).all() and (after["other_s"] < 2.5).all()
+    assert (table.drop(index=[8, 15])["evaluate_s"] == 0).all()
+    rows = [r for r in trainer.state.log_history if "ops/evaluate_s" in r]
+    assert [r["step"] for r in rows] == [7, 14, 21] and rows[1]["ops/evaluate_s"] >= 2.5 / 7
