@@ -335,3 +335,42 @@ def test_a_trainer_with_slow_evaluations_and_checkpoints_raises_no_step_time_ale
     assert (table.drop(index=[8, 15])["evaluate_s"] == 0).all()
     rows = [r for r in trainer.state.log_history if "ops/evaluate_s" in r]
     assert [r["step"] for r in rows] == [7, 14, 21] and rows[1]["ops/evaluate_s"] >= 2.5 / 7
+
+
+# ---------------------------------------------------------------- two gloo ranks on DDP
+@pytest.mark.launch
+def test_a_straggler_stays_alerted_and_the_waiting_rank_waits_in_ddps_broadcast(tmp_path):
+    """Two ranks of DeMoTrainer (DDP on gloo); rank 1 is 1.5 s late before each of steps 9 to 20. Rank 1: one
+    step_time alert, ongoing from step 9 on, not repeated. Rank 0 waits in DDP's buffer broadcast before the
+    forward: its table counts it as the wait on the exchange, not as forward+backward, and it raises an ongoing
+    exchange_time alert, never step_time."""
+    import csv
+    import json
+
+    from launch_utils import accelerate_launch
+
+    out = tmp_path / "out"
+    accelerate_launch(
+        ROOT / "tests" / "scripts" / "train_ops.py", "--output_dir", out, "--record_dir", tmp_path / "rec",
+        "--optim", "demo", "--per_device_train_batch_size", 4, "--max_steps", 24, "--logging_steps", 6,
+        "--slow_step", 9, "--slow_until", 20, "--slow_s", 1.5, "--scrape_step", 0,
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true",
+    )  # fmt: skip
+
+    def alerts(rank):
+        path = out / "ops" / f"alerts-rank{rank}.jsonl"
+        found = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [(a["kind"], a["step"], a.get("state")) for a in found if a["kind"] != "tier_change"]
+
+    late, waiting = alerts(1), alerts(0)
+    onsets = [(kind, step) for kind, step, state in late if kind == "step_time" and state != "resolved"]
+    assert onsets == [("step_time", 9)] and ("step_time", 9, "ongoing") in late, late
+    assert not [a for a in late if a[0] == "step_time" and a[2] == "resolved" and a[1] <= 20], late
+    assert [a for a in waiting if a[0] == "exchange_time"][:1] == [("exchange_time", 9, "ongoing")], waiting
+    assert "step_time" not in [kind for kind, _, _ in waiting], waiting
+    rows = {int(r["step"]): r for r in csv.DictReader(open(out / "ops" / "steps-rank0.csv"))}
+    slow = [rows[s] for s in range(9, 21)]
+    broadcast = statistics.median(float(r["forward_wait_s"]) for r in slow)
+    assert broadcast > 1.0, slow  # the wait lands in DDP's broadcast before the forward
+    assert all(float(r["exchange_s"]) >= float(r["forward_wait_s"]) for r in slow)
+    assert statistics.median(float(r["forward_backward_s"]) for r in slow) < broadcast / 2, slow
