@@ -249,6 +249,39 @@ def test_the_wait_in_ddps_buffer_broadcast_is_a_wait_on_the_exchange(with_demo):
     assert "DDP's buffer broadcast before the forward 2 s" in found[0].message
 
 
+def _wait_samples(waits, logged) -> list[StepSample]:
+    zero = {f: 0 for f in StepSample.__dataclass_fields__}
+    return [
+        StepSample(
+            **{
+                **zero,
+                "step": i + 1,
+                "step_s": 0.5 + w,
+                "exchange_s": w,
+                "bytes_received": 100,
+                "world": 2,
+                "loss": 1.0,
+                "log_s": 0.01 * logged(i + 1),
+            }
+        )  # fmt: skip
+        for i, w in enumerate(waits)
+    ]
+
+
+def test_the_wait_after_another_ranks_slow_log_row_is_not_judged_unless_every_step_logs():
+    """Rank 0's reporting callbacks take 0.6 s at each log row (every 5 steps): this rank waits for it in the next
+    step's collective, which is not judged. Logging every step, the waits are judged all the same: a peer late
+    from step 21 on is seen."""
+    waits = [0.05 + _jitter(i) for i in range(1, 41)]
+    slow_rows = [w + 0.6 * (i > 1 and (i - 1) % 5 == 0) for i, w in enumerate(waits, 1)]
+    rules = HealthRules(HealthSettings())
+    assert [a for s in _wait_samples(slow_rows, lambda step: (step - 1) % 5 == 0) for a in rules.observe(s)] == []
+    late = [w + 2.0 * (i > 20) for i, w in enumerate(waits, 1)]
+    rules = HealthRules(HealthSettings())
+    found = [a for s in _wait_samples(late, lambda step: True) for a in rules.observe(s)]
+    assert [(a.kind, a.step, a.state) for a in found] == [("exchange_time", 21, "ongoing")], found
+
+
 # ---------------------------------------------------------------- the shipped rules, in Prometheus's evaluator
 def _promtool() -> str:
     promtool = shutil.which("promtool")

@@ -15,8 +15,8 @@ back under the bar. Every other alert is an ``"event"``.
   loading); the ranks that waited for it see ``exchange_time`` instead;
 - ``exchange_time``: the wait on the collectives (DeMo's exchange, and DDP's buffer broadcast before the forward
   where the others' lateness lands first) far above the baseline (the network, or a slow peer); the steps with
-  DeMo's exchange and those with DDP's broadcast alone have a baseline each; the first step after an evaluation
-  or a checkpoint is not judged (the ranks leave those at different times);
+  DeMo's exchange and those with DDP's broadcast alone have a baseline each; the first step after an evaluation,
+  a checkpoint or a log row is not judged (the ranks leave those at different times), unless every step logs;
 - ``slow_link``: DeMo's exchange far slower than the link the plan assumed would carry its bytes;
 - ``loss_spike``: the training loss far above its baseline; ``nonfinite_streak``: steps skipped in a row for
   NaN/Inf gradients (or a non-finite loss);
@@ -108,6 +108,7 @@ class HealthRules:
         self.resync_steps: deque = deque()
         self.streak = 0
         self.seen = 0
+        self.logged_before = False  # the previous step followed a logging phase
         self.tier: int | None = None
         self.last_alert: dict[str, int] = {}
         self.conditions = {kind: _Condition() for kind in CONDITIONS}
@@ -123,8 +124,7 @@ class HealthRules:
         self.seen += 1
         found: list[Alert] = []
         judged = self.seen > self.s.warmup_steps
-        # after an evaluation or a checkpoint the ranks leave it at different times: the next wait is not judged
-        after_phase = sample.evaluate_s + sample.save_s > 0
+        after_phase = self._after_phase(sample)
         if judged:
             found += self._own_time(sample)
             if not after_phase:
@@ -137,6 +137,14 @@ class HealthRules:
         if waits is not None and not after_phase and self._normal("exchange_time"):
             waits.append(sample.exchange_s)
         return [a for a in found if self._fresh(a)]
+
+    def _after_phase(self, s: StepSample) -> bool:
+        """Whether this step's wait is left unjudged: the ranks leave an evaluation, a checkpoint or a logging phase
+        (rank 0's reporting callbacks) at different times, and the earliest waits in the next collective. A run
+        that logs every step has its waits judged all the same (they would never be otherwise)."""
+        logged = s.log_s > 0
+        every_step, self.logged_before = logged and self.logged_before, logged
+        return s.evaluate_s + s.save_s > 0 or (logged and not every_step)
 
     def _normal(self, kind: str) -> bool:
         c = self.conditions[kind]
