@@ -30,3 +30,10 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "setup.sh: could not install chromium with apt-get; the report's browser test will be skipped" >&2
 fi
+# Prometheus's promtool for the alerting rules' tests (tests/test_alerts.py runs `promtool test rules` on
+# docs/grafana/hf-demo-alerts.test.yml): Debian's prometheus package, where it is missing and apt-get can install it
+# (as root); elsewhere those tests are skipped, saying why.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; } >/dev/null 2>&1 \
+    || echo "setup.sh: could not install prometheus (promtool) with apt-get; the alert rules' tests will be skipped" >&2
+fi

@@ -9,11 +9,14 @@ rank, where Trainer logs):
 =============================  ==========================================================================
 ``ops/step_s``                 mean step time over ranks; ``ops/step_s_max`` the longest rank's
 ``ops/slowest_rank``           the rank the others waited for: the most own time (step and time outside it,
-                               less the wait on the exchange), which is ``ops/own_s_max``
-``ops/forward_backward_s``     forward+backward per step (mean over ranks)
+                               less the wait on the collectives), which is ``ops/own_s_max``
+``ops/forward_backward_s``     forward+backward per step, less DDP's buffer broadcast (mean over ranks)
 ``ops/demo_compute_s``         DeMo's own computation per step (mean over ranks)
-``ops/exchange_wait_s``        the wait on DeMo's exchange per step (mean over ranks; max: ``_max``)
-``ops/other_s``                time outside the steps (data, logging, evaluation, checkpoints) per step
+``ops/exchange_wait_s``        the wait on the collectives per step: DeMo's exchange and DDP's buffer broadcast
+                               before the forward (mean over ranks; max: ``_max``)
+``ops/other_s``                time outside the steps and the phases below (data loading) per step
+``ops/evaluate_s``             evaluation per step (mean over ranks); ``ops/save_s`` checkpoints,
+                               ``ops/log_s`` logging: phases of their own, never in a rank's own time
 ``ops/effective_bandwidth``    bytes received per second of waiting (mean over ranks)
 ``ops/bytes_saved_per_step``   dense fp32 all-reduce bytes minus DeMo's, per step and rank
 ``ops/bytes_saved_total``      the same since the start, summed over ranks
@@ -47,7 +50,7 @@ from transformers import TrainerCallback
 from hf_demo.hf.data_parallel import unwrap_optimizer
 from hf_demo.ops import exporters
 from hf_demo.ops.health import Alert, DeMoHealthCallback
-from hf_demo.ops.monitor import StepMonitor, StepSample, rank_and_node
+from hf_demo.ops.monitor import PHASES, StepMonitor, StepSample, phase_of_log, rank_and_node
 from hf_demo.ops.prices import load as load_prices
 from hf_demo.ops.settings import OpsSettings
 
@@ -94,8 +97,12 @@ class DeMoOpsCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.table is not None:
             self.table.flush()
+        if self.monitor is not None:  # finished: its series going away is no dead run (HfDemoRunGone)
+            self.monitor.totals.finished = True
         if self.prometheus is not None:  # serves on until the last step is scraped (or the linger is over)
-            if self.settings.prometheus_mode == "rank0" and self.last is not None:
+            for snapshot in self.prometheus.snapshots.values():  # rank0: every rank's, as last gathered
+                snapshot.totals.finished = True
+            if self.last is not None:
                 self.prometheus.update(self.rank, self._snapshot(state.global_step))
             self.prometheus.close_later(self.settings.prometheus_linger_s)
             self.prometheus = None
@@ -137,6 +144,16 @@ class DeMoOpsCallback(TrainerCallback):
         is still going: trainer_state.json is written with checkpoints only)."""
         if logs and state.is_world_process_zero and self.monitor is not None:
             exporters.append_jsonl(self.folder / "log_history.jsonl", {**logs, "step": state.global_step})
+        if self.monitor is not None:  # the logging (or the evaluation, for its row) is a phase of its own
+            self.monitor.phase_done(phase_of_log(logs))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.phase_done("evaluate")
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.phase_done("save")
 
     def record_loss(self, loss) -> None:
         if self.monitor is not None:
@@ -191,9 +208,14 @@ class DeMoOpsCallback(TrainerCallback):
         return exporters.Snapshot(self.monitor.totals, self.last, global_step, self.currency)
 
     def _count_alert(self, alert: Alert) -> None:
-        if self.monitor is not None:
-            self.monitor.totals.alerts[alert.kind] = self.monitor.totals.alerts.get(alert.kind, 0) + 1
-        self.window_alerts[alert.kind] = self.window_alerts.get(alert.kind, 0) + 1
+        """Onsets and events are counted; an alert on time's state sets its gauge (1 ongoing, 0 resolved)."""
+        totals = self.monitor.totals if self.monitor is not None else None
+        if totals is not None and alert.state != "event":
+            totals.ongoing[alert.kind] = int(alert.state == "ongoing")
+        if alert.state != "resolved":
+            if totals is not None:
+                totals.alerts[alert.kind] = totals.alerts.get(alert.kind, 0) + 1
+            self.window_alerts[alert.kind] = self.window_alerts.get(alert.kind, 0) + 1
         exporters.append_jsonl(self.folder / f"alerts-rank{alert.rank}.jsonl", alert.as_dict())
 
     # ---------------------------------------------------------------- log rows
@@ -218,17 +240,19 @@ def _window_summary(samples: list[StepSample]) -> dict:
         values = [getattr(s, key) for s in samples if not math.isnan(getattr(s, key))]
         return statistics.fmean(values) if values else math.nan
 
-    out = {k: mean(k) for k in ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s", "own_s")}
+    keys = ("step_s", "forward_backward_s", "demo_compute_s", "exchange_s", "other_s", "own_s", *PHASE_KEYS)
+    out = {k: mean(k) for k in keys}
     out["bandwidth"] = mean("bandwidth")
     out["saved"] = mean("bytes_saved") if samples else math.nan
     out["tokens"] = float(sum(s.tokens for s in samples))
-    out["span_s"] = float(sum(s.step_s + s.other_s for s in samples))  # the window's wall time on this rank
+    out["span_s"] = float(sum(s.step_s + s.other_s + s.phases_s for s in samples))  # the window's wall time
     out["quorum"] = samples[-1].quorum if samples else 0
     for key in ELASTIC_WINDOW:
         out[key] = float(sum(getattr(s, key) for s in samples))
     return out
 
 
+PHASE_KEYS = tuple(f"{phase}_s" for phase in PHASES)  # per-step means of the phases, as ops/<phase>_s
 ELASTIC_WINDOW = ("joins", "losses", "recoveries", "recovery_s", "samples_lost", "samples_unread")  # per log row
 ELASTIC_KEYS = {"joins": "ops/replica_joins", "losses": "ops/replica_losses", "recoveries": "ops/recoveries",
                 "recovery_s": "ops/recovery_s", "samples_lost": "ops/samples_lost",
@@ -268,6 +292,7 @@ def _log_row(everyone: list) -> dict:
         "ops/exchange_wait_s": mean("exchange_s"),
         "ops/exchange_wait_s_max": max(w["exchange_s"] for _, w in summaries),
         "ops/other_s": mean("other_s"),
+        **{f"ops/{key}": mean(key) for key in PHASE_KEYS},
         "ops/effective_bandwidth": mean("bandwidth"),
         "ops/bytes_saved_per_step": mean("saved"),
         "ops/bytes_saved_total": float(sum(s.totals.dense_bytes - s.totals.bytes_sent for _, _, s, _ in everyone)),

@@ -28,15 +28,15 @@ from pathlib import Path
 
 from hf_demo.ops.monitor import PARTS, STEP_BUCKETS, StepSample, Totals
 from hf_demo.ops.optional import require
-from hf_demo.ops.settings import ALERT_KINDS
+from hf_demo.ops.settings import ALERT_KINDS, CONDITIONS
 
 # name -> (type, help); "_total" counters are exposed as <name> (prometheus_client adds nothing to custom ones)
 METRICS = {
     "hf_demo_steps_total": ("counter", "optimizer steps this rank has taken"),
     "hf_demo_step_seconds_total": (
         "counter",
-        "seconds by part of the step: step (all), forward_backward, "
-        "demo_compute, exchange (waiting on DeMo's collectives), other (outside steps)",
+        "seconds by part: step (all), forward_backward, demo_compute, exchange (waiting on the collectives: DeMo's "
+        "and DDP's buffer broadcast), other (outside steps: data), evaluate, save, log (phases between steps)",
     ),
     "hf_demo_last_step_seconds": ("gauge", "the last step's seconds by part (as above)"),
     "hf_demo_step_duration_seconds": ("histogram", "step times (histogram_quantile gives the p95)"),
@@ -60,6 +60,8 @@ METRICS = {
     "hf_demo_resyncs_total": ("counter", "times rank 0's parameters were copied to every rank"),
     "hf_demo_drift_checks_total": ("counter", "parameter fingerprint comparisons across ranks"),
     "hf_demo_alerts_total": ("counter", "DeMoHealthCallback alerts, by kind (every kind from 0)"),
+    "hf_demo_alert_ongoing": ("gauge", "1 while an alert on time (step_time, exchange_time, slow_link) is ongoing"),
+    "hf_demo_training_finished": ("gauge", "1 once training ended (its series going away after it is no dead run)"),
     "hf_demo_cost": ("gauge", "running cost estimate of this rank (device-hours and traffic between nodes)"),
     "hf_demo_quorum_size": ("gauge", "elastic runs: replicas in torchft's quorum at the last step"),
     "hf_demo_replica_joins_total": ("counter", "elastic runs: quorum changes where replicas joined"),
@@ -88,6 +90,7 @@ EXTRA_LABELS = {
     "hf_demo_step_seconds_total": ("part",),
     "hf_demo_last_step_seconds": ("part",),
     "hf_demo_alerts_total": ("kind",),
+    "hf_demo_alert_ongoing": ("kind",),
     "hf_demo_cost": ("currency",),
 }
 
@@ -133,6 +136,9 @@ def _families(snapshots: dict[int, Snapshot], run: str):
             fams[name].add_metric(base, value)
         for kind in sorted(set(ALERT_KINDS) | set(t.alerts)):
             fams["hf_demo_alerts_total"].add_metric(base + [kind], t.alerts.get(kind, 0))
+        for kind in CONDITIONS:
+            fams["hf_demo_alert_ongoing"].add_metric(base + [kind], t.ongoing.get(kind, 0))
+        fams["hf_demo_training_finished"].add_metric(base, int(t.finished))
         buckets = [(str(bound), n) for bound, n in zip(STEP_BUCKETS, t.step_buckets)] + [("+Inf", t.steps)]
         fams["hf_demo_step_duration_seconds"].add_metric(base, buckets, t.seconds["step"])
         if not math.isnan(t.last_timestamp):

@@ -3,10 +3,16 @@
 :class:`StepMonitor` is told where a step's phases begin and end (the Trainer callbacks of
 :mod:`hf_demo.ops.callbacks` call it, or a custom loop does) and returns a :class:`StepSample` per step:
 
-- ``forward_backward_s``: from the step's start to the optimizer step (forward, backward, clipping);
-- ``exchange_s``: the wait on DeMo's collectives inside the optimizer step (``CommStats`` seconds);
+- ``forward_backward_s``: from the step's start to the optimizer step (forward, backward, clipping), less the
+  wait in DDP's buffer broadcast before each forward (``forward_wait_s``, part of ``exchange_s``);
+- ``exchange_s``: the wait on the step's collectives, wherever it happens: DeMo's collectives inside the optimizer
+  step (``CommStats`` seconds, :attr:`StepSample.demo_exchange_s`) and DDP's buffer broadcast before each forward
+  (``forward_wait_s``, where :meth:`StepMonitor.record_forward_wait` is told of it);
 - ``demo_compute_s``: the rest of the optimizer step (DCT, top-k, coding, the update);
-- ``other_s``: the time since the previous step outside any step (data, logging, evaluation, checkpoints);
+- ``other_s``: the time since the previous step outside any step and outside the phases below (data loading);
+- ``evaluate_s``, ``save_s``, ``log_s``: the evaluation, checkpoint and logging phases since the previous step
+  (:meth:`StepMonitor.phase_done` marks each one's end; the Trainer callbacks call it from ``on_log``,
+  ``on_evaluate`` and ``on_save``): their own series, never a rank's own time;
 - bytes this rank handed to DeMo's collectives and got back, the dense fp32 all-reduce they replace, the
   bytes on DeMo's collectives inside a node (HSDP, :mod:`hf_demo.fsdp`: those ``ShardedTopology.COLLECTIVES``
   describes over the shard group; what is left crossed nodes; FSDP2's own all-gathers and reduce-scatters are
@@ -23,9 +29,10 @@
 collectives over DeMo's group (those over the shard group excluded) times the share of the group's other ranks that
 sit on another node (rank // devices per node): 0 when every rank of the group shares this node.
 
-A rank's **own time** (:attr:`StepSample.own_s`) is its step and the time outside it less the wait on DeMo's
-exchange: the ranks of a synchronous step all take about as long, and the one the others waited for is the one
-with the most own time (``ops/slowest_rank``; the ``step_time`` alert judges it).
+A rank's **own time** (:attr:`StepSample.own_s`) is its step and the time outside it (evaluation, checkpoints
+and logging excluded) less the wait on the collectives: the ranks of a synchronous step all take about as long,
+and the one the others waited for is the one with the most own time (``ops/slowest_rank``; the ``step_time``
+alert judges it).
 """
 
 from __future__ import annotations
@@ -71,7 +78,10 @@ class StepSample:
     cost: float  # this rank's running cost estimate (nan without a price table)
     timestamp: float = math.nan  # Unix time at the step's end
     tokens: float = 0.0  # tokens of the step's inputs on this rank (0: none recorded)
-    forward_wait_s: float = 0.0  # inside forward_backward: DDP's work before the model's forward (its buffer broadcast)
+    forward_wait_s: float = 0.0  # part of exchange_s: DDP's work before the model's forward (its buffer broadcast)
+    evaluate_s: float = 0.0  # since the previous step: evaluation (a phase of its own, not in other_s)
+    save_s: float = 0.0  # ... checkpoints
+    log_s: float = 0.0  # ... logging (the log row's gathering and the reporting callbacks)
     quorum: int = 0  # elastic: replicas in torchft's quorum at the step's end (0: not an elastic run)
     joins: int = 0  # elastic: quorum events since the previous step where replicas joined
     losses: int = 0  # ... where replicas were lost
@@ -87,9 +97,19 @@ class StepSample:
 
     @property
     def own_s(self) -> float:
-        """The rank's own time: the step and the time outside it, less the waits on DeMo's exchange and on DDP's
-        broadcast of the buffers before each forward."""
-        return max(0.0, self.step_s + self.other_s - self.exchange_s - self.forward_wait_s)
+        """The rank's own time: the step and the time outside it (not the evaluation, checkpoint or logging
+        phases), less the wait on the collectives (``exchange_s``: DeMo's and DDP's buffer broadcast)."""
+        return max(0.0, self.step_s + self.other_s - self.exchange_s)
+
+    @property
+    def demo_exchange_s(self) -> float:
+        """The wait on DeMo's own collectives (``exchange_s`` less DDP's buffer broadcast)."""
+        return max(0.0, self.exchange_s - self.forward_wait_s)
+
+    @property
+    def phases_s(self) -> float:
+        """Evaluation, checkpoints and logging since the previous step."""
+        return self.evaluate_s + self.save_s + self.log_s
 
     def row(self, run: str) -> dict:
         return {"run": run, **asdict(self), "bytes_saved": self.bytes_saved, "own_s": self.own_s}
@@ -115,6 +135,8 @@ class Totals:
     alerts: dict = field(default_factory=dict)
     step_buckets: list = field(default_factory=lambda: [0] * len(STEP_BUCKETS))  # steps at or under each bound
     last_timestamp: float = math.nan
+    ongoing: dict = field(default_factory=dict)  # alert kind -> 1 while a time alert is ongoing, 0 once recovered
+    finished: bool = False  # training ended (on_train_end): the series going away after it is no dead run
     quorum: int = 0  # elastic: the last step's quorum (0: not elastic)
     joins: int = 0
     losses: int = 0
@@ -147,7 +169,8 @@ class Totals:
         self.samples_unread += s.samples_unread
 
 
-PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other")
+PARTS = ("step", "forward_backward", "demo_compute", "exchange", "other", "evaluate", "save", "log")
+PHASES = ("evaluate", "save", "log")  # the phases between steps that are their own series
 # an ElasticEvent's kind -> the StepSample field counting it
 ELASTIC_KINDS = {"join": "joins", "loss": "losses", "recovered": "recoveries"}
 
@@ -206,6 +229,12 @@ class _NodeBytes:
         return out
 
 
+def phase_of_log(logs) -> str:
+    """The phase a Trainer ``on_log`` ends: ``evaluate`` for the evaluation's own row (``eval_*`` keys: the
+    evaluation ran since the last mark), else ``log``."""
+    return "evaluate" if any(str(k).startswith("eval_") for k in logs or {}) else "log"
+
+
 def rank_and_node(args) -> tuple[int, int, int]:
     """(rank, node, processes per node) from the arguments and the launcher's LOCAL_WORLD_SIZE."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -223,6 +252,8 @@ class StepMonitor:
         self.totals = Totals()
         self._marks: dict[str, float] = {}
         self._last_end = self.start
+        self._mark = self.start  # the last step's end or phase's end: other_s counts from it
+        self._phases = dict.fromkeys(PHASES, 0.0)
         self._before = None
         self._losses: list = []
         self._tokens: list = []
@@ -254,6 +285,15 @@ class StepMonitor:
 
     def optimizer_done(self) -> None:
         self._marks["optimizer"] = self._now()
+
+    def phase_done(self, phase: str) -> None:
+        """The end of an evaluation, checkpoint or logging phase (one of :data:`PHASES`): the time since the last
+        step's or phase's end is that phase's, counted in the next step's sample and left out of ``other_s``."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r}: expected one of {', '.join(PHASES)}")
+        now = self._now()
+        self._phases[phase] += now - self._mark
+        self._mark = now
 
     def record_loss(self, loss) -> None:
         """A micro-batch's loss as the trainer sums it (a tensor is read at the step's end, once)."""
@@ -296,7 +336,7 @@ class StepMonitor:
         pre = m.get("pre_optimizer", end)
         after = _counters(opt)
         before = self._before or after
-        exchange = after["seconds"] - before["seconds"]
+        exchange = after["seconds"] - before["seconds"]  # DeMo's collectives
         received = after["received"] - before["received"]
         node_bytes = self._node_bytes.take()
         communicated = after["collectives"] > before["collectives"]
@@ -309,10 +349,10 @@ class StepMonitor:
             node=self.node,
             wall_s=end - self.start,
             step_s=end - begin,
-            forward_backward_s=pre - begin,
+            forward_backward_s=max(0.0, pre - begin - self._forward_wait),
             demo_compute_s=max(0.0, m.get("optimizer", end) - pre - exchange),
-            exchange_s=exchange,
-            other_s=max(0.0, begin - self._last_end),
+            exchange_s=exchange + self._forward_wait,
+            other_s=max(0.0, begin - self._mark),
             bytes_sent=after["sent"] - before["sent"],
             bytes_received=received,
             dense_bytes=after["dense"] if after["steps"] > before["steps"] else 0.0,
@@ -330,6 +370,7 @@ class StepMonitor:
             timestamp=time.time(),
             tokens=float(sum(int(t) for t in self._tokens)),
             forward_wait_s=self._forward_wait,
+            **{f"{phase}_s": s for phase, s in self._phases.items()},
             **self._elastic.take(),
             samples_unread=unread,
         )
@@ -337,7 +378,8 @@ class StepMonitor:
             self.totals.last_recovery_s = sample.recovery_s / sample.recoveries
         self.totals.add(sample)
         sample.cost = self.cost(sample.wall_s)
-        self._last_end = end
+        self._last_end = self._mark = end
+        self._phases = dict.fromkeys(PHASES, 0.0)
         return sample
 
     def cost(self, wall_s: float) -> float:

@@ -29,6 +29,8 @@ ALERT_KINDS = (
     "quorum_below_target",
     "slow_recovery",
 )
+# the alerts on time: conditions, "ongoing" from their onset until the rank recovers (a Prometheus gauge each)
+CONDITIONS = ("step_time", "exchange_time", "slow_link")
 
 
 def _opt(default, help: str):
@@ -56,7 +58,8 @@ class HealthSettings:
         2,
         "alerts on time (step_time, exchange_time, slow_link) need this many deviating steps in a row (steps with "
         "an exchange, for the exchange's), unless a step is twice the least excess above its baseline: one stalled "
-        "step on a loaded host is not a fault (1: every step alone)",
+        "step on a loaded host is not a fault (1: every step alone); an ongoing one recovers after as many steps in "
+        "a row back under it",
     )
     link_bandwidth: str = _opt("", "the link between nodes the plan assumed (e.g. 10gbit; empty: from plan or off)")
     link_latency: str = _opt("0", "its one-way latency (e.g. 20ms)")
@@ -66,7 +69,11 @@ class HealthSettings:
     nonfinite_patience: int = _opt(3, "alert after this many consecutive skipped (NaN/Inf) steps")
     resync_limit: int = _opt(3, "alert when this many resyncs happen within resync_window steps")
     resync_window: int = _opt(100, "steps of the resync count")
-    cooldown_steps: int = _opt(10, "the same alert on the same rank is not repeated within this many steps")
+    cooldown_steps: int = _opt(
+        10,
+        "the same alert on the same rank is not repeated within this many steps (alerts on time are not repeated "
+        "while ongoing: they end with a resolved event)",
+    )
     expected_replicas: int = _opt(
         0, "elastic runs: the replica groups the run should have (0: the largest quorum seen so far)"
     )

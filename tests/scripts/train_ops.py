@@ -28,17 +28,19 @@ class ScriptArgs:
     prometheus_port: int = field(default=0)
     scrape_step: int = field(default=4)
     slow_step: int = field(default=0)  # rank 1 sleeps slow_s before this step (0: never)
+    slow_until: int = field(default=0)  # ... and before every step up to this one (0: slow_step alone)
     slow_s: float = field(default=1.0)
 
 
 class SlowRank(TrainerCallback):
-    """Rank 1 is late for one step (a stall before it: data, the host), the others wait for it."""
+    """Rank 1 is late for a step or a run of steps (a stall before each: data, the host), the others wait for it."""
 
     def __init__(self, script):
         self.script = script
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if args.process_index == 1 and state.global_step + 1 == self.script.slow_step:
+        step, first = state.global_step + 1, self.script.slow_step
+        if args.process_index == 1 and first and first <= step <= max(first, self.script.slow_until):
             time.sleep(self.script.slow_s)
 
 
