@@ -31,12 +31,14 @@ flight elsewhere, and the sum of the two terms would overstate the time by up to
 all-reduce (NCCL's tree across nodes) pays fewer hops between nodes than this flat ring: the figure here is
 the ring's, the algorithm gloo runs and NCCL runs for all-gathers.
 
-What a hop's latency costs depends on the transport. NCCL's ring writes into buffers the receiver posted
-in advance: a hop costs one latency. gloo over TCP (torch's CPU backend) sends a ring step's data only once
-the receiver's ready notice for it has arrived, and the receiver posts it as the step begins: each hop costs a
-round trip, two latencies (``Link(..., round_trip=True)``). Measured on namespaces whose every byte between
-nodes a relay holds for the latency (``benchmarks/delay_check.py``, benchmarks/reports/2026-12-06-delayed-
-network.md), a gloo all-gather over ``W`` ranks takes ``2 (W - 1)`` latencies, not ``W - 1``.
+What a hop's latency costs depends on the transport. NCCL's ring writes into buffers the receiver posted in
+advance: a hop costs one latency. gloo over TCP (torch's CPU backend) sends a ring step's data only once the
+receiver's ready notice for it has arrived, and the receiver posts it as the step begins: a hop costs a round
+trip, two latencies (``Link(..., round_trip=True)``). Measured on namespaces whose every byte between nodes a
+relay holds for the latency (``benchmarks/delay_check.py``), a gloo all-gather over ``W`` ranks takes
+``2 (W - 1)`` latencies, not ``W - 1``. gloo keeps two segments of a collective in flight, so a hop's round
+trip and its chunk's bytes overlap: such a hop takes the longer of the two, not their sum (DDP's 1 MB buckets
+at 20 Mbit/s took their bytes' time).
 
 Each collective also pays a fixed cost whatever its bytes and hops, once (``overhead``): the software's, to
 launch it and to learn that it is done (the framework's dispatch, the backend's queue and threads, a kernel
@@ -154,10 +156,16 @@ def _ring_seconds(kind: str, nbytes: float, world: int, link: Link, inner: Link 
     if kind == "broadcast":
         return transfer + between * link.hop_latency + within * inner.hop_latency
     chunk = nbytes if kind == "all_gather" else nbytes / world  # what one ring round moves on an edge
-    path = between * (link.hop_latency + chunk / link.bandwidth) + within * (
-        inner.hop_latency + chunk / inner.bandwidth
-    )
+    path = between * _hop_seconds(link, chunk) + within * _hop_seconds(inner, chunk)
     return max(transfer + link.hop_latency, path)
+
+
+def _hop_seconds(link: Link, chunk: float) -> float:
+    """One ring hop of ``chunk`` bytes: its latency then its bytes; on a ``round_trip`` link (gloo) the next
+    segment's ready notice travels while this one's bytes move, so the longer of the two."""
+    if link.round_trip:
+        return max(link.hop_latency, chunk / link.bandwidth)
+    return link.latency + chunk / link.bandwidth
 
 
 def ring_hops(kind: str, world: int, per_node: int) -> tuple[int, int]:
