@@ -275,17 +275,19 @@ def estimate(method: str, cluster, work):
     return demo_estimate(method, method, 0, settings, cluster, work)
 
 
-def plan(rows: list[dict]) -> list[dict]:
+def plan(rows: list[dict], orthogonal: float) -> list[dict]:
     """Each summary row with the planner's step and wait beside it: a latency per hop (``*_one``, the model
-    before gloo's round trip) and a round trip per hop (the planner for gloo)."""
-    from plan_check import run_workload
+    before gloo's round trip) and a round trip per hop (the planner for gloo). ``orthogonal``: the planner's
+    ``orthogonal_overhead`` (one Newton-Schulz run over the hidden matrices / one forward+backward)."""
+    from hf_demo.ops.methods import Workload
+    from plan_check import llama_shapes
 
     by_case = {(r["nodes"], r["delay_ms"], r["rate"], r["method"]): r for r in rows}
     out = []
     for r in rows:
         ref = by_case[(r["nodes"], r["delay_ms"], r["rate"], "demo-bf16")]
         own = ref["opt_s"] - ref["comm_s"]  # DeMo's own optimizer compute, its collectives taken out
-        work = run_workload(MODEL, ref["fwd_bwd_s"], own)
+        work = Workload(llama_shapes(MODEL), ref["fwd_bwd_s"], own / ref["fwd_bwd_s"], orthogonal)
         got = {}
         for trips in (False, True):
             cluster = delayed_cluster(r["nodes"], r["rate"], r["delay_ms"], trips)
@@ -397,6 +399,12 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", default=str(HERE / "results" / "delay_check.json"))
     p.add_argument("--out", default=str(HERE / "results" / "delay_check.md"))
     p.add_argument("--from-json", default=None, help="redo the tables from recorded runs")
+    p.add_argument(
+        "--orthogonal-overhead",
+        type=float,
+        default=None,
+        help="the planner's Newton-Schulz share for the presets (default: measured here, as plan_check does)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--control-dir", help=argparse.SUPPRESS)
     p.add_argument("--cases", help=argparse.SUPPRESS)
@@ -408,8 +416,14 @@ def main(argv=None) -> int:
     records = json.loads(Path(args.from_json).read_text()) if args.from_json else drive(args)
     probes = probe_rows(records)
     text = ["## Bare collectives", ""] + probe_table(probes) + [""] if probes else []
-    rows = plan(summarize(records))
+    if args.orthogonal_overhead is None:
+        from plan_check import orthogonal_overhead_of
+
+        args.orthogonal_overhead = orthogonal_overhead_of(MODEL)
+    print(f"orthogonal_overhead given to the planner: {args.orthogonal_overhead:.3f}", flush=True)
+    rows = plan(summarize(records), args.orthogonal_overhead)
     text += (["## Training steps", ""] + table(rows)) if rows else []
+    text += ["", f"The planner's orthogonal_overhead (presets): {args.orthogonal_overhead:.3f}."] if rows else []
     Path(args.out).write_text(HEAD + "\n".join(text) + "\n")
     print("\n".join(text))
     return 0
