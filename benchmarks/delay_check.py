@@ -403,7 +403,7 @@ def main(argv=None) -> int:
         "--orthogonal-overhead",
         type=float,
         default=None,
-        help="the planner's Newton-Schulz share for the presets (default: measured here, as plan_check does)",
+        help="the planner's Newton-Schulz share for the presets (default: plan_check's, recorded or measured here)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--control-dir", help=argparse.SUPPRESS)
