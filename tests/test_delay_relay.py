@@ -106,3 +106,39 @@ def test_delay_file_changes_the_delay(tmp_path):
 def test_refuses_a_negative_delay():
     with pytest.raises(ValueError, match="0 or more"):
         delay_relay.Relay(-0.01, ("127.0.0.1", 1))
+
+
+def test_the_check_plans_each_run_and_the_router_redirects_tcp():
+    """benchmarks/delay_check.py's tables from recorded runs (no namespaces): DeMo's bytes checked against the
+    planner's, a round trip per hop planned beside one latency per hop; delay_netns's nft rule."""
+    import delay_check
+    import delay_netns
+    from hf_demo.ops.methods import Workload
+
+    rule = delay_netns.nft_rules(7999)
+    assert 'iifname "p*" ip protocol tcp redirect to :7999' in rule and "type nat hook prerouting" in rule
+    cluster = delay_check.delayed_cluster(2, "1gbit", 20.0, round_trip=True)
+    from plan_check import llama_shapes
+
+    work = Workload(llama_shapes(delay_check.MODEL), 0.1, 0.5, 0.4)
+    sent = delay_check.estimate("demo-bf16", cluster, work).rank_bytes()
+
+    def rank(step, comm, sent_bytes):
+        return dict(step_s=step, fwd_bwd_s=0.1, opt_s=0.05 + comm, comm_s=comm, sent=sent_bytes)
+
+    records = [
+        dict(nodes=2, delay_ms=20.0, rate="1gbit", method=m, repeat=i, load=["3.0", "2", "1"], ranks=[r, r])
+        for i in range(3)
+        for m, r in (("demo-bf16", rank(0.2, 0.05, sent)), ("adamw", rank(0.3, 0.0, 0.0)))
+    ]
+    records.append(dict(nodes=2, delay_ms=20.0, rate="1gbit", method="probe", load=["3.0"],
+                        probes=[dict(kind="all_gather", nbytes=8, seconds=0.045)]))  # fmt: skip
+    rows = delay_check.plan(delay_check.summarize(records), 0.4)
+    demo = next(r for r in rows if r["method"] == "demo-bf16")
+    assert demo["note"] == "bytes exact" and demo["runs"] == 3
+    assert demo["planned_wait_s"] == pytest.approx(2 * demo["planned_wait_one_s"], rel=0.01)  # 2 x 20 ms, 1 x 20 ms
+    assert demo["wait_s"] == pytest.approx(0.05)
+    text = "\n".join(delay_check.table(rows))
+    assert "| 2 | 20 ms | 1gbit | DeMo defaults |" in text and "| 2 | 20 ms | 1gbit | DDP-AdamW |" in text
+    [probe] = delay_check.probe_rows(records)
+    assert probe["round_trip"] == pytest.approx(0.040, rel=0.01) and probe["one"] == pytest.approx(0.020, rel=0.01)
