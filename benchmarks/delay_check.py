@@ -103,13 +103,13 @@ def run_one(method: str, args, batches) -> dict:
 PROBES = (("all_gather", 8), ("all_reduce", 8), ("all_reduce", 1 << 20))  # (collective, bytes per rank)
 
 
-def probe(repeats: int) -> list[dict]:
-    """Each of :data:`PROBES` ``repeats`` times, each after a barrier: the median seconds on the slowest rank."""
+def probe(repeats: int, probes=PROBES) -> list[dict]:
+    """Each of ``probes`` ``repeats`` times, each after a barrier: the median seconds on the slowest rank."""
     import torch
     import torch.distributed as dist
 
     world, out = dist.get_world_size(), []
-    for kind, nbytes in PROBES:
+    for kind, nbytes in probes:
         x = torch.zeros(nbytes // 4)
         gathered = torch.zeros(world * x.numel())
         times = []
@@ -144,7 +144,7 @@ def worker(args) -> int:
     for k, (delay_ms, rate) in enumerate(json.loads(args.cases)):
         _control(control, k, [delay_ms, rate])
         if args.probes:
-            probes = probe(args.probes)
+            probes = probe(args.probes, [("all_gather", args.probe_bytes)] if args.probe_bytes else PROBES)
             records.append(dict(delay_ms=delay_ms, rate=rate, method="probe", probes=probes,
                                 load=open("/proc/loadavg").read().split()[:3]))  # fmt: skip
             if rank == 0:
@@ -195,12 +195,19 @@ def drive_nodes(nodes: int, cases: list, args) -> list[dict]:
     out = control / "records.json"
     worker_args = [str(HERE / "delay_check.py"), "--worker", "--control-dir", str(control), "--out", str(out),
                    "--cases", json.dumps(cases), "--methods", *args.methods, "--repeats", str(args.repeats),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--probes", str(args.probes)]  # fmt: skip
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--probes", str(args.probes),
+                   "--probe-bytes", str(args.probe_bytes)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
                TRANSFORMERS_VERBOSITY="error")  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if x)
     started = time.time()
-    with delay_netns.DelayedCluster(nodes, cases[0][1], cases[0][0], prefix=f"dly{os.getpid()}") as cluster:
+    if args.no_relay:  # netns's bridge: the links' rate only, no relay in the path
+        import netns
+
+        made = netns.Cluster(nodes, cases[0][1], prefix=f"dly{os.getpid()}")
+    else:
+        made = delay_netns.DelayedCluster(nodes, cases[0][1], cases[0][0], prefix=f"dly{os.getpid()}")
+    with made as cluster:
         procs = []
         for i in range(nodes):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(i),
@@ -218,7 +225,8 @@ def drive_nodes(nodes: int, cases: list, args) -> list[dict]:
             if want.exists():
                 delay_ms, rate = json.loads(want.read_text())
                 cluster.set_rate(rate)
-                cluster.set_delay(delay_ms)
+                if not args.no_relay:
+                    cluster.set_delay(delay_ms)
                 print(f"== {nodes} nodes: {delay_ms} ms one way, {rate} ==\n{cluster.qdisc_report()}", flush=True)
                 (control / f"done-{k}").write_text("")
                 k += 1
@@ -392,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--rates", nargs="+", default=["20mbit", "1gbit"])
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     p.add_argument("--probes", type=int, default=0, help="time each bare collective (PROBES) this many times per case")
+    p.add_argument("--no-relay", action="store_true", help="netns.py's bridge instead (rate only: --delays-ms 0)")
+    p.add_argument("--probe-bytes", type=int, default=0, help="probe only an all-gather of this many bytes per rank")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8, help="timed steps per run (a multiple of 4: the presets' period)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first")
@@ -411,6 +421,8 @@ def main(argv=None) -> int:
     args, _ = p.parse_known_args(argv)
     if args.worker:
         return worker(args)
+    if args.no_relay and any(args.delays_ms):
+        p.error("--no-relay has no delay to set: give --delays-ms 0")
     if args.steps % 4:
         p.error(f"--steps must be a multiple of 4 (the from_scratch_few_bytes period), not {args.steps}")
     records = json.loads(Path(args.from_json).read_text()) if args.from_json else drive(args)
