@@ -115,6 +115,10 @@ class DelayedCluster(netns.Cluster):
         if "listening" not in line:
             raise RuntimeError(f"the delay relay did not start: {line!r} (exit {self.relay.poll()})")
 
+    def _close(self) -> None:
+        super()._close()
+        shutil.rmtree(self.delay_file.parent, ignore_errors=True)
+
     def set_delay(self, delay_ms: float) -> None:
         """The one-way delay between nodes from now on (the relay re-reads the file when it changes)."""
         tmp = self.delay_file.with_suffix(".tmp")
