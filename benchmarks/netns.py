@@ -14,8 +14,9 @@ The link of every node is limited in both directions with a token bucket (``tc q
 or ``htb``): egress of ``eth0`` (the node's upload) and egress of ``p<i>`` (its download). So a node has an
 R-bit/s NIC, as a machine with an R-bit/s port on a switch.
 
-This kernel has no ``netem``: there is no way to add delay or loss in the network. Benchmarks that want
-latency add it in the application (see ``wan_worker.py --delay-ms``).
+This kernel has no ``netem``: ``tc`` cannot add delay or loss. :mod:`delay_netns` puts a real delay in the path
+(a router namespace whose TCP relay holds every byte between nodes, :mod:`delay_relay`); ``wan_worker.py
+--delay-ms`` adds latency in the application instead.
 
 Cleanup: :class:`Cluster` is a context manager; ``close()`` kills the processes it started (by their pid /
 process group, nothing else), deletes the qdiscs and then the namespaces (which takes the veths and the

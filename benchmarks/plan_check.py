@@ -83,18 +83,31 @@ def _orthogonal_overhead(hidden: int, intermediate: int, layers: int, heads: int
     return orthogonal_overhead(model, {"input_ids": ids, "labels": ids})
 
 
-def orthogonal_overhead_of(args: dict) -> float:
-    """The planner's ``orthogonal_overhead`` for a run's Llama and batch, measured in this process (one thread, as
-    the runs train): one Newton-Schulz run over its hidden matrices / one forward+backward."""
+ORTHOGONAL_RECORD = HERE / "results" / "orthogonal_overhead.json"  # recorded shares, so a rerun plans the same
+_OVERHEAD_KEYS = ("hidden", "intermediate", "layers", "heads", "batch_size", "seq_len")
+
+
+def orthogonal_overhead_of(args: dict, measure: bool = False) -> float:
+    """The planner's ``orthogonal_overhead`` for a run's Llama and batch: one Newton-Schulz run over its hidden
+    matrices / one forward+backward, one thread as the runs train. The figure recorded in
+    :data:`ORTHOGONAL_RECORD` for this model and batch when there is one (a measurement on this shared machine moves
+    with its load by 10-20%, and would move the table with it); else, or with ``measure``, measured in this process
+    (``measure`` records it)."""
+    key = ",".join(f"{k}={int(args[k])}" for k in _OVERHEAD_KEYS)
+    recorded = json.loads(ORTHOGONAL_RECORD.read_text()) if ORTHOGONAL_RECORD.is_file() else {}
+    if key in recorded and not measure:
+        return recorded[key]
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(int(args.get("threads") or 1))
     try:
-        keys = ("hidden", "intermediate", "layers", "heads", "batch_size", "seq_len")
-        return _orthogonal_overhead(*(int(args[k]) for k in keys))
+        value = _orthogonal_overhead(*(int(args[k]) for k in _OVERHEAD_KEYS))
     finally:
         torch.set_num_threads(threads)
+    if measure:
+        ORTHOGONAL_RECORD.write_text(json.dumps({**recorded, key: value}, indent=1, sort_keys=True) + "\n")
+    return value
 
 
 def run_workload(args: dict, fwd_bwd_s: float, own_s: float) -> Workload:

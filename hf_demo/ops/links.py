@@ -31,6 +31,15 @@ flight elsewhere, and the sum of the two terms would overstate the time by up to
 all-reduce (NCCL's tree across nodes) pays fewer hops between nodes than this flat ring: the figure here is
 the ring's, the algorithm gloo runs and NCCL runs for all-gathers.
 
+What a hop's latency costs depends on the transport. NCCL's ring writes into buffers the receiver posted in
+advance: a hop costs one latency. gloo over TCP (torch's CPU backend) sends a ring step's data only once the
+receiver's ready notice for it has arrived, and the receiver posts it as the step begins: a hop costs a round
+trip, two latencies (``Link(..., round_trip=True)``). Measured on namespaces whose every byte between nodes a
+relay holds for the latency (``benchmarks/delay_check.py``), a gloo all-gather over ``W`` ranks takes
+``2 (W - 1)`` latencies, not ``W - 1``. gloo keeps two segments of a collective in flight, so a hop's round
+trip and its chunk's bytes overlap: such a hop takes the longer of the two, not their sum (DDP's 1 MB buckets
+at 20 Mbit/s took their bytes' time).
+
 Each collective also pays a fixed cost whatever its bytes and hops, once (``overhead``): the software's, to
 launch it and to learn that it is done (the framework's dispatch, the backend's queue and threads, a kernel
 launch and a device synchronisation). A latency is paid per hop and a rate per byte; this is paid per
@@ -79,13 +88,21 @@ def format_rate(bytes_per_s: float) -> str:
 class Link:
     bandwidth: float  # bytes per second, each direction
     latency: float = 0.0  # seconds, one way
+    # True where a hop's data leaves only once the receiver's ready notice has arrived (gloo over TCP): a hop
+    # then costs a round trip, two latencies (module docstring); False for pre-posted buffers (NCCL): one
+    round_trip: bool = False
 
     @classmethod
-    def parse(cls, rate: str, latency: str = "0") -> Link:
-        return cls(parse_rate(rate), parse_time(latency))
+    def parse(cls, rate: str, latency: str = "0", round_trip: bool = False) -> Link:
+        return cls(parse_rate(rate), parse_time(latency), round_trip)
+
+    @property
+    def hop_latency(self) -> float:
+        """Seconds of latency one ring hop pays on this link: one latency, or two with ``round_trip``."""
+        return self.latency * (2 if self.round_trip else 1)
 
     def seconds(self, edge_bytes: float, hops: int) -> float:
-        return edge_bytes / self.bandwidth + hops * self.latency
+        return edge_bytes / self.bandwidth + hops * self.hop_latency
 
 
 def all_gather_edge_bytes(nbytes: float, world: int) -> float:
@@ -137,10 +154,18 @@ def _ring_seconds(kind: str, nbytes: float, world: int, link: Link, inner: Link 
     inner = inner or link
     transfer = edge_bytes(kind, nbytes, world) / link.bandwidth
     if kind == "broadcast":
-        return transfer + between * link.latency + within * inner.latency
+        return transfer + between * link.hop_latency + within * inner.hop_latency
     chunk = nbytes if kind == "all_gather" else nbytes / world  # what one ring round moves on an edge
-    path = between * (link.latency + chunk / link.bandwidth) + within * (inner.latency + chunk / inner.bandwidth)
-    return max(transfer + link.latency, path)
+    path = between * _hop_seconds(link, chunk) + within * _hop_seconds(inner, chunk)
+    return max(transfer + link.hop_latency, path)
+
+
+def _hop_seconds(link: Link, chunk: float) -> float:
+    """One ring hop of ``chunk`` bytes: its latency then its bytes; on a ``round_trip`` link (gloo) the next
+    segment's ready notice travels while this one's bytes move, so the longer of the two."""
+    if link.round_trip:
+        return max(link.hop_latency, chunk / link.bandwidth)
+    return link.latency + chunk / link.bandwidth
 
 
 def ring_hops(kind: str, world: int, per_node: int) -> tuple[int, int]:
