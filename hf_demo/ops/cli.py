@@ -103,6 +103,9 @@ MAX_HOURS = 1e9
 MAX_LINK_TIME = 60.0  # a latency or a collective's fixed cost, seconds
 MIN_RATE, MAX_RATE = 1.0, 1e15  # bits per second: 1 bit/s to 1 Pbit/s
 MAX_DEVICE_GB = 1e6
+# tensors x devices per node: HSDP's rows hand each matrix an owner among a node's devices (hf_demo.topology.owners,
+# one look at every device per matrix): 2M keep a plan within seconds
+MAX_TENSOR_DEVICES = 2_000_000
 
 POSITIVE_INT = whole(1, MAX_STEPS)
 POSITIVE = number(0, MAX_SECONDS, above=True)
@@ -377,6 +380,13 @@ def _plan_inputs(args):
         )
     except ValueError as exc:
         refuse("hf-demo plan", f"--params: {exc}")
+    if len(model_shapes) * args.devices_per_node > MAX_TENSOR_DEVICES:
+        refuse(
+            "hf-demo plan",
+            f"--devices-per-node {args.devices_per_node} with {len(model_shapes):,} tensors: HSDP's plan looks at "
+            f"every device for every tensor, and {MAX_TENSOR_DEVICES:,} such looks are the most the planner takes: "
+            "give fewer devices per node, or describe the model with fewer, larger tensors (--params N --layer-shape AxB)",
+        )
     cluster = Cluster(
         args.nodes,
         args.devices_per_node,
