@@ -369,6 +369,7 @@ def _plan_inputs(args):
     from hf_demo.ops import shapes
     from hf_demo.ops.links import Link, parse_time
     from hf_demo.ops.methods import Cluster, Workload
+    from hf_demo.ops.shapes import FEWER_TENSORS
 
     _conflicts(args)
     refusal = demo_refusal(dict(args.demo))
@@ -385,7 +386,7 @@ def _plan_inputs(args):
             "hf-demo plan",
             f"--devices-per-node {args.devices_per_node} with {len(model_shapes):,} tensors: HSDP's plan looks at "
             f"every device for every tensor, and {MAX_TENSOR_DEVICES:,} such looks are the most the planner takes: "
-            "give fewer devices per node, or describe the model with fewer, larger tensors (--params N --layer-shape AxB)",
+            f"give fewer devices per node, or {FEWER_TENSORS}",
         )
     cluster = Cluster(
         args.nodes,
