@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from hf_demo.compression import transforms
+from hf_demo.compression.blocks import MAX_BLOCK_SIZE
 from hf_demo.exchange import exchanges
 from hf_demo.optim import update_rules
 from hf_demo.wire import codec
@@ -36,6 +37,22 @@ def refuse_retired(names) -> None:
     """Raise ``ValueError`` naming the replacement of the first retired setting among ``names``."""
     for name in sorted(set(names) & set(RETIRED)):
         raise ValueError(RETIRED[name])
+
+
+def check_blocks(chunk, topk) -> None:
+    """Refuse a block side or a top-k DeMo cannot run (ValueError): the one check of both, for the optimizer's
+    settings (:class:`DeMoSettings`) and for every parameter group (:func:`hf_demo.optim.groups.validate_group`)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk * chunk <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"DeMo: invalid compression_chunk={chunk!r}: must be an integer in [1, 256] (positions inside a block "
+            "fit 16 bits)"
+        )
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"DeMo: invalid compression_topk={topk!r}: must be an integer >= 1")
+    if topk > chunk * chunk:
+        raise ValueError(
+            f"DeMo: invalid compression_topk={topk!r}: cannot exceed the block size chunk*chunk = {chunk * chunk}"
+        )
 
 
 def _setting(default, help: str, choices=None, per_group: bool = False):
@@ -201,6 +218,7 @@ class DeMoSettings:
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected an integer")
             if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"DeMo: invalid {f.name}={value!r}; expected a number")
+        check_blocks(self.compression_chunk, self.compression_topk)
         for name in ("compression_decay", "sync_decay"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be in [0, 1]")

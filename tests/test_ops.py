@@ -42,7 +42,7 @@ def test_plan_from_a_config_json_recommends_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--nodes", "4", "--devices-per-node", "2",
             "--inter-node", "100mbit", "--inter-latency", "2ms", "--compute-s", "0.2", "--epoch-samples", "8000",
-            "--batch-size", "4", "--prices", str(PRICES), "--json", str(out)]  # fmt: skip
+            "--batch-size", "4", "--prices", str(PRICES), "--json", str(out), "--demo-overhead", "0.1"]  # fmt: skip
     # a bandwidth-bound link: this 0.1M-parameter model's dense all-reduce takes ~30 ms there, DeMo's two
     # collectives (the header with the payload, the commit vote) a few latencies
     assert cli.main(argv) == 0
@@ -97,8 +97,8 @@ def test_the_plan_counts_the_newton_schulz_runs_of_the_rules_that_orthogonalise(
 
     shape_list = [(256, 256)] * 4 + [(256,)]
     cluster = Cluster(2, 1, Link(1e10), Link(1e9))
-    known = Workload(shape_list, compute_s=1.0, orthogonal_overhead=0.5)
-    unknown = Workload(shape_list, compute_s=1.0)
+    known = Workload(shape_list, compute_s=1.0, orthogonal_overhead=0.5, demo_overhead=0.1)
+    unknown = Workload(shape_list, compute_s=1.0, demo_overhead=0.1)
     expected = {"demo": 1.1, "demo-from_scratch": 1 + 0.1 / 2 + 0.5, "demo-from_scratch_few_bytes": 1 + 0.1 / 4 + 0.5}
     for variant, compute in expected.items():
         assert METHODS[variant](cluster, known).compute_s == pytest.approx(compute), variant
@@ -120,7 +120,7 @@ def test_the_plan_counts_the_newton_schulz_runs_of_the_rules_that_orthogonalise(
     assert hsdp.note.startswith("hf_demo.fsdp.shard_model") and "--orthogonal-overhead" in hsdp.note  # both kept
     out = tmp_path / "plan.json"
     for flags, step in (([], 1 + 0.1 / 2), (["--orthogonal-overhead", "0.5"], 1 + 0.1 / 2 + 0.5)):
-        assert cli.main([*PLAN, "--shapes", "256x256*4,256", *flags, "--json", str(out)]) == 0
+        assert cli.main([*PLAN, "--shapes", "256x256*4,256", "--demo-overhead", "0.1", *flags, "--json", str(out)]) == 0
         text = out.read_text()
         assert "NaN" not in text and "Infinity" not in text  # a refused method's figures are null
         rows = {r["method"]: r for r in json.loads(text)["methods"]}

@@ -52,6 +52,7 @@ with latency.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def parse_rate(text: str) -> float:
     unit = m.group(2).lower().removesuffix("ps").removesuffix("/s") if m else None
     if not m or unit not in _RATE_UNITS:
         raise ValueError(f"cannot read the rate {text!r}: write it like 100mbit, 10gbit or 400g (bits per second)")
-    return float(m.group(1)) * _RATE_UNITS[unit] / 8
+    return _finite(float(m.group(1)) * _RATE_UNITS[unit] / 8, text)
 
 
 def parse_time(text: str) -> float:
@@ -73,7 +74,14 @@ def parse_time(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _TIME_UNITS:
         raise ValueError(f"cannot read the time {text!r}: write it like 20ms, 5us or 0.1 (seconds)")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
+    return _finite(float(m.group(1)) * _TIME_UNITS[m.group(2).lower()], text)
+
+
+def _finite(value: float, text: str) -> float:
+    """``value``, refused (ValueError) where the number written overflows or is not one (1e999, nan, inf)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
 
 
 def format_rate(bytes_per_s: float) -> str:

@@ -49,11 +49,24 @@ class Cluster:
         return "inter" if self.nodes > 1 else "intra"
 
 
+# DeMo's own computation at a synchronisation (DCT, top-k, coding, the update) against one forward+backward, as
+# measured: DeMo defaults on the 3.3M-parameter byte-level Llama, batch 8x128, one CPU thread per rank, in the
+# six runs of benchmarks/results/wan_headline/run*/wan_summary.json ((opt_s - comm_s) / fwd_bwd_s: 0.452 to 0.463,
+# median 0.457). Where the forward+backward is cheap against the step it is higher (1.44 on an H200 at 2 x 128
+# tokens per rank, docs/results.md#on-a-gpu): the planner's --demo-overhead says so and asks for the job's own.
+DEMO_OVERHEAD = 0.46
+DEMO_OVERHEAD_SOURCE = (
+    "DeMo defaults measured on the 3.3M-parameter Llama, batch 8x128, one CPU thread per rank (median of the 6 runs "
+    "of benchmarks/results/wan_headline); higher where forward+backward is cheap (1.44 on an H200 at 2x128 tokens, "
+    "docs/results.md#on-a-gpu)"
+)
+
+
 @dataclass(frozen=True)
 class Workload:
     shapes: list[Shape]
     compute_s: float  # forward + backward of one step on one device (given or measured)
-    demo_overhead: float = 0.1  # DeMo's own computation (DCT, top-k, coding) per step, as a fraction of compute_s
+    demo_overhead: float = DEMO_OVERHEAD  # DeMo's own computation at a synchronisation, a fraction of compute_s
     # one Newton-Schulz orthogonalisation of every hidden matrix, as a fraction of compute_s (None: not known, and
     # the rows whose rules orthogonalise say their step leaves it out)
     orthogonal_overhead: float | None = None

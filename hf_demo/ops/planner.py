@@ -7,8 +7,13 @@ buckets under the backward pass, DeMo's overlapped payload under the next step's
 ``steps_per_epoch`` steps; its cost is the devices' hours at the price table's device-hour plus the bytes
 that leave each node at its price per GB (nothing when everything is on one node).
 
-The recommendation: among the methods within ``tolerance`` of the fastest step, the one that trains
-closest to dense AdamW at equal steps (``quality``); the reason names both figures.
+The recommendation: among the methods whose parameters, gradients and optimizer state fit a device's memory
+(``device_memory_gb``; a row that needs more says "does not fit" and is never recommended), those within
+``tolerance`` of the fastest step, the one that trains closest to dense AdamW at equal steps (``quality``); the
+reason names both figures. When none fits there is no recommendation, and the reason says what would fit.
+
+Every plan also gives the start-up broadcast (:func:`startup_broadcast`): rank 0's parameters to every rank
+before the first step (DDP's and DeMo's alike), once per launch and per restart from a checkpoint.
 
 Failures (``--mtbf-hours``, :func:`failure_costs`): each node fails at random at ``1 / MTBF`` per hour, so an
 epoch of ``T`` hours on ``N`` nodes expects ``N T / MTBF`` failures. Each costs the whole cluster, in wall time:
@@ -26,13 +31,16 @@ time lost per epoch is ``T x / (1 - x)`` (infinite once ``x >= 1``: failures com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
 
-from hf_demo.ops.links import format_rate
-from hf_demo.ops.methods import DEMO_VARIANTS, METHODS, Cluster, Estimate, Workload, demo_layout
+from hf_demo.ops.links import collective_seconds, format_rate
+from hf_demo.ops.methods import DEMO_OVERHEAD, DEMO_VARIANTS, METHODS, Cluster, Estimate, Workload, demo_layout
 from hf_demo.ops.prices import Prices
+
+DEVICE_MEMORY_GB = 80.0  # one device's memory when none is given: an H100's
 
 
 @dataclass(frozen=True)
@@ -51,15 +59,27 @@ class Row:
     note: str
     settings: dict | None
     loss_cost: str = ""
+    fits: bool | None = None  # its memory_gb within a device's memory (None: a refused method)
 
 
-def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: Prices | None = None) -> list[Row]:
+def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: Prices | None = None,
+             device_memory_gb: float = DEVICE_MEMORY_GB) -> list[Row]:  # fmt: skip
+    """Every method's row; each says whether it fits ``device_memory_gb`` (a note "does not fit" where not)."""
     rows = []
     for method in METHODS.values():
         est = method(cluster, work)
         if est is not None:
-            rows.append(_row(est, cluster, steps_per_epoch, prices))
+            rows.append(_fitted(_row(est, cluster, steps_per_epoch, prices), device_memory_gb))
     return rows
+
+
+def _fitted(row: Row, device_memory_gb: float) -> Row:
+    if not math.isfinite(row.memory_gb):
+        return row
+    if row.memory_gb <= device_memory_gb:
+        return dataclasses.replace(row, fits=True)
+    why = f"does not fit: {row.memory_gb:.3g} GB per device > {device_memory_gb:.3g} GB"
+    return dataclasses.replace(row, fits=False, note="; ".join(filter(None, (why, row.note))))
 
 
 def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices | None) -> Row:
@@ -91,11 +111,15 @@ def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices
     )
 
 
-def recommend(rows: list[Row], tolerance: float = 0.1) -> tuple[Row, str]:
-    """The method to run, and why."""
+def recommend(rows: list[Row], tolerance: float = 0.1,
+              device_memory_gb: float = DEVICE_MEMORY_GB) -> tuple[Row | None, str]:  # fmt: skip
+    """The method to run, and why; (None, why) when no method fits a device's memory."""
     valid = [r for r in rows if math.isfinite(r.step_s)]
-    fastest = min(valid, key=lambda r: r.step_s)
-    close = [r for r in valid if r.step_s <= fastest.step_s * (1 + tolerance)]
+    fitting = [r for r in valid if r.fits]
+    if not fitting:
+        return None, _nothing_fits(valid, device_memory_gb)
+    fastest = min(fitting, key=lambda r: r.step_s)
+    close = [r for r in fitting if r.step_s <= fastest.step_s * (1 + tolerance)]
     pick = min(close, key=lambda r: (r.quality, r.step_s))
     dense = next((r for r in valid if r.method == "ddp-adamw"), None)
     why = [f"{pick.label}: predicted step {pick.step_s:.3g} s ({pick.exchange_s:.3g} s of it waiting on the network)"]
@@ -105,14 +129,57 @@ def recommend(rows: list[Row], tolerance: float = 0.1) -> tuple[Row, str]:
             "AdamW's training at equal steps (docs/results.md)"
         )
     else:
-        why.append("the fastest step of all methods")
+        why.append("the fastest step of the methods that fit")
     if dense is not None and dense is not pick:
         share = dense.exchange_s / dense.step_s if dense.step_s else 0.0
-        why.append(f"DDP AdamW would take {dense.step_s:.3g} s per step, {share:.0%} of it on the exchange")
+        fits = "" if dense.fits else f" if it fit ({dense.memory_gb:.3g} GB per device)"
+        why.append(f"DDP AdamW would take {dense.step_s:.3g} s per step{fits}, {share:.0%} of it on the exchange")
+    left = len(valid) - len(fitting)
+    if left:
+        why.append(f"{left} method(s) do not fit {device_memory_gb:.3g} GB per device")
     why.append(f"its cost in loss: {pick.loss_cost}")
     if "not measured" in pick.loss_cost:
         why.append("try it on a short run of your job against the defaults before a long one")
     return pick, "; ".join(why)
+
+
+def _nothing_fits(valid: list[Row], device_memory_gb: float) -> str:
+    if not valid:
+        return "none: every method was refused (see the notes)"
+    least = min(valid, key=lambda r: r.memory_gb)
+    return (
+        f"none: no method fits {device_memory_gb:.3g} GB per device (the least, {least.label}, needs "
+        f"{least.memory_gb:.3g} GB for parameters, gradients and optimizer state): add devices per node (HSDP "
+        "shards the state over a node's devices), or give the devices' memory with --device-memory"
+    )
+
+
+def startup_broadcast(cluster: Cluster, work: Workload) -> dict:
+    """Rank 0's parameters to every rank before the first step (DDP's and DeMo's start alike; again after each
+    restart from a checkpoint): bytes from rank 0 and seconds on the slowest link its ring crosses."""
+    nbytes = work.n_params * work.param_bytes
+    spans = cluster.nodes > 1
+    link = cluster.inter if spans else cluster.intra
+    per_node = cluster.devices_per_node if spans else 1
+    inner = cluster.intra if spans else None
+    seconds = collective_seconds("broadcast", nbytes, cluster.world, link, inner, per_node, cluster.overhead)
+    return {"bytes": nbytes, "seconds": seconds, "link": "inter" if spans else "intra"}
+
+
+def startup_line(startup: dict, cluster: Cluster) -> str:
+    if cluster.world < 2:
+        return f"Start-up broadcast: none (one device; {_bytes(startup['bytes'])} of parameters)"
+    where = "between nodes" if startup["link"] == "inter" else "inside the node"
+    return (
+        f"Start-up broadcast: {_bytes(startup['bytes'])} of parameters from rank 0, {_duration(startup['seconds'])} "
+        f"on the link {where}, once per launch and per restart (not in the epoch's time)"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 60:.3g} min" if seconds >= 60 else f"{seconds:.3g} s"
 
 
 @dataclass(frozen=True)
@@ -218,6 +285,10 @@ def _bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _figure(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else "-"
+
+
 def table(rows: list[Row], prices: Prices | None) -> str:
     cur = prices.currency if prices else ""
     head = ["method", "between nodes / step", "inside a node / step", "exchange s", "step s", "epoch h"]
@@ -225,46 +296,65 @@ def table(rows: list[Row], prices: Prices | None) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cost = "-" if r.epoch_cost is None or not math.isfinite(r.epoch_cost) else f"{r.epoch_cost:.4g}"
-        cells = [r.label, _bytes(r.inter_bytes), _bytes(r.intra_bytes), f"{r.exchange_s:.3g}", f"{r.step_s:.3g}"]
-        cells += [f"{r.epoch_h:.3g}", cost, f"{r.memory_gb:.3g}", r.note]
+        cells = [r.label, _bytes(r.inter_bytes), _bytes(r.intra_bytes), _figure(r.exchange_s), _figure(r.step_s)]
+        cells += [_figure(r.epoch_h), cost, _figure(r.memory_gb), r.note]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def describe(cluster: Cluster, work: Workload, steps_per_epoch: float) -> str:
+def describe(cluster: Cluster, work: Workload, steps_per_epoch: float,
+             device_memory_gb: float = DEVICE_MEMORY_GB) -> str:  # fmt: skip
+    measured = " (the measured default)" if work.demo_overhead == DEMO_OVERHEAD else ""
     return (
         f"{work.n_params / 1e6:.4g}M parameters in {len(work.shapes)} tensors; {cluster.nodes} node(s) x "
-        f"{cluster.devices_per_node} device(s); between nodes {format_rate(cluster.inter.bandwidth)}, "
+        f"{cluster.devices_per_node} device(s) of {device_memory_gb:.3g} GB; between nodes "
+        f"{format_rate(cluster.inter.bandwidth)}, "
         f"{cluster.inter.latency * 1e3:.3g} ms; inside a node {format_rate(cluster.intra.bandwidth)}, "
         f"{cluster.intra.latency * 1e6:.3g} us; {cluster.overhead * 1e6:.3g} us per collective; "
-        f"compute {work.compute_s:.3g} s per step; "
+        f"compute {work.compute_s:.3g} s per step, DeMo's own {work.demo_overhead:.3g} of it{measured}; "
         f"{steps_per_epoch:.6g} steps per epoch"
     )
 
 
-def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list[Row], pick: Row, why: str,
-            failures: dict | None = None) -> str:  # fmt: skip
-    """The plan as JSON; ``failures``: :func:`failures_json`'s (``--mtbf-hours``)."""
-    return json.dumps(
-        {
-            "cluster": {
-                "nodes": cluster.nodes,
-                "devices_per_node": cluster.devices_per_node,
-                "inter": asdict(cluster.inter),
-                "intra": asdict(cluster.intra),
-                "collective_overhead": cluster.overhead,
-            },
-            "n_params": work.n_params,
-            "compute_s": work.compute_s,
-            "steps_per_epoch": steps_per_epoch,
-            "methods": [_finite(asdict(r)) for r in rows],  # a refused method's figures: null
-            "recommended": pick.method,
-            "reason": why,
-            **({"failures": failures} if failures is not None else {}),
+def to_json(cluster: Cluster, work: Workload, steps_per_epoch: float, rows: list[Row], pick: Row | None, why: str,
+            failures: dict | None = None, startup: dict | None = None,
+            device_memory_gb: float = DEVICE_MEMORY_GB) -> str:  # fmt: skip
+    """The plan as JSON (strict: a figure that is not finite is null); ``failures``: :func:`failures_json`'s
+    (``--mtbf-hours``); ``recommended`` null when no method fits."""
+    plan = {
+        "cluster": {
+            "nodes": cluster.nodes,
+            "devices_per_node": cluster.devices_per_node,
+            "inter": asdict(cluster.inter),
+            "intra": asdict(cluster.intra),
+            "collective_overhead": cluster.overhead,
+            "device_memory_gb": device_memory_gb,
         },
-        indent=1,
-        default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x),
-    )
+        "n_params": work.n_params,
+        "compute_s": work.compute_s,
+        "demo_overhead": work.demo_overhead,
+        "steps_per_epoch": steps_per_epoch,
+        "startup_broadcast": startup if startup is not None else startup_broadcast(cluster, work),
+        "methods": [asdict(r) for r in rows],  # a refused method's figures: null
+        "recommended": None if pick is None else pick.method,
+        "reason": why,
+        **({"failures": failures} if failures is not None else {}),
+    }
+    return json.dumps(_strict(plan), indent=1, allow_nan=False)
+
+
+def _strict(value):
+    """``value`` with every float that is not finite as None, inside dicts and lists (JSON has no NaN, no Infinity),
+    and anything that is not JSON as its text."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
 
 
 def _finite(row: dict) -> dict:

@@ -197,12 +197,8 @@ def demo_collectives(
 def shard_shapes(shapes: list[Shape], shards: int, index: int) -> list[Shape]:
     """The local shapes shard ``index`` of ``shards`` holds under FSDP2 (``torch.chunk`` along dim 0); a tensor
     with no rows there is left out, as DeMo leaves it out."""
-    out = []
-    for s in shapes:
-        mine = shard_rows(s[0], shards)[index]
-        if mine:
-            out.append((mine, *s[1:]))
-    return out
+    rows = {n: shard_rows(n, shards)[index] for n in {s[0] for s in shapes}}  # once per length: O(tensors + shards)
+    return [(rows[s[0]], *s[1:]) for s in shapes if rows[s[0]]]
 
 
 def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(None, 1), param_bytes=4):
@@ -229,9 +225,15 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
     out += described(ShardedTopology.COLLECTIVES, _shard_sizes(shapes, settings, L), settings, every, L, "intra")
     if nodes < 2:
         return out
-    per_rank = [
-        _exchange_collectives(shard_shapes(shapes, L, r), settings, nodes, "inter", every, *tier, L) for r in range(L)
-    ]
+    lengths = sorted({s[0] for s in shapes})
+    rows = {n: shard_rows(n, L) for n in lengths}
+    sized: dict[tuple, list[Collective]] = {}  # ranks holding the same rows of every tensor send the same: sized once
+    per_rank = []
+    for r in range(L):
+        key = tuple(rows[n][r] for n in lengths)
+        if key not in sized:
+            sized[key] = _exchange_collectives(shard_shapes(shapes, L, r), settings, nodes, "inter", every, *tier, L)
+        per_rank.append(sized[key])
     for mine in zip(*per_rank):  # the same collectives on every local rank, each for its own shard
         out.append(dataclasses.replace(mine[0], nbytes=sum(m.nbytes for m in mine) / L))
     return out

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from hf_demo.compression.blocks import MAX_BLOCK_SIZE, plan
+from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoStateError
-from hf_demo.settings import DeMoSettings
+from hf_demo.settings import DeMoSettings, check_blocks
 from hf_demo.topology.dtensor import local_shape
 from hf_demo.wire import codec
 
@@ -103,9 +103,4 @@ def validate_group(group: dict) -> None:
         bad("weight_decay", "must be a finite number >= 0")
     if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
         bad("compression_decay", "must be in [0, 1]")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk * chunk <= MAX_BLOCK_SIZE:
-        bad("compression_chunk", "must be an integer in [1, 256] (positions inside a block fit 16 bits)")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        bad("compression_topk", "must be an integer >= 1")
-    if topk > chunk * chunk:
-        bad("compression_topk", f"cannot exceed the block size chunk*chunk = {chunk * chunk}")
+    check_blocks(chunk, topk)
