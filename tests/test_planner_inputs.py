@@ -388,3 +388,18 @@ def test_no_figure_in_a_plan_is_infinite_or_nan(tmp_path, capsys):
     plan = _strict_json(out.read_text())
     for m in plan["methods"]:
         assert all(not isinstance(v, float) or math.isfinite(v) for v in m.values())
+
+
+def test_backend_gloo_plans_a_round_trip_per_hop(tmp_path, capsys):
+    """gloo over TCP pays two latencies per ring hop (measured behind a delaying relay): a latency-bound DeMo
+    exchange is planned at twice NCCL's one-latency figure; a wrong backend is refused with exit 2."""
+    waits = {}
+    for backend in ("nccl", "gloo"):
+        out = tmp_path / f"{backend}.json"
+        argv = [*PLAN, *SHAPES, "--nodes", "4", "--inter-latency", "50ms", "--backend", backend, "--json", str(out)]
+        assert _run(argv, capsys)[0] == 0
+        rows = {m["label"]: m for m in _strict_json(out.read_text())["methods"]}
+        waits[backend] = rows["DeMo (defaults: all_gather)"]["exchange_s"]
+    assert waits["nccl"] == pytest.approx(3 * 0.05, rel=1e-3) and waits["gloo"] == pytest.approx(6 * 0.05, rel=1e-3)
+    code, _, err = _run([*PLAN, *SHAPES, "--backend", "mpi"], capsys)
+    assert code == 2 and "--backend" in err

@@ -232,6 +232,13 @@ def _cluster_flags(p) -> None:
     p.add_argument("--intra-node", type=_rate, default="100gbit", help="bandwidth between the devices of a node")
     p.add_argument("--intra-latency", type=_latency, default="5us", help="one-way latency inside a node")
     p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="the collectives' backend: nccl (default) pays one latency per ring hop; gloo over TCP pays a round "
+        "trip (two latencies) per hop, measured behind a delaying relay (docs/guides/operations.md)",
+    )
+    p.add_argument(
         "--collective-overhead",
         type=_overhead,
         default=f"{COLLECTIVE_OVERHEAD * 1e6:g}us",
@@ -391,8 +398,8 @@ def _plan_inputs(args):
     cluster = Cluster(
         args.nodes,
         args.devices_per_node,
-        Link.parse(args.intra_node, args.intra_latency),
-        Link.parse(args.inter_node, args.inter_latency),
+        Link.parse(args.intra_node, args.intra_latency, round_trip=args.backend == "gloo"),
+        Link.parse(args.inter_node, args.inter_latency, round_trip=args.backend == "gloo"),
         parse_time(args.collective_overhead),
     )
     steps = args.steps_per_epoch or math.ceil(args.epoch_samples / (cluster.world * args.batch_size))
