@@ -210,7 +210,7 @@ def test_a_restarted_replica_resumes_its_own_momentum_from_its_snapshot(tmp_path
 
 @pytest.mark.parametrize("unfit", ["another_run", "another_model", "a_later_step", "torn"])
 def test_a_snapshot_that_does_not_fit_is_not_loaded_and_a_warning_says_why(tmp_path, unfit):
-    from hf_demo.own_momentum import snapshot_path
+    from hf_demo.own_momentum import checksum, snapshot_path
 
     dead, _ = _stepped(_Manager(), tmp_path)
     path = snapshot_path(tmp_path, "r1")
@@ -219,6 +219,7 @@ def test_a_snapshot_that_does_not_fit_is_not_loaded_and_a_warning_says_why(tmp_p
     elif unfit == "another_model":
         blob = torch.load(path, weights_only=True)
         blob["shapes"][0] = [4, 4]
+        blob["sha256"] = checksum(blob)  # a whole snapshot, of another model
         torch.save(blob, path)
     peer, _ = _elastic(_Manager())
     state = peer.agreed_state()
