@@ -153,10 +153,13 @@ def quorum_failed(exc: BaseException, lighthouse: str | None) -> DeMoSyncError:
     raw = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     where = f" at {lighthouse}" if lighthouse else ""
     reach = lighthouse_reachable(lighthouse) if lighthouse else None
-    cause = {False: f"the Lighthouse{where} does not answer (nothing listens there: it died or was stopped)",
-             True: f"the Lighthouse{where} answers, but no quorum formed in time (too few replica groups for "
-                   "--min_replicas, or this replica group's own manager is gone)",
-             None: "the Lighthouse (or this replica group's manager on its shard rank 0) did not answer"}[reach]  # fmt: skip
+    causes = {
+        False: f"the Lighthouse{where} does not answer (nothing listens there: it died or was stopped)",
+        True: f"the Lighthouse{where} answers, but no quorum formed in time (too few replica groups for "
+        "--min_replicas, or this replica group's own manager is gone)",
+        None: "the Lighthouse (or this replica group's manager on its shard rank 0) did not answer",
+    }
+    cause = causes[reach]
     return DeMoSyncError(
         f"hf_demo.elastic: torchft's quorum for the next step did not form: {cause}. The replicas keep no state a "
         "new Lighthouse could hand on: restart the Lighthouse (torchft_lighthouse ...), then every replica group "

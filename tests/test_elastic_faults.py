@@ -220,7 +220,7 @@ def test_a_joiner_whose_top_k_differs_stops_every_replica_with_the_named_error(t
         done = _exits(reps, ["0", "1"], 150)
     finally:
         reps.close()
-    for rid, (code, error, tried) in done.items():
+    for rid, (code, error, _) in done.items():
         assert code == 1 and error is not None and "DeMoSettingsError" in error, (rid, code, error)
         assert "compression_topk" in error and "4" in error and "2" in error, error
     refused = [x for x in done["0"][2] if not x["committed"]]
