@@ -227,24 +227,50 @@ def test_a_joiner_whose_top_k_differs_stops_every_replica_with_the_named_error(t
     assert len(refused) <= 2, refused  # within one retry (a refused step at the loss, then the raise)
 
 
+def _lighthouse_process(tmp_path):
+    """A ``torchft_lighthouse`` of its own (a process that can be SIGKILLed, as a Lighthouse host fails): (the
+    process, its address)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dist_utils import free_port
+
+    binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    port = free_port()
+    log = open(tmp_path / "lighthouse.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "50",
+                             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return proc, f"http://localhost:{port}"
+
+
 @pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_lighthouse_killed_mid_run_is_one_named_error_on_every_replica(tmp_path):
-    """The Lighthouse is stopped after step 3: every replica exits with hf_demo's error naming the Lighthouse and
-    the fix (not torchft's raw TimeoutError: status: Cancelled), within the quorum timeout and a margin."""
-    reps = _replicas(tmp_path, 2, ["--steps", "100000", "--quorum-timeout", "8"])
+    """The Lighthouse (its own process) is SIGKILLed after step 3: every replica exits with hf_demo's error naming
+    the Lighthouse and the fix (not torchft's raw TimeoutError: status: Cancelled), within the quorum timeout and a
+    margin."""
+    _torchft()
+    lighthouse, address = _lighthouse_process(tmp_path)
     try:
-        reps.wait_step("0", 3, 120)
-        reps.lighthouse.shutdown()
-        stopped = time.monotonic()
-        done = _exits(reps, ["0", "1"], 90)
-        seconds = time.monotonic() - stopped
+        reps = _replicas(tmp_path, 2, ["--steps", "100000", "--quorum-timeout", "8", "--lighthouse", address])
+        try:
+            reps.wait_step("0", 3, 120)
+            lighthouse.kill()
+            lighthouse.wait()
+            stopped = time.monotonic()
+            done = _exits(reps, ["0", "1"], 90)
+            seconds = time.monotonic() - stopped
+        finally:
+            reps.close()
     finally:
-        reps.lighthouse.shutdown = lambda: None  # already stopped
-        reps.close()
+        lighthouse.kill()
+        lighthouse.wait()
     for rid, (code, error, _) in done.items():
         assert code == 1 and error is not None and error.startswith("DeMoSyncError"), (rid, code, error)
-        assert "the Lighthouse at" in error and "restart the Lighthouse" in error, error
+        assert f"the Lighthouse at {address} does not answer" in error and "restart the Lighthouse" in error, error
     assert seconds < 60, seconds
 
 
