@@ -292,3 +292,30 @@ def test_a_replica_restarted_after_the_others_finished_refuses_to_train_alone(tm
     code, error, tried = done["1"]
     assert code == 1 and error is not None and "alone in torchft's quorum at step 0" in error, (code, error)
     assert "last checkpoint" in error and not tried, tried
+
+
+# ---------------------------------------------------------------- survivors of one failure, at different steps
+def _probe_at(rank, world, steps):
+    """Rank 2 is gone (it never answers); ranks 0 and 1 fail at different steps (rank 1 a second later) and ask the
+    rendezvous store who is alive, as a failed collective does: the message each would raise."""
+    from hf_demo.exchange.transport import Transport
+
+    if rank == 2:
+        return None
+    transport = Transport(None, 0)  # the default group (no timed group: rank 2 takes no part)
+    transport.timeout = 3.0
+    time.sleep(rank * 1.0)
+    message = str(transport._failure("header", 3.0, RuntimeError("Connection closed by peer"), steps[rank]))
+    time.sleep(3.0 if rank == 0 else 0.0)  # rank 0 hosts the store: it stays until rank 1 has asked
+    return message
+
+
+@pytest.mark.ranks
+def test_survivors_failing_at_different_steps_name_only_the_lost_rank():
+    """Today the probe's key holds the step and the count of failures, so two survivors failing at steps 5 and 6
+    each name the other, alive, as a rank that 'did not answer'. Both name rank 2 only."""
+    from dist_utils import expect_ok, run_ranks
+
+    zero, one, _ = expect_ok(run_ranks(_probe_at, 3, [5, 6, None], timeout=90))
+    for message in (zero, one):
+        assert "rank(s) [2] did not answer" in message, message
