@@ -126,11 +126,10 @@ def test_a_refused_step_with_no_replica_lost_is_not_called_a_lost_replica():
     """A step refused while the quorum keeps its size (a corrupted header retried; under Trainer, before this fix,
     every try of a settings mismatch) alerts as elastic_step_refused naming where the reason is, not as a replica
     that "left torchft's quorum"; a quorum that shrinks still alerts replica_lost."""
-    from test_elastic_ops import event
-
     from hf_demo.ops.health import HealthRules
     from hf_demo.ops.monitor import StepMonitor
     from hf_demo.ops.settings import HealthSettings
+    from test_elastic_ops import event
 
     monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
     events = {1: [event("join", 1, 2)], 3: [event("loss", 3, 2, samples_lost=8)], 5: [event("loss", 5, 1)]}
