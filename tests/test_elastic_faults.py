@@ -347,3 +347,23 @@ def test_survivors_failing_at_different_steps_name_only_the_lost_rank():
     zero, one, _ = expect_ok(run_ranks(_probe_at, 3, [5, 6, None], timeout=90))
     for message in (zero, one):
         assert "rank(s) [2] did not answer" in message, message
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(400)
+def test_an_hsdp_replica_group_with_another_lr_on_one_shard_rank_is_named_on_every_process(tmp_path):
+    """Elastic HSDP, 2 replica groups x 2 shard ranks: shard rank 0 of group 1 has another lr. Every process of both
+    groups raises DeMoSettingsError naming the lr of every process (its replica group and shard rank), not only the
+    processes whose replicate group's headers differ."""
+    _torchft()
+    from benchlib.elastic_groups import ReplicaGroups
+
+    groups = ReplicaGroups(2, 2, tmp_path, [*FAST, "--steps", "50"], extra={"1": ["--lr", "0.01"]})
+    try:
+        done = _exits(groups, list(groups.live), 150)
+    finally:
+        groups.close()
+    for key, (code, error, _) in done.items():
+        assert code == 1 and error is not None and error.startswith("DeMoSettingsError"), (key, code, error)
+        assert "param_groups[0].lr" in error and "shard rank 0 0.01" in error, (key, error)
+        assert error.count(" 0.003") == 3, (key, error)  # the three other processes' lr, each named
