@@ -17,6 +17,14 @@ step:
    torchft step either; the survivors go on at the next quorum without reloading anything. A peer that dies
    between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
    apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
+   Settings that differ between replica groups (:class:`~hf_demo.errors.DeMoSettingsError`, named by the headers on
+   every replica alike) are raised after torchft is told, not retried: every retry would meet them again. A joiner
+   keeps its own learning rate and weight decay (:data:`OWN_GROUP_KEYS`), so a difference is named, never adopted.
+
+A quorum that cannot form (the Lighthouse lost: torchft's raw ``TimeoutError: status: Cancelled``) raises one
+:class:`DeMoSyncError` naming the Lighthouse and the fix (:func:`quorum_failed`); a missing ``TORCHFT_LIGHTHOUSE`` is
+a :class:`DeMoSetupError` from ``Elastic(...)``; a replica group restarted by torchrun that finds itself alone at
+step 0 (the run is over, or every replica died) is refused (:func:`refuse_lost_run`).
 
 With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
 may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
@@ -54,7 +62,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_demo import own_momentum
-from hf_demo.errors import DeMoSettingsError, DeMoSetupError, DeMoSyncError
+from hf_demo.errors import DeMoError, DeMoSettingsError, DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim.policy import Clock
 from hf_demo.own_momentum import own_key
@@ -399,6 +407,8 @@ class Elastic:
         # synchronisation has made them agree again (torchft's shrink_only quorum: replicas may leave, none join)
         try:
             self.manager.start_quorum(shrink_only=bool(self.opt.unsynced))
+        except DeMoError:
+            raise  # hf_demo's own (a recovered state refused by load_agreed): it names itself
         except Exception as exc:  # noqa: BLE001 - torchft's raw errors (a Cancelled RPC, a timeout) named here
             raise quorum_failed(exc, self.lighthouse) from exc
         rank, world = self.manager.participating_rank(), self.manager.num_participants()

@@ -326,15 +326,24 @@ def test_a_replica_restarted_after_the_others_finished_refuses_to_train_alone(tm
 def _probe_at(rank, world, steps):
     """Rank 2 is gone (it never answers); ranks 0 and 1 fail at different steps (rank 1 a second later) and ask the
     rendezvous store who is alive, as a failed collective does: the message each would raise."""
+    import datetime
+
+    import torch.distributed as dist
+
     from hf_demo.exchange.transport import Transport
 
+    dist.barrier()  # every rank started (a loaded machine forks them seconds apart)
     if rank == 2:
         return None
     transport = Transport(None, 0)  # the default group (no timed group: rank 2 takes no part)
-    transport.timeout = 3.0
+    transport.timeout = 10.0
     time.sleep(rank * 1.0)
-    message = str(transport._failure("header", 3.0, RuntimeError("Connection closed by peer"), steps[rank]))
-    time.sleep(3.0 if rank == 0 else 0.0)  # rank 0 hosts the store: it stays until rank 1 has asked
+    message = str(transport._failure("header", 10.0, RuntimeError("Connection closed by peer"), steps[rank]))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.set("test/probed", "1")
+    else:  # rank 0 hosts the store: it stays until rank 1 has asked
+        store.wait(["test/probed"], datetime.timedelta(seconds=60))
     return message
 
 
