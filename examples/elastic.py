@@ -41,6 +41,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -234,6 +235,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--replica-id", default=None, help="default REPLICA_GROUP_ID")
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds: collectives, should_commit, recovery")
+    ap.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for torchft's quorum")
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (emulates a longer step)")
     ap.add_argument("--seed", type=int, default=None, help="model init seed (default: the replica id)")
     ap.add_argument("--out", default=None, help="directory for replica<id>.json at the end")
@@ -339,7 +341,8 @@ def main() -> None:
     model, corpus, opt, shard, shards = prepare(args, seed)
     replica = wait_for_id(args.standby) if args.standby else own
     elastic = Elastic(opt, model, lighthouse=args.lighthouse, replica_id=replica, min_replicas=args.min_replicas,
-                      timeout=args.timeout, batch_size=BATCH[args.model], momentum_dir=args.momentum_dir,
+                      timeout=args.timeout, quorum_timeout=args.quorum_timeout, batch_size=BATCH[args.model],
+                      momentum_dir=args.momentum_dir,
                       momentum_every=args.momentum_every)  # fmt: skip
     elastic.add_listener(lambda e: print(json.dumps({"event": dataclasses.asdict(e), "momentum": momentum(opt)}),
                                          flush=True))  # fmt: skip
@@ -351,7 +354,15 @@ def main() -> None:
     while args.start_file and not os.path.exists(args.start_file):
         time.sleep(0.05)
     started = time.monotonic()
-    loss = train(args, replica, elastic, model, opt, corpus, shard, shards)
+    try:
+        loss = train(args, replica, elastic, model, opt, corpus, shard, shards)
+    except Exception as exc:  # noqa: BLE001 - named on stdout and stderr, then out: torchft's threads would keep it
+        print(
+            json.dumps({"error": f"{type(exc).__name__}: {exc}", "at_step": elastic.manager.current_step()}), flush=True
+        )
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     if args.overlap:
         opt.flush()  # the last exchange in flight lands, on every replica (they all end at the same step)
     eval_loss = held_out(model, args.model, args.eval_batches, corpus)

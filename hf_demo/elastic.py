@@ -17,6 +17,14 @@ step:
    torchft step either; the survivors go on at the next quorum without reloading anything. A peer that dies
    between two survivors' receives can leave one survivor committed and another not: torchft's step tells them
    apart, and at the next quorum the one behind receives the state of one ahead (its own momentum kept).
+   Settings that differ between replica groups (:class:`~hf_demo.errors.DeMoSettingsError`, named by the headers on
+   every replica alike) are raised after torchft is told, not retried: every retry would meet them again. A joiner
+   keeps its own learning rate and weight decay (:data:`OWN_GROUP_KEYS`), so a difference is named, never adopted.
+
+A quorum that cannot form (the Lighthouse lost: torchft's raw ``TimeoutError: status: Cancelled``) raises one
+:class:`DeMoSyncError` naming the Lighthouse and the fix (:func:`quorum_failed`); a missing ``TORCHFT_LIGHTHOUSE`` is
+a :class:`DeMoSetupError` from ``Elastic(...)``; a replica group restarted by torchrun that finds itself alone at
+step 0 (the run is over, or every replica died) is refused (:func:`refuse_lost_run`).
 
 With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
 may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
@@ -54,7 +62,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_demo import own_momentum
-from hf_demo.errors import DeMoSetupError, DeMoSyncError
+from hf_demo.errors import DeMoError, DeMoSettingsError, DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim.policy import Clock
 from hf_demo.own_momentum import own_key
@@ -62,6 +70,9 @@ from hf_demo.topology.dtensor import is_sharded, local, placed_like
 from hf_demo.topology.flat import FlatTopology
 
 EXTRA = "ft"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of this worker's restarts
+OWN_GROUP_KEYS = ("lr", "weight_decay", "initial_lr")  # a joiner's own, never replaced by a peer's (load_agreed)
 
 
 def require_torchft():
@@ -100,6 +111,7 @@ class ManagedTransport(Transport):
         self.base_group = self.group = pg
         self.rank, self.world = rank, world
         self.backend = "nccl" if "nccl" in pg.getBackendName() else "gloo"
+        self.replica_name = None  # this replica group's id (Elastic sets it): named in a settings error
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank  # the replica's rank in this quorum
@@ -141,6 +153,61 @@ def _issued(call, async_op: bool):
     except Exception as exc:  # noqa: BLE001 - torchft's group may fail with an assertion or a timeout
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
     return None
+
+
+def quorum_failed(exc: BaseException, lighthouse: str | None) -> DeMoSyncError:
+    """torchft's quorum that did not form (its raw error: ``TimeoutError: status: Cancelled`` once the Lighthouse is
+    gone), as one error naming the likely cause and the fix."""
+    raw = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    where = f" at {lighthouse}" if lighthouse else ""
+    reach = lighthouse_reachable(lighthouse) if lighthouse else None
+    causes = {
+        False: f"the Lighthouse{where} does not answer (nothing listens there: it died or was stopped)",
+        True: f"the Lighthouse{where} answers, but no quorum formed in time (too few replica groups for "
+        "--min_replicas, or this replica group's own manager is gone)",
+        None: "the Lighthouse (or this replica group's manager on its shard rank 0) did not answer",
+    }
+    cause = causes[reach]
+    return DeMoSyncError(
+        f"hf_demo.elastic: torchft's quorum for the next step did not form: {cause}. The replicas keep no state a "
+        "new Lighthouse could hand on: restart the Lighthouse (torchft_lighthouse ...), then every replica group "
+        f"from the run's last checkpoint (see 'What survives what' in docs/guides/elastic.md). torchft said: {raw}"
+    )
+
+
+def lighthouse_reachable(address: str) -> bool | None:
+    """Whether something listens at the Lighthouse's ``address`` (``http://host:port``): True, False, or None where
+    the address cannot be read."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(address if "://" in address else f"http://{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if not host or not port:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def refuse_lost_run(manager, world: int) -> None:
+    """At this process's first quorum: a restarted replica group (torchrun's ``TORCHELASTIC_RESTART_COUNT`` > 0)
+    alone in a quorum at step 0 finds no replica that holds the run's state (the others finished, or every one died):
+    training on alone would start the run again and end with other parameters, so it is refused."""
+    restarts = os.environ.get(RESTART_ENV, "0")
+    if world != 1 or manager.current_step() != 0 or not restarts.isdigit() or int(restarts) == 0:
+        return
+    raise DeMoSyncError(
+        f"hf_demo.elastic: this replica group was restarted ({RESTART_ENV}={restarts}) but is alone in torchft's "
+        "quorum at step 0: no live replica group holds the run's state (the others finished, or every one died), so "
+        "training on would start the run again from this process's own weights and end with other parameters. "
+        "Resume the run from its last checkpoint (every replica group), or start a new run with a new Lighthouse"
+    )
 
 
 EVENT_KINDS = ("join", "loss", "recovered")
@@ -241,6 +308,8 @@ class Elastic:
         self.node = node_shards(opt, timeout)  # HSDP: this replica group's shard group; None: one process
         if self.node is not None:  # now, on every shard rank: a state sent by one while another heals needs it
             opt.establish_run_id()
+        self.lighthouse = lighthouse  # the address a quorum's failure names (_manager: the one torchft is given)
+        self.replica_name = replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID")
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
         opt.replication = self
 
@@ -260,6 +329,13 @@ class Elastic:
         if "MASTER_ADDR" not in os.environ and self.node is None:
             self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         seconds = datetime.timedelta(seconds=timeout)
+        self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if group_rank == 0 and not self.lighthouse:  # torchft's own error would be a bare KeyError
+            raise DeMoSetupError(
+                f"hf_demo.elastic: no torchft Lighthouse to ask for the quorum: {LIGHTHOUSE_ENV} is not set and "
+                f"Elastic(lighthouse=...) was not given. Start one (torchft_lighthouse --min_replicas 1 ...) and set "
+                f"{LIGHTHOUSE_ENV}=http://<its host>:<its port> for every replica group (or pass its address)"
+            )
         return Manager(
             pg=ProcessGroupGloo(timeout=seconds),
             load_state_dict=self.load_agreed,
@@ -273,7 +349,7 @@ class Elastic:
             world_size=group_world,
             store_addr="localhost" if self._store is not None else None,
             store_port=self._store.port if self._store is not None else None,
-            lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+            lighthouse_addr=self.lighthouse,
             replica_id=replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID"),
         )
 
@@ -329,10 +405,17 @@ class Elastic:
         recoveries = self.stats.recoveries
         # inside a local phase (sync_every > 1) each replica's parameters are its own: no joiner until the next
         # synchronisation has made them agree again (torchft's shrink_only quorum: replicas may leave, none join)
-        self.manager.start_quorum(shrink_only=bool(self.opt.unsynced))
+        try:
+            self.manager.start_quorum(shrink_only=bool(self.opt.unsynced))
+        except DeMoError:
+            raise  # hf_demo's own (a recovered state refused by load_agreed): it names itself
+        except Exception as exc:  # noqa: BLE001 - torchft's raw errors (a Cancelled RPC, a timeout) named here
+            raise quorum_failed(exc, self.lighthouse) from exc
         rank, world = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:
             raise DeMoSyncError("this replica is not in torchft's quorum (a spare): nothing to step")
+        if self._quorum_id is None:
+            refuse_lost_run(self.manager, world)
         seconds = time.monotonic() - t0
         self.stats.quorum_seconds += seconds
         quorum = getattr(self.manager, "_quorum_id", None)
@@ -388,14 +471,19 @@ class Elastic:
     def _topology_over(self, rank: int, world: int):
         """This quorum's topology: flat over torchft's group, or (HSDP) sharded with the replicate dimension on it."""
         if self.node is None:
-            return FlatTopology(ManagedTransport(self.manager._pg, rank, world, self.timeout))
-        return sharded_topology(LockstepTransport(self.manager._pg, rank, world, self.timeout, self.node), self.node)
+            transport = ManagedTransport(self.manager._pg, rank, world, self.timeout)
+        else:
+            transport = LockstepTransport(self.manager._pg, rank, world, self.timeout, self.node)
+        transport.replica_name = self.replica_name  # what a settings error calls this replica group
+        return FlatTopology(transport) if self.node is None else sharded_topology(transport, self.node)
 
     def decide(self, error: BaseException | None) -> bool:
         """The one commit decision of a step, on every replica: DeMo's verdict (``error``: what the step raised,
         a failed collective or a refusal of the all-ranks vote) reported to torchft, and torchft's
         ``should_commit()`` says whether the step's transaction commits. An error that is not a
-        :class:`DeMoSyncError` (a bug, a bad setting) is raised once torchft has been told."""
+        :class:`DeMoSyncError` (a bug, a bad setting), or a :class:`DeMoSettingsError` (the replica groups' settings
+        differ: every replica holds the same headers and raises it alike, and every retry would meet it again), is
+        raised once torchft has been told."""
         if not self._armed:
             raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each optimizer.step()")
         self._armed = False
@@ -408,8 +496,8 @@ class Elastic:
             self.stats.committed_steps += 1
         else:
             self._refused(self.stats.quorum_size)
-        if error is not None and not isinstance(error, DeMoSyncError):
-            raise error
+        if error is not None and (not isinstance(error, DeMoSyncError) or isinstance(error, DeMoSettingsError)):
+            raise error  # a bug, or settings that differ between replica groups: a retry would meet them again
         return commit
 
     def _refused(self, world: int) -> None:
@@ -434,8 +522,12 @@ class Elastic:
     def load_agreed(self, state: dict) -> None:
         """A peer's agreed state, loaded (torchft's ``load_state_dict`` callback, before the forward pass): the
         model, the rule state, the counters, the policy's tier; this replica's own momentum is kept where it has
-        one (a replica that lagged), zero otherwise (a restarted one)."""
+        one (a replica that lagged), zero otherwise (a restarted one). This replica's own learning rate and weight
+        decay are kept too (:data:`OWN_GROUP_KEYS`; DeMo's per-group settings are kept by the load itself): where
+        they differ from the quorum's, the first exchange raises :class:`DeMoSettingsError` on every replica, naming
+        both values, instead of this replica taking the peer's silently."""
         own = {p: {k: v for k, v in s.items() if own_key(k)} for p, s in self.opt.state.items()}
+        mine = [{k: g[k] for k in OWN_GROUP_KEYS if k in g} for g in self.opt.param_groups]
         if self.node is None:
             self.model.load_state_dict(state["model"])
             self.opt.load_peer_state(state["optimizer"])
@@ -444,8 +536,11 @@ class Elastic:
             self.opt.load_peer_state(placed_optimizer_state(self.opt, state["optimizer"]))
         for p, kept in own.items():
             self.opt.state[p].update(kept)
+        for group, kept in zip(self.opt.param_groups, mine):  # never the peer's silently: the headers compare them
+            group.update(kept)
         if self._snapshot is not None and not any(own.values()):  # a restarted replica: its momentum from disk
-            if own_momentum.restore(self._snapshot, self.opt, self.manager.current_step()) is not None:
+            restored = own_momentum.restore(self._snapshot, self.opt, self.manager.current_step(), self.replica_name)
+            if restored is not None:
                 self.stats.momentum_restored += 1
         self.stats.recoveries += 1
 
@@ -454,7 +549,7 @@ class Elastic:
         ``momentum_every`` committed steps (``momentum_dir``)."""
         step = self.manager.current_step()
         if self._snapshot is not None and step % self.momentum_every == 0:
-            own_momentum.save(self._snapshot, self.opt, step)
+            own_momentum.save(self._snapshot, self.opt, step, self.replica_name)
 
     def shutdown(self) -> None:
         """Stop this replica's Manager (its server and checkpoint transport)."""

@@ -12,6 +12,12 @@ class DeMoSyncError(DeMoError):
     """
 
 
+class DeMoSettingsError(DeMoSyncError):
+    """The ranks' settings differ (learning rate, top-k, value format...): each differing setting is named with
+    every rank's value. Raised on every rank alike; a retry cannot help, so an elastic run raises it too instead of
+    refusing the step and trying again."""
+
+
 class DeMoPayloadError(DeMoSyncError):
     """What this rank received failed its checks (CRC32, HMAC, positions in range, finite values). Found on
     the receiving rank only; the ranks vote before they commit, so every rank refuses the step alike."""

@@ -9,13 +9,16 @@ state the replica had after that committed step: what it had not yet sent then i
 sends nothing), so the restarted replica goes on as if it had paused, its residual a few steps older than the
 parameters, like any replica that lags.
 
-A snapshot is loaded only if it fits: the same run (the run identity the agreed state carries), the same parameter
-shapes, and a step no later than the agreed one. Anything else is not loaded, and a warning names the file and why
-(the momentum then starts at zero, as without ``momentum_dir``).
+Each snapshot carries the run's identity, the replica's id and a SHA-256 of the whole. It is loaded only if it
+fits: whole (its checksum matches: not torn or altered), the same run (the run identity the agreed state carries),
+this replica's (not another replica's file copied or renamed), the same parameter shapes, a step no later than the
+agreed one, and a finite momentum. Anything else is not loaded, and a warning names the file and why (the momentum
+then starts at zero, as without ``momentum_dir``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -24,7 +27,7 @@ import torch
 
 OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
 OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
-FORMAT = 1
+FORMAT = 2  # 2: the replica's id and a SHA-256 of the whole
 
 
 def own_key(key: str) -> bool:
@@ -43,39 +46,71 @@ def _params(opt) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def save(path: Path, opt, step: int) -> None:
-    """``opt``'s own state entries after committed step ``step``, written atomically to ``path`` (a reader sees the
-    previous snapshot or this one, never a part)."""
+def save(path: Path, opt, step: int, replica_id: str) -> None:
+    """``opt``'s own state entries after committed step ``step``, with the run's and replica ``replica_id``'s
+    identity and a SHA-256 of the whole, written atomically to ``path`` (a reader sees the previous snapshot or
+    this one, never a part)."""
     params = _params(opt)
     blob = {
         "format": FORMAT,
         "run_id": opt.run_id,
+        "replica_id": str(replica_id),
         "step": int(step),
         "shapes": [list(p.shape) for p in params],
         "own": [{k: v for k, v in opt.state.get(p, {}).items() if own_key(k)} for p in params],
     }
+    blob["sha256"] = checksum(blob)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     torch.save(blob, tmp)
     os.replace(tmp, path)
 
 
-def unfit(blob: dict, opt, step: int) -> str | None:
-    """Why snapshot ``blob`` cannot be this replica's momentum at agreed step ``step`` (None: it can)."""
-    if blob.get("format") != FORMAT:
-        return f"format {blob.get('format')!r}, not {FORMAT}"
+def checksum(blob: dict) -> str:
+    """The SHA-256 of a snapshot's identity, step, shapes and every own entry's name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    h.update(repr([blob["format"], blob["run_id"], blob["replica_id"], blob["step"], blob["shapes"]]).encode())
+    for i, entries in enumerate(blob["own"]):
+        for key in sorted(entries):
+            value = entries[key]
+            if torch.is_tensor(value):
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                h.update(repr((i, key, str(value.dtype), list(value.shape))).encode() + data)
+            else:
+                h.update(repr((i, key, value)).encode())
+    return h.hexdigest()
+
+
+def unfit(blob: dict, opt, step: int, replica_id: str) -> str | None:
+    """Why snapshot ``blob`` cannot be replica ``replica_id``'s momentum at agreed step ``step`` (None: it can):
+    its format, checksum, run, replica, parameter shapes, step, or a momentum that is not finite."""
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+        got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
+        return f"format {got!r}, not {FORMAT}"
+    try:
+        intact = blob.get("sha256") == checksum(blob)
+    except (KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        return f"not a whole snapshot ({type(exc).__name__}: {exc})"
+    if not intact:
+        return "its checksum does not match its contents (torn or altered on disk)"
     if blob["run_id"] != opt.run_id:
         return f"another run's (run {blob['run_id']}, this run {opt.run_id}): give each run its own momentum_dir"
+    if blob["replica_id"] != str(replica_id):
+        return f"replica {blob['replica_id']}'s, not replica {replica_id}'s (a file copied or renamed)"
     if blob["shapes"] != [list(p.shape) for p in _params(opt)]:
         return "saved for parameters of other shapes (another model)"
     if blob["step"] > step:
         return f"saved at step {blob['step']}, after the agreed step {step} (a later attempt of the run's)"
+    bad = [f"{k} of parameter {i}" for i, own in enumerate(blob["own"]) for k, v in sorted(own.items())
+           if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]  # fmt: skip
+    if bad:
+        return f"it holds NaN or Inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
     return None
 
 
-def restore(path: Path, opt, step: int) -> int | None:
-    """This replica's snapshot at ``path`` loaded into ``opt`` (after the agreed state of step ``step``): the step it
-    was saved at, or None where there is none or it does not fit (a warning says why)."""
+def restore(path: Path, opt, step: int, replica_id: str) -> int | None:
+    """Replica ``replica_id``'s snapshot at ``path`` loaded into ``opt`` (after the agreed state of step ``step``):
+    the step it was saved at, or None where there is none or it does not fit (a warning names the file and why)."""
     if not path.is_file():
         return None
     try:
@@ -85,7 +120,7 @@ def restore(path: Path, opt, step: int) -> int | None:
             f"hf_demo.elastic: {path} is not a momentum snapshot ({exc}); the momentum starts at zero", stacklevel=3
         )
         return None
-    why = unfit(blob, opt, step)
+    why = unfit(blob, opt, step, replica_id)
     if why is not None:
         warnings.warn(
             f"hf_demo.elastic: {path} not loaded: {why}; this replica's momentum starts at zero", stacklevel=3

@@ -97,7 +97,8 @@ def _mismatch(rank, world, what):
 )
 def test_mismatch_across_ranks_raises_on_every_rank(what, match):
     started = time.monotonic()
-    _expect_error_everywhere(run_ranks(_mismatch, 2, what), "DeMoSyncError", match, started)
+    kind = "DeMoSettingsError" if what == "settings" else "DeMoSyncError"  # a DeMoSyncError naming the settings
+    _expect_error_everywhere(run_ranks(_mismatch, 2, what), kind, match, started)
 
 
 def _settings_differ(rank, world):
@@ -112,7 +113,7 @@ def test_settings_mismatch_names_each_setting_with_every_ranks_value():
     """The error used to list what might differ; it names what does, with each rank's value (issue 44, item 6)."""
     started = time.monotonic()
     results = run_ranks(_settings_differ, 2)
-    _expect_error_everywhere(results, "DeMoSyncError", "different optimizer settings", started)
+    _expect_error_everywhere(results, "DeMoSettingsError", "different optimizer settings", started)
     assert (
         results[0].message.split("(seen by")[1].split("\n", 1)[1]
         == results[1].message.split("(seen by")[1].split("\n", 1)[1]

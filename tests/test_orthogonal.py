@@ -262,7 +262,9 @@ def _disagree(rank, world):
 
 def test_ranks_with_another_rule_in_a_group_are_refused():
     for r in run_ranks(_disagree, 2):
-        assert isinstance(r, RankError) and r.type == "DeMoSyncError" and "different optimizer settings" in r.message
+        assert (
+            isinstance(r, RankError) and r.type == "DeMoSettingsError" and "different optimizer settings" in r.message
+        )
 
 
 # ---------------------------------------------------------------------- local steps (sync_every > 1)

@@ -102,11 +102,11 @@ class Replicas:
             time.sleep(0.05)
         self.go.write_text("go")  # every replica's first quorum at once
 
-    def start(self, rid: str, extra: list[str] = ()) -> Replica:
-        """Start (or restart) replica ``rid``, with ``extra`` arguments for this start only."""
+    def start(self, rid: str, extra: list[str] = (), env: dict | None = None) -> Replica:
+        """Start (or restart) replica ``rid``, with ``extra`` arguments (and ``env`` variables) for this start only."""
         args = ["--lighthouse", self.lighthouse.address(), "--out", str(self.out), "--start-file", str(self.go),
                 *self.args, *extra]  # fmt: skip
-        self.live[rid] = Replica(rid, args, self.out, self.env)
+        self.live[rid] = Replica(rid, args, self.out, {**self.env, **(env or {})})
         return self.live[rid]
 
     def add_standby(self) -> Replica:

@@ -375,21 +375,36 @@ class Transport:
         )
 
     def _unanswered_ranks(self, step: int) -> list[int]:
-        """Ask the rendezvous store which ranks are alive: each survivor writes a key, waits briefly, reads."""
+        """Ask the rendezvous store which ranks are alive: each survivor writes the wall-clock time under its rank,
+        waits briefly and reads the others'. A rank counts as alive if it wrote within this probe's window and the
+        ``comm_timeout`` before it: the survivors of one failure probe within about that much of each other, even
+        where they fail at different steps or collectives (no step or count in the key, which they would not share)."""
         try:
             store = dist.distributed_c10d._get_default_store()
             self.failures += 1
             ranks = "-".join(str(self.global_rank(r)) for r in range(self.world))  # unique per group
-            prefix = f"hf_demo/alive/{ranks}/{step}/{self.failures}/"
-            store.set(prefix + str(self.rank), "1")
-            deadline = time.monotonic() + min(5.0, max(self.timeout, 1.0))
+            prefix = f"hf_demo/alive/{ranks}/"
+            store.set(prefix + str(self.rank), repr(time.time()))
+            window = min(5.0, max(self.timeout, 1.0))
+            deadline = time.monotonic() + window
             while True:
-                missing = [r for r in range(self.world) if not store.check([prefix + str(r)])]
+                since = time.time() - window - max(self.timeout, 1.0)
+                missing = [r for r in range(self.world) if not _wrote_since(store, prefix + str(r), since)]
                 if not missing or time.monotonic() > deadline:
                     return missing
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the store itself may be gone with the failed peer
             return []
+
+
+def _wrote_since(store, key: str, since: float) -> bool:
+    """Whether ``key`` holds a wall-clock time no earlier than ``since`` (a probe's answer)."""
+    if not store.check([key]):
+        return False
+    try:
+        return float(store.get(key).decode()) >= since
+    except ValueError:
+        return False
 
 
 class StepTransport:

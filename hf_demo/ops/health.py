@@ -24,7 +24,8 @@ back under the bar. Every other alert is an ``"event"``.
   parameters); ``repeated_resyncs``: ``resync_limit`` resyncs within ``resync_window`` steps;
 - ``tier_change``: the budget policy moved to another tier (the network changed);
 - elastic runs (:mod:`hf_demo.elastic`): ``replica_lost`` (a replica left the quorum: the step in flight was
-  refused, the survivors go on; each one, no cooldown), ``quorum_below_target`` (the quorum stayed below
+  refused, the survivors go on; each one, no cooldown), ``elastic_step_refused`` (a step refused with the quorum
+  keeping its size: no replica left, or one was replaced at once), ``quorum_below_target`` (the quorum stayed below
   ``expected_replicas``, or the largest quorum seen, for ``quorum_patience`` steps: a lost replica is not
   back), ``slow_recovery`` (this replica's recovery from a peer took over ``recovery_alert_s``).
 
@@ -113,6 +114,7 @@ class HealthRules:
         self.last_alert: dict[str, int] = {}
         self.conditions = {kind: _Condition() for kind in CONDITIONS}
         self.largest_quorum = 0
+        self.last_quorum = 0  # the quorum at the last elastic step seen (0: none yet)
         self.below_target = 0  # steps in a row with the quorum below its target
 
     @property
@@ -323,12 +325,21 @@ class HealthRules:
         out = []
         self.largest_quorum = max(self.largest_quorum, s.quorum)
         target = self.s.expected_replicas or self.largest_quorum
-        if s.losses:
+        shrank = s.quorum < (self.last_quorum or s.quorum + 1)  # the first sample: no size to compare with
+        self.last_quorum = s.quorum
+        if s.losses and shrank:
             why = (
                 f"a replica left torchft's quorum: {s.quorum} of {target} replicas now; the step in flight was refused "
                 f"({s.samples_lost} samples lost) and the survivors go on without reloading anything"
             )
             out.append(self._alert(s, "replica_lost", why, s.quorum, target))
+        elif s.losses:  # as many replicas as before: none left, or one was replaced at once (a warm standby)
+            why = (
+                f"a step was refused and torchft formed a new quorum of {s.quorum} of {target} replicas (no replica "
+                f"left, or one was replaced at once; {s.samples_lost} samples lost): the step's error is "
+                "ElasticStats.last_error (demo_elastic: trainer.demo_elastic.stats.last_error)"
+            )
+            out.append(self._alert(s, "elastic_step_refused", why, s.quorum, target))
         self.below_target = self.below_target + 1 if s.quorum < target else 0
         if self.below_target == self.s.quorum_patience:
             why = (

@@ -26,6 +26,7 @@ ALERT_KINDS = (
     "repeated_resyncs",
     "tier_change",
     "replica_lost",
+    "elastic_step_refused",
     "quorum_below_target",
     "slow_recovery",
 )

@@ -173,7 +173,7 @@ class Agreement:
             prepared.payload,
             view.secret,
             chosen.device,
-            lambda: view.settings_view(plan.tier),
+            lambda: view.topology.node_settings(transport, view.settings_view(plan.tier)),
             view.sealer,
             riding,
         )

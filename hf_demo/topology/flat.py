@@ -29,6 +29,12 @@ class FlatTopology:
     def agree_step(self, transport, settings_ck: int, bits: int, secret, device) -> tuple[int, None]:
         return bits, None
 
+    def node_settings(self, transport, mine: dict[str, str]) -> list:
+        """This rank's settings, labelled with its rank, for a settings error to name (one row: no shard group)."""
+        from hf_demo.wire.agreement import rank_label
+
+        return [[rank_label(transport), mine]]
+
     def agree(self, transport, device, bits: int, name: str) -> int:
         """What every rank stepping the same model agrees on besides the headers: nothing more here."""
         return bits

@@ -188,7 +188,9 @@ class ShardedTopology:
         compare one shard's ranks only), and ``bits`` (the flags that decide the whole model's step: skip,
         resync, refused in flight) OR-ed over them, with this rank's refusal of a shard's header (voted with the
         step: ``agree_refusal``). One signed 144-byte header per rank; raises
-        :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike."""
+        :class:`~hf_demo.errors.DeMoSyncError` on every rank of the shard group alike, but for settings that differ:
+        those are flagged (``codec.FLAG_SETTINGS_APART``) into this replica's headers, so that every rank of every
+        replica names them after the replicate group's headers (:func:`hf_demo.wire.agreement.gather_headers`)."""
         from hf_demo.errors import DeMoSyncError
 
         if self.shards.world == 1:
@@ -199,14 +201,27 @@ class ShardedTopology:
         rows = shards.all_gather(header.to_bytes().to(device), "node_header").cpu()
         try:
             headers, refusal = codec.receive_headers(rows, header, secret, self.shards.rank, header.step)
-            codec.check_headers(headers, self.shards.rank)
+            apart = refusal is None and codec.settings_only(headers)
+            if not apart:
+                codec.check_headers(headers, self.shards.rank)
         except DeMoSyncError as exc:
             members = [self.shards.global_rank(r) for r in range(self.shards.world)]
             raise DeMoSyncError(f"{exc}\n(ranks are the shard group {members}: the shards of one replica)") from None
-        out = 0
+        out = codec.FLAG_SETTINGS_APART if apart else 0  # named on every rank of every replica, with the headers
         for h in headers:
             out |= h.flags
         return out, refusal
+
+    def node_settings(self, transport, mine: dict[str, str]) -> list:
+        """Every rank of this replica's shard group's settings, each labelled with its global rank (an elastic run:
+        its replica group and shard rank), for a settings error to name on every rank of every replica."""
+        from hf_demo.wire.agreement import gather_objects, rank_label
+
+        group = getattr(getattr(transport, "transport", transport), "replica_name", None)
+        me = f"rank {dist.get_rank()}" if group is None else f"{rank_label(transport)} shard rank {self.shards.rank}"
+        if self.shards.world == 1:
+            return [[me, mine]]
+        return gather_objects(self.shards.at(transport.step), [me, mine], "node_settings")
 
     def agree(self, transport, device, bits: int, name: str) -> int:
         """``bits`` OR-ed over the shards of this replica: what decides the whole model's step (skip, resync, an

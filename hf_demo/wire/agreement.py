@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.errors import DeMoPayloadError, DeMoSettingsError, DeMoSyncError
 from hf_demo.exchange.collectives import COMMIT_VOTE, FULL_SYNC, REPLICAS, CollectiveSpec
 from hf_demo.wire import codec, sealing
 
@@ -67,15 +67,16 @@ def gather_headers(
     payload: torch.Tensor,
     secret,
     device,
-    settings: Callable[[], dict[str, str]],
+    settings: Callable[[], list],
     sealer=None,
     riding: Riding | None = None,
 ) -> Gathered:
     """Sign this rank's header for its payload, all-gather every rank's, check them.
 
     A disagreement between intact headers raises here, on every rank alike (they all hold the same headers);
-    where the settings checksums differ the error names each differing setting with every rank's value
-    (``settings``: this rank's settings by name, :func:`hf_demo.optim.groups.settings_view`, gathered only then).
+    where the settings differ the error names each differing setting with every rank's value (``settings``: this
+    rank's ``[label, settings by name]`` rows, its shard group's under HSDP: the topology's ``node_settings``,
+    gathered only then).
     A header this rank cannot trust (its CRC32 or HMAC fails: :func:`codec.receive_headers`) is the refusal
     returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
     the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
@@ -113,21 +114,39 @@ def gather_headers(
     return Gathered(headers, refusal, arrived, wire_bytes)
 
 
-def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], dict[str, str]]) -> None:
-    """:func:`codec.check_headers`; where the settings checksums differ, the error names each differing setting."""
+def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], list]) -> None:
+    """:func:`codec.check_headers`; where the settings differ (the checksums here, or inside a replica's shard group:
+    ``codec.FLAG_SETTINGS_APART``, so every rank of every replica hears of it), a :class:`DeMoSettingsError` names
+    each differing setting with every rank's value (``settings``: this rank's shard group's labelled settings)."""
+    apart, also = bool(codec.flagged(headers, codec.FLAG_SETTINGS_APART)), ""
     try:
         codec.check_headers(headers, transport.rank)
     except DeMoSyncError as exc:
         if not codec.settings_differ(headers):
             raise
-        raise DeMoSyncError(f"{exc}\n{name_settings(transport, settings())}") from None
+        apart, also = True, "" if codec.settings_only(headers) else f"{exc}\n"
+    if apart:
+        raise DeMoSettingsError(
+            f"DeMo ranks disagree (seen by {rank_label(transport)}): they have different optimizer settings; give "
+            f"every rank the same settings.\n{also}{name_settings(transport, settings())}"
+        ) from None
 
 
-def name_settings(transport, mine: dict[str, str]) -> str:
+def rank_label(transport) -> str:
+    """How a settings error names this rank: its global rank; in an elastic run its replica group too."""
+    me = f"rank {transport.global_rank(transport.rank)}"
+    group = getattr(getattr(transport, "transport", transport), "replica_name", None)
+    return me if group is None else f"replica group {group} ({me} of the quorum)"
+
+
+def name_settings(transport, node: list) -> str:
     """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree), the
-    differing ones named with each rank's value."""
-    views = gather_objects(transport, mine, "settings_names") if transport.world > 1 else [mine]
-    lines = differing_settings(views)
+    differing ones named with each rank's value. ``node``: this rank's ``[label, settings]`` rows (HSDP: its shard
+    group's), so the names cover every rank of every replica."""
+    parts = gather_objects(transport, node, "settings_names") if transport.world > 1 else [node]
+    rows = [row for part in parts for row in part]
+    unique = {label: view for label, view in rows}
+    lines = differing_settings(list(unique.values()), list(unique))
     if not lines:
         return "the settings by name agree: the difference is in a value not shown by name"
     return "settings that differ:\n    " + "\n    ".join(lines)
@@ -147,11 +166,13 @@ def gather_objects(transport, obj, name: str) -> list:
     return [json.loads(bytes(rows[r, :n].tolist()).decode()) for r, n in enumerate(sizes)]
 
 
-def differing_settings(views: list[dict[str, str]]) -> list[str]:
-    """``name: rank 0 value, rank 1 value, ...`` for each setting on which ``views`` (one per rank) differ."""
+def differing_settings(views: list[dict[str, str]], labels: list[str] | None = None) -> list[str]:
+    """``name: rank 0 value, rank 1 value, ...`` for each setting on which ``views`` differ (``labels``: who holds
+    each view; default ``rank 0``, ``rank 1``...)."""
+    labels = labels or [f"rank {r}" for r in range(len(views))]
     names = sorted({k for v in views for k in v}, key=lambda k: (k.startswith("param_groups"), k))
     return [
-        f"{k}: " + ", ".join(f"rank {r} {v.get(k, '(none)')}" for r, v in enumerate(views))
+        f"{k}: " + ", ".join(f"{who} {v.get(k, '(none)')}" for who, v in zip(labels, views))
         for k in names
         if len({v.get(k) for v in views}) > 1
     ]

@@ -33,7 +33,7 @@ import functools
 import hashlib
 import hmac
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -59,6 +59,8 @@ FLAG_DDP_SUSPECT = 32  # a DDP wrapper that all-reduces holds some of DeMo's par
 FLAG_REFUSED = 64  # this rank refused the exchange the last step started (overlap): no rank applies it
 FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its ``step`` word names, in the flags'
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
+FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
+# settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
 VERDICT_SHIFT = 16
 
 
@@ -787,6 +789,17 @@ def check_headers(headers: list[Header], rank: int) -> None:
             )
     if problems:
         raise DeMoSyncError(f"DeMo ranks disagree (seen by rank {rank}):\n  " + "\n  ".join(problems))
+
+
+def settings_only(headers: list[Header]) -> bool:
+    """Whether the settings checksums are all that differs between ``headers`` (a settings mismatch to name, not
+    another fault)."""
+    ref = headers[0]
+    try:
+        check_headers([replace(h, settings_checksum=ref.settings_checksum) for h in headers], 0)
+    except DeMoSyncError:
+        return False
+    return settings_differ(headers)
 
 
 def settings_differ(headers: list[Header]) -> bool:
