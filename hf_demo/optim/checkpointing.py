@@ -217,8 +217,8 @@ def compare_resumed(opt, timeout_s: float) -> None:
     each rank publishes its own and reads them all, so every rank raises the same :class:`DeMoStateError`
     naming the ranks whose state differs from rank 0's and how (another run's file, or another step's)."""
     run_id, step, _ = getattr(opt, "saved_identity", (None, None, None))
-    if run_id is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+    if step is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return  # (a state saved by an older hf_demo has no run identity: compared too, as "None")
     store, ranks = dist.distributed_c10d._get_default_store(), participants(opt)
     prefix = f"hf_demo/resumed/{_COMPARED[0]}/{ranks[0]}-{len(ranks)}/"
     _COMPARED[0] += 1
@@ -236,6 +236,7 @@ def compare_resumed(opt, timeout_s: float) -> None:
     for r, (rid, st) in zip(ranks, seen):
         if (rid, st) != tuple(seen[0]):
             what = "another run's" if rid != seen[0][0] else "another step's"
+            what = "an older hf_demo's, without a run identity" if rid == "None" else what
             differ.append(f"rank {r}'s state is {what} (run {rid} at optimizer step {st}; rank {ranks[0]}'s: run "
                           f"{seen[0][0]} at step {seen[0][1]})")  # fmt: skip
     if differ:

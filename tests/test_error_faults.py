@@ -1,0 +1,165 @@
+"""Faults that must end in the library's own error on every rank, with nothing moved: finite coefficients too
+large to average and transform, damaged checkpoint files, an older rank file, a wrong-typed state entry.
+
+Each test injects the fault as a user or an on-path writer would meet it and checks what every rank raised and
+what every rank's parameters are afterwards.
+"""
+
+import pytest
+import torch
+
+from dist_utils import RankError, expect_ok
+from models import loss_and_backward, small_demo, tiny_mlp
+
+NEAR_FP32_MAX = 3.0e38  # finite in fp32 and bf16; two of them summed, or one through the inverse DCT, are not
+HUGE = {"sign": 3.0e37, "2bit": 3.0e37}  # what these formats' per-block scales still carry finite
+
+
+def _huge_values_on_second_step(rank, world, kw):
+    """Rank ``world - 1`` sends finite coefficients near the fp32 maximum at the second step (its row is
+    otherwise well formed: its CRC32 is computed over them). Returns (error, parameters before, after)."""
+    from hf_demo.wire import codec
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=10.0, **kw)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    loss_and_backward(model, rank, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    if rank == world - 1 and kw.get("exchange") == "all_reduce":  # the values travel as they are, summed
+        from hf_demo.exchange import transport
+
+        real_reduce = transport.Transport._reduce
+
+        def huge_sum(self, wire, async_op=False):
+            if wire.is_floating_point():
+                wire.copy_(torch.where(wire < 0, -NEAR_FP32_MAX, NEAR_FP32_MAX))
+            return real_reduce(self, wire, async_op)
+
+        transport.Transport._reduce = huge_sum
+    elif rank == world - 1:
+        name = kw.get("value_format", "bf16")
+        fmt, value = codec.value_format(name), HUGE.get(name, NEAR_FP32_MAX)
+        real_encode = fmt.encode_rows
+
+        def huge(values, bucket):
+            return real_encode(torch.where(values < 0, -value, value), bucket)
+
+        fmt.encode_rows = huge
+    error = "no error"
+    try:
+        opt.step()
+        opt.confirm()
+    except Exception as exc:  # noqa: BLE001 - reported with the parameters
+        error = RankError(exc)
+    return error, before, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"update_rule": "raw", "value_format": "fp32"},
+        {"update_rule": "raw", "value_format": "bf16"},
+        {"update_rule": "sign", "value_format": "sign"},
+        {"update_rule": "adam", "value_format": "2bit"},
+        {"update_rule": "raw", "value_format": "fp32", "exchange": "all_reduce"},
+        {"update_rule": "raw", "value_format": "fp32", "commit_vote": "separate"},
+    ],
+    ids=["raw-fp32", "raw-bf16", "sign-sign", "adam-2bit", "raw-all_reduce", "raw-separate_vote"],
+)
+def test_finite_coefficients_too_large_to_average_are_refused_on_every_rank(gloo, kw):
+    """Finite values near the fp32 maximum in a well-formed row overflowed the inverse DCT, and with
+    update_rule='raw' both ranks' parameters became non-finite with no error. Every rank now refuses the step
+    (a DeMoPayloadError naming the sender) and every rank's parameters are unchanged and finite."""
+    results = expect_ok(gloo(_huge_values_on_second_step, 2, kw, timeout=120))
+    for rank, (error, before, after) in enumerate(results):
+        assert isinstance(error, RankError) and error.type == "DeMoPayloadError", f"rank {rank}: {error}"
+        assert all(torch.isfinite(p).all() for p in after), f"rank {rank}: non-finite parameters"
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"rank {rank}: parameters moved"
+        if rank == 1 or kw.get("exchange") == "all_reduce":
+            assert "too large" in error.message, error.message
+
+
+def _demo_state():
+    model = tiny_mlp()
+    opt = small_demo(model)
+    loss_and_backward(model, 0, 0)
+    opt.step()
+    return opt.state_dict()
+
+
+def _set(state: dict, path: str, value) -> dict:
+    """``state`` with its entry at ``path`` ("demo", "demo.policy.tier_spec", ...) replaced by ``value``."""
+    *parents, last = path.split(".")
+    node = state
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("demo", "not a dict"),
+        ("demo", [1, 2]),
+        ("demo.steps", None),
+        ("demo.policy", 5),
+        ("demo.policy.tier_spec", []),
+        ("demo.comm", [1]),
+        ("demo.local_params", []),
+        ("demo.settings", None),
+    ],
+)
+def test_a_wrong_typed_demo_entry_is_refused_with_the_library_error(path, value):
+    """load_state_dict with a wrong-typed ``demo`` entry raised AttributeError, TypeError, IndexError or
+    ValueError from deep inside the load; it now raises DeMoStateError naming the entry, before anything is
+    loaded."""
+    import hf_demo
+
+    state = _set(_demo_state(), path, value)
+    model = tiny_mlp(seed=3)
+    opt = small_demo(model)
+    with pytest.raises(hf_demo.DeMoStateError, match="malformed") as info:
+        opt.load_state_dict(state)
+    assert path in str(info.value) or path == "demo.policy.tier_spec" and "tier_spec" in str(info.value)
+    assert not opt.state and opt.counters.steps == 0  # nothing was loaded
+
+
+def _save_then_resume_older(rank, world, folder):
+    """Both ranks save after 2 steps; rank 1's file is then made an older hf_demo's (no run identity, no
+    parameter fingerprint); every rank loads its file and steps. Returns (error type, message, seconds)."""
+    import os
+    import time
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=20.0)
+    for step in range(2):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    state = opt.state_dict()
+    if rank == 1:
+        state["demo"].pop("run_id"), state["demo"].pop("params_print")
+    torch.save(state, os.path.join(folder, f"rank{rank}.pt"))
+    fresh = small_demo(model, comm_timeout=20.0)
+    started = time.monotonic()
+    try:
+        fresh.load_state_dict(torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True))
+        loss_and_backward(model, rank, 2)
+        fresh.step()
+        fresh.confirm()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+def test_an_older_rank_file_without_run_identity_is_named_on_every_rank(gloo, tmp_path):
+    """A checkpoint whose rank 1 file an older hf_demo wrote (no run identity): rank 1 skipped the comparison
+    of run identities and went on into the step, rank 0 waited for it, and the run ended in a raw gloo timeout
+    after comm_timeout (20 s). Every rank now raises the same DeMoStateError naming rank 1's file at once."""
+    results = expect_ok(gloo(_save_then_resume_older, 2, str(tmp_path), timeout=120))
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert kind == "DeMoStateError", f"rank {rank}: {kind}: {message}"
+        assert "rank 1's state is an older hf_demo's, without a run identity" in message, message
+        assert seconds < 15, seconds
+    assert results[0][1] == results[1][1]
