@@ -163,3 +163,64 @@ def test_an_older_rank_file_without_run_identity_is_named_on_every_rank(gloo, tm
         assert "rank 1's state is an older hf_demo's, without a run identity" in message, message
         assert seconds < 15, seconds
     assert results[0][1] == results[1][1]
+
+
+def _vouched_copy(src, dst, damage):
+    """``src`` copied to ``dst``, ``damage(dst)`` done to it, and the damage vouched for with ``write_manifest``
+    (what the incomplete-checkpoint error suggests, done after the files changed)."""
+    import shutil
+
+    from hf_demo.hf.checkpoint import MANIFEST, write_manifest
+
+    shutil.copytree(src, dst)
+    damage(dst)
+    (dst / MANIFEST).unlink()
+    write_manifest(str(dst), 2, 5)
+    return dst
+
+
+def _truncate(name):
+    def damage(folder):
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 2])
+
+    return damage
+
+
+def _other_model(folder):
+    """model.safetensors as another run's (same shapes, other weights)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(900)
+def test_load_state_refuses_another_runs_model_and_damaged_files_on_every_rank(tmp_path):
+    """A custom Accelerate loop (accelerate's checkpointing.py shape): ``accelerator.load_state`` of a folder whose
+    model file is another run's (vouched for) trained on silently; a truncated optimizer file raised torch's raw
+    PytorchStreamReader error on one rank (and the launcher killed the other); a truncated model raised a raw
+    SafetensorError. Every rank now raises the same hf_demo error, and the intact checkpoint resumes after them."""
+    from launch_utils import ROOT, accelerate_launch, load_records
+
+    script = ROOT / "tests" / "scripts" / "accelerate_checkpoint_loop.py"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    accelerate_launch(script, "--out", full)
+    ckpt = full / "step_5"
+    broken = [
+        _vouched_copy(ckpt, tmp_path / "other_model", _other_model),
+        _vouched_copy(ckpt, tmp_path / "short_rank1", _truncate("optimizer.rank1.bin")),
+        _vouched_copy(ckpt, tmp_path / "short_rank0", _truncate("optimizer.bin")),
+        _vouched_copy(ckpt, tmp_path / "short_model", _truncate("model.safetensors")),
+    ]
+    accelerate_launch(script, "--out", resumed, "--resume", ckpt, "--broken", *broken)
+    (f0, _), (r0, r1) = load_records(full, 2), load_records(resumed, 2)
+    assert r0["errors"] == r1["errors"]  # one message, the same on every rank
+    other, short1, short0, short_model = r0["errors"]
+    assert other.startswith("DeMoStateError") and "not those its optimizer state was saved with" in other, other
+    assert "rank 0: rank 0:" not in other, other
+    assert short1.startswith("CheckpointError") and "optimizer.rank1.bin cannot be read" in short1, short1
+    assert short0.startswith("CheckpointError") and "optimizer.bin cannot be read" in short0, short0
+    assert short_model.startswith("CheckpointError") and "model.safetensors cannot be read" in short_model
+    assert f0["params"] == r0["params"] == r1["params"]  # the intact checkpoint still resumes bit for bit

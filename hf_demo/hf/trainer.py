@@ -383,7 +383,7 @@ class DeMoTrainerMixin:
         # DeMo.load_state_dict checks rank, world size, and every rank's run and step (keeping the requested
         # settings, with a warning); then the model's weights, loaded by now, against this rank's state
         try:
-            opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            opt.load_state_dict(ckpt.read_state(path))
             checkpointing.check_model(opt)
             problem = None
         except DeMoStateError as exc:
