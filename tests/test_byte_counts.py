@@ -89,7 +89,7 @@ def _hsdp_orthogonal(rank, world):
     out = []
     for step in range(3):
         seen.clear()
-        x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank // 2 * 100 + step)), None
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank // 2 * 100 + step))
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
