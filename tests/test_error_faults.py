@@ -165,17 +165,39 @@ def test_an_older_rank_file_without_run_identity_is_named_on_every_rank(gloo, tm
     assert results[0][1] == results[1][1]
 
 
+def _agree_on_own_messages(rank, world):
+    """Every rank found its own problem, in a message that names its rank (check_model's)."""
+    from hf_demo.errors import DeMoStateError
+    from hf_demo.hf.checkpoint import agree_on_every_rank
+
+    try:
+        agree_on_every_rank(f"rank {rank}: the model's parameters differ", DeMoStateError, "a hint")
+    except DeMoStateError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_message_naming_its_rank_is_not_prefixed_twice(gloo):
+    """DeMoTrainer's model check names the rank ("rank 0: the model's parameters ..."); where the ranks' messages
+    differed, the agreement prefixed the first one's rank again: "rank 0: rank 0: ..."."""
+    messages = expect_ok(gloo(_agree_on_own_messages, 2, timeout=60))
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("rank 0: the model's parameters differ (ranks [0, 1] of 2"), messages[0]
+
+
 def _vouched_copy(src, dst, damage):
     """``src`` copied to ``dst``, ``damage(dst)`` done to it, and the damage vouched for with ``write_manifest``
     (what the incomplete-checkpoint error suggests, done after the files changed)."""
+    import json
     import shutil
 
     from hf_demo.hf.checkpoint import MANIFEST, write_manifest
 
     shutil.copytree(src, dst)
     damage(dst)
+    step = json.loads((dst / MANIFEST).read_text())["global_step"]
     (dst / MANIFEST).unlink()
-    write_manifest(str(dst), 2, 5)
+    write_manifest(str(dst), 2, step)
     return dst
 
 
@@ -224,3 +246,37 @@ def test_load_state_refuses_another_runs_model_and_damaged_files_on_every_rank(t
     assert short0.startswith("CheckpointError") and "optimizer.bin cannot be read" in short0, short0
     assert short_model.startswith("CheckpointError") and "model.safetensors cannot be read" in short_model
     assert f0["params"] == r0["params"] == r1["params"]  # the intact checkpoint still resumes bit for bit
+
+
+def _errors(stdout: str, kind: str) -> list[str]:
+    return [line.split(f"{kind}:", 1)[1].strip() for line in stdout.splitlines() if f"{kind}: " in line]
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_demotrainer_names_a_truncated_vouched_file_on_every_rank(tmp_path):
+    """DeMoTrainer resuming a checkpoint whose optimizer.rank1.pt (or model.safetensors) was truncated and then
+    vouched for with write_manifest: rank 1 raised torch's raw PytorchStreamReader error and torchrun killed
+    rank 0 (a raw SafetensorError on every rank for the model). Every rank now raises the library's error naming
+    the file."""
+    from launch_utils import ROOT, accelerate_launch
+
+    script = ROOT / "tests" / "scripts" / "train_tiny_llama.py"
+    common = ["--optim", "demo", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--max_steps",
+              "10", "--save_steps", "10", "--seed", "1", "--disable_tqdm", "true", "--report_to", "none", "--use_cpu",
+              "true"]  # fmt: skip
+
+    def train(name, *extra, check=True):
+        out = ["--output_dir", tmp_path / name / "out", "--record_dir", tmp_path / name / "rec"]
+        return accelerate_launch(script, *out, *common, *extra, check=check)
+
+    train("straight")
+    ckpt = tmp_path / "straight" / "out" / "checkpoint-10"
+    for name, kind in (("optimizer.rank1.pt", "DeMoStateError"), ("model.safetensors", "CheckpointError")):
+        broken = _vouched_copy(ckpt, tmp_path / f"short_{name}", _truncate(name))
+        proc = train(f"from_{name}", "--max_steps", "12", "--resume_from_checkpoint", broken, check=False)
+        assert proc.returncode != 0
+        messages = _errors(proc.stdout, kind)
+        assert len(messages) == 2 and len(set(messages)) == 1, proc.stdout[-3000:]
+        assert f"{name} cannot be read" in messages[0], messages[0]
