@@ -273,10 +273,10 @@ def test_demotrainer_names_a_truncated_vouched_file_on_every_rank(tmp_path):
 
     train("straight")
     ckpt = tmp_path / "straight" / "out" / "checkpoint-10"
-    for name, kind in (("optimizer.rank1.pt", "DeMoStateError"), ("model.safetensors", "CheckpointError")):
+    for name in ("optimizer.rank1.pt", "model.safetensors"):
         broken = _vouched_copy(ckpt, tmp_path / f"short_{name}", _truncate(name))
         proc = train(f"from_{name}", "--max_steps", "12", "--resume_from_checkpoint", broken, check=False)
         assert proc.returncode != 0
-        messages = _errors(proc.stdout, kind)
+        messages = _errors(proc.stdout, "CheckpointError")
         assert len(messages) == 2 and len(set(messages)) == 1, proc.stdout[-3000:]
         assert f"{name} cannot be read" in messages[0], messages[0]
