@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
 import zlib
 from dataclasses import dataclass, fields
 
@@ -294,16 +295,16 @@ def _member_bits_back(bucket, device) -> torch.Tensor | None:
 
 FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat(), TwoBitFormat())}
 
-UPDATE_BOUND = 2.0**60  # the most a decoded update element may reach: its square (a second moment) stays finite
+UPDATE_BOUND = torch.finfo(torch.float32).max / 2  # the most a decoded update element may reach (half fp32's range)
 
 
 def coefficient_bound(bsize: int) -> float:
-    """The largest coefficient magnitude a receiver accepts in a block of ``bsize``: the average of coefficients
-    (over the senders or the pickers) is no larger, and the orthonormal inverse transform (every basis value at
-    most 1) of ``bsize`` of them stays within :data:`UPDATE_BOUND`, so neither can overflow fp32 and no update
-    rule squares an element past fp32's range. Finite values beyond it are refused like NaN/Inf: in every value
-    format, since the check is on what the receiver decodes."""
-    return UPDATE_BOUND / bsize
+    """The largest coefficient magnitude a receiver accepts in a block of ``bsize``. The average of coefficients
+    (over the senders or the pickers) is no larger; the orthonormal inverse DCT of a block (every basis value at
+    most ``2 / sqrt(bsize)``, ``bsize`` coefficients) is then at most :data:`UPDATE_BOUND`, so neither can
+    overflow fp32, and a parameter stepped by it (``lr <= 1``) stays finite. Finite values beyond it are refused
+    like NaN/Inf: in every value format, since the check is on what the receiver decodes."""
+    return UPDATE_BOUND / (2 * math.sqrt(bsize))
 
 
 VALUE_FORMATS = tuple(FORMATS)
