@@ -126,6 +126,39 @@ def test_a_wrong_typed_demo_entry_is_refused_with_the_library_error(path, value)
     assert not opt.state and opt.counters.steps == 0  # nothing was loaded
 
 
+def _one_rank_loads_a_malformed_state(rank, world, folder):
+    """Both ranks save after a step; rank 1's file then has a wrong-typed entry; every rank loads its own."""
+    import os
+    import time
+
+    import hf_demo
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=60.0)
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    state = opt.state_dict()
+    if rank == 1:
+        state["demo"]["policy"] = 5
+    torch.save(state, os.path.join(folder, f"rank{rank}.pt"))
+    started = time.monotonic()
+    try:
+        small_demo(model, comm_timeout=60.0).load_state_dict(torch.load(os.path.join(folder, f"rank{rank}.pt")))
+    except hf_demo.DeMoStateError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_malformed_state_on_one_rank_stops_every_rank_at_once(gloo, tmp_path):
+    """Rank 1's file has a wrong-typed entry: rank 1 refuses it before loading, and rank 0, whose state loads,
+    heard of it only after comm_timeout (waiting for rank 1's run identity). It now raises at once, naming rank 1
+    and the entry."""
+    (message0, seconds0), (message1, _) = expect_ok(gloo(_one_rank_loads_a_malformed_state, 2, str(tmp_path)))
+    assert "malformed 'demo.policy' entry" in message1, message1
+    assert "rank 1 refused its own: optimizer state has a malformed 'demo.policy' entry" in message0, message0
+    assert seconds0 < 30, seconds0  # comm_timeout is 60 s
+
+
 def _save_then_resume_older(rank, world, folder):
     """Both ranks save after 2 steps; rank 1's file is then made an older hf_demo's (no run identity, no
     parameter fingerprint); every rank loads its file and steps. Returns (error type, message, seconds)."""
