@@ -691,7 +691,8 @@ class LockstepTransport(ManagedTransport):
     def _agree(self, name: str, step: int, traffic, failed: DeMoSyncError | None) -> None:
         from hf_demo.wire.agreement import pack_words, unpack_words
 
-        rows = self.node.shards.all_gather(pack_words([int(failed is not None)]), "node_replicate", step, traffic)
+        inside = traffic.within() if traffic is not None else None  # the shard group's: counted apart (intra_*)
+        rows = self.node.shards.all_gather(pack_words([int(failed is not None)]), "node_replicate", step, inside)
         if failed is not None:
             raise failed
         failing = [r for r, (bad,) in enumerate(unpack_words(rows, 1)) if bad]

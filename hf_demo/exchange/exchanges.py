@@ -355,9 +355,16 @@ class AllReduceExchange:
         sums = in_flight.wait(traffic)
         if in_flight.refused is not None:
             raise in_flight.refused
-        if not bool(sums.isfinite().all()):
+        limit = in_flight.world * min((codec.coefficient_bound(b.bsize) for b in self.bucketing.buckets), default=0)
+        if not bool((sums.abs() <= limit).all()):  # NaN, Inf, or finite sums too large to average and transform
+            if not bool(sums.isfinite().all()):
+                raise DeMoPayloadError(
+                    f"rank {in_flight.rank}: the summed values of optimizer step {in_flight.step} hold NaN/Inf"
+                )
             raise DeMoPayloadError(
-                f"rank {in_flight.rank}: the summed values of optimizer step {in_flight.step} hold NaN/Inf"
+                f"rank {in_flight.rank}: the summed values of optimizer step {in_flight.step} hold coefficients too "
+                f"large: finite, but their mean is beyond {limit / in_flight.world:.3g}, past which the inverse "
+                "transform could overflow fp32 (a corrupted or forged payload, or a rank whose momentum diverged)"
             )
         chosen = in_flight.agreed or self._chosen(in_flight.positions, in_flight.rank, in_flight.step, in_flight.world)
         out = []

@@ -30,12 +30,14 @@ from hf_demo.errors import DeMoSyncError
 
 @dataclass
 class Traffic:
-    """What one step's collectives moved, kept apart until the step commits (:meth:`CommStats.commit_step`)."""
+    """What one step's collectives moved, kept apart until the step commits (:meth:`CommStats.commit_step`);
+    ``intra`` what the same step moved over the shard group (HSDP: inside a replica, the fast link), apart."""
 
     sent: int = 0
     received: int = 0
     collectives: int = 0
     seconds: float = 0.0
+    intra: Traffic | None = None
 
     def record(self, sent: int, received: int, seconds: float) -> None:
         self.sent += sent
@@ -43,15 +45,32 @@ class Traffic:
         self.collectives += 1
         self.seconds += seconds
 
+    def within(self) -> Traffic:
+        """Where the shard group's collectives of this step count (:attr:`intra`, made on first use)."""
+        if self.intra is None:
+            self.intra = Traffic()
+        return self.intra
+
+
+KINDS = ("step", "settle", "averaging")  # what CommStats.add counts: a step's, confirm()'s, a dense averaging's
+
 
 @dataclass
 class CommStats:
-    """Traffic of this rank: the last step and the running totals (``total_*``).
+    """Traffic of this rank across the replicas: the last step and the running totals (``total_*``).
 
     ``bytes_sent`` is what this rank handed to the collectives; ``bytes_received`` what it got from the
     other ranks (for an all-reduce, what a ring all-reduce moves: ``2 (W-1)/W`` of the buffer each way).
     ``dense_bytes`` is what an fp32 all-reduce of the same parameters moves per step (4 bytes per
     parameter), the figure DeMo saves against.
+
+    The totals count everything this rank sent across the replicas; of them, ``total_settle_*`` is what
+    ``confirm()`` sent outside a step (the settling row a checkpoint or ``flush()`` reads the last step's verdict
+    with: a steady step's row, payload included) and ``total_averaging_*`` the dense averaging of the
+    parameters that ends a local phase or shows its mean (``flush()``, ``averaged_parameters()``: a checkpoint
+    inside a local phase). Neither counts in the last step's figures. ``intra_*``: HSDP's collectives over the
+    shard group (inside a replica: the node header and vote, the whole-matrix gathers of ``orthogonal``), apart
+    from every figure above.
     """
 
     bytes_sent: int = 0
@@ -64,9 +83,18 @@ class CommStats:
     total_seconds: float = 0.0
     steps: int = 0
     dense_bytes: int = 0
+    total_settle_bytes_sent: int = 0
+    total_settle_bytes_received: int = 0
+    total_averaging_bytes_sent: int = 0
+    total_averaging_bytes_received: int = 0
+    intra_bytes_sent: int = 0
+    intra_bytes_received: int = 0
+    total_intra_bytes_sent: int = 0
+    total_intra_bytes_received: int = 0
 
     def start_step(self, dense_bytes: int) -> None:
         self.bytes_sent = self.bytes_received = self.collectives = 0
+        self.intra_bytes_sent = self.intra_bytes_received = 0
         self.seconds = 0.0
         self.dense_bytes = dense_bytes
         self.steps += 1
@@ -96,11 +124,25 @@ class CommStats:
         self.start_step(dense_bytes)
         self.add(traffic)
 
-    def add(self, traffic: Traffic) -> None:
-        self.bytes_sent += traffic.sent
-        self.bytes_received += traffic.received
-        self.collectives += traffic.collectives
-        self.seconds += traffic.seconds
+    def add(self, traffic: Traffic, kind: str = "step") -> None:
+        """``traffic`` counted as ``kind`` (:data:`KINDS`): a step's (the last step's figures too), or what
+        ``confirm()`` (``"settle"``) or a dense averaging (``"averaging"``) sent outside a step."""
+        if kind not in KINDS:
+            raise ValueError(f"traffic of kind {kind!r}: one of {KINDS}")
+        if traffic.intra is not None:
+            self.intra_bytes_sent += traffic.intra.sent
+            self.intra_bytes_received += traffic.intra.received
+            self.total_intra_bytes_sent += traffic.intra.sent
+            self.total_intra_bytes_received += traffic.intra.received
+        if kind == "step":
+            self.bytes_sent += traffic.sent
+            self.bytes_received += traffic.received
+            self.collectives += traffic.collectives
+            self.seconds += traffic.seconds
+        else:
+            setattr(self, f"total_{kind}_bytes_sent", getattr(self, f"total_{kind}_bytes_sent") + traffic.sent)
+            name = f"total_{kind}_bytes_received"
+            setattr(self, name, getattr(self, name) + traffic.received)
         self.total_bytes_sent += traffic.sent
         self.total_bytes_received += traffic.received
         self.total_collectives += traffic.collectives

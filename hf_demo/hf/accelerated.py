@@ -10,8 +10,10 @@ and figures (``flush()``, ``confirm()``, ``averaged_parameters()``, ``comm_stats
 momentum is its own. :class:`AcceleratorCheckpoints`, registered on the accelerator by ``hf_demo.prepare``, makes
 every other rank write its own (``optimizer.rank<r>.bin``) and, once every file is written, rank 0 writes the
 manifest DeMoTrainer's checkpoints have (:mod:`hf_demo.hf.checkpoint`). ``accelerator.load_state(folder)``
-checks the folder against it on every rank first (every rank raises the same ``CheckpointError``), then each rank
-loads its own DeMo state.
+checks the folder against it on every rank first (every rank raises the same ``CheckpointError``: also for a
+truncated model or optimizer file that a manifest written by hand vouches for), then each rank loads its own DeMo
+state and checks the model's weights against it as ``DeMoTrainer`` does (the same ``DeMoStateError`` on every
+rank for a model file from another save or run).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import os
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
+from hf_demo.errors import DeMoStateError
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf.metrics import CommMetrics
+from hf_demo.optim import checkpointing
 from hf_demo.optim.optimizer import DeMo
 
 DEMO_ATTRIBUTES = frozenset(
@@ -53,11 +57,21 @@ class DeMoAcceleratedOptimizer(AcceleratedOptimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """Accelerate's ``load_state`` hands every rank rank 0's ``optimizer.bin``: inside ``load_state`` each rank
-        loads its own DeMo state instead (the file :class:`AcceleratorCheckpoints` named)."""
-        own = self.__dict__.pop("_demo_own_state", None)
-        if own is not None:
-            state_dict = torch.load(own, map_location="cpu", weights_only=True)
-        super().load_state_dict(state_dict)
+        loads its own DeMo state instead (the one :class:`AcceleratorCheckpoints` read), then checks the model's
+        weights, loaded by now, against it (``DeMoTrainer``'s check: the model file and the optimizer files must
+        come from one save of one run); every rank raises the same ``DeMoStateError`` when any rank's does not."""
+        if "_demo_own_state" not in self.__dict__:  # outside load_state: as Accelerate's
+            return super().load_state_dict(state_dict)
+        own = self.__dict__.pop("_demo_own_state")
+        problem = None
+        try:
+            super().load_state_dict(own)
+            checkpointing.check_model(self.demo)
+        except DeMoStateError as exc:
+            problem = str(exc)
+        ckpt.agree_on_every_rank(
+            problem, DeMoStateError, "each rank's optimizer file is its own: which one differs is named"
+        )
 
 
 def adopt(optimizer: AcceleratedOptimizer) -> DeMoAcceleratedOptimizer:
@@ -123,10 +137,15 @@ class AcceleratorCheckpoints:
         """Load pre-hook: the folder checked on every rank, then each rank told which DeMo state is its own."""
         self._last()
         ckpt.verify_on_every_rank(str(input_dir), self.accelerator.num_processes)
-        rank = self.accelerator.process_index
-        for index, opt in self.demo_optimizers():
-            if rank > 0:
-                opt._demo_own_state = os.path.join(input_dir, rank_state_file(index, rank))
+        rank, problem, states = self.accelerator.process_index, None, []
+        try:  # each rank's own file read now: a damaged one is named on every rank, not raised by one alone
+            for index, opt in self.demo_optimizers():
+                states.append((opt, ckpt.read_state(os.path.join(input_dir, rank_state_file(index, rank)))))
+        except ckpt.CheckpointError as exc:
+            problem = str(exc)
+        ckpt.agree_on_every_rank(problem, ckpt.CheckpointError, "each rank's optimizer file is its own")
+        for opt, state in states:
+            opt._demo_own_state = state
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore: this object's file only marks the checkpoint as written through hf_demo."""

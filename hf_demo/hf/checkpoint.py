@@ -131,16 +131,53 @@ def verify_checkpoint(folder: str, world_size: int | None = None) -> dict:
 
 
 def verify_on_every_rank(folder: str, world_size: int | None = None) -> dict | None:
-    """:func:`verify_checkpoint` on every rank, the verdicts compared: every rank raises the same
-    :class:`CheckpointError` when any rank found a problem (one that sees another folder is named). Call it on
-    every rank of the default process group. Returns this rank's manifest."""
+    """:func:`verify_checkpoint` on every rank, then :func:`check_model_files`, the verdicts compared: every rank
+    raises the same :class:`CheckpointError` when any rank found a problem (one that sees another folder is
+    named). Call it on every rank of the default process group. Returns this rank's manifest."""
     manifest = problem = None
     try:
         manifest = verify_checkpoint(folder, world_size)
+        check_model_files(folder)
     except CheckpointError as exc:
         problem = str(exc)
     agree_on_every_rank(problem, CheckpointError, "do all processes see the same checkpoint folder?")
     return manifest
+
+
+def _damaged(path: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}): the file is damaged (truncated?), "
+        "though its checkpoint's manifest vouches for it (a manifest written by hand with write_manifest after "
+        "the damage). Resume from another checkpoint"
+    )
+
+
+def check_model_files(folder: str) -> None:
+    """Raise :class:`CheckpointError` naming the first ``*.safetensors`` file of ``folder`` whose header does not
+    cover the file (truncated), before any rank loads it (reading each header only, not the weights)."""
+    from safetensors import safe_open
+
+    for rel in _files(folder):
+        if rel.endswith(".safetensors"):
+            path = os.path.join(folder, rel)
+            try:
+                with safe_open(path, "pt"):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error types: the file is named instead
+                raise _damaged(path, exc) from None
+
+
+def read_state(path: str) -> dict:
+    """``torch.load`` of an optimizer state file on the CPU (``weights_only``), a damaged file (truncated zip,
+    broken pickle) raised as :class:`CheckpointError` naming it: raise it through :func:`agree_on_every_rank`."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ...
+        raise _damaged(path, exc) from None
 
 
 def agree_on_every_rank(problem: str | None, error: type, hint: str) -> None:
@@ -158,8 +195,10 @@ def agree_on_every_rank(problem: str | None, error: type, hint: str) -> None:
         return
     message = failed[0][1]
     if len(failed) < len(problems) or any(p != message for _, p in failed):
+        prefix = f"rank {failed[0][0]}: "  # a message naming its rank already is not prefixed twice
         message = (
-            f"rank {failed[0][0]}: {message} (ranks {[r for r, _ in failed]} of {len(problems)} found problems: {hint})"
+            f"{'' if message.startswith(prefix) else prefix}{message} (ranks {[r for r, _ in failed]} of "
+            f"{len(problems)} found problems: {hint})"
         )
     raise error(message)
 

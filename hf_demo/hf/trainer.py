@@ -380,10 +380,16 @@ class DeMoTrainerMixin:
                 f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
                 f"({rank_state_file(self.args.process_index)})"
             )
+        state, problem = None, None
+        try:  # every rank's file read first: a damaged one is named on every rank before any rank loads
+            state = ckpt.read_state(path)
+        except ckpt.CheckpointError as exc:
+            problem = str(exc)
+        ckpt.agree_on_every_rank(problem, ckpt.CheckpointError, "each rank's optimizer file is its own")
         # DeMo.load_state_dict checks rank, world size, and every rank's run and step (keeping the requested
         # settings, with a warning); then the model's weights, loaded by now, against this rank's state
         try:
-            opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            opt.load_state_dict(state)
             checkpointing.check_model(opt)
             problem = None
         except DeMoStateError as exc:

@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.exchange.collectives import SHARDS
-from hf_demo.exchange.transport import register_collective_hook
 from hf_demo.ops.prices import Prices
 from hf_demo.topology.sharded import ShardedTopology
 
@@ -213,22 +212,6 @@ class _ElasticWindow:
 INSIDE_NODE = frozenset(c.name for c in ShardedTopology.COLLECTIVES if c.group == SHARDS)  # over the shard group
 
 
-class _NodeBytes:
-    """Bytes handed to DeMo's collectives inside a node (:data:`INSIDE_NODE`), from the transport's public hook."""
-
-    def __init__(self):
-        self.count = 0
-        self.handle = register_collective_hook(self)
-
-    def __call__(self, name: str, nbytes: int) -> None:
-        if name in INSIDE_NODE:
-            self.count += nbytes
-
-    def take(self) -> int:
-        out, self.count = self.count, 0
-        return out
-
-
 def phase_of_log(logs) -> str:
     """The phase a Trainer ``on_log`` ends: ``evaluate`` for the evaluation's own row (``eval_*`` keys: the
     evaluation ran since the last mark), else ``log``."""
@@ -258,14 +241,13 @@ class StepMonitor:
         self._losses: list = []
         self._tokens: list = []
         self._forward_wait = 0.0
-        self._node_bytes = _NodeBytes()
         self._first_exchange = True
         self._remote_share: dict = {}
         self._elastic = _ElasticWindow()
         self._watched_elastic = None
 
     def close(self) -> None:
-        self._node_bytes.handle.remove()
+        pass  # nothing registered
 
     def _now(self) -> float:
         if self.sync_cuda:
@@ -338,7 +320,6 @@ class StepMonitor:
         before = self._before or after
         exchange = after["seconds"] - before["seconds"]  # DeMo's collectives
         received = after["received"] - before["received"]
-        node_bytes = self._node_bytes.take()
         communicated = after["collectives"] > before["collectives"]
         replication = getattr(opt, "replication", None)
         # elastic: the quorum this step ran with, events or not
@@ -356,7 +337,7 @@ class StepMonitor:
             bytes_sent=after["sent"] - before["sent"],
             bytes_received=received,
             dense_bytes=after["dense"] if after["steps"] > before["steps"] else 0.0,
-            bytes_between_nodes=max(0.0, received - node_bytes) * self._share_between_nodes(opt),
+            bytes_between_nodes=received * self._share_between_nodes(opt),  # (HSDP's shard group: intra_*)
             bandwidth=received / exchange if exchange > 0 and received > 0 else math.nan,
             tier=after["tier"],
             skipped=after["skipped"] - before["skipped"],

@@ -58,8 +58,13 @@ def load(opt, state_dict: dict, resume: bool = True) -> None:
     state_dict = dict(state_dict)
     if opt.topology.name == "sharded":
         state_dict = sharded_checkpoint.from_checkpoint(opt, state_dict)
-    saved = SavedState.from_dict(state_dict.pop("demo", None))
-    refuse_unfit(opt, saved)
+    try:
+        saved = SavedState.from_dict(state_dict.pop("demo", None))
+        refuse_unfit(opt, saved)
+    except DeMoStateError as exc:
+        if resume:
+            announce_refused(opt, exc)  # the other ranks' comparison hears it now, not after comm_timeout
+        raise
     requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in opt.param_groups]
     tensors, saved_groups = saved_tensors(state_dict), state_dict["param_groups"]
     torch.optim.Optimizer.load_state_dict(opt, state_dict)
@@ -212,18 +217,39 @@ def agreed_run_id() -> str:
 _COMPARED = [0]  # resumed states compared in this process (the store keys of each comparison)
 
 
-def compare_resumed(opt, timeout_s: float) -> None:
-    """Every rank's loaded state against every other's (run and optimizer step), through the rendezvous store:
-    each rank publishes its own and reads them all, so every rank raises the same :class:`DeMoStateError`
-    naming the ranks whose state differs from rank 0's and how (another run's file, or another step's)."""
-    run_id, step, _ = getattr(opt, "saved_identity", (None, None, None))
-    if run_id is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+REFUSED = "refused@"  # what a rank whose state was refused before loading publishes instead of run@step
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _publish(opt, value: str) -> tuple:
+    """This rank's ``value`` for the next comparison of resumed states (every rank publishes once per load, in
+    the same order); returns (store, the group's ranks, every rank's key)."""
     store, ranks = dist.distributed_c10d._get_default_store(), participants(opt)
     prefix = f"hf_demo/resumed/{_COMPARED[0]}/{ranks[0]}-{len(ranks)}/"
     _COMPARED[0] += 1
-    store.set(prefix + str(dist.get_rank()), f"{run_id}@{step}")
-    keys = [prefix + str(r) for r in ranks]
+    store.set(prefix + str(dist.get_rank()), value)
+    return store, ranks, [prefix + str(r) for r in ranks]
+
+
+def announce_refused(opt, exc: DeMoStateError) -> None:
+    """A state this rank refused before loading it (malformed, unfit): published in its place, so every other rank
+    comparing its resumed state raises at once, naming this rank and why."""
+    if _distributed():
+        _publish(opt, REFUSED + str(exc)[:500])
+
+
+def compare_resumed(opt, timeout_s: float) -> None:
+    """Every rank's loaded state against every other's (run and optimizer step), through the rendezvous store:
+    each rank publishes its own and reads them all, so every rank raises the same :class:`DeMoStateError`
+    naming the ranks whose state differs from rank 0's and how (another run's file, another step's, an older
+    hf_demo's), or a rank that refused its own state."""
+    run_id, step, _ = getattr(opt, "saved_identity", (None, None, None))
+    if step is None or not _distributed():
+        return  # (a state saved by an older hf_demo has no run identity: compared too, as "None")
+    store, ranks, keys = _publish(opt, f"{run_id}@{step}")
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - a rank that never resumed (or froze): named, not a raw store error
@@ -231,11 +257,16 @@ def compare_resumed(opt, timeout_s: float) -> None:
             f"rank {dist.get_rank()}: not every rank loaded a DeMo optimizer state within {timeout_s:.0f} s "
             f"({type(exc).__name__}): resume every rank from the same checkpoint"
         ) from None
-    seen = [store.get(k).decode().split("@") for k in keys]
+    values = [store.get(k).decode() for k in keys]
+    refused = [f"rank {r} refused its own: {v[len(REFUSED) :]}" for r, v in zip(ranks, values) if v.startswith(REFUSED)]
+    if refused:
+        raise DeMoStateError("not every rank could load its optimizer state: " + "; ".join(refused))
+    seen = [v.split("@", 1) for v in values]
     differ = []
     for r, (rid, st) in zip(ranks, seen):
         if (rid, st) != tuple(seen[0]):
             what = "another run's" if rid != seen[0][0] else "another step's"
+            what = "an older hf_demo's, without a run identity" if rid == "None" else what
             differ.append(f"rank {r}'s state is {what} (run {rid} at optimizer step {st}; rank {ranks[0]}'s: run "
                           f"{seen[0][0]} at step {seen[0][1]})")  # fmt: skip
     if differ:

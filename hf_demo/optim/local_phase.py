@@ -33,7 +33,7 @@ def end(opt) -> int:
     if not in_local_phase(opt):
         return 0
     means, traffic = phase_means(opt, "end_local_phase")
-    opt.comm_stats.add(traffic)
+    opt.comm_stats.add(traffic, "averaging")
     if any_nonfinite(list(means.values())):
         raise DeMoNonFiniteError(
             f"DeMo: the mean of the ranks' parameters at the end of the local phase (optimizer step {opt.steps}) "
@@ -56,7 +56,7 @@ def averaged(opt):
         return
     with torch.no_grad():
         means, traffic = phase_means(opt, "averaged_parameters")
-        opt.comm_stats.add(traffic)
+        opt.comm_stats.add(traffic, "averaging")
         own = {p: local(p).detach().clone() for p in means}
         for p, mean in means.items():
             local(p).copy_(mean.to(p.dtype))

@@ -162,7 +162,7 @@ def confirm(opt) -> None:
         undo(opt)
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
     finally:
-        opt.comm_stats.add(transport.traffic)
+        opt.comm_stats.add(transport.traffic, "settle")
     words = agreement.read_settling(transport, rows, u.step, opt.secret, opt.sealer)
     if any(words):
         undo(opt)

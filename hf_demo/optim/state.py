@@ -119,13 +119,15 @@ class SavedState:
     def from_dict(cls, saved: dict | None) -> SavedState:
         if saved is None:
             raise DeMoStateError("this optimizer state was not saved by hf_demo.DeMo (no 'demo' entry)")
+        if not isinstance(saved, dict):
+            raise DeMoStateError(_malformed("demo", saved, "a dict"))
         if saved.get("format_version") != STATE_VERSION:
             raise DeMoStateError(
                 f"optimizer state has format version {saved.get('format_version')}, this hf_demo reads "
                 f"{STATE_VERSION}: start the optimizer afresh, or resume with the hf_demo that wrote it"
             )
         _require(saved, cls.FIELDS, "demo")
-        _require(saved["policy"], ("tier_spec",), "demo.policy")
+        _check_types(saved)
         counters = Counters(*(type(getattr(Counters(), k))(saved[k]) for k in dataclasses.asdict(Counters())))
         rest = {k: saved[k] for k in cls.FIELDS if not hasattr(counters, k)}
         identity = {k: saved.get(k) for k in ("shards", "run_id", "params_print")}  # absent in older states
@@ -144,6 +146,41 @@ def _require(saved: dict, keys, where: str) -> None:
             f"optimizer state format {STATE_VERSION} without {', '.join(missing)} in '{where}': written by a "
             "pre-release hf_demo. Start the optimizer afresh, or resume with the build that wrote it"
         )
+
+
+INT, NUMBER = (int,), (int, float)
+TYPES = {"steps": INT, "skipped_steps": INT, "consecutive_skips": INT, "resyncs": INT, "unsynced": (bool, int),
+         "rank": INT, "world_size": INT, "rank_scope": (str,), "settings": (dict,), "policy": (dict,),
+         "pending": (dict, type(None)), "comm": (dict,), "local_params": (dict,), "shards": (str, type(None)),
+         "run_id": (str, type(None)), "params_print": (int, type(None))}  # fmt: skip
+
+
+def _malformed(where: str, value, expected: str) -> str:
+    return (
+        f"optimizer state has a malformed '{where}' entry ({type(value).__name__} {str(value)[:60]!r}, expected "
+        f"{expected}): the file was not written by hf_demo.DeMo or was altered. Resume from another checkpoint "
+        "(or start the optimizer afresh)"
+    )
+
+
+def _check_types(saved: dict) -> None:
+    """Raise :class:`DeMoStateError` naming the first entry of the ``"demo"`` state whose type is not the one
+    :meth:`SavedState.to_dict` writes, before anything is loaded."""
+    for key, types in TYPES.items():
+        if key in saved and not isinstance(saved[key], types):
+            raise DeMoStateError(_malformed(f"demo.{key}", saved[key], " or ".join(t.__name__ for t in types)))
+    _require(saved["policy"], ("tier_spec",), "demo.policy")
+    policy, spec = saved["policy"], saved["policy"]["tier_spec"]
+    fit = isinstance(spec, (list, tuple)) and len(spec) == 3 and isinstance(spec[0], str)
+    if not fit or not all(isinstance(x, int) for x in spec[1:]):
+        raise DeMoStateError(_malformed("demo.policy.tier_spec", spec, "[value_format, topk_divisor, sync_every]"))
+    for where, entries in (("demo.policy", policy), ("demo.comm", saved["comm"])):
+        for k, v in entries.items():
+            if k != "tier_spec" and not isinstance(v, NUMBER):
+                raise DeMoStateError(_malformed(f"{where}.{k}", v, "a number"))
+    for k, v in saved["local_params"].items():
+        if not isinstance(k, int) or not torch.is_tensor(v):
+            raise DeMoStateError(_malformed(f"demo.local_params[{k!r}]", v, "a tensor under a parameter id"))
 
 
 def _layout(saved) -> BlockLayout:

@@ -178,8 +178,10 @@ class ShardedTopology:
 
     def matrices(self, params: list, every: list, stepping) -> ShardedMatrices:
         """Whole matrices of the sharded parameters for the rules that need them (:class:`ShardedMatrices`: its
-        collectives over the shard group at ``stepping``'s step, counted in that step's traffic)."""
-        return ShardedMatrices(params, every, self.shards.at(stepping.step, stepping.traffic), self.matrix_scheme)
+        collectives over the shard group at ``stepping``'s step, counted apart in that step's ``intra`` traffic)."""
+        return ShardedMatrices(
+            params, every, self.shards.at(stepping.step, stepping.traffic.within()), self.matrix_scheme
+        )
 
     # ------------------------------------------------------------ what every shard of the model agrees on
     def agree_step(self, transport, settings_ck: int, bits: int, secret, device) -> tuple[int, Exception | None]:
@@ -195,7 +197,7 @@ class ShardedTopology:
 
         if self.shards.world == 1:
             return bits, None
-        shards = self.shards.at(transport.step, transport.traffic)
+        shards = self.shards.at(transport.step, transport.traffic.within())
         header = codec.Header(transport.step, 0, settings_ck, bits, shards.world, 0)
         header = codec.sign(header, torch.empty(0, dtype=torch.uint8), secret)
         rows = shards.all_gather(header.to_bytes().to(device), "node_header").cpu()
@@ -238,7 +240,7 @@ class ShardedTopology:
         if self.shards.world == 1:
             return exchange_ms, elapsed_ms, tier_bytes
         mine = torch.tensor([exchange_ms, elapsed_ms, *tier_bytes], dtype=torch.float64)
-        rows = self.shards.at(transport.step, transport.traffic).all_gather(
+        rows = self.shards.at(transport.step, transport.traffic.within()).all_gather(
             mine.view(torch.uint8).to(device), "node_figures"
         )
         every = rows.cpu().contiguous().view(torch.float64)  # (shards, 2 + tiers)
@@ -261,7 +263,9 @@ class ShardedTopology:
     def _gather(self, transport, device, value: int, name: str) -> list[int]:
         if self.shards.world == 1:
             return [value]
-        rows = self.shards.at(transport.step, transport.traffic).all_gather(pack_words([value]).to(device), name)
+        rows = self.shards.at(transport.step, transport.traffic.within()).all_gather(
+            pack_words([value]).to(device), name
+        )
         return [word for (word,) in unpack_words(rows, 1)]
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
 import zlib
 from dataclasses import dataclass, fields, replace
 
@@ -295,6 +296,19 @@ def _member_bits_back(bucket, device) -> torch.Tensor | None:
 
 
 FORMATS = {fmt.name: fmt for fmt in (Fp32Format(), Bf16Format(), SignFormat(), TwoBitFormat())}
+
+UPDATE_BOUND = torch.finfo(torch.float32).max / 2  # the most a decoded update element may reach (half fp32's range)
+
+
+def coefficient_bound(bsize: int) -> float:
+    """The largest coefficient magnitude a receiver accepts in a block of ``bsize``. The average of coefficients
+    (over the senders or the pickers) is no larger; the orthonormal inverse DCT of a block (every basis value at
+    most ``2 / sqrt(bsize)``, ``bsize`` coefficients) is then at most :data:`UPDATE_BOUND`, so neither can
+    overflow fp32, and a parameter stepped by it (``lr <= 1``) stays finite. Finite values beyond it are refused
+    like NaN/Inf: in every value format, since the check is on what the receiver decodes."""
+    return UPDATE_BOUND / (2 * math.sqrt(bsize))
+
+
 VALUE_FORMATS = tuple(FORMATS)
 
 
@@ -541,17 +555,19 @@ class PayloadCodec:
             idx = self.indices.unpack_rows(next(streams), bucket.rows, bucket.bsize, bucket.k)
             values = self.format.decode_rows([next(streams) for _ in self.format.segments(1, 1)], bucket)
             in_range = (idx >= bucket.bsize).any(-1)
-            flags.append(torch.stack([in_range, self.indices.repeated(idx), (~values.isfinite()).any(-1)]))
+            finite = values.isfinite()
+            too_large = (finite & (values.abs() > coefficient_bound(bucket.bsize))).any(-1)
+            flags.append(torch.stack([in_range, self.indices.repeated(idx), (~finite).any(-1), too_large]))
             out.append((idx, values))
         if flags:
-            bad = torch.cat(flags, dim=2)  # (3, senders, rows): out-of-range or repeated positions, NaN/Inf values
+            bad = torch.cat(flags, dim=2)  # (4, senders, rows): bad positions, bad values (NaN/Inf, too large)
             if bool(bad.any()):
                 raise self.refusal(self.by_parameter(bad))
         return out
 
     def by_parameter(self, bad: torch.Tensor) -> list:
-        """Row flags (3, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [repeated
-        per sender], [NaN/Inf per sender]] (on the host: only when a flag is set)."""
+        """Row flags (4, senders, rows of every bucket) -> per parameter [[out-of-range per sender], [repeated
+        per sender], [NaN/Inf per sender], [too large per sender]] (on the host: only when a flag is set)."""
         bad = bad.cpu()
         firsts, base = [], 0
         for bucket in self.bucketing.buckets:
@@ -565,8 +581,8 @@ class PayloadCodec:
 
     def refusal(self, bad: list) -> DeMoPayloadError:
         """The error for the first parameter whose flags (``[[out-of-range per sender], [repeated per sender],
-        [NaN/Inf per sender]]`` per parameter) say its positions or values are wrong."""
-        for i, (layout, (bad_idx, repeated, bad_val)) in enumerate(zip(self.layouts, bad)):
+        [NaN/Inf per sender], [too large per sender]]`` per parameter) say its positions or values are wrong."""
+        for i, (layout, (bad_idx, repeated, bad_val, *too_large)) in enumerate(zip(self.layouts, bad)):
             if any(bad_idx):
                 return DeMoPayloadError(
                     f"received out-of-range indices for parameter {i} (shape {layout.shape}, block of "
@@ -582,7 +598,18 @@ class PayloadCodec:
                     f"received NaN/Inf coefficients for parameter {i} (shape {layout.shape}) from rank(s) "
                     f"{_senders(bad_val)}"
                 )
+            if too_large and any(too_large[0]):
+                return DeMoPayloadError(too_large_refusal(i, layout, f"from rank(s) {_senders(too_large[0])}"))
         raise AssertionError("refusal() called with no flag set")
+
+
+def too_large_refusal(i: int, layout: BlockLayout, source: str) -> str:
+    """The message for finite coefficients beyond :func:`coefficient_bound` for parameter ``i``."""
+    return (
+        f"received coefficients too large for parameter {i} (shape {layout.shape}, block of {layout.bsize}) "
+        f"{source}: finite, but beyond {coefficient_bound(layout.bsize):.3g}, past which their average or the "
+        "inverse transform could overflow fp32 (a corrupted or forged payload, or a sender whose momentum diverged)"
+    )
 
 
 def _senders(flags: list[bool]) -> list[int]:
