@@ -5,6 +5,12 @@ and a spreadsheet-style import read it."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +55,155 @@ def test_run_clm_makes_one_mlflow_run_with_params_and_the_final_evaluation(tiny_
     assert [m.step for m in evals] == [0, 3]  # --eval_on_start, and the evaluation after training
     assert evals[-1].value == pytest.approx(results["after"]["loss"])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- hf-demo report on a killed run
+_TRAIN = r"""
+import json, os, signal, sys
+import torch
+from datasets import Dataset
+import hf_demo
+from hf_demo.ops import OpsSettings, exporters
+
+kill_at, out = int(sys.argv[1]), sys.argv[2]
+real = exporters.append_jsonl
+
+
+def dying(path, record):  # SIGKILL while the log row of step kill_at is half written
+    if path.name == "log_history.jsonl" and record.get("step") == kill_at:
+        line = json.dumps(record, default=float)
+        with open(path, "a") as f:
+            f.write(line[: len(line) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, record)
+
+
+exporters.append_jsonl = dying
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
+        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+
+x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+data = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1).tolist()})
+args = hf_demo.DeMoTrainingArguments(output_dir=out, optim="demo", per_device_train_batch_size=4, max_steps=12,
+                                     logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                                     disable_tqdm=True, learning_rate=1e-3)
+trainer = hf_demo.DeMoTrainer(model=Regression(), args=args, train_dataset=data,
+                              demo_ops=OpsSettings(table_log="csv"))
+trainer.train()
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two real runs of 12 steps: one killed (SIGKILL) while writing step 8's log row, one that finished."""
+    tmp = tmp_path_factory.mktemp("killed")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = {}
+    for name, kill_at in (("killed", 8), ("finished", 0)):
+        proc = subprocess.run([sys.executable, "-c", _TRAIN, str(kill_at), str(tmp / name)], env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        done[name] = (tmp / name, proc)
+    return done
+
+
+def test_a_killed_runs_report_says_it_stopped_early_and_where(runs):
+    from hf_demo.ops import cli
+
+    out, proc = runs["killed"]
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    log = out / "ops" / "log_history.jsonl"
+    lines = log.read_text().split("\n")
+    assert len(lines) == 8 and lines[-1] and not lines[-1].endswith("}")  # 7 whole rows, step 8's cut
+    with pytest.raises(json.JSONDecodeError):  # what the report choked on
+        json.loads(lines[-1])
+    assert cli.main(["report", str(out)]) == 0
+    page = (out / "hf-demo-report.html").read_text()
+    assert "stopped early after step 8" in page  # the per-step table holds step 8; the log rows end at 7
+    assert "no end-of-training record" in page and "the last step in the log rows is 7, in the per-step table 8" in page
+    assert f"The last line of {log} (line 8) was cut mid-write" in page
+    assert "class='ended early'" in page and page.count("data:image/png;base64,") >= 4
+
+
+def test_a_finished_runs_report_says_it_finished(runs):
+    from hf_demo.ops import report
+
+    out, proc = runs["finished"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = report.read_log(out).rows
+    assert rows[-1]["step"] == 12 and report.END_KEY in rows[-1]  # Trainer's end-of-training row
+    page = report.render(out)
+    assert "finished at step 12" in page and "stopped early" not in page and "class='ended'" in page
+
+
+def test_a_resumed_run_appends_on_a_new_line_after_the_cut_one(runs, tmp_path):
+    from hf_demo.ops import exporters, report
+
+    out = tmp_path / "run"
+    shutil.copytree(runs["killed"][0], out)
+    log = out / "ops" / "log_history.jsonl"
+    exporters.append_jsonl(log, {"loss": 1.0, "step": 6})  # the resumed run's first row
+    exporters.append_jsonl(log, {"train_runtime": 1.0, "step": 12})
+    read = report.read_log(out)
+    assert read.cut == [8] and [r["step"] for r in read.rows][-2:] == [6, 12]
+    ended, notes = report.ending(read, [], [])
+    assert ended == "finished at step 12"
+    assert any("Line(s) 8 of" in n and "earlier attempt was killed" in n for n in notes), notes
+
+
+def test_cut_table_rows_alert_lines_and_checkpoint_states_are_named_not_fatal(tmp_path):
+    from hf_demo.ops import report
+
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    (ops / "steps-rank0.csv").write_text("step,rank,step_s\r\n1,0,0.5\r\n2,0,0.5\r\n3,0,0.")  # the last unended
+    (ops / "steps-rank1.csv").write_text("step,rank,step_s\r\n1,1,0.5\r\n2,1\r\n")  # a row short of cells
+    alert = {"kind": "loss_spike", "step": 2, "rank": 0, "node": 0, "message": "m"}
+    (ops / "alerts-rank0.jsonl").write_text(json.dumps(alert) + "\n" + json.dumps(alert)[:20])
+    for step, text in ((2, json.dumps({"log_history": [{"step": 2, "loss": 1.0}]})), (4, '{"log_history": [{"st')):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(text)
+    skipped = []
+    steps = report.step_rows(tmp_path, skipped)
+    assert sorted((r["rank"], r["step"]) for r in steps) == [(0, 1), (0, 2), (1, 1)]
+    assert len(report.alerts(tmp_path, skipped)) == 1 and len(skipped) == 3
+    page = report.render(tmp_path)
+    assert "stopped early after step 2" in page and "checkpoint-4/trainer_state.json did not read whole" in page
+    assert "line 4 of" in page and "line 3 of" in page and "line 2 of" in page
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+def test_the_killed_runs_page_renders_in_headless_chromium(runs, tmp_path):
+    from PIL import Image
+
+    from hf_demo.ops import report
+
+    out, _ = runs["killed"]
+    page = report.write(out, tmp_path / "page.html")
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium: scripts/setup.sh installs it where apt-get is available (it was not here)")
+    shot = tmp_path / "shot.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,900",
+             page.as_uri()]  # fmt: skip
+    subprocess.run([browser, *flags], capture_output=True, timeout=120, check=False)
+    assert shot.is_file(), "chromium wrote no screenshot"
+    image = Image.open(shot).convert("RGB")
+    banner = [image.getpixel((x, y)) for x in range(20, 400, 10) for y in range(40, 200, 4)]
+    assert (0xFD, 0xEC, 0xEA) in banner  # the red "stopped early" banner was drawn near the top

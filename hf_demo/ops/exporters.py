@@ -290,6 +290,10 @@ class TableLog:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
+    """One JSON line at the end of ``path``, on a line of its own: after a line an earlier process was killed
+    while writing (no line end), the record starts a new line instead of joining the cut one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record, default=float) + "\n")
+    with open(path, "ab+") as f:
+        f.seek(0, os.SEEK_END)
+        cut = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(record, default=float) + "\n").encode())
