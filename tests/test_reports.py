@@ -207,3 +207,52 @@ def test_the_killed_runs_page_renders_in_headless_chromium(runs, tmp_path):
     image = Image.open(shot).convert("RGB")
     banner = [image.getpixel((x, y)) for x in range(20, 400, 10) for y in range(40, 200, 4)]
     assert (0xFD, 0xEC, 0xEA) in banner  # the red "stopped early" banner was drawn near the top
+
+
+# ---------------------------------------------------------------- the profiler range that holds the collectives
+def _collectives_in_ranges(rank, world, settings, folder):
+    """Rank ``rank``'s gloo collectives in a profiled steady step, each with the DeMo ranges around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_demo import DeMo
+    from models import loss_and_backward, tiny_mlp
+
+    model = tiny_mlp(0)
+    opt = DeMo(model.parameters(), lr=1e-3, compression_chunk=8, compression_topk=4, **settings)
+    for step in range(3):  # past the first exchange's checks: a steady step
+        loss_and_backward(model, rank, step)
+        opt.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_and_backward(model, rank, 3)
+        opt.step()
+    path = f"{folder}/trace{rank}.json"
+    prof.export_chrome_trace(path)  # what TensorBoard and Perfetto open
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in events if str(e.get("name", "")).startswith("DeMo.")]
+    return [
+        (
+            e["name"],
+            sorted(r["name"] for r in ranges if r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"]),
+        )
+        for e in events
+        if str(e.get("name", "")).startswith("gloo:")
+    ]
+
+
+@pytest.mark.parametrize("settings", [{}, {"exchange": "all_reduce"}], ids=["defaults", "all_reduce"])
+def test_the_collectives_sit_in_the_range_the_guide_names(gloo, settings, tmp_path):
+    """docs/guides/operations.md: ``DeMo.exchange`` holds the exchange's collectives (with the defaults, the step's
+    only one: the all-gather of the headers, the payload riding in it, inside ``DeMo.agreement``); the commit vote
+    of the modes that do not settle it in the next exchange is ``DeMo.vote``'s."""
+    from dist_utils import expect_ok
+
+    guide = (ROOT / "docs" / "guides" / "operations.md").read_text()
+    assert "`DeMo.exchange` (the exchange's collectives" in guide
+    for found in expect_ok(gloo(_collectives_in_ranges, 2, settings, str(tmp_path))):
+        payload = [ranges for name, ranges in found if name == f"gloo:{settings.get('exchange', 'all_gather')}"]
+        if not settings:
+            assert [name for name, _ in found] == ["gloo:all_gather"], found  # one collective a step
+            assert found[0][1] == ["DeMo.agreement", "DeMo.exchange", "DeMo.step"], found
+        assert payload and all("DeMo.exchange" in ranges for ranges in payload), found
+        assert all("DeMo.exchange" in ranges or "DeMo.vote" in ranges for _, ranges in found), found
