@@ -65,7 +65,7 @@ from datasets import Dataset
 import hf_demo
 from hf_demo.ops import OpsSettings, exporters
 
-kill_at, out = int(sys.argv[1]), sys.argv[2]
+kill_at, out, fmt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 real = exporters.append_jsonl
 
 
@@ -100,19 +100,20 @@ args = hf_demo.DeMoTrainingArguments(output_dir=out, optim="demo", per_device_tr
                                      logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
                                      disable_tqdm=True, learning_rate=1e-3)
 trainer = hf_demo.DeMoTrainer(model=Regression(), args=args, train_dataset=data,
-                              demo_ops=OpsSettings(table_log="csv"))
+                              demo_ops=OpsSettings(table_log=fmt, table_flush_steps=5))
 trainer.train()
 """
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two real runs of 12 steps: one killed (SIGKILL) while writing step 8's log row, one that finished."""
+    """Two real runs of 12 steps on one process: one killed (SIGKILL) while writing step 8's log row (a CSV table
+    log), one that finished (a Parquet table log)."""
     tmp = tmp_path_factory.mktemp("killed")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = {}
-    for name, kill_at in (("killed", 8), ("finished", 0)):
-        proc = subprocess.run([sys.executable, "-c", _TRAIN, str(kill_at), str(tmp / name)], env=env,
+    for name, kill_at, fmt in (("killed", 8, "csv"), ("finished", 0, "parquet")):
+        proc = subprocess.run([sys.executable, "-c", _TRAIN, str(kill_at), str(tmp / name), fmt], env=env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         done[name] = (tmp / name, proc)
     return done
@@ -256,3 +257,115 @@ def test_the_collectives_sit_in_the_range_the_guide_names(gloo, settings, tmp_pa
             assert found[0][1] == ["DeMo.agreement", "DeMo.exchange", "DeMo.step"], found
         assert payload and all("DeMo.exchange" in ranges for ranges in payload), found
         assert all("DeMo.exchange" in ranges or "DeMo.vote" in ranges for _, ranges in found), found
+
+
+# ---------------------------------------------------------------- the BI export: column dictionary, types, gaps
+GUIDE = ROOT / "docs" / "guides" / "operations.md"
+
+
+def _bi_section() -> str:
+    text = GUIDE.read_text()
+    start = text.index("### The table log in a BI tool: the column dictionary")
+    return text[start : text.index("\n## ", start)]
+
+
+def test_the_column_dictionary_describes_every_column_written(runs):
+    import dataclasses
+    import re
+
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from hf_demo.ops.exporters import COLUMNS
+    from hf_demo.ops.monitor import StepSample
+
+    every = ["run", *(f.name for f in dataclasses.fields(StepSample)), "bytes_saved", "own_s"]
+    assert list(COLUMNS) == every  # one entry per column of the table log, in its order
+    assert all(kind in ("int64", "float64", "string", "timestamp") and meaning for kind, _, meaning in COLUMNS.values())
+    documented = re.findall(r"^\| `(\w+)` \| (\w+) \| ([^|]*) \| ([^|]*) \|$", _bi_section(), re.M)
+    assert [(n, t, u.strip(), m.strip()) for n, t, u, m in documented] == [(n, *v) for n, v in COLUMNS.items()]
+    for name in ("killed", "finished"):
+        ops = runs[name][0] / "ops"
+        dictionary = pd.read_csv(ops / "columns.csv", keep_default_na=False)
+        assert list(dictionary.columns) == ["name", "type", "unit", "meaning"]
+        assert list(dictionary["name"]) == every
+        assert [tuple(r) for r in dictionary[["type", "unit", "meaning"]].itertuples(index=False)] == [
+            COLUMNS[n] for n in every
+        ]
+    part = next((runs["finished"][0] / "ops" / "steps").glob("part-*.parquet"))
+    fields = {f.name: f for f in pq.read_schema(part)}
+    assert fields["exchange_s"].metadata == {b"unit": b"s", b"meaning": COLUMNS["exchange_s"][2].encode()}
+
+
+def test_csv_cells_are_iso_timestamps_and_empty_where_missing(runs):
+    import csv
+    import datetime
+    import re
+
+    path = runs["killed"][0] / "ops" / "steps-rank0.csv"
+    text = path.read_text()
+    rows = list(csv.DictReader(text.splitlines()))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert "nan" not in text.lower()  # no text for a missing value
+    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00"
+    assert all(re.fullmatch(iso, r["timestamp"]) for r in rows), rows[0]["timestamp"]
+    when = datetime.datetime.fromisoformat(rows[0]["timestamp"])
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()) < 3600
+    assert all(r["cost"] == "" and r["bandwidth"] == "" for r in rows)  # no price table; one rank: no traffic
+    assert all(r["loss"] != "" and float(r["loss"]) > 0 for r in rows)
+
+
+def test_the_guides_pandas_and_spreadsheet_imports_read_a_real_table_log(runs, tmp_path):
+    """The guide's two Python blocks, run as they are on a folder with a real run's Parquet parts and a real
+    run's CSV (OUTPUT_DIR replaced)."""
+    import datetime
+    import re
+
+    import pyarrow as pa
+
+    out = tmp_path / "run"
+    shutil.copytree(runs["finished"][0] / "ops", out / "ops")
+    shutil.copy(runs["killed"][0] / "ops" / "steps-rank0.csv", out / "ops")
+    blocks = re.findall(r"```python\n(.*?)```", _bi_section(), re.S)
+    assert len(blocks) == 2
+    space: dict = {}
+    for block in blocks:
+        exec(block.replace("OUTPUT_DIR", str(out)), space)  # noqa: S102 - the guide's own code
+    steps, csv_steps, columns = space["steps"], space["csv_steps"], space["columns"]
+    assert sorted(steps["step"]) == list(range(1, 13)) and str(steps["timestamp"].dtype) == "datetime64[us, UTC]"
+    assert steps["cost"].isna().all() and steps["loss"].notna().all() and steps["tier"].dtype == "int64"
+    assert str(csv_steps["timestamp"].dt.tz) == "UTC" and csv_steps["cost"].isna().all()
+    assert list(columns["name"]) == list(steps.columns) == list(csv_steps.columns)
+    assert list(space["per_rank"].index) == [0]
+    table = space["table"]  # pyarrow.csv with the dictionary's types
+    assert table.schema.field("timestamp").type == pa.timestamp("us", "UTC")
+    assert table.schema.field("step").type == pa.int64() and table.column("cost").null_count == table.num_rows
+    rows = space["rows"]  # the csv module with the dictionary's types
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[0]["cost"] is None
+    assert isinstance(rows[0]["timestamp"], datetime.datetime) and rows[0]["timestamp"].tzinfo is not None
+    assert isinstance(rows[0]["exchange_s"], float) and isinstance(rows[0]["world"], int)
+
+
+def test_a_parquet_part_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A part is written under a hidden name and renamed: a kill while it is written leaves no half file in the
+    folder (the report and pandas.read_parquet would choke on it)."""
+    import pyarrow.parquet as pq
+
+    from hf_demo.ops.exporters import TableLog
+
+    table = TableLog(tmp_path, 0, "parquet", flush_steps=100)
+    table.add({"run": "r", "step": 1, "loss": float("nan"), "timestamp": 1.7e9})
+    seen = []
+    real = pq.write_table
+
+    def watching(data, where, **kwargs):
+        seen.append(sorted(p.name for p in (tmp_path / "steps").iterdir()))
+        real(data, where, **kwargs)
+        seen.append(sorted(p.name for p in (tmp_path / "steps").iterdir()))
+
+    monkeypatch.setattr(table.pq, "write_table", watching)
+    table.flush()
+    assert seen == [[], [".part-r0-00000.parquet.tmp"]]
+    assert [p.name for p in (tmp_path / "steps").iterdir()] == ["part-r0-00000.parquet"]
+    read = pq.read_table(tmp_path / "steps").to_pylist()
+    assert read[0]["loss"] is None and read[0]["timestamp"].isoformat() == "2023-11-14T22:13:20+00:00"
