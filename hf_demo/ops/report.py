@@ -9,6 +9,11 @@ its configuration, loss (train and held-out), bytes per step against a dense all
 every rank's own time and wait (the straggler stands out), tokens per second, the tier timeline, for elastic
 runs the quorum over the steps with the replicas lost and joined and the samples lost and unread, the cost,
 and the alerts (a table, and labelled markers on the plots).
+
+It opens with how the run ended (:func:`ending`): finished (Trainer's end-of-training log row, ``train_runtime``,
+with no training row after it), else stopped early (or still running) after the last step seen. Logs of a killed
+run read: a line cut mid-write (JSON lines, CSV rows), a Parquet part or a checkpoint's state that does not read
+is left out and named on the page.
 """
 
 from __future__ import annotations
