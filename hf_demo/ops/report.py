@@ -65,13 +65,16 @@ def read_jsonl(path: Path) -> Log:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        (log.rows.append(row) if isinstance(row, dict) else log.cut.append(n))
+        if isinstance(row, dict):
+            log.rows.append(row)
+        else:
+            log.cut.append(n)
     return log
 
 
 def read_log(folder: Path) -> Log:
     """The run's log rows and where they came from: ``ops/log_history.jsonl``, else the newest
-    ``trainer_state.json`` that reads whole (one cut by a kill while a checkpoint was saved is named in ``cut``)."""
+    ``trainer_state.json`` that reads whole (newer ones cut by a kill while a checkpoint was saved: ``unreadable``)."""
     live = folder / "ops" / "log_history.jsonl"
     if live.is_file():
         return read_jsonl(live)
