@@ -8,15 +8,20 @@ in :data:`METRICS` (and docs/guides/operations.md). Every alert kind's counter c
 training the endpoint serves on until a scrape has read the last step (``prometheus_linger_s`` at most).
 
 The table log: one row per step and rank under ``output_dir/ops/`` — ``steps-rank<r>.csv`` (appended), or
-``steps/part-r<r>-<n>.parquet`` (pyarrow, extra ``ops``; one complete file per flush, so a running run's
-folder reads with ``pandas.read_parquet(folder)``). CSV rows are written as they come; Parquet rows every
-``flush_steps`` rows, at interpreter exit and on SIGTERM. Alerts go to ``alerts-rank<r>.jsonl`` beside them.
+``steps/part-r<r>-<n>.parquet`` (pyarrow, extra ``ops``; one complete file per flush, written under a hidden name
+and renamed, so a running run's folder reads with ``pandas.read_parquet(folder)``). CSV rows are written as they
+come; Parquet rows every ``flush_steps`` rows, at interpreter exit and on SIGTERM. Its column dictionary
+(:data:`COLUMNS`: name, type, unit, meaning) is ``ops/columns.csv`` beside them, and each Parquet field's
+metadata. Timestamps are ISO 8601 in UTC (a Parquet timestamp); a missing value (no loss recorded, no bandwidth
+without traffic, no cost without a price table) is an empty CSV cell and a Parquet null, never ``nan``. Alerts go
+to ``alerts-rank<r>.jsonl`` beside them.
 """
 
 from __future__ import annotations
 
 import atexit
 import csv
+import datetime
 import json
 import math
 import os
@@ -222,6 +227,97 @@ class PrometheusExporter:
             atexit.register(self._closer.join)
 
 
+# the table log's column dictionary, name -> (type, unit, meaning): ops/columns.csv and the Parquet fields' metadata
+COLUMNS = {
+    "run": ("string", "", "the run's label (OpsSettings.run, else the output_dir's folder name)"),
+    "step": ("int64", "step", "Trainer's global step at this step's end"),
+    "rank": ("int64", "", "the process's global rank"),
+    "node": ("int64", "", "the node of the rank (global rank // processes per node)"),
+    "wall_s": ("float64", "s", "seconds from the start of training on this rank to this step's end"),
+    "step_s": ("float64", "s", "the step: from its start to its end (forward, backward, the optimizer step)"),
+    "forward_backward_s": ("float64", "s", "from the step's start to the optimizer step (forward, backward, clipping)"),
+    "demo_compute_s": (
+        "float64",
+        "s",
+        "DeMo's own computation in the optimizer step (transform, top-k, coding, update)",
+    ),
+    "exchange_s": ("float64", "s", "the wait on DeMo's collectives in the optimizer step"),
+    "other_s": ("float64", "s", "time since the previous step outside any step (data, logging, evaluation, saving)"),
+    "bytes_sent": ("float64", "B", "bytes this rank handed to DeMo's collectives this step"),
+    "bytes_received": ("float64", "B", "bytes this rank received from the other ranks this step"),
+    "dense_bytes": ("float64", "B", "bytes a dense fp32 all-reduce of the same parameters would send this step"),
+    "bytes_between_nodes": ("float64", "B", "received bytes that crossed nodes this step"),
+    "bandwidth": ("float64", "B/s", "bytes received per second of waiting on the exchange (empty: no traffic)"),
+    "tier": ("int64", "", "the budget policy's tier (0: the configured settings)"),
+    "skipped": ("int64", "steps", "1 when DeMo skipped this step for NaN/Inf gradients"),
+    "resyncs": ("int64", "", "times rank 0's parameters were copied to every rank this step"),
+    "drift_checks": ("int64", "", "parameter fingerprint comparisons across ranks this step"),
+    "collectives": ("int64", "", "DeMo's collectives this step"),
+    "world": ("int64", "ranks", "ranks DeMo exchanges with"),
+    "optimizer_steps": ("int64", "steps", "DeMo's own step count after this step (skipped steps included)"),
+    "loss": ("float64", "", "the step's training loss as the trainer sums it (empty: none recorded)"),
+    "cost": ("float64", "price table currency", "running cost estimate of this rank (empty: no price table)"),
+    "timestamp": ("timestamp", "ISO 8601, UTC", "wall-clock time at the step's end"),
+    "tokens": ("float64", "tokens", "tokens of the step's inputs on this rank (0: inputs without input_ids)"),
+    "forward_wait_s": ("float64", "s", "inside forward_backward_s: DDP's buffer broadcast before each forward"),
+    "quorum": ("int64", "replicas", "elastic runs: replicas in the quorum at the step's end (0: not elastic)"),
+    "joins": ("int64", "", "elastic runs: quorum changes where replicas joined, since the previous step"),
+    "losses": ("int64", "", "elastic runs: quorum changes where replicas were lost, since the previous step"),
+    "recoveries": ("int64", "", "elastic runs: this replica's recoveries from a live peer, since the previous step"),
+    "recovery_s": ("float64", "s", "elastic runs: the seconds of those recoveries"),
+    "samples_lost": ("int64", "samples", "elastic runs: samples of the steps refused for those quorum changes"),
+    "samples_unread": ("int64", "samples", "elastic runs: samples no replica reads (missing replicas' shards)"),
+    "bytes_saved": ("float64", "B", "dense_bytes minus bytes_sent"),
+    "own_s": ("float64", "s", "the rank's own time: step_s and other_s less exchange_s and forward_wait_s"),
+}
+DICTIONARY = "columns.csv"  # the column dictionary's file, beside the table log's files
+
+
+def column(name: str, value=None) -> tuple[str, str, str]:
+    """(type, unit, meaning) of a column; one :data:`COLUMNS` does not describe gets a type from its value."""
+    if name in COLUMNS:
+        return COLUMNS[name]
+    kind = "int64" if isinstance(value, int) else "float64" if isinstance(value, float) else "string"
+    return kind, "", ""
+
+
+def _arrow_type(pa, kind: str):
+    return {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
+            "timestamp": pa.timestamp("us", tz="UTC")}[kind]  # fmt: skip
+
+
+def table_cells(row: dict) -> dict:
+    """A row as the table log writes it: timestamps as UTC datetimes, whole numbers as int, NaN as missing."""
+    out = {}
+    for name, value in row.items():
+        kind = column(name, value)[0]
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            value = None
+        elif kind == "timestamp":
+            value = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+        elif kind == "int64":
+            value = int(value)
+        out[name] = value
+    return out
+
+
+def _csv_cell(value):
+    return value.isoformat(timespec="microseconds") if isinstance(value, datetime.datetime) else value
+
+
+def write_dictionary(folder: Path, row: dict) -> Path:
+    """``folder/columns.csv``: name, type, unit, meaning of every column of ``row``, in its order (written under
+    a name of this process's and renamed: every rank writes the same file)."""
+    path = folder / DICTIONARY
+    tmp = folder / f".{DICTIONARY}.{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("name", "type", "unit", "meaning"))
+        writer.writerows((name, *column(name, value)) for name, value in row.items())
+    os.replace(tmp, path)
+    return path
+
+
 _OPEN_TABLES: weakref.WeakSet = weakref.WeakSet()
 _SIGTERM_HOOKED = False
 
@@ -265,6 +361,7 @@ class TableLog:
             (self.folder / "steps").mkdir(parents=True, exist_ok=True)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
+        self._described = False  # the column dictionary written
         self.parts = len(list((self.folder / "steps").glob(f"part-r{rank}-*.parquet"))) if fmt == "parquet" else 0
         _OPEN_TABLES.add(self)
         _flush_at_exit()
@@ -274,28 +371,47 @@ class TableLog:
         return self.folder / f"steps-rank{self.rank}.csv"
 
     def add(self, row: dict) -> None:
-        self.rows.append(row)
+        self.rows.append(table_cells(row))
         if self.fmt == "csv" or len(self.rows) >= self.flush_steps:
             self.flush()
 
     def flush(self) -> None:
         if not self.rows:
             return
+        if not self._described:
+            write_dictionary(self.folder, self.rows[0])
+            self._described = True
         if self.fmt == "csv":
             new = not self.csv_path.exists()
             with open(self.csv_path, "a", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
                 if new:
                     writer.writeheader()
-                writer.writerows(self.rows)
+                writer.writerows({k: _csv_cell(v) for k, v in r.items()} for r in self.rows)
         else:
-            table = self.pa.Table.from_pylist(self.rows)
-            self.pq.write_table(table, self.folder / "steps" / f"part-r{self.rank}-{self.parts:05d}.parquet")
-            self.parts += 1
+            self._write_part()
         self.rows = []
+
+    def _write_part(self) -> None:
+        """One Parquet part file of the buffered rows, typed by the column dictionary (each field's unit and
+        meaning in its metadata), written under a hidden name and renamed: a reader never sees half a file."""
+        fields = []
+        for name, value in self.rows[0].items():
+            kind, unit, meaning = column(name, value)
+            fields.append(self.pa.field(name, _arrow_type(self.pa, kind), metadata={"unit": unit, "meaning": meaning}))
+        table = self.pa.Table.from_pylist(self.rows, schema=self.pa.schema(fields))
+        name = f"part-r{self.rank}-{self.parts:05d}.parquet"
+        tmp = self.folder / "steps" / f".{name}.tmp"  # hidden: pandas/pyarrow skip names starting with "."
+        self.pq.write_table(table, tmp)
+        os.replace(tmp, self.folder / "steps" / name)
+        self.parts += 1
 
 
 def append_jsonl(path: Path, record: dict) -> None:
+    """One JSON line at the end of ``path``, on a line of its own: after a line an earlier process was killed
+    while writing (no line end), the record starts a new line instead of joining the cut one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record, default=float) + "\n")
+    with open(path, "ab+") as f:
+        f.seek(0, os.SEEK_END)
+        cut = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(record, default=float) + "\n").encode())

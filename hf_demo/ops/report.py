@@ -9,6 +9,11 @@ its configuration, loss (train and held-out), bytes per step against a dense all
 every rank's own time and wait (the straggler stands out), tokens per second, the tier timeline, for elastic
 runs the quorum over the steps with the replicas lost and joined and the samples lost and unread, the cost,
 and the alerts (a table, and labelled markers on the plots).
+
+It opens with how the run ended (:func:`ending`): finished (Trainer's end-of-training log row, ``train_runtime``,
+with no training row after it), else stopped early (or still running) after the last step seen. Logs of a killed
+run read: a line cut mid-write (JSON lines, CSV rows), a Parquet part or a checkpoint's state that does not read
+is left out and named on the page.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import html
 import io
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_demo.ops.optional import require
@@ -31,41 +37,102 @@ PARTS = (  # (log-row key, per-step column, label)
 )
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+END_KEY = "train_runtime"  # Trainer's end-of-training log row (train_runtime, train_loss, ...): a run that finished
 
 
-def log_rows(folder: Path) -> tuple[list[dict], str]:
-    """The run's log rows and where they came from."""
+@dataclass
+class Log:
+    """What a log file held: its rows, and the lines that were not whole JSON objects (1-based; a line cut when
+    the process was killed while writing it)."""
+
+    rows: list[dict] = field(default_factory=list)
+    source: str = ""
+    cut: list[int] = field(default_factory=list)
+    lines: int = 0  # the number of the last line that is not empty
+    unreadable: list[str] = field(default_factory=list)  # newer trainer_state.json files that did not read whole
+
+
+def read_jsonl(path: Path) -> Log:
+    """A JSON-lines file, every whole line read; a line cut mid-write (SIGKILL) is left out and named in ``cut``."""
+    log = Log(source=str(path))
+    if not path.is_file():
+        return log
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        log.lines = n
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            log.rows.append(row)
+        else:
+            log.cut.append(n)
+    return log
+
+
+def read_log(folder: Path) -> Log:
+    """The run's log rows and where they came from: ``ops/log_history.jsonl``, else the newest
+    ``trainer_state.json`` that reads whole (newer ones cut by a kill while a checkpoint was saved: ``unreadable``)."""
     live = folder / "ops" / "log_history.jsonl"
     if live.is_file():
-        return _jsonl(live), str(live)
+        return read_jsonl(live)
     states = [folder / "trainer_state.json"] + sorted(
         folder.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]), reverse=True
     )
+    broken: list[str] = []
     for state in states:
         if state.is_file():
-            return json.loads(state.read_text())["log_history"], str(state)
+            try:
+                return Log(json.loads(state.read_text(errors="replace"))["log_history"], str(state), unreadable=broken)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                broken.append(str(state))
+    if broken:
+        raise FileNotFoundError(f"{folder}: no trainer_state.json reads whole ({', '.join(broken)}) and there is no "
+                                "ops/log_history.jsonl")  # fmt: skip
     raise FileNotFoundError(
         f"{folder}: no ops/log_history.jsonl, trainer_state.json or checkpoint-*/trainer_state.json; is this the "
         "output_dir of a Trainer run (DeMoTrainer writes ops/log_history.jsonl from the first logging step)?"
     )
 
 
-def step_rows(folder: Path) -> list[dict]:
-    """The per-step, per-rank table, if the run kept one (CSV, or Parquet read with pandas)."""
+def log_rows(folder: Path) -> tuple[list[dict], str]:
+    """The run's log rows and where they came from."""
+    log = read_log(folder)
+    return log.rows, log.source
+
+
+def step_rows(folder: Path, skipped: list[str] | None = None) -> list[dict]:
+    """The per-step, per-rank table, if the run kept one (CSV, or Parquet read with pandas). A CSV row cut short
+    and a Parquet part that does not read (a kill while it was written) are left out and named in ``skipped``."""
+    skipped = [] if skipped is None else skipped
     rows: list[dict] = []
     for path in sorted((folder / "ops").glob("steps-rank*.csv")):
-        with open(path) as f:
-            rows += [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        text = path.read_text(errors="replace")
+        table = list(csv.DictReader(io.StringIO(text, newline="")))
+        for n, r in enumerate(table, 2):
+            whole = None not in r and None not in r.values()  # as many cells as the header
+            if not whole or (n == len(table) + 1 and not text.endswith("\n")):  # or the last line, unended
+                skipped.append(f"line {n} of {path}")
+                continue
+            rows.append({k: _num(v) for k, v in r.items()})
     parts = sorted((folder / "ops" / "steps").glob("*.parquet"))
     if parts:
         pandas = require("pandas", "reading the Parquet log")
-        rows += pandas.concat([pandas.read_parquet(p) for p in parts]).to_dict("records")
+        tables = []
+        for part in parts:
+            try:
+                tables.append(pandas.read_parquet(part))
+            except Exception as exc:  # noqa: BLE001 - pyarrow's ArrowInvalid/OSError for a part cut short
+                skipped.append(f"{part} ({type(exc).__name__})")
+        rows += pandas.concat(tables).to_dict("records") if tables else []
     return rows
 
 
 def _num(v):
+    if v == "":
+        return None  # an empty cell: a missing value
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -78,9 +145,52 @@ def run_config(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def alerts(folder: Path) -> list[dict]:
-    found = [a for p in sorted((folder / "ops").glob("alerts-rank*.jsonl")) for a in _jsonl(p)]
+def alerts(folder: Path, skipped: list[str] | None = None) -> list[dict]:
+    """Every rank's alerts; a line cut mid-write is left out and named in ``skipped``."""
+    found = []
+    for path in sorted((folder / "ops").glob("alerts-rank*.jsonl")):
+        log = read_jsonl(path)
+        found += log.rows
+        if skipped is not None:
+            skipped += [f"line {n} of {path}" for n in log.cut]
     return sorted(found, key=lambda a: (a["step"], a["rank"]))
+
+
+def _last_step(rows) -> int | None:
+    seen = [r["step"] for r in rows if isinstance(r.get("step"), (int, float)) and math.isfinite(r["step"])]
+    return int(max(seen)) if seen else None
+
+
+def ending(log: Log, steps: list[dict], skipped: list[str]) -> tuple[str, list[str]]:
+    """How the run ended, as the page's headline (``finished at step N`` or ``stopped early after step N``) and
+    its notes. It finished where Trainer's end-of-training row is there with no training row after it; else it
+    stopped early (a kill, a crash) or is still running: where, from the last step in the log rows and in the
+    per-step table, and what of the logs was cut mid-write."""
+    ends = [i for i, r in enumerate(log.rows) if END_KEY in r]
+    last, table = _last_step(log.rows), _last_step(steps)
+    finished = bool(ends) and (_last_step(log.rows[ends[-1] :]) or 0) <= (log.rows[ends[-1]].get("step") or 0)
+    notes = []
+    if finished:
+        headline = f"finished at step {log.rows[ends[-1]].get('step')}"
+        notes.append(f"The run finished: Trainer's end-of-training record ({END_KEY}) is in {log.source}.")
+    else:
+        at = max(x for x in (last, table, 0) if x is not None)
+        headline = f"stopped early after step {at}"
+        seen = f"the last step in the log rows is {last}" + (f", in the per-step table {table}" if table else "")
+        notes.append(f"The run stopped early (or is still running): {log.source} has no end-of-training record "
+                     f"(Trainer's {END_KEY} row); {seen}.")  # fmt: skip
+    if log.cut and log.cut[-1] == log.lines:
+        notes.append(f"The last line of {log.source} (line {log.lines}) was cut mid-write: the process was killed "
+                     "while writing it. It is left out.")  # fmt: skip
+    earlier = [n for n in log.cut if n != log.lines]
+    if earlier:
+        notes.append(f"Line(s) {', '.join(map(str, earlier))} of {log.source} are not whole JSON (cut when an "
+                     "earlier attempt was killed); left out.")  # fmt: skip
+    notes += [f"{path} did not read whole (a kill while a checkpoint was saved); an older one was read."
+              for path in log.unreadable]  # fmt: skip
+    if skipped:
+        notes.append(f"Left out, cut mid-write: {'; '.join(skipped)}.")
+    return headline, notes
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -238,11 +348,12 @@ def run_tokens_per_s(rows: list[dict], steps: list[dict]) -> float | None:
     return sum(logged) / len(logged) if logged else None
 
 
-def _summary(rows: list[dict], found: list[dict], steps: list[dict] = ()) -> list[tuple[str, str]]:
+def _summary(rows: list[dict], found: list[dict], steps: list[dict] = (), ended: str = "") -> list[tuple[str, str]]:
     train = [r for r in rows if "loss" in r]
     last = train[-1] if train else {}
     evals = [r for r in rows if "eval_loss" in r]
-    out = [("steps logged", str(max((r.get("step", 0) for r in rows), default=0)))]
+    out = [("run", ended)] if ended else []
+    out.append(("steps logged", str(max((r.get("step", 0) for r in rows), default=0))))
     if "loss" in last:
         out.append(("last training loss", f"{last['loss']:.4g}"))
     if evals:
@@ -287,7 +398,9 @@ def _elastic_summary(rows: list[dict]) -> list[tuple[str, str]]:
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fff}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}tr.warning td{background:#fff3e0}
-tr.info td{background:#e8f4fd}img{max-width:100%;border:1px solid #eee}.k{color:#555}"""
+tr.info td{background:#e8f4fd}img{max-width:100%;border:1px solid #eee}.k{color:#555}
+.ended{padding:8px 12px;border:1px solid #9c9;background:#eef8ee}
+.ended.early{border-color:#e57373;background:#fdecea}"""
 
 
 def _config_table(config: dict) -> str:
@@ -303,21 +416,25 @@ def _config_table(config: dict) -> str:
 
 
 def render(folder: str | Path) -> str:
-    folder = Path(folder)
-    rows, source = log_rows(folder)
-    steps, found = step_rows(folder), alerts(folder)
+    folder, skipped = Path(folder), []
+    log = read_log(folder)
+    rows, source = log.rows, log.source
+    steps, found = step_rows(folder, skipped), alerts(folder, skipped)
+    ended, notes = ending(log, steps, skipped)
     summary = "".join(
         f"<tr><td class='k'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
-        for k, v in _summary(rows, found, steps)
+        for k, v in _summary(rows, found, steps, ended)
     )
     plots = "".join(
         f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
         for title, png in figures(rows, steps, found)
     )
+    early = "" if ended.startswith("finished") else " early"
+    banner = f"<div class='ended{early}'>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes) + "</div>"
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>hf-demo run report: {html.escape(folder.name)}"
         f"</title><style>{STYLE}</style></head><body><h1>hf-demo run report: {html.escape(folder.name)}</h1>"
-        f"<p class='k'>From {html.escape(source)}{' and the per-step table' if steps else ''}.</p>"
+        f"{banner}<p class='k'>From {html.escape(source)}{' and the per-step table' if steps else ''}.</p>"
         f"<table>{summary}</table><h2>Configuration</h2>{_config_table(run_config(folder))}{plots}"
         f"<h2>Alerts</h2>{_alert_table(found)}</body></html>"
     )

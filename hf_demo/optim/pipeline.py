@@ -36,8 +36,10 @@ transform by ``transform`` (:mod:`hf_demo.compression.transforms`), the exchange
 ``docs/DESIGN.md`` shows how to add one.
 
 Traces: the step is a ``torch.profiler.record_function`` range ``DeMo.step``, each part one named
-``DeMo.<part>`` (:data:`TRACE_NAMES`: ``prepare`` is ``DeMo.compress``, ``communicate`` ``DeMo.exchange``), so
-the PyTorch profiler, TensorBoard and Perfetto show them; on CUDA the same names are NVTX ranges too (Nsight).
+``DeMo.<part>`` (:data:`TRACE_NAMES`: ``prepare`` is ``DeMo.compress``), and ``DeMo.exchange`` spans the parts of
+the exchange (:data:`EXCHANGE`: ``agreement``, whose all-gather carries the payload in steady state, and
+``communicate``, the exchange's own collectives), so the step's exchange collectives sit inside it; the PyTorch
+profiler, TensorBoard and Perfetto show them; on CUDA the same names are NVTX ranges too (Nsight).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ import torch
 from hf_demo.optim.records import MADE_BY, Step
 from hf_demo.optim.transaction import Transaction
 
-TRACE_NAMES = {"prepare": "compress", "communicate": "exchange"}  # a part's name in traces, where it differs
+TRACE_NAMES = {"prepare": "compress"}  # a part's name in traces, where it differs
+EXCHANGE = ("agreement", "communicate")  # the first and the last part inside the range DeMo.exchange
 
 
 @contextlib.contextmanager
@@ -94,16 +97,21 @@ class Pipeline:
     def run(self, step: Step, cuda: bool = False) -> dict:
         """{record name: record} of one try of the step."""
         made: dict = {}
-        for part, names in zip(self.parts, self.reads):
-            signal = made.get("signal")
-            if signal is not None and not signal.communicates and getattr(part, "exchanging", True):
-                continue  # a local step: no exchange this time
-            with traced(f"DeMo.{TRACE_NAMES.get(part.name, part.name)}", cuda):
-                record = part.run(step, *(made.get(name) for name in names))
-            if part.makes is not None:
-                made[part.makes] = record
-            if part.makes == "decision" and record.retry is not None:
-                break
+        with contextlib.ExitStack() as exchange:  # the range DeMo.exchange, from EXCHANGE[0] to EXCHANGE[-1]
+            for part, names in zip(self.parts, self.reads):
+                signal = made.get("signal")
+                if signal is not None and not signal.communicates and getattr(part, "exchanging", True):
+                    continue  # a local step: no exchange this time
+                if part.name == EXCHANGE[0]:
+                    exchange.enter_context(traced("DeMo.exchange", cuda))
+                with traced(f"DeMo.{TRACE_NAMES.get(part.name, part.name)}", cuda):
+                    record = part.run(step, *(made.get(name) for name in names))
+                if part.name == EXCHANGE[-1]:
+                    exchange.close()
+                if part.makes is not None:
+                    made[part.makes] = record
+                if part.makes == "decision" and record.retry is not None:
+                    break
         return made
 
     def names(self) -> list[str]:

@@ -3,8 +3,10 @@ line per log row, train -> save -> evaluate -> report, and the exit on every ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +39,36 @@ class EvalBeforeTraining(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.metrics is None and state.global_step == self.start_step:
             self.metrics = dict(metrics or {})
+
+
+class TrackingRun(TrainerCallback):
+    """The MLflow run that ``train()`` logs to (rank 0, where Trainer's ``MLflowCallback`` started one)."""
+
+    def __init__(self):
+        self.run_id = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # after MLflowCallback's: reporting callbacks go first
+        mlflow = sys.modules.get("mlflow")
+        active = mlflow.active_run() if mlflow is not None and state.is_world_process_zero else None
+        self.run_id = active.info.run_id if active is not None else None
+
+
+@contextlib.contextmanager
+def same_tracking_run(tracking: TrackingRun):
+    """Whatever is logged inside goes to the MLflow run of ``train()``: Trainer's ``MLflowCallback`` ends its run
+    when training ends, and MLflow would start a second run, without the parameters, for the metrics of an
+    ``evaluate()`` after it. The run is reopened for the block and ended after it (a run already active: kept)."""
+    mlflow = sys.modules.get("mlflow")
+    if tracking.run_id is None or mlflow is None or mlflow.active_run() is not None:
+        yield
+        return
+    mlflow.start_run(run_id=tracking.run_id)
+    try:
+        yield
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+    mlflow.end_run()
 
 
 def log_line(step: int, max_steps: int, logs: dict) -> str:
@@ -79,12 +111,14 @@ def concise_progress(trainer) -> None:
 def train_and_report(recipe: str, trainer, *, model: str, data: str, **extra) -> dict:
     """train(), save the model, evaluate(); the results (layout above, with ``extra``) on every rank, and
     results.json, training.png and the summary from rank 0. "before" is None without ``--eval_on_start``."""
-    before = EvalBeforeTraining()
+    before, tracking = EvalBeforeTraining(), TrackingRun()
     trainer.add_callback(before)
+    trainer.add_callback(tracking)
     concise_progress(trainer)
     train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model()
-    after = trainer.evaluate()
+    with same_tracking_run(tracking):  # one MLflow run per training: the final evaluation in it too
+        after = trainer.evaluate()
     results = collect_results(
         recipe,
         trainer,
