@@ -235,14 +235,23 @@ COLUMNS = {
     "node": ("int64", "", "the node of the rank (global rank // processes per node)"),
     "wall_s": ("float64", "s", "seconds from the start of training on this rank to this step's end"),
     "step_s": ("float64", "s", "the step: from its start to its end (forward, backward, the optimizer step)"),
-    "forward_backward_s": ("float64", "s", "from the step's start to the optimizer step (forward, backward, clipping)"),
+    "forward_backward_s": (
+        "float64",
+        "s",
+        "from the step's start to the optimizer step (forward, backward, clipping), less DDP's buffer broadcast",
+    ),
     "demo_compute_s": (
         "float64",
         "s",
         "DeMo's own computation in the optimizer step (transform, top-k, coding, update)",
     ),
-    "exchange_s": ("float64", "s", "the wait on DeMo's collectives in the optimizer step"),
-    "other_s": ("float64", "s", "time since the previous step outside any step (data, logging, evaluation, saving)"),
+    "exchange_s": (
+        "float64",
+        "s",
+        "the wait on the collectives wherever it happens: DeMo's in the optimizer step and DDP's buffer broadcast "
+        "before the forward",
+    ),
+    "other_s": ("float64", "s", "time since the previous step outside any step and phase (data loading)"),
     "bytes_sent": ("float64", "B", "bytes this rank handed to DeMo's collectives this step"),
     "bytes_received": ("float64", "B", "bytes this rank received from the other ranks this step"),
     "dense_bytes": ("float64", "B", "bytes a dense fp32 all-reduce of the same parameters would send this step"),
@@ -259,7 +268,10 @@ COLUMNS = {
     "cost": ("float64", "price table currency", "running cost estimate of this rank (empty: no price table)"),
     "timestamp": ("timestamp", "ISO 8601, UTC", "wall-clock time at the step's end"),
     "tokens": ("float64", "tokens", "tokens of the step's inputs on this rank (0: inputs without input_ids)"),
-    "forward_wait_s": ("float64", "s", "inside forward_backward_s: DDP's buffer broadcast before each forward"),
+    "forward_wait_s": ("float64", "s", "inside exchange_s: the wait in DDP's buffer broadcast before each forward"),
+    "evaluate_s": ("float64", "s", "evaluation since the previous step (its own phase, not in other_s)"),
+    "save_s": ("float64", "s", "checkpoints since the previous step (their own phase, not in other_s)"),
+    "log_s": ("float64", "s", "logging since the previous step (its own phase, not in other_s)"),
     "quorum": ("int64", "replicas", "elastic runs: replicas in the quorum at the step's end (0: not elastic)"),
     "joins": ("int64", "", "elastic runs: quorum changes where replicas joined, since the previous step"),
     "losses": ("int64", "", "elastic runs: quorum changes where replicas were lost, since the previous step"),
@@ -268,7 +280,11 @@ COLUMNS = {
     "samples_lost": ("int64", "samples", "elastic runs: samples of the steps refused for those quorum changes"),
     "samples_unread": ("int64", "samples", "elastic runs: samples no replica reads (missing replicas' shards)"),
     "bytes_saved": ("float64", "B", "dense_bytes minus bytes_sent"),
-    "own_s": ("float64", "s", "the rank's own time: step_s and other_s less exchange_s and forward_wait_s"),
+    "own_s": (
+        "float64",
+        "s",
+        "the rank's own time: step_s and other_s less exchange_s (never evaluation, saving, logging)",
+    ),
 }
 DICTIONARY = "columns.csv"  # the column dictionary's file, beside the table log's files
 

@@ -34,6 +34,9 @@ PARTS = (  # (log-row key, per-step column, label)
     ("ops/demo_compute_s", "demo_compute_s", "DeMo compute"),
     ("ops/exchange_wait_s", "exchange_s", "waiting on the exchange"),
     ("ops/other_s", "other_s", "outside the step"),
+    ("ops/evaluate_s", "evaluate_s", "evaluation"),
+    ("ops/save_s", "save_s", "checkpoints"),
+    ("ops/log_s", "log_s", "logging"),
 )
 
 
