@@ -341,7 +341,7 @@ def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
     size = demo_payload(shapes, settings, 2)
     payload = size.index_nbytes if kw.get("exchange") else size.payload_nbytes
     tags = sealing.TAG_BYTES if kw is SEALED else 0
-    expected = {"payload": payload + tags, "positions": payload, "vote": agreement.VOTE_BYTES}
+    expected = {"payload": payload + tags, "positions": payload, "vote": agreement.VOTE_ROW_BYTES}
     expected["settle"] = codec.HEADER_BYTES + payload + tags
     for name, sent in seen[-2] + seen[-1]:
         if name in expected and name != "settle":
