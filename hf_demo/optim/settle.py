@@ -241,8 +241,8 @@ def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
 def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
     whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
-    its undo log (``u.earlier``). Where the others confirm (``final``, rows with :data:`codec.FLAG_CONFIRM`),
-    this rank takes part in their final round."""
+    its undo log (``u.earlier``). Where the others confirm (``final``: every row it trusts has
+    :data:`codec.FLAG_CONFIRM`), this rank takes part in their final round."""
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
@@ -259,7 +259,7 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
         u.earlier()
         what = f", and undid optimizer step {u.step - 1}, which rank(s) {behind} did not keep"
     others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
-    if final and any(h.flags & codec.FLAG_CONFIRM for h in others):
+    if final and all(h.flags & codec.FLAG_CONFIRM for h in others):  # (a row it cannot trust: they may confirm)
         own = agreement.verdict(u.refusal)
         try:
             words = agreement.final_words(transport, _round(opt, transport, u, own, codec.FLAG_FINAL), u.step, own)
