@@ -112,6 +112,13 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
             _tamper(_settling(1), _flip_byte(1, 9 * 8))  # ... and its settling row reaches rank 0 corrupted
     elif scenario == "refusal_and_its_row" and call == "step 3" and rank == 1:
         memory.pop("whole")()
+    elif scenario == "refusal_and_its_row_at_confirm" and call == f"step {STEPS - 1}" and rank == 1:
+        memory["whole"] = flip_received_payload_bit()  # rank 1 refuses the last step ...
+    elif scenario == "refusal_and_its_row_at_confirm" and call == "confirm 0":
+        if rank == 1:
+            memory.pop("whole")()
+        if rank == 0:
+            _tamper(_settling(1), _flip_byte(1, 9 * 8))  # ... and its settling row reaches rank 0 corrupted
     elif scenario == "vote_bit" and rank == 1 and call == "step 2":
         _tamper(_vote, _flip_byte(0, 0))  # the lowest bit of rank 0's vote word, on its way to rank 1
     elif scenario == "sealed_header" and rank == 1 and call == "step 2":
@@ -213,6 +220,13 @@ def test_a_refusal_whose_settling_row_is_corrupted_too_converges_when_every_rank
     """Hole 1 (c): rank 1 refuses step 2 and its settling row reaches rank 0 corrupted: rank 0 refuses step 3 with
     step 2's undo log kept, and undoes step 2 when rank 1's row shows rank 1 running step 2 again."""
     _check(_results("refusal_and_its_row", world, env=env))
+
+
+@WORLDS
+def test_a_refusal_whose_row_in_confirm_is_corrupted_too_is_refused_on_every_rank(world):
+    """Hole 1 (c) at confirm(): rank 1 refused the last step and its row in confirm() reaches rank 0 corrupted:
+    rank 0's finding (a verdict it could not trust) and rank 1's refusal meet in the final round."""
+    _check(_results("refusal_and_its_row_at_confirm", world), match=f"every rank refused optimizer step {STEPS - 1}")
 
 
 @WORLDS
