@@ -225,7 +225,8 @@ def test_a_refusal_whose_settling_row_is_corrupted_too_converges_when_every_rank
 @WORLDS
 def test_a_refusal_whose_row_in_confirm_is_corrupted_too_is_refused_on_every_rank(world):
     """Hole 1 (c) at confirm(): rank 1 refused the last step and its row in confirm() reaches rank 0 corrupted:
-    rank 0's finding (a verdict it could not trust) and rank 1's refusal meet in the final round."""
+    rank 0's finding (a verdict it could not trust) and rank 1's refusal meet in the final round (a guard of the
+    final round, which leaves out a row it cannot trust: one confirm() round refused alike here too)."""
     _check(_results("refusal_and_its_row_at_confirm", world), match=f"every rank refused optimizer step {STEPS - 1}")
 
 
