@@ -262,3 +262,41 @@ def test_a_settling_row_rewritten_without_the_secret_is_refused(world, scenario)
     """Hole 2: with HF_DEMO_SECRET a settling row rewritten on the way (verdict changed, FLAG_AUTH cleared, CRC32
     recomputed) is not accepted: every rank decides alike (here: refuses), and the retries converge."""
     _check(_results(scenario, world, env=SECRET))
+
+
+def _settings_differ(rank, world, env):
+    """Rank 1 with another learning rate; every all-gather this rank sends, recorded."""
+    from hf_demo.exchange import transport as comm
+
+    os.environ.update(env)
+    sent, real = [], comm._all_gather
+
+    def gather(out, buf, group=None, async_op=False):
+        sent.append(buf.detach().cpu().numpy().tobytes())
+        return real(out, buf, group=group, async_op=async_op) if async_op else real(out, buf, group=group)
+
+    comm._all_gather = gather
+    model = tiny_mlp()
+    opt = small_demo(model, lr=0.01 * (rank + 1), comm_timeout=TIMEOUT)
+    loss_and_backward(model, rank, 0)
+    try:
+        opt.step()
+        return "no error", sent
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return RankError(exc), sent
+
+
+@pytest.mark.parametrize("env", [{}, SEALED], ids=["clear", "sealed"])
+def test_settings_named_on_a_disagreement_travel_sealed_with_encryption(env):
+    """Hole 2: the ranks' settings, gathered to name the one that differs, travel sealed with HF_DEMO_ENCRYPT=1
+    (in the clear without it); every rank names the setting either way."""
+    for error, sent in _results_of(_settings_differ, env):
+        assert isinstance(error, RankError) and "param_groups[0].lr: rank 0 0.01, rank 1 0.02" in error.message, error
+        clear = any(b"param_groups[0].lr" in buf for buf in sent)
+        assert clear == (not env), "the settings travel in the clear" if env else "the clear run sends them as JSON"
+
+
+def _results_of(fn, env):
+    if env.get("HF_DEMO_ENCRYPT"):
+        pytest.importorskip("cryptography")
+    return expect_ok(run_ranks(fn, 2, env, timeout=120))
