@@ -8,7 +8,7 @@ settling in the next step's all-gather: ``commit_vote="on"``, the default) and o
 
 Latency is emulated in the application, as ``wan.py`` does (this kernel has no netem): before each of DeMo's
 collectives every rank sleeps ``(W-1) * D`` ms, the sequential hops of a ring (``register_collective_hook``).
-The vote is one more collective of 8 bytes per rank, so it costs one more latency per step and no bandwidth; the
+The vote is one more collective of 16 bytes per rank, so it costs one more latency per step and no bandwidth; the
 header riding with the payload saves one; a verdict settling in the next step saves the vote and costs the undo
 log (a copy of the parameters each step, and the replaced state tensors kept by reference: its bytes are
 printed). Prints the median optimizer-step time of each (``--repeats`` runs of each, taken in turn), and the

@@ -318,10 +318,10 @@ def main(argv=None):
     measured = {w: measure(w, args, settings) for w in worlds}
     load_after = uptime()
     n = measured[worlds[0]]["n_params"]
-    from hf_demo.wire.agreement import VOTE_BYTES
+    from hf_demo.wire.agreement import VOTE_ROW_BYTES
     from hf_demo.wire.codec import HEADER_BYTES
 
-    per_step = HEADER_BYTES + VOTE_BYTES  # the header and the commit vote (commit_vote="on") besides the payload
+    per_step = HEADER_BYTES + VOTE_ROW_BYTES  # the header and the commit vote (commit_vote="on") besides the payload
 
     small_shapes = [tuple(p.shape) for p in small_model(args).parameters()]
     ps_bytes = powersgd_bytes(small_shapes, args.powersgd_rank)

@@ -311,9 +311,9 @@ SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 @pytest.mark.parametrize(
     "kw,first,steady,confirm",
     [
-        ({}, ["header", "payload", "settle"], ["payload"], ["settle"]),
-        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle"]),
-        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle"]),
+        ({}, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
+        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
+        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
         ({"commit_vote": "separate"}, ["header", "payload", "vote"], ["payload", "vote"], []),
         ({"commit_vote": "off"}, ["header", "payload"], ["payload"], []),
         ({"overlap": True}, ["header", "payload"], ["header", "payload"], []),
@@ -324,7 +324,8 @@ SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
     """The header rides with the payload once its size is agreed (the first step sends it alone first). With the
     defaults (and a secret, and sealed traffic) a steady step is one round trip: its verdict settles in the next
-    step's all-gather, and confirm() settles the last one (one all-gather of the row's size); the first step
+    step's all-gather, and confirm() settles the last one (two all-gathers of the row's size: the verdicts, then
+    every rank's finding on them); the first step
     settles at once (not steady). commit_vote='separate' votes in an all-gather of its own (two round trips);
     overlap sends its header alone (the payload goes in the background, the verdict rides in the next header,
     confirm() has nothing to settle); all_reduce's union nominations ride with the header, its values follow, the vote
@@ -342,7 +343,7 @@ def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
     size = demo_payload(shapes, settings, 2)
     payload = size.index_nbytes if kw.get("exchange") else size.payload_nbytes
     tags = sealing.TAG_BYTES if kw is SEALED else 0
-    expected = {"payload": payload + tags, "positions": payload, "vote": agreement.VOTE_BYTES}
+    expected = {"payload": payload + tags, "positions": payload, "vote": agreement.VOTE_ROW_BYTES}
     expected["settle"] = codec.HEADER_BYTES + payload + tags
     for name, sent in seen[-2] + seen[-1]:
         if name in expected and name != "settle":

@@ -11,7 +11,7 @@ import hf_demo
 from dist_utils import expect_ok, run_ranks
 from hf_demo.exchange.transport import Traffic
 from hf_demo.wire import codec
-from hf_demo.wire.agreement import VOTE_BYTES
+from hf_demo.wire.agreement import VOTE_ROW_BYTES
 from models import loss_and_backward, restart, small_demo, tiny_mlp
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
@@ -83,7 +83,7 @@ def test_all_reduce_traffic_is_flat_in_the_number_of_ranks(positions, growth):
     for world in (2, 4):
         stats = expect_ok(run_ranks(_train, world, kw, 2))
         # the headers are all-gathered in every mode: count the exchange itself
-        received[world] = stats[0][1]["bytes_received"] - (world - 1) * (codec.HEADER_BYTES + VOTE_BYTES)
+        received[world] = stats[0][1]["bytes_received"] - (world - 1) * (codec.HEADER_BYTES + VOTE_ROW_BYTES)
         # union: the header with the nominations, values, vote; leader: header, its positions, values, vote
         assert stats[0][1]["collectives"] == (3 if positions == "union" else 4)
     gathered = expect_ok(run_ranks(_train, 4, {**kw, "exchange": "all_gather"}, 2))[0][1]["bytes_received"]

@@ -487,9 +487,12 @@ def test_a_payload_of_an_earlier_try_is_refused(gloo):
     ],
 )
 def test_a_replayed_or_swapped_header_stops_every_rank(gloo, fault, match):
+    """A header that does not open or is a replay is refused like one that fails its HMAC: voted on, so every rank
+    refuses the step alike (also where only one rank received it tampered: tests/test_verdict_faults.py)."""
     results = expect_ok(run_ranks(_tampered, 2, (SECRET, SECRET), fault, timeout=120))
     for errors, _, steps in results:
-        assert errors[0].type == "DeMoSyncError" and match in errors[0].message, errors[0].message
+        assert errors[0].type == "DeMoPayloadError" and match in errors[0].message, errors[0].message
+        assert "every rank refused optimizer step 1" in errors[0].message, errors[0].message
         assert errors[1] and steps == 2  # nothing changed, and the retry over the whole link committed
 
 

@@ -102,7 +102,9 @@ class InFlight:
         if self.positions is not None:
             state["positions"] = self.positions.clone()
         if self.envelopes is not None:  # what opens the rows after a restart: no secret, no plaintext
-            state["envelopes"] = [[e.sender, e.session.hex(), e.tries, e.aad.hex()] for e in self.envelopes]
+            state["envelopes"] = [  # None: a header this rank refused (the exchange is refused when finished)
+                None if e is None else [e.sender, e.session.hex(), e.tries, e.aad.hex()] for e in self.envelopes
+            ]
         return state
 
     @classmethod
@@ -110,7 +112,10 @@ class InFlight:
         positions = state.get("positions")
         envelopes = state.get("envelopes")
         if envelopes is not None:
-            envelopes = [Envelope(int(r), bytes.fromhex(s), int(t), bytes.fromhex(a)) for r, s, t, a in envelopes]
+            envelopes = [
+                None if e is None else Envelope(int(e[0]), bytes.fromhex(e[1]), int(e[2]), bytes.fromhex(e[3]))
+                for e in envelopes
+            ]
         return cls(
             step,
             rank,

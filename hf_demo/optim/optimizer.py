@@ -239,7 +239,7 @@ class DeMo(torch.optim.Optimizer):
         self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
         self._first_step_guard(transport)
         if self.unsettled is not None and self.unsettled.posted is not None:
-            settle.confirm(self)  # this rank refused the last step: it raises now, with every other rank
+            settle.confirm(self, final=False)  # this rank refused the last step: it raises now, with every rank
         try:
             stepped, made = run_step(self.step_view(), PIPELINE, transport, self._on_cuda())
         except settle.Deferred as exc:  # refused here; raised at the next step or confirm, with every rank
@@ -258,14 +258,18 @@ class DeMo(torch.optim.Optimizer):
                 exc
             )  # elastic: reported to torchft, the step refused (or raised if not a sync error)
             return loss
+        settled = made.get("settled")
+        if settled is not None and settled.owes is not None:  # a verdict this rank could not trust: settled later
+            settle.owe(self, transport, settled.owes, made["outcome"])
+            return loss
         if self.replication is None or self.replication.decide(None):
             self._stage_outcome(stepped.tx, made["outcome"])
-            settled = made.get("settled")
-            tentative = settled is not None and settled.tentative  # its verdict settles in the next exchange
+            # its verdict settles in the next exchange: tentatively, with an undo log
+            tentative, row_bytes = settle.keeps_undo(self, stepped.tx, settled, made["outcome"], transport.world)
             spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
             undo = stepped.tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
             if tentative:
-                self.unsettled = settle.Unsettled(transport.step, settled.row_bytes, undo=undo)
+                self.unsettled = settle.Unsettled(transport.step, row_bytes, undo=undo)
             if self.replication is not None:
                 self.replication.after_commit()  # elastic: this replica's momentum snapshot, where kept
         return loss
@@ -289,10 +293,11 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def confirm(self) -> None:
-        """Read every rank's verdict on the last step where it has not been read (one all-gather; nothing where
-        it has). With ``commit_vote="on"`` a steady step commits tentatively and its verdict travels with the
-        next step; after the last step, and before saving a checkpoint, call this on every rank (``flush()`` and
-        ``DeMoTrainer`` do): where any rank refused the step, every rank undoes it and raises the same
+        """Read every rank's verdict on the last step where it has not been read (two all-gathers: the verdicts,
+        then every rank's finding on them; nothing where it has). With ``commit_vote="on"`` a steady step commits
+        tentatively and its verdict travels with the next step; after the last step, and before saving a
+        checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where any rank refused the step,
+        or could not trust a verdict on it, every rank undoes it and raises the same
         :class:`~hf_demo.errors.DeMoPayloadError`."""
         settle.confirm(self)
 

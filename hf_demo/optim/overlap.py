@@ -100,7 +100,7 @@ def flush(opt) -> None:
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
     if transport.world > 1 and opt.settings.commit_vote != "off":
-        agreement.vote(transport, refusal, opt.device(), opt.sealer)
+        agreement.vote(transport, refusal, opt.device(), opt.sealer, opt.secret)
     elif refusal is not None:
         raise refusal
     tx = Transaction()

@@ -156,6 +156,8 @@ class Settled:
 
     tentative: bool = False
     row_bytes: int = 0
+    again: bool = False  # a non-steady step whose every verdict was read whole: it may commit tentatively too
+    owes: Exception | None = None  # a verdict of it failed this rank's checks: it keeps nothing, settles it later
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,13 @@ size: **the collective after G_t is an all-gather of G_t's row size.** It is, on
   collective the headers choose, and by :func:`confirm` (``DeMo.confirm()``, ``flush()``) after the last step.
 
 Every rank then reads every rank's verdict on step t in that all-gather. All whole: the undo log is dropped.
+What a rank cannot trust there (a row that fails its CRC32, HMAC or AES-GCM, a replay, with a secret a row that
+claims not to be signed) is a finding of its own, agreed before any rank keeps the step: in a step's headers it
+is a refusal of that step, whose settling row every rank reads in the collective after it; a rank that finds a
+verdict it cannot trust in a non-steady step's settling all-gather keeps nothing and settles the step with that
+finding in the next exchange (every rank that read only whole verdicts commits such a step tentatively, with an
+undo log, where the next step exchanges alike); :func:`confirm` runs a final round after its own, in which each
+rank says what it found in the first, and every rank decides from the findings it can trust.
 Any refusal: every rank raises the same :class:`~hf_demo.errors.DeMoPayloadError` naming step t and the refusing
 ranks, and a rank that committed step t tentatively undoes it first (bitwise back to before step t; nothing of
 step t+1 was applied). A rank that refused step t returns from ``step()`` without applying it (so that it takes
@@ -104,10 +111,11 @@ def steady(step, chosen, found, agreed) -> bool:
     return True
 
 
-def post(transport, settled: int, refusal, row_bytes: int, view, device) -> Pending:
-    """This rank's settling row for step ``settled``, all-gathered in the background (``view``: what holds the
-    secret and the sealer)."""
-    row = agreement.settling_row(transport, settled, agreement.verdict(refusal), row_bytes, view.secret, view.sealer)
+def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: int = 0, word=None) -> Pending:
+    """This rank's settling row for step ``settled`` (its verdict ``word``, by default ``refusal``'s), all-gathered
+    in the background (``view``: what holds the secret and the sealer)."""
+    word = agreement.verdict(refusal) if word is None else word
+    row = agreement.settling_row(transport, settled, word, row_bytes, view.secret, view.sealer, flags)
     return transport.start_all_gather(agreement.to_device(row, device), "settle")
 
 
@@ -126,9 +134,57 @@ def vote(step, chosen, found, agreed, refusal) -> Settled:
     except DeMoSyncError as exc:
         raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
     words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
-    if any(words):
+    if any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
         raise agreement.refused_everywhere(transport, transport.step, words, None)
-    return Settled(tentative=False, row_bytes=row_bytes)
+    if any(words):  # a verdict this rank could not trust: the step settles with that finding in the next exchange
+        return Settled(row_bytes=row_bytes, again=True, owes=untrusted(transport, words))
+    return Settled(row_bytes=row_bytes, again=True)
+
+
+def untrusted(transport, words: list[int]) -> DeMoPayloadError:
+    """This rank's refusal of a step whose verdict(s) it could not trust (:data:`agreement.UNREAD` in ``words``)."""
+    unread = [transport.global_rank(r) for r, w in enumerate(words) if w == agreement.UNREAD]
+    exc = DeMoPayloadError(
+        f"rank {transport.global_rank(transport.rank)}: the verdict of rank(s) {unread} on optimizer step "
+        f"{transport.step} failed its checks here (corrupted on the way, a replay, or not signed)"
+    )
+    exc.verdict_word = agreement.finding(transport, words, 0)
+    return exc
+
+
+def next_row_bytes(opt, outcome, world: int) -> int | None:
+    """The row size of the next exchange's first all-gather after a step that concluded ``outcome``, where the
+    next step exchanges in the same way (None where a local phase starts: no exchange follows at once)."""
+    policy = outcome.policy if outcome.policy is not None else opt.policy
+    if not outcome.exchanged or opt.tiers[policy.tier].sync_every != 1:
+        return None
+    wire = outcome.wire_agreed if outcome.wire_agreed is not None else opt.wire_agreed
+    return codec.HEADER_BYTES + (wire.get((world, policy.tier), 0) if agreement.RIDE else 0)
+
+
+def keeps_undo(opt, tx, settled, outcome, world: int) -> tuple[bool, int]:
+    """(whether the step commits tentatively, the row size of the collective its verdict settles in): a steady
+    step's (:func:`vote`), and a non-steady step that every verdict read whole, where its transaction keeps
+    pre-images and the next step exchanges alike (its verdict settles again in the next exchange: a rank that
+    could not trust one of its verdicts says so there)."""
+    if settled is None or not (settled.tentative or settled.again):
+        return False, 0
+    if settled.tentative:
+        return True, settled.row_bytes
+    row_bytes = next_row_bytes(opt, outcome, world)
+    return (row_bytes is not None and tx.undoable), row_bytes or 0
+
+
+def owe(opt, transport, refusal: DeMoPayloadError, outcome) -> None:
+    """A non-steady step this rank keeps nothing of, for a verdict it could not trust: its settling row goes out
+    at once in the next exchange's all-gather (where every other rank committed it tentatively, or refused it
+    too); this rank raises at its next step or confirm, with every rank (:func:`_refused_here`). Where no
+    exchange follows at once (a local phase starts), it raises now."""
+    row_bytes = next_row_bytes(opt, outcome, transport.world)
+    if row_bytes is None:
+        raise refusal
+    posted = post(transport, transport.step, refusal, row_bytes, opt, opt.device())
+    opt.unsettled = Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
 
 
 def refused_before(transport, settling: dict, unsettled) -> Exception:
@@ -136,9 +192,11 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
     raises, marked to undo the last step (``undo_unsettled``) where it committed it tentatively."""
     if unsettled is None or unsettled.undo is None or not any(settling.values()):
         return DeMoSyncError(
-            f"rank {transport.global_rank(transport.rank)}: rank(s) {sorted(settling)} settled optimizer step "
-            f"{transport.step - 1} while this rank started step {transport.step} (the ranks disagree on whether "
-            "the step before was steady: different settings or state); no state was changed"
+            f"rank {transport.global_rank(transport.rank)}: rank(s) {[transport.global_rank(r) for r in settling]} "
+            f"sent a verdict (a settling row) where this rank started optimizer step {transport.step}: they settle "
+            "another step (one whose refusal did not reach every rank, which they undo now; or the ranks disagree "
+            "on whether the step before was steady: different settings or state); no state was changed, run the "
+            "step again"
         )
     words = [settling.get(r, 0) for r in range(transport.world)]
     exc = agreement.refused_everywhere(transport, unsettled.step, words, None, ", this rank undid it")
@@ -146,32 +204,45 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
     return exc
 
 
-def confirm(opt) -> None:
+def confirm(opt, final: bool = True) -> None:
     """Read every rank's verdict on the step still unsettled (none: nothing to do, no collective). Every rank
-    must call it at the same point (after the last step, before a checkpoint): ``DeMo.confirm()``."""
+    must call it at the same point (after the last step, before a checkpoint): ``DeMo.confirm()`` (``final``).
+    Two rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round
+    (:data:`codec.FLAG_FINAL`), a verdict it could not trust included; the step stays where no trusted finding
+    refuses it (a row that fails its checks in the final round is left out: the first round was whole then)."""
     u = opt.unsettled
     if u is None:
         return
     transport = opt.transport.at(u.step)
     if u.posted is not None:
-        return _refused_here(opt, u, transport)
-    posted = post(transport, u.step, None, u.row_bytes, opt, opt.device())
+        return _refused_here(opt, u, transport, final)
     try:
-        rows = posted.wait(transport.traffic)
+        read = _round(opt, transport, u, 0, codec.FLAG_CONFIRM)
+        own = agreement.finding(transport, agreement.settling_words(read, u.step), 0)
+        words = agreement.final_words(transport, _round(opt, transport, u, own, codec.FLAG_FINAL), u.step, own)
     except DeMoSyncError as exc:
         undo(opt)
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
     finally:
         opt.comm_stats.add(transport.traffic, "settle")
-    words = agreement.read_settling(transport, rows, u.step, opt.secret, opt.sealer)
     if any(words):
         undo(opt)
         raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
     opt.unsettled = None
 
 
-def _refused_here(opt, u: Unsettled, transport) -> None:
-    """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise."""
+def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
+    """One settling all-gather of confirm's: this rank's ``word``; every rank's row (:func:`agreement.read_rows`)."""
+    posted = post(transport, u.step, None, u.row_bytes, opt, opt.device(), flags, word)
+    rows = posted.wait(transport.traffic)
+    return agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+
+
+def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
+    """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
+    whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
+    its undo log (``u.earlier``). Where the others confirm (``final``: every row it trusts has
+    :data:`codec.FLAG_CONFIRM`), this rank takes part in their final round."""
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
@@ -180,9 +251,21 @@ def _refused_here(opt, u: Unsettled, transport) -> None:
             u.earlier()
         what = f", and undid optimizer step {u.step - 1}, whose verdict it could not read" if u.earlier else ""
         raise DeMoSyncError(f"{exc}. This rank refused optimizer step {u.step} ({u.refusal}){what}") from exc
-    opt.unsettled = None  # every rank that answered received the step before whole: it stays
-    words = agreement.read_settling(transport, rows, u.step, opt.secret, opt.sealer)
-    raise agreement.refused_everywhere(transport, u.step, words, u.refusal)
+    opt.unsettled = None  # every rank that answered received the step before whole: it stays, unless one is behind
+    read = agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+    words, what = agreement.settling_words(read, u.step), ""
+    behind = [transport.global_rank(r) for r in agreement.behind(read, u.step)]
+    if behind and u.earlier is not None:
+        u.earlier()
+        what = f", and undid optimizer step {u.step - 1}, which rank(s) {behind} did not keep"
+    others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
+    if final and all(h.flags & codec.FLAG_CONFIRM for h in others):  # (a row it cannot trust: they may confirm)
+        own = agreement.verdict(u.refusal)
+        try:
+            words = agreement.final_words(transport, _round(opt, transport, u, own, codec.FLAG_FINAL), u.step, own)
+        except DeMoSyncError:
+            pass  # this rank refuses the step whatever the others said
+    raise agreement.refused_everywhere(transport, u.step, words, u.refusal, what)
 
 
 def undo(opt) -> None:

@@ -176,6 +176,7 @@ class Agreement:
             lambda: view.topology.node_settings(transport, view.settings_view(plan.tier)),
             view.sealer,
             riding,
+            strict=not found.first,  # a process's first exchange names a rank without the secret on every rank
         )
         if gathered.settling:  # rows settling the last step: a rank refused it (hf_demo.optim.settle)
             raise settle.refused_before(transport, gathered.settling, view.unsettled)
@@ -293,7 +294,8 @@ class Vote:
         alone = step.settings.overlap or transport.world == 1  # overlap votes in the next header
         if not alone and step.settings.commit_vote != "off":
             try:
-                agreement.vote(transport, exchanged.refusal, chosen.device, step.view.sealer)
+                view = step.view
+                agreement.vote(transport, exchanged.refusal, chosen.device, view.sealer, view.secret, agreed.headers)
             except DeMoPayloadError as exc:
                 refusal = exc
             except DeMoSyncError as exc:

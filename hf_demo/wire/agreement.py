@@ -4,12 +4,22 @@ The vote makes a step all-or-nothing across ranks: a payload corrupted on its wa
 rank's checks only (CRC32, HMAC, positions in range, finite values), so before anything is committed every
 rank says whether what it received was whole. Any refusal raises :class:`~hf_demo.errors.DeMoPayloadError` on
 every rank, naming the refusing ranks, and no rank applies the step: the replicas stay identical and the step
-can be retried. It costs one all-gather of 8 bytes per rank per step (``commit_vote="off"`` leaves it out: a
-refused payload then raises on the refusing rank only, and the drift check finds the replicas apart later).
+can be retried. It costs one all-gather of 16 bytes per rank per step, the verdict and its tag (``commit_vote=
+"off"`` leaves it out: a refused payload then raises on the refusing rank only, and the drift check finds the
+replicas apart later).
+
+Every verdict is authenticated: the vote's word carries a tag (HMAC-SHA256 over the step, the sender, the word and
+the sender's header of this try with ``HF_DEMO_SECRET``, a CRC32 without; AES-GCM with ``HF_DEMO_ENCRYPT=1``), and a
+settling row is a header, signed or sealed like one (with a secret, a row that claims not to be signed is refused).
+A verdict this rank cannot trust is one fault on top of a step every rank received whole or of a refusal the
+others read: the vote is the round after the exchange, so a vote row that fails its tag is left out (every rank
+that read the others' verdicts decides alike when at most one message of the step was corrupted); a settling row
+is read by the rules of :mod:`hf_demo.optim.settle`, which agree on such a finding before any rank keeps the step.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,11 +31,13 @@ from hf_demo.wire import codec, sealing
 
 REFUSED = 1  # a payload failed this rank's checks
 HEADER_REFUSED = 2  # a header failed this rank's checks (its sender in the bits above the eighth)
-VOTE_BYTES = 8  # what each rank sends in the vote
+VOTE_BYTES = 8  # a verdict word (the vote's, a shard group's)
+VOTE_TAG_BYTES = 8  # the vote word's tag: HMAC-SHA256 (truncated) with HF_DEMO_SECRET, a CRC32 without
+VOTE_ROW_BYTES = VOTE_BYTES + VOTE_TAG_BYTES  # what each rank sends in the vote (sealed: the word and AES-GCM's tag)
 RIDE = True  # the payload rides in the headers' all-gather where it can (False: benchmarks/commit_vote.py's baseline)
 COLLECTIVES = (  # what this module runs over the exchange group (hf_demo.exchange.collectives)
     CollectiveSpec("header", "all_gather", REPLICAS, codec.HEADER_BYTES),  # in steady state inside the payload's
-    CollectiveSpec("vote", "all_gather", REPLICAS, VOTE_BYTES, COMMIT_VOTE),
+    CollectiveSpec("vote", "all_gather", REPLICAS, VOTE_ROW_BYTES, COMMIT_VOTE),
     CollectiveSpec("resync", "broadcast", REPLICAS, "parameters", FULL_SYNC),
 )
 
@@ -70,6 +82,7 @@ def gather_headers(
     settings: Callable[[], list],
     sealer=None,
     riding: Riding | None = None,
+    strict: bool = True,
 ) -> Gathered:
     """Sign this rank's header for its payload, all-gather every rank's, check them.
 
@@ -80,7 +93,10 @@ def gather_headers(
     A header this rank cannot trust (its CRC32 or HMAC fails: :func:`codec.receive_headers`) is the refusal
     returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
     the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
-    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open raises here.
+    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open (or is a replay) is
+    refused the same way. ``strict`` False (a process's first exchange): a header that is not signed while this
+    rank signs, or that does not open, raises here instead, on every rank that sees it (a rank without the secret,
+    or with another one, is named to every rank).
 
     ``riding``: each rank's row is its header followed by ``riding.agreed`` bytes, the size every rank derives
     from the last committed exchange alone (so every row has the same size whatever this step holds): the
@@ -103,21 +119,24 @@ def gather_headers(
     sealing.check_uniform(header_rows, transport.rank)
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
-        headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank), None
+        own = signed if strict else None
+        opened = sealer.open_headers(header_rows, transport.step, senders, transport.rank, own)
+        headers, refusal = opened if strict else (opened, None)
     else:
-        headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
+        headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step, strict)
     settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)
-    _check_naming_settings(transport, headers, settings)
+    _check_naming_settings(transport, headers, settings, sealer)
     arrived = rows[:, own_row.numel() :] if fits else None
     return Gathered(headers, refusal, arrived, wire_bytes)
 
 
-def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], list]) -> None:
+def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], list], sealer=None) -> None:
     """:func:`codec.check_headers`; where the settings differ (the checksums here, or inside a replica's shard group:
     ``codec.FLAG_SETTINGS_APART``, so every rank of every replica hears of it), a :class:`DeMoSettingsError` names
-    each differing setting with every rank's value (``settings``: this rank's shard group's labelled settings)."""
+    each differing setting with every rank's value (``settings``: this rank's shard group's labelled settings;
+    gathered sealed with a sealer)."""
     apart, also = bool(codec.flagged(headers, codec.FLAG_SETTINGS_APART)), ""
     try:
         codec.check_headers(headers, transport.rank)
@@ -128,7 +147,7 @@ def _check_naming_settings(transport, headers: list[codec.Header], settings: Cal
     if apart:
         raise DeMoSettingsError(
             f"DeMo ranks disagree (seen by {rank_label(transport)}): they have different optimizer settings; give "
-            f"every rank the same settings.\n{also}{name_settings(transport, settings())}"
+            f"every rank the same settings.\n{also}{name_settings(transport, settings(), sealer)}"
         ) from None
 
 
@@ -139,11 +158,12 @@ def rank_label(transport) -> str:
     return me if group is None else f"replica group {group} ({me} of the quorum)"
 
 
-def name_settings(transport, node: list) -> str:
-    """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree), the
-    differing ones named with each rank's value. ``node``: this rank's ``[label, settings]`` rows (HSDP: its shard
-    group's), so the names cover every rank of every replica."""
-    parts = gather_objects(transport, node, "settings_names") if transport.world > 1 else [node]
+def name_settings(transport, node: list, sealer=None) -> str:
+    """Every rank's settings gathered (on every rank alike, after headers that all ranks saw disagree; sealed with
+    a sealer: nothing of them travels in the clear), the differing ones named with each rank's value. ``node``:
+    this rank's ``[label, settings]`` rows (HSDP: its shard group's), so the names cover every rank of every
+    replica."""
+    parts = gather_objects(transport, node, "settings_names", sealer) if transport.world > 1 else [node]
     rows = [row for part in parts for row in part]
     unique = {label: view for label, view in rows}
     lines = differing_settings(list(unique.values()), list(unique))
@@ -152,18 +172,32 @@ def name_settings(transport, node: list) -> str:
     return "settings that differ:\n    " + "\n    ".join(lines)
 
 
-def gather_objects(transport, obj, name: str) -> list:
+def gather_objects(transport, obj, name: str, sealer=None) -> list:
     """Every rank's ``obj`` (JSON-able), through the transport's own all-gathers (lengths, then the padded bytes),
-    so it runs on any group DeMo exchanges over (torchft's managed one included), not only torch.distributed's."""
+    so it runs on any group DeMo exchanges over (torchft's managed one included), not only torch.distributed's.
+    With a :class:`~hf_demo.wire.sealing.Sealer` (after headers it opened) both travel sealed (AES-GCM): a row
+    that does not open raises :class:`DeMoSyncError`."""
     import json
 
     mine = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     size = torch.tensor([mine.numel()], dtype=torch.int64).view(torch.uint8)
-    sizes = transport.all_gather(size, name + "_sizes", count=False).view(torch.int64).view(-1).tolist()
+    sizes = _gather_sealed(transport, size, name + "_sizes", sealer, "settings_sizes")
+    sizes = sizes.contiguous().view(torch.int64).view(-1).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: mine.numel()] = mine
-    rows = transport.all_gather(padded, name, count=False)
+    rows = _gather_sealed(transport, padded, name, sealer, "settings")
     return [json.loads(bytes(rows[r, :n].tolist()).decode()) for r, n in enumerate(sizes)]
+
+
+def _gather_sealed(transport, buf: torch.Tensor, name: str, sealer, kind: str) -> torch.Tensor:
+    """Every rank's ``buf`` (uint8, host), all-gathered; sealed and opened with a sealer."""
+    if sealer is None:
+        return transport.all_gather(buf, name, count=False)
+    rows = transport.all_gather(sealer.seal(buf, transport.step, kind), name, count=False)
+    try:
+        return sealer.open_rows(rows, transport.step, kind, transport.rank)
+    except DeMoPayloadError as exc:
+        raise DeMoSyncError(str(exc)) from None
 
 
 def differing_settings(views: list[dict[str, str]], labels: list[str] | None = None) -> list[str]:
@@ -221,16 +255,17 @@ def unpack_words(rows: torch.Tensor, count: int) -> list[list[int]]:
     return rows.cpu().contiguous().view(torch.int64).reshape(-1, count).tolist()
 
 
-def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sealer) -> torch.Tensor:
-    """This rank's row settling optimizer step ``settled``: a header with :data:`codec.FLAG_SETTLES` and its verdict
-    ``word`` (:func:`verdict`), signed (or sealed) like a header, then zeros to ``row_bytes``, the size of that
-    step's header rows. Sealed for step ``settled + 1``, as every row of the all-gather after those headers is
-    (the next step's headers included), so that one all-gather can hold both kinds."""
+def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sealer, flags: int = 0) -> torch.Tensor:
+    """This rank's row settling optimizer step ``settled``: a header with :data:`codec.FLAG_SETTLES` (and ``flags``:
+    :data:`codec.FLAG_CONFIRM`, :data:`codec.FLAG_FINAL`) and its verdict ``word`` (:func:`verdict`), signed (or
+    sealed) like a header, then zeros to ``row_bytes``, the size of the rows of the all-gather it takes part in.
+    Sealed for step ``settled + 1``, as every row of the all-gather after those headers is (the next step's headers
+    included), so that one all-gather can hold both kinds."""
     header = codec.Header(
         step=settled,
         layout_checksum=0,
         settings_checksum=0,
-        flags=codec.FLAG_SETTLES | (word << codec.VERDICT_SHIFT),
+        flags=codec.FLAG_SETTLES | flags | (word << codec.VERDICT_SHIFT),
         world_size=transport.world,
         payload_bytes=0,
     )
@@ -241,41 +276,98 @@ def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sea
     return torch.cat([own, torch.zeros(row_bytes - own.numel(), dtype=torch.uint8, device="cpu")])
 
 
-UNREAD = -1  # a settling row this rank could not trust: counted as a refusal
+UNREAD = -1  # a settling row this rank could not trust (or of another kind than it waited for): a refusal
+UNTRUSTED = 4  # a verdict word: this rank could not trust the verdict of the rank in the bits above the eighth
+RELAYED = 8  # a final round's word: this rank read another rank's refusal in the round before
 
 
-def read_settling(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list[int]:
-    """Every rank's verdict on optimizer step ``settled`` from the all-gather after its headers: a settling row's
-    word, 0 for the next step's header (its sender received step ``settled`` whole and went on), :data:`UNREAD`
-    for a row that fails its CRC32 or HMAC or names another step. Sealed rows that do not open raise
-    :class:`DeMoSyncError` (as sealed headers do)."""
+def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list:
+    """Every row of the all-gather after step ``settled``'s headers (or of confirm's rounds): the header it holds,
+    or None where this rank cannot trust it (its CRC32, HMAC or AES-GCM fails, it is a replay, or, with a secret,
+    it claims not to be signed). This rank's own row is always read."""
     header_rows = rows[:, : codec.HEADER_BYTES].cpu()
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
-        headers = sealer.open_headers(header_rows, settled + 1, senders, transport.rank)
-        trusted = [True] * len(headers)
-    else:
-        headers = [codec.Header.from_bytes(row) for row in header_rows]
-        trusted = [r == transport.rank or codec.header_refusal(h, secret) is None for r, h in enumerate(headers)]
+        own = codec.Header(step=settled, layout_checksum=0, settings_checksum=0, flags=0, world_size=0, payload_bytes=0)
+        headers, _ = sealer.open_headers(header_rows, settled + 1, senders, transport.rank, own)
+        return [h if e is not None else None for h, e in zip(headers, sealer.envelopes)]
+    headers = [codec.Header.from_bytes(row) for row in header_rows]
+    return [
+        h if r == transport.rank or codec.header_refusal(h, secret, strict=True) is None else None
+        for r, h in enumerate(headers)
+    ]
+
+
+def settling_words(read: list, settled: int) -> list[int]:
+    """Every rank's verdict on step ``settled`` from :func:`read_rows`: a settling row's word, 0 for the next step's
+    header (its sender received step ``settled`` whole and went on), :data:`UNREAD` for a row this rank cannot
+    trust or that names another step."""
     out = []
-    for ok, h in zip(trusted, headers):
-        word = codec.settles(h) if ok else None
-        if ok and word is not None and h.step == settled:
+    for h in read:
+        word = codec.settles(h) if h is not None else None
+        if word is not None and h.step == settled:
             out.append(word)
         else:
-            out.append(0 if ok and word is None and h.step == settled + 1 else UNREAD)
+            out.append(0 if h is not None and word is None and h.step == settled + 1 else UNREAD)
     return out
+
+
+def read_settling(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list[int]:
+    """:func:`settling_words` of the rows (:func:`read_rows`)."""
+    return settling_words(read_rows(transport, rows, settled, secret, sealer), settled)
+
+
+def finding(transport, words: list[int], own: int) -> int:
+    """This rank's finding on a round of verdicts, as one verdict word: its own (``own``), else :data:`RELAYED`
+    where it read a refusal, else :data:`UNTRUSTED` naming the first rank whose verdict it could not trust (0: all
+    whole)."""
+    if own:
+        return own
+    if any(w > 0 for w in words):
+        return RELAYED
+    unread = [r for r, w in enumerate(words) if w == UNREAD]
+    return UNTRUSTED | (transport.global_rank(unread[0]) << 8) if unread else 0
+
+
+def final_words(transport, read: list, settled: int, own: int) -> list[int]:
+    """Every rank's finding from the final round's rows (:func:`read_rows`): a row this rank cannot trust is left
+    out (0): the final round follows a round whose every fault it reports, so where one message of the two rounds
+    was corrupted the ranks that read it decide alike; a trusted row of another kind (its sender is elsewhere: at
+    another step, or not in this round) is a refusal."""
+    out = []
+    for r, h in enumerate(read):
+        if r == transport.rank:
+            out.append(own)
+        elif h is None:
+            out.append(0)
+        elif h.flags & codec.FLAG_FINAL and codec.settles(h) is not None and h.step == settled:
+            out.append(codec.settles(h))
+        else:
+            out.append(REFUSED)
+    return out
+
+
+def behind(read: list, step: int) -> list[int]:
+    """The ranks whose trusted row names a step before ``step``: they did not keep the step before it (they refused
+    it, or undid it, and run it again)."""
+    return [r for r, h in enumerate(read) if h is not None and h.step < step]
 
 
 def refused_everywhere(transport, settled: int, words: list[int], refusal, undone: str = "") -> DeMoPayloadError:
     """The error every rank raises when any rank's verdict on step ``settled`` is not whole: the refusing ranks
     named (and, for a header, whose header), ``refusal`` this rank's own (or None), ``undone`` what this rank put
     back."""
-    refusing = [transport.global_rank(r) for r, v in enumerate(words) if v]
+    refusing = [transport.global_rank(r) for r, v in enumerate(words) if v and v != RELAYED]
+    refusing = refusing or [transport.global_rank(r) for r, v in enumerate(words) if v]
     headers = [
         f"rank {transport.global_rank(r)} refused the header from rank {transport.global_rank(v >> 8)}"
         for r, v in enumerate(words)
         if v > 0 and v & HEADER_REFUSED
+    ]
+    headers += [
+        f"rank {transport.global_rank(r)} could not trust the verdict of rank {v >> 8}"
+        for r, v in enumerate(words)
+        if v > 0 and v & UNTRUSTED and not v & HEADER_REFUSED
     ]
     unread = [transport.global_rank(r) for r, v in enumerate(words) if v == UNREAD]
     me = transport.global_rank(transport.rank)
@@ -296,29 +388,53 @@ def verdict(refusal: DeMoPayloadError | None) -> int:
     header it refused in the bits above (:func:`codec.receive_headers`)."""
     if refusal is None:
         return 0
+    if getattr(refusal, "verdict_word", None) is not None:  # a verdict this rank could not trust (settle)
+        return refusal.verdict_word
     sender = getattr(refusal, "header_sender", None)
     return REFUSED if sender is None else HEADER_REFUSED | (sender << 8)
 
 
-def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None) -> None:
-    """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed).
-    With a sealer the verdicts travel sealed, and a verdict that does not open is a refusal."""
-    mine = pack_words([verdict(refusal)])
+def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None, secret=None, headers=None) -> None:
+    """Every rank's verdict on what it received; raises on every rank when any refused (nothing committed). Each
+    word travels with its tag (:func:`vote_tag`; with a sealer, sealed); a word that fails it is left out: the vote
+    is the round after the exchange, so when it is corrupted the exchange was whole (one fault), and every rank
+    that read the others' words decides alike. ``headers``: this step's, whose tags bind a word to its try."""
+    mine = verdict(refusal)
     if sealer is not None:
-        rows, refusal = _sealed_verdicts(transport, mine, refusal, sealer, device)
+        words = _sealed_verdicts(transport, pack_words([mine]), sealer, device)
     else:
-        rows = [v for (v,) in unpack_words(transport.all_gather(mine.to(device), "vote"), 1)]
-    if not any(rows):
+        tag = vote_tag(transport, transport.rank, mine, secret, headers)
+        rows = unpack_words(transport.all_gather(pack_words([mine, tag]).to(device), "vote"), 2)
+        words = [w if vote_tag(transport, r, w, secret, headers) == t else 0 for r, (w, t) in enumerate(rows)]
+    words[transport.rank] = mine
+    if not any(words):
         return
-    raise refused_everywhere(transport, transport.step, rows, refusal) from refusal
+    raise refused_everywhere(transport, transport.step, words, refusal) from refusal
 
 
-def _sealed_verdicts(transport, mine: torch.Tensor, refusal, sealer, device) -> tuple[list[int], object]:
-    """Every rank's sealed verdict, opened; one that does not open counts as a refusal of this rank's."""
+def vote_tag(transport, r: int, word: int, secret, headers) -> int:
+    """The tag of rank ``r``'s vote word (a signed int64): HMAC-SHA256 with the secret over the step, the sender's
+    global rank, the word and the sender's header tag of this try; a CRC32 of the same without a secret."""
+    import hashlib
+    import hmac
+    import zlib
+
+    bound = headers[r].tag if headers is not None else b""
+    body = b"hf-demo/vote" + struct.pack("<qqq", transport.step, transport.global_rank(r), word) + bound
+    if secret is None:
+        return zlib.crc32(body)
+    return int.from_bytes(hmac.new(secret, body, hashlib.sha256).digest()[:8], "little", signed=True)
+
+
+def _sealed_verdicts(transport, mine: torch.Tensor, sealer, device) -> list[int]:
+    """Every rank's sealed verdict, opened one by one; one that does not open is left out (0)."""
     sealed = sealer.seal(mine, transport.step, "vote")
     rows = transport.all_gather(sealed.to(device), "vote").cpu()
-    try:
-        opened = sealer.open_rows(rows, transport.step, "vote", transport.rank)
-        return [v for (v,) in unpack_words(opened, 1)], refusal
-    except DeMoPayloadError as exc:
-        return [REFUSED] * rows.shape[0], refusal or exc
+    words = []
+    for r in range(rows.shape[0]):
+        try:
+            opened = sealer.open_rows(rows, transport.step, "vote", transport.rank, only=[r])
+            words.append(unpack_words(opened[r : r + 1], 1)[0][0])
+        except DeMoPayloadError:
+            words.append(0)
+    return words

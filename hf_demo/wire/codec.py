@@ -62,6 +62,8 @@ FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its 
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
 FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
 # settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
+FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the final round after it (hf_demo.optim.settle)
+FLAG_FINAL = 1024  # a settling row of the final round: its verdict is its sender's finding on the round before
 VERDICT_SHIFT = 16
 
 
@@ -703,18 +705,29 @@ def _replace(header: Header, **changes) -> Header:
     return Header(**{**{f.name: getattr(header, f.name) for f in fields(Header)}, **changes})
 
 
-def header_refusal(h: Header, secret: bytes | None) -> str | None:
+UNSIGNED = (
+    "is not signed while this rank holds HF_DEMO_SECRET (rewritten on the way by a writer without the secret, or "
+    "sent by a rank without it: set the same HF_DEMO_SECRET on every rank)"
+)
+
+
+def header_refusal(h: Header, secret: bytes | None, strict: bool = False) -> str | None:
     """Why this rank cannot trust a received header (None: it can): its CRC32 fails (corrupted on the way), or,
-    where both ends sign, its HMAC does. A header that does not sign while this rank does (or the reverse) is
-    not refused here: :func:`check_headers` names that on every rank alike ("does not sign")."""
+    where both ends sign, its HMAC does; with a secret, a row that claims not to be signed (``strict``: anywhere
+    but a process's first exchange, where :func:`check_headers` names a rank without the secret on every rank
+    alike, "does not sign"; a settling row always: it carries a verdict)."""
     if not h.intact():
         return "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+    if secret is not None and not h.flags & FLAG_AUTH and (strict or h.flags & FLAG_SETTLES):
+        return UNSIGNED
     if secret is not None and h.flags & FLAG_AUTH and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
         return "carries no valid HMAC-SHA256 tag for this HF_DEMO_SECRET (a different secret, or injected traffic)"
     return None
 
 
-def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int) -> tuple:
+def receive_headers(
+    rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int, strict: bool = False
+) -> tuple:
     """Every rank's header row (world, HEADER_BYTES) -> (headers, refusal or None), checking each header's CRC32
     (and HMAC) before any of its fields is acted on.
 
@@ -727,20 +740,31 @@ def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank:
     headers, refused = [], []
     for r, row in enumerate(rows):
         h = Header.from_bytes(row)
-        why = header_refusal(h, secret) if r != rank else None
+        why = header_refusal(h, secret, strict) if r != rank else None
         if why is not None:
             refused.append((r, why))
-            neutral = own.flags & ~(FLAG_GRAD_FINGERPRINT | FLAG_DDP_SUSPECT)  # decides nothing the others would not
-            h = _replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
+            h = stand_in(own)
         headers.append(h)
     if not refused:
         return headers, None
     r, why = refused[0]
+    return headers, header_refused(rank, r, step, why)
+
+
+def stand_in(own: Header) -> Header:
+    """What stands in for a header this rank refused: its own, deciding nothing the others would not (same step,
+    layout, settings and fingerprint; no flags of its own), its payload CRC32 never matching."""
+    neutral = own.flags & ~(FLAG_GRAD_FINGERPRINT | FLAG_DDP_SUSPECT)
+    return _replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
+
+
+def header_refused(rank: int, sender: int, step: int, why: str) -> DeMoPayloadError:
+    """The refusal of ``sender``'s header, voted on (its sender in ``header_sender``)."""
     error = DeMoPayloadError(
-        f"rank {rank}: the header from rank {r} at optimizer step {step} {why}; nothing was applied"
+        f"rank {rank}: the header from rank {sender} at optimizer step {step} {why}; nothing was applied"
     )
-    error.header_sender = r
-    return headers, error
+    error.header_sender = sender
+    return error
 
 
 def check_rows(received, nbytes: int, what: str) -> None:

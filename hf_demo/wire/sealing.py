@@ -44,7 +44,7 @@ EXTRA = "pip install 'hf-demo[secure]'  (or: pip install 'cryptography>=42')"
 MARKER = b"DMS1"  # the first bytes of a sealed header (a clear one starts with codec.MAGIC)
 TAG_BYTES = 16  # AES-GCM's tag: what sealing adds to a payload
 SESSION_BYTES = 8
-KINDS = {"header": 1, "payload": 2, "vote": 3, "resync": 4}
+KINDS = {"header": 1, "payload": 2, "vote": 3, "resync": 4, "settings_sizes": 5, "settings": 6}
 MAX_STEP = 2**40  # the step's 5 bytes of the nonce
 MAX_TRIES = 2**32 - 1
 KEY_INFO = "hf-demo/seal/v1/sender/{sender}"
@@ -111,14 +111,21 @@ def is_sealed(row: torch.Tensor) -> bool:
 
 
 def check_uniform(rows: torch.Tensor, rank: int) -> None:
-    """Every rank's header encrypted, or none: raises the same :class:`DeMoSyncError` on every rank otherwise."""
+    """Every rank's header encrypted, or none: raises the same :class:`DeMoSyncError` on every rank otherwise. A
+    row that is neither sealed nor an intact clear header (a sealed one corrupted on the way to this rank) is left
+    to :meth:`Sealer.open_headers`, which refuses it."""
     sealed = [r for r, row in enumerate(rows) if is_sealed(row)]
-    if sealed and len(sealed) != rows.shape[0]:
-        clear = [r for r in range(rows.shape[0]) if r not in sealed]
+    clear = [r for r in range(rows.shape[0]) if r not in sealed and _clear_header(rows[r])]
+    if sealed and clear:
         raise DeMoSyncError(
             f"DeMo ranks disagree (seen by rank {rank}): rank(s) {sealed} encrypt their traffic and rank(s) {clear} "
             f"send it in the clear: set the same HF_DEMO_SECRET and {ENCRYPT_ENV}=1 on every rank"
         )
+
+
+def _clear_header(row: torch.Tensor) -> bool:
+    h = codec.Header.from_bytes(row.contiguous())
+    return h.magic == codec.MAGIC and h.intact()
 
 
 @dataclass(frozen=True)
@@ -165,30 +172,55 @@ class Sealer:
         self.mine = Envelope(sender, self.session, self.tries, prefix + words)
         return torch.frombuffer(bytearray(prefix + sealed), dtype=torch.uint8)
 
-    def open_headers(self, rows: torch.Tensor, step: int, senders: list[int], rank: int) -> list[codec.Header]:
+    def open_headers(
+        self, rows: torch.Tensor, step: int, senders: list[int], rank: int, own: codec.Header | None = None
+    ) -> list[codec.Header] | tuple:
         """Every rank's sealed header (world, HEADER_BYTES) -> the headers; raises :class:`DeMoSyncError` on a row
-        that does not open or is a replay. Accepted only when every row is (the counters move then)."""
-        n = prefix_bytes()
-        headers, envelopes = [], []
+        that does not open or is a replay. With ``own`` (this rank's header: a step's headers after a process's
+        first exchange), such a row is refused instead: (headers, refusal) with :func:`codec.stand_in` in its
+        place and the refusal a :class:`DeMoPayloadError` naming its sender, voted on like a header that fails its
+        HMAC. The counters move for the rows that open."""
+        headers, envelopes, refused = [], [], []
         for r, (row, sender) in enumerate(zip(rows.cpu(), senders)):
-            raw = row.numpy().tobytes()
-            prefix, tries, session = raw[:n], *struct.unpack("<I", raw[4:8]), raw[8 : 8 + SESSION_BYTES]
-            where = f"rank {rank}: the header from rank {r} at optimizer step {step}"
-            self._check_fresh(sender, session, tries, where)
             try:
-                words = self._key(sender, session).decrypt(nonce(step, tries, sender, "header"), raw[n:], prefix)
-            except self._invalid:
-                raise DeMoSyncError(
-                    f"{where} does not open with rank {r}'s key for this HF_DEMO_SECRET (AES-256-GCM): refused (a "
-                    "different secret, a header of another rank, step or try, or injected traffic)"
-                ) from None
-            envelopes.append(Envelope(sender, session, tries, prefix + words))
-            padded = bytearray(words + bytes(codec.HEADER_BYTES - len(words)))
-            headers.append(codec.Header.from_bytes(torch.frombuffer(padded, dtype=torch.uint8)))
+                header, envelope = self._open_header(row, step, sender, r, rank)
+            except DeMoSyncError as exc:
+                if own is None:
+                    raise
+                refused.append((r, str(exc).split(f"at optimizer step {step} ", 1)[-1]))
+                header, envelope = codec.stand_in(own), None
+            headers.append(header)
+            envelopes.append(envelope)
         for e in envelopes:
-            self._seen[e.sender] = (e.session, e.tries)
+            if e is not None:
+                self._seen[e.sender] = (e.session, e.tries)
         self.envelopes = envelopes
-        return headers
+        if own is None:
+            return headers
+        if not refused:
+            return headers, None
+        sender, why = refused[0]
+        return headers, codec.header_refused(rank, sender, step, why)
+
+    def _open_header(self, row: torch.Tensor, step: int, sender: int, r: int, rank: int) -> tuple:
+        """One sealed header row -> (header, envelope); raises :class:`DeMoSyncError` where it does not open."""
+        n = prefix_bytes()
+        raw = row.numpy().tobytes()
+        prefix, tries, session = raw[:n], *struct.unpack("<I", raw[4:8]), raw[8 : 8 + SESSION_BYTES]
+        where = f"rank {rank}: the header from rank {r} at optimizer step {step}"
+        if not is_sealed(row):
+            raise DeMoSyncError(f"{where} is not sealed (corrupted on the way, or injected traffic): refused")
+        self._check_fresh(sender, session, tries, where)
+        try:
+            words = self._key(sender, session).decrypt(nonce(step, tries, sender, "header"), raw[n:], prefix)
+        except self._invalid:
+            raise DeMoSyncError(
+                f"{where} does not open with rank {r}'s key for this HF_DEMO_SECRET (AES-256-GCM): refused (a "
+                "different secret, a header of another rank, step or try, or injected traffic)"
+            ) from None
+        padded = bytearray(words + bytes(codec.HEADER_BYTES - len(words)))
+        header = codec.Header.from_bytes(torch.frombuffer(padded, dtype=torch.uint8))
+        return header, Envelope(sender, session, tries, prefix + words)
 
     def _check_fresh(self, sender: int, session: bytes, tries: int, where: str) -> None:
         seen = self._seen.get(sender)
@@ -227,6 +259,11 @@ class Sealer:
             if only is not None and r not in only:
                 continue
             e = envelope
+            if e is None:  # its header was refused: nothing of that try opens
+                raise DeMoPayloadError(
+                    f"rank {rank}: the {kind} from rank {r} at optimizer step {step} comes with a header this rank "
+                    "refused: refused; nothing was applied"
+                )
             try:
                 plain = self._key(e.sender, e.session).decrypt(
                     nonce(step, e.tries, e.sender, kind), row.numpy().tobytes(), e.aad

@@ -1,0 +1,302 @@
+"""One all-ranks decision for every verdict: whatever one rank cannot trust or refuses, every rank refuses (or every
+rank commits), with identical parameters, and the retries the errors invite converge (no abort, no wedge).
+
+Each test injects one fault (two in the last of hole (c)'s) into what one rank receives: a settling row flipped
+(``confirm()``'s, a process's first exchange's), a refusal whose settling row is corrupted too, a bit of the
+separate commit vote, a sealed header flipped or replayed, a settling row rewritten by a writer without the secret.
+Every rank runs the same schedule of calls (:func:`_run`: steps, a refused step run again with the same batch,
+then ``confirm()``, one more step, ``confirm()``), so the ranks meet in every collective whatever each one raised;
+at the end every rank's parameters and step count must be the same, and where any rank raised, every rank did."""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from dist_utils import (
+    RankError,
+    _flipping,
+    carries_header,
+    expect_ok,
+    flip_received_header_bit,
+    flip_received_payload_bit,
+    run_ranks,
+)
+from models import loss_and_backward, small_demo, tiny_mlp
+
+pytestmark = pytest.mark.ranks
+
+TIMEOUT = 20.0  # comm_timeout: a wedge ends in a named error within it
+STEPS = 7  # step() calls before the first confirm(): 8 steps in all, the last a sync with sync_every=2
+SECRET = {"HF_DEMO_SECRET": "s3cret"}
+SEALED = {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}
+
+
+# ------------------------------------------------------------------ what arrives, tampered
+def _tamper(when, change):
+    """The next all-gather of this rank's where ``when(out, n)`` holds (``out`` every rank's rows back to back,
+    ``n`` a row's bytes) arrives changed by ``change(out, n)``; later ones arrive whole."""
+    from hf_demo.exchange import transport as comm
+
+    real = comm._all_gather
+
+    def flip(out, buf):
+        if comm._all_gather is not real and when(out, buf.numel()):
+            comm._all_gather = real
+            change(out, buf.numel())
+
+    comm._all_gather = _flipping(real, flip)
+
+
+def _flags(row: torch.Tensor) -> int:
+    from hf_demo.wire import codec
+
+    return codec.Header.from_bytes(row[: codec.HEADER_BYTES].contiguous()).flags
+
+
+def _settling(r: int):
+    """``when``: rank ``r``'s row is a clear settling row."""
+    from hf_demo.wire import codec
+
+    def when(out, n):
+        row = out[r * n : (r + 1) * n]
+        return carries_header(row) and not _sealed(row) and bool(_flags(row) & codec.FLAG_SETTLES)
+
+    return when
+
+
+def _sealed(row) -> bool:
+    from hf_demo.wire import codec, sealing
+
+    return sealing.is_sealed(row[: codec.HEADER_BYTES])
+
+
+def _flip_byte(r: int, byte: int):
+    def change(out, n):
+        out[r * n + byte] ^= 0x01
+
+    return change
+
+
+def _forge(r: int, verdict: int):
+    """``change``: rank ``r``'s settling row rewritten by a writer without the secret: the verdict ``verdict``,
+    FLAG_AUTH cleared, no tag, the header's CRC32 recomputed."""
+    from hf_demo.wire import codec
+
+    def change(out, n):
+        row = out[r * n : r * n + codec.HEADER_BYTES]
+        h = codec.Header.from_bytes(row.clone())
+        forged = codec._replace(h, flags=codec.FLAG_SETTLES | (verdict << codec.VERDICT_SHIFT), tag=bytes(32))
+        forged = codec._replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
+        row.copy_(forged.to_bytes())
+
+    return change
+
+
+def _vote(out, n) -> bool:
+    return n in (8, 16, 24) and not carries_header(out[:n])
+
+
+# ------------------------------------------------------------------ the faults, by scenario
+def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
+    """Inject ``scenario``'s fault on this rank before ``call`` ("step 2", "confirm 0", ...)."""
+    if scenario == "confirm_row" and rank == 1 and call == "confirm 0":
+        flip_received_header_bit(5 * 8, once=True)  # rank 0's verdict in confirm(), on its way to rank 1
+    elif scenario == "first_settling_row" and rank == 1 and call == "step 0":
+        _tamper(_settling(0), _flip_byte(0, 9 * 8))  # rank 0's settling row of the first exchange
+    elif scenario == "refusal_and_its_row" and call == "step 2":
+        if rank == 1:
+            memory["whole"] = flip_received_payload_bit()  # rank 1 refuses step 2 ...
+        if rank == 0:
+            _tamper(_settling(1), _flip_byte(1, 9 * 8))  # ... and its settling row reaches rank 0 corrupted
+    elif scenario == "refusal_and_its_row" and call == "step 3" and rank == 1:
+        memory.pop("whole")()
+    elif scenario == "refusal_and_its_row_at_confirm" and call == f"step {STEPS - 1}" and rank == 1:
+        memory["whole"] = flip_received_payload_bit()  # rank 1 refuses the last step ...
+    elif scenario == "refusal_and_its_row_at_confirm" and call == "confirm 0":
+        if rank == 1:
+            memory.pop("whole")()
+        if rank == 0:
+            _tamper(_settling(1), _flip_byte(1, 9 * 8))  # ... and its settling row reaches rank 0 corrupted
+    elif scenario == "vote_bit" and rank == 1 and call == "step 2":
+        _tamper(_vote, _flip_byte(0, 0))  # the lowest bit of rank 0's vote word, on its way to rank 1
+    elif scenario == "sealed_header" and rank == 1 and call == "step 2":
+        _tamper(lambda out, n: _sealed(out[:n]), _flip_byte(0, 100))  # inside rank 0's sealed header
+    elif scenario == "replayed_header" and rank == 1 and call in ("step 1", "step 2"):
+        _replay(call, memory)
+    elif scenario == "forged_commit" and call == "step 2":
+        if rank == 1:
+            memory["whole"] = flip_received_payload_bit()  # rank 1 refuses step 2 ...
+        if rank == 0:
+            _tamper(_settling(1), _forge(1, 0))  # ... and its refusal reaches rank 0 rewritten as a commit
+    elif scenario == "forged_commit" and call == "step 3" and rank == 1:
+        memory.pop("whole")()
+    elif scenario == "forged_refusal" and rank == 1 and call == "confirm 0":
+        _tamper(_settling(0), _forge(0, 1))  # rank 0's commit in confirm() rewritten as a refusal, to rank 1
+
+
+def _replay(call: str, memory: dict) -> None:
+    """Rank 0's sealed header row of step 1 recorded on its way to rank 1, and put in place of its row of step 2."""
+    if call == "step 1":
+
+        def record(out, n):
+            memory["row"] = out[:n].clone()
+
+        _tamper(lambda out, n: _sealed(out[:n]), record)
+        return
+
+    def replay(out, n):
+        out[:n] = memory["row"][:n] if memory["row"].numel() >= n else out[:n]
+
+    _tamper(lambda out, n: _sealed(out[:n]) and memory["row"].numel() == n, replay)
+
+
+def _run(rank, world, scenario, kw, env):
+    """The schedule every rank follows: STEPS step() calls (the batch of the optimizer's step count: a refused step
+    runs again with the same one), confirm(), one more step(), confirm(). Returns (the calls that raised, with the
+    error; the parameters; the optimizer's step count)."""
+    os.environ.update(env)
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=TIMEOUT, **kw)
+    errors, memory = [], {}
+    calls = [f"step {i}" for i in range(STEPS)] + ["confirm 0", f"step {STEPS}", "confirm 1"]
+    for call in calls:
+        _arm(scenario, rank, call, memory)
+        try:
+            if call.startswith("step"):
+                loss_and_backward(model, rank, opt.steps)
+                opt.step()
+            else:
+                opt.confirm()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append((call, RankError(exc)))
+    return errors, [p.detach().clone() for p in model.parameters()], opt.steps
+
+
+def _check(results, every_rank_raises: bool = True, match: str | None = None):
+    """Identical parameters and step counts on every rank; every rank raised (or, where allowed, none did); no
+    error but the library's own named ones."""
+    params0, steps0 = results[0][1], results[0][2]
+    for rank, (errors, params, steps) in enumerate(results):
+        assert steps == steps0, [(r, s, e) for r, (e, _, s) in enumerate(results)]
+        assert all(torch.equal(a, b) for a, b in zip(params, params0)), f"rank {rank}'s parameters differ from rank 0's"
+        for call, error in errors:
+            assert error.type in ("DeMoPayloadError", "DeMoSyncError"), (rank, call, error)
+    raised = [bool(errors) for errors, _, _ in results]
+    assert all(raised) or (not every_rank_raises and not any(raised)), [errors for errors, _, _ in results]
+    if match is not None:
+        assert all(any(match in e.message for _, e in errors) for errors, _, _ in results), results
+    assert steps0 >= STEPS - 3, steps0  # the retries went through
+
+
+def _results(scenario, world, kw=None, env=None):
+    if (env or {}).get("HF_DEMO_ENCRYPT"):
+        pytest.importorskip("cryptography")
+    return expect_ok(run_ranks(_run, world, scenario, kw or {}, env or {}, timeout=240))
+
+
+WORLDS = pytest.mark.parametrize("world", [2, 3])
+
+
+@WORLDS
+@pytest.mark.parametrize("env", [{}, SECRET, SEALED], ids=["clear", "secret", "sealed"])
+def test_a_verdict_of_confirm_flipped_on_its_way_to_one_rank_is_decided_alike(world, env):
+    """Hole 1 (a): rank 0's verdict in confirm() reaches rank 1 corrupted. Rank 1's finding goes into confirm()'s
+    final round: every rank undoes the step and raises, and the step run again commits on every rank."""
+    _check(_results("confirm_row", world, env=env), match="could not trust the verdict of rank 0")
+
+
+@WORLDS
+def test_a_settling_row_of_the_first_exchange_flipped_is_decided_alike_and_the_retry_does_not_abort(world):
+    """Hole 1 (b): rank 0's settling row of the process's first exchange reaches rank 1 corrupted. Rank 1 keeps
+    nothing and says so in the next exchange; every other rank committed tentatively, undoes and raises there."""
+    _check(_results("first_settling_row", world), match="could not trust the verdict of rank 0")
+
+
+@WORLDS
+@pytest.mark.parametrize("env", [{}, SECRET], ids=["clear", "secret"])
+def test_a_refusal_whose_settling_row_is_corrupted_too_converges_when_every_rank_retries(world, env):
+    """Hole 1 (c): rank 1 refuses step 2 and its settling row reaches rank 0 corrupted: rank 0 refuses step 3 with
+    step 2's undo log kept, and undoes step 2 when rank 1's row shows rank 1 running step 2 again."""
+    _check(_results("refusal_and_its_row", world, env=env))
+
+
+@WORLDS
+def test_a_refusal_whose_row_in_confirm_is_corrupted_too_is_refused_on_every_rank(world):
+    """Hole 1 (c) at confirm(): rank 1 refused the last step and its row in confirm() reaches rank 0 corrupted:
+    rank 0's finding (a verdict it could not trust) and rank 1's refusal meet in the final round (a guard of the
+    final round, which leaves out a row it cannot trust: one confirm() round refused alike here too)."""
+    _check(_results("refusal_and_its_row_at_confirm", world), match=f"every rank refused optimizer step {STEPS - 1}")
+
+
+@WORLDS
+@pytest.mark.parametrize(
+    "kw,env",
+    [
+        ({"commit_vote": "separate"}, {}),
+        ({"exchange": "all_reduce"}, {}),
+        ({"sync_every": 2}, {}),
+        ({"commit_vote": "separate"}, SECRET),
+        ({"commit_vote": "separate"}, SEALED),
+    ],
+    ids=["separate", "all_reduce", "sync_every", "secret", "sealed"],
+)
+def test_a_bit_of_the_vote_flipped_on_its_way_to_one_rank_is_decided_alike(world, kw, env):
+    """Hole 1 (d): the lowest bit of rank 0's vote word reaches rank 1 flipped: its tag fails, the word is left
+    out, and every rank decides from the same words (here: every rank commits)."""
+    _check(_results("vote_bit", world, kw, env), every_rank_raises=False)
+
+
+@WORLDS
+@pytest.mark.parametrize("scenario", ["sealed_header", "replayed_header"])
+def test_a_sealed_header_flipped_or_replayed_to_one_rank_stops_every_rank_alike(world, scenario):
+    """Hole 1 (e): a header that does not open (or is a replay) is a refusal voted on like a bad HMAC, not an error
+    of that rank alone: every rank raises, and every rank ends at the same step."""
+    _check(_results(scenario, world, env=SEALED))
+
+
+@WORLDS
+@pytest.mark.parametrize("scenario", ["forged_commit", "forged_refusal"])
+def test_a_settling_row_rewritten_without_the_secret_is_refused(world, scenario):
+    """Hole 2: with HF_DEMO_SECRET a settling row rewritten on the way (verdict changed, FLAG_AUTH cleared, CRC32
+    recomputed) is not accepted: every rank decides alike (here: refuses), and the retries converge."""
+    _check(_results(scenario, world, env=SECRET))
+
+
+def _settings_differ(rank, world, env):
+    """Rank 1 with another learning rate; every all-gather this rank sends, recorded."""
+    from hf_demo.exchange import transport as comm
+
+    os.environ.update(env)
+    sent, real = [], comm._all_gather
+
+    def gather(out, buf, group=None, async_op=False):
+        sent.append(buf.detach().cpu().numpy().tobytes())
+        return real(out, buf, group=group, async_op=async_op) if async_op else real(out, buf, group=group)
+
+    comm._all_gather = gather
+    model = tiny_mlp()
+    opt = small_demo(model, lr=0.01 * (rank + 1), comm_timeout=TIMEOUT)
+    loss_and_backward(model, rank, 0)
+    try:
+        opt.step()
+        return "no error", sent
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return RankError(exc), sent
+
+
+@pytest.mark.parametrize("env", [{}, SEALED], ids=["clear", "sealed"])
+def test_settings_named_on_a_disagreement_travel_sealed_with_encryption(env):
+    """Hole 2: the ranks' settings, gathered to name the one that differs, travel sealed with HF_DEMO_ENCRYPT=1
+    (in the clear without it); every rank names the setting either way."""
+    for error, sent in _results_of(_settings_differ, env):
+        assert isinstance(error, RankError) and "param_groups[0].lr: rank 0 0.01, rank 1 0.02" in error.message, error
+        clear = any(b"param_groups[0].lr" in buf for buf in sent)
+        assert clear == (not env), "the settings travel in the clear" if env else "the clear run sends them as JSON"
+
+
+def _results_of(fn, env):
+    if env.get("HF_DEMO_ENCRYPT"):
+        pytest.importorskip("cryptography")
+    return expect_ok(run_ranks(fn, 2, env, timeout=120))
