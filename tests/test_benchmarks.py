@@ -156,3 +156,34 @@ def test_gpu_quality_skips_with_77_without_a_gpu():
     env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_quality.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode == 77 and "no CUDA GPU" in proc.stderr, proc.stderr
+
+
+def test_the_scaling_diagnosis_measures_the_real_run_and_its_metrics_hold_where_nothing_is_compressed(tmp_path):
+    """``diagnose_scaling.py`` on two ranks and a tiny model: its instruments leave the run bit for bit what
+    ``convergence.py`` trains (the same held-out loss), and with every coefficient sent in fp32 DeMo's applied change
+    is the dense mean of the ranks' changes (cosine and norm ratio 1, top-k keeps all the energy)."""
+    tiny = "--hidden 32 --intermediate 64 --layers 1 --heads 2 --seq-len 32 --batch-size 2 --eval-batches 1".split()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    configs = "from_scratch;from_scratch:topk=64,chunk=8,format=fp32"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnose_scaling.py"), "--worlds", "2", "--steps", "4"]
+    cmd += ["--eval-every", "4", "--warmup-skip", "0", "--tag", "t", "--results-dir", str(tmp_path), *tiny]
+    proc = subprocess.run([*cmd, "--configs", configs], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["config"]: r for r in json.loads((tmp_path / "diagnose_t.json").read_text())}
+    assert [s["step"] for s in runs["from_scratch"]["syncs"]] == [2, 4]
+    full = runs["from_scratch:topk=64,chunk=8,format=fp32"]["syncs"]
+    for s in full:
+        assert s["cos_demo_mean"] == pytest.approx(1.0, abs=1e-5) and s["norm_demo_mean"] == pytest.approx(1.0, 1e-5)
+        assert s["kept_rank"] == pytest.approx(1.0) and s["kept_mean"] == pytest.approx(1.0)
+        assert s["distinct"] == pytest.approx(0.5) and 0 < s["drift"] < 1 and -1 <= s["cos_demo_ref"] <= 1
+    conv = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--tag", "t", "--results-dir", str(tmp_path)]
+    conv += ["--steps", "4", "--eval-every", "4", "--methods", "demo", "--lrs", "demo=2e-2", *tiny, "--shards"]
+    conv += [
+        "interleaved",
+        "--demo-configs",
+        "sync_every=2,topk=24,chunk=32,decay=0.999,format=sign,inner_rule=orthogonal",
+    ]
+    proc = subprocess.run(conv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (trained,) = json.loads((tmp_path / "convergence_t.json").read_text())
+    assert trained["final_loss"] == runs["from_scratch"]["evals"][-1][1]
