@@ -372,6 +372,7 @@ def test_a_trainer_with_slow_evaluations_and_checkpoints_raises_no_step_time_ale
 
 # ---------------------------------------------------------------- two gloo ranks on DDP
 @pytest.mark.launch
+@pytest.mark.slow  # two ranks, 60 steps under DDP (~30 s); the monitor's logic is tested above without processes
 def test_a_straggler_stays_alerted_and_the_waiting_rank_waits_in_ddps_broadcast(tmp_path):
     """Two ranks of DeMoTrainer (DDP on gloo); rank 1 is 1.5 s late before each of steps 9 to 20. Rank 1: one
     step_time alert, ongoing from step 9 on, not repeated. Rank 0 waits in DDP's buffer broadcast before the

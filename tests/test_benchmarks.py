@@ -158,6 +158,7 @@ def test_gpu_quality_skips_with_77_without_a_gpu():
     assert proc.returncode == 77 and "no CUDA GPU" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # two instrumented runs on 2 ranks, ~30 s
 def test_the_scaling_diagnosis_measures_the_real_run_and_its_metrics_hold_where_nothing_is_compressed(tmp_path):
     """``diagnose_scaling.py`` on two ranks and a tiny model: its instruments leave the run bit for bit what
     ``convergence.py`` trains (the same held-out loss), and with every coefficient sent in fp32 DeMo's applied change

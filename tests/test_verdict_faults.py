@@ -196,7 +196,8 @@ def _results(scenario, world, kw=None, env=None):
     return expect_ok(run_ranks(_run, world, scenario, kw or {}, env or {}, timeout=240))
 
 
-WORLDS = pytest.mark.parametrize("world", [2, 3])
+# 2 ranks in the default run; 3 ranks (a rank that sees a fault beside two that do not) in the slow tier
+WORLDS = pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 
 
 @WORLDS
