@@ -86,3 +86,16 @@ def demo_as_reference(params, **settings) -> hf_demo.DeMo:
         weight_decay=s["weight_decay"],
         **{"value_format": "fp32", **settings},
     )
+
+
+class Regression(torch.nn.Module):
+    """A two-layer regression for Trainer runs: ``x`` (8 features) and ``labels`` in, ``{"loss", "logits"}`` out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
+        return {"loss": ((y - labels) ** 2).mean(), "logits": y}

@@ -25,6 +25,7 @@ from hf_demo.ops.exporters import Snapshot
 from hf_demo.ops.health import DeMoHealthCallback, HealthRules
 from hf_demo.ops.monitor import StepMonitor, StepSample
 from launch_utils import ROOT
+from models import Regression
 
 RULES = ROOT / "docs" / "grafana" / "hf-demo-alerts.yml"
 RULE_TESTS = ROOT / "docs" / "grafana" / "hf-demo-alerts.test.yml"
@@ -315,17 +316,6 @@ def test_promtool_runs_the_rules_test_cases():
 
 
 # ---------------------------------------------------------------- a real Trainer, one process
-class _Regression(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
-
-    def forward(self, x, labels=None):
-        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
-        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
-
-
 class _SlowEvaluation(TrainerCallback):
     """Each evaluation takes 2.5 s more (it runs before the ops callbacks' on_evaluate); records the alerts."""
 
@@ -357,7 +347,7 @@ def test_a_trainer_with_slow_evaluations_and_checkpoints_raises_no_step_time_ale
     )  # fmt: skip
     slow = _SlowEvaluation()
     ops = OpsSettings(table_log="csv", health=HealthSettings(min_excess_s=1.0))
-    trainer = hf_demo.DeMoTrainer(model=_Regression(), args=args, train_dataset=data,
+    trainer = hf_demo.DeMoTrainer(model=Regression(), args=args, train_dataset=data,
                                   eval_dataset=data.select(range(16)), callbacks=[slow], demo_ops=ops)  # fmt: skip
     trainer.train()
     assert [a for a in slow.alerts if a.kind == "step_time"] == []

@@ -19,6 +19,7 @@ from hf_demo.ops import HealthSettings, OpsSettings
 from hf_demo.ops.health import HealthRules
 from hf_demo.ops.monitor import StepMonitor, StepSample
 from launch_utils import ROOT
+from models import Regression
 
 GUIDE = ROOT / "docs" / "guides" / "operations.md"
 RULES = ROOT / "docs" / "grafana" / "hf-demo-alerts.yml"
@@ -192,17 +193,6 @@ def test_the_guide_lists_exactly_the_exported_metrics_and_the_tables_columns():
 
 
 # ---------------------------------------------------------------- a real Trainer reporting to MLflow
-class _Regression(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
-
-    def forward(self, x, labels=None):
-        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
-        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
-
-
 def test_mlflow_and_the_csv_log_get_the_quorums_figures(tmp_path, monkeypatch):
     """A DeMoTrainer fed the events of EVENTS (as an elastic optimizer's listener would) logs them in its rows:
     read back from MLflow's file store through MlflowClient, and from the per-step CSV log."""
@@ -236,7 +226,7 @@ def test_mlflow_and_the_csv_log_get_the_quorums_figures(tmp_path, monkeypatch):
     )  # fmt: skip
     feed = Feed()
     ops = OpsSettings(table_log="csv", health=HealthSettings(quorum_patience=5))
-    trainer = hf_demo.DeMoTrainer(model=_Regression(), args=args, train_dataset=data, callbacks=[feed], demo_ops=ops)
+    trainer = hf_demo.DeMoTrainer(model=Regression(), args=args, train_dataset=data, callbacks=[feed], demo_ops=ops)
     feed.trainer = trainer
     trainer.train()
     elastic_kinds = ("replica_lost", "quorum_below_target", "slow_recovery")  # a loaded host may add time alerts
