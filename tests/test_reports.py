@@ -64,6 +64,7 @@ import torch
 from datasets import Dataset
 import hf_demo
 from hf_demo.ops import OpsSettings, exporters
+from models import Regression  # tests/models.py (tests/ is on the path)
 
 kill_at, out, fmt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 real = exporters.append_jsonl
@@ -83,17 +84,6 @@ def dying(path, record):  # SIGKILL while the log row of step kill_at is half wr
 exporters.append_jsonl = dying
 
 
-class Regression(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
-
-    def forward(self, x, labels=None):
-        y = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
-        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
-
-
 x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
 data = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1).tolist()})
 args = hf_demo.DeMoTrainingArguments(output_dir=out, optim="demo", per_device_train_batch_size=4, max_steps=12,
@@ -110,7 +100,7 @@ def runs(tmp_path_factory):
     """Two real runs of 12 steps on one process: one killed (SIGKILL) while writing step 8's log row (a CSV table
     log), one that finished (a Parquet table log)."""
     tmp = tmp_path_factory.mktemp("killed")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests"))), "OMP_NUM_THREADS": "1"}
     done = {}
     for name, kill_at, fmt in (("killed", 8, "csv"), ("finished", 0, "parquet")):
         proc = subprocess.run([sys.executable, "-c", _TRAIN, str(kill_at), str(tmp / name), fmt], env=env,
