@@ -139,3 +139,16 @@ def test_prepare_leaves_accelerates_wrapper_as_it_is_and_save_load_keep_every_ra
         assert restored and steps == 3  # each rank's own momentum back, from its own file
         assert late is not None and "register every object before the first save_state" in late.lower()
     assert {"optimizer.bin", "optimizer.rank1.bin", "hf_demo_manifest.json"} <= set(os.listdir(tmp_path / "state"))
+
+
+@pytest.mark.parametrize("given", [None, True])
+def test_ddps_search_for_unused_parameters_is_off_unless_asked_and_the_arguments_stay_as_given(tmp_path, given):
+    import hf_demo
+    from models import tiny_mlp
+
+    args = hf_demo.DeMoTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", ddp_find_unused_parameters=given
+    )
+    trainer = hf_demo.DeMoTrainer(model=tiny_mlp(), args=args)
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is bool(given)
+    assert args.ddp_find_unused_parameters is given
