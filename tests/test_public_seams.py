@@ -152,3 +152,22 @@ def test_ddps_search_for_unused_parameters_is_off_unless_asked_and_the_arguments
     trainer = hf_demo.DeMoTrainer(model=tiny_mlp(), args=args)
     assert trainer.accelerator.ddp_handler.find_unused_parameters is bool(given)
     assert args.ddp_find_unused_parameters is given
+
+
+def test_no_class_is_swapped_and_accelerates_private_state_is_only_read():
+    """Before: hf_demo changed the class of Accelerate's optimizer wrapper, removed the model Accelerate had prepared
+    for evaluation from its list, and stored its own object on the accelerator. Now it reads two of Accelerate's
+    lists (to name the files as Accelerate does, and to see that its manifest is saved last), and writes none."""
+    import ast
+
+    read = set()
+    for path in sorted((ROOT / "hf_demo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.Delete)):
+                assert not any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in node.targets), path
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+                if owner == "accelerator":
+                    assert isinstance(node.ctx, ast.Load), f"{path.name}: accelerator.{node.attr} written"
+                    read.add((path.name, node.attr))
+    assert read == {("accelerated.py", "_optimizers"), ("accelerated.py", "_custom_objects")}, read
