@@ -116,32 +116,33 @@ def refuse_fsdp_on_cpu(args=None) -> None:
 
 
 def prepare(accelerator, model, optimizer, *others):
-    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients, hands the optimizer
-    back with DeMo's calls (``flush()``, ``comm_stats``, ...: :class:`hf_demo.hf.accelerated.DeMoAcceleratedOptimizer`)
-    and makes ``accelerator.save_state``/``load_state`` save and restore every rank's DeMo state, with a manifest
-    checked on every rank (:class:`hf_demo.hf.accelerated.AcceleratorCheckpoints`).
+    """``accelerator.prepare`` for a DeMo loop: also stops DDP from all-reducing gradients, hands back DeMo as a
+    :class:`hf_demo.hf.accelerated.DeMoAcceleratedOptimizer` (Accelerate's optimizer wrapper with DeMo's calls:
+    ``flush()``, ``comm_stats``, ...) and makes ``accelerator.save_state``/``load_state`` save and restore every rank's
+    DeMo state, with a manifest checked on every rank (:class:`hf_demo.hf.accelerated.AcceleratorCheckpoints`).
 
     A model already sharded by FSDP2 (:mod:`hf_demo.fsdp`) is returned as it is where Accelerate does not run
     FSDP itself (on CPU it would wrap it in DDP): the optimizer and the rest are prepared.
-    Returns what ``accelerator.prepare(model, optimizer, *others)`` returns.
+    Returns what ``accelerator.prepare(model, optimizer, *others)`` returns, the optimizer as DeMo's wrapper.
     """
     from hf_demo.fsdp import is_fsdp2
     from hf_demo.hf import accelerated
 
     check_supported(accelerator, fsdp_requested=fsdp_requested())
+    demo = unwrap_optimizer(optimizer)
+    handed = accelerated.DeMoAcceleratedOptimizer(optimizer) if demo is not None else optimizer
     if is_fsdp2(model):
-        rest = accelerator.prepare(optimizer, *others)
+        rest = accelerator.prepare(handed, *others)
         prepared = (model, *(rest if others else (rest,)))
     else:
-        prepared = accelerator.prepare(model, optimizer, *others)
+        prepared = accelerator.prepare(model, handed, *others)
     disable_gradient_allreduce(prepared[0])
-    if unwrap_optimizer(prepared[1]) is not None:
-        accelerated.adopt(prepared[1])
-        accelerated.register(accelerator)
+    if demo is not None:  # Accelerate's wrapper around it stays in the accelerator's list
+        accelerated.register(accelerator, handed)
+        prepared = (prepared[0], handed, *prepared[2:])
     install_exit_handler()
-    settings = getattr(unwrap_optimizer(optimizer), "settings", None)
-    if settings is not None:  # Trainer's and the loop's own collectives: bounded by comm_timeout too
-        liveness.guard(settings.comm_timeout)
+    if demo is not None:  # Trainer's and the loop's own collectives: bounded by comm_timeout too
+        liveness.guard(demo.settings.comm_timeout)
     return prepared
 
 

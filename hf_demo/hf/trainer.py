@@ -7,6 +7,8 @@ every rank's own optimizer state with each checkpoint, (4) logs the communicatio
 set-ups that cannot work. With any optimizer it also writes a manifest into each checkpoint and checks it
 on resume (:mod:`hf_demo.hf.checkpoint`), stops when the launcher started more processes than Trainer sees,
 and tears the process group down at exit (:mod:`hf_demo.exchange.teardown`). With another optimizer it is Trainer.
+It works through Trainer's public methods and callbacks; the three private methods it overrides (no public seam
+serves them) live in :mod:`hf_demo.hf.trainer_private`, checked against the supported transformers range.
 
 With ``demo_elastic=True`` (or a dict of :class:`hf_demo.elastic.Elastic`'s arguments) it trains elastically on
 torchft, one replica group per ``torchrun``: a lost replica costs a step, not the run (:mod:`hf_demo.hf.elastic`).
@@ -23,20 +25,14 @@ momentum sees the same per-rank gradient as DDP's mean would be built from.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 import warnings
 
-import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer import (  # rank 0's state goes in Trainer's own file
-    OPTIMIZER_NAME,
-    SCHEDULER_NAME,
-)
 
 from hf_demo import fsdp
-from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.errors import DeMoSetupError
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
@@ -49,18 +45,14 @@ from hf_demo.hf.data_parallel import (
     refuse_fsdp_on_cpu,
     unwrap_optimizer,
 )
+from hf_demo.hf.trainer_private import PrivateTrainerHooks
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.ops import callbacks as ops_callbacks
-from hf_demo.optim import checkpointing, update_rules
+from hf_demo.optim import update_rules
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
 from hf_demo.settings import DeMoSettings
-
-
-def rank_state_file(rank: int) -> str:
-    """File of rank ``rank``'s DeMo state inside a checkpoint (rank 0 uses Trainer's optimizer.pt)."""
-    return OPTIMIZER_NAME if rank == 0 else f"optimizer.rank{rank}.pt"
 
 
 def _distributed() -> bool:
@@ -80,7 +72,7 @@ def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
         refuse_fsdp_on_cpu(args)
 
 
-class DeMoTrainerMixin:
+class DeMoTrainerMixin(PrivateTrainerHooks):
     """DeMo for a Trainer class: ``class MyTrainer(DeMoTrainerMixin, SomeTrainer)``, the mixin first."""
 
     def __init__(self, *args, demo_ops=None, demo_elastic=None, **kwargs):
@@ -186,15 +178,25 @@ class DeMoTrainerMixin:
             return cls_, kwargs
         return super().get_optimizer_cls_and_kwargs(args, model)
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        """FSDP2 (on GPUs): the model is sharded here on the shard dimension of Accelerate's mesh, before the
-        optimizer is built, so that FSDP2 reduce-scatters gradients inside each shard group and nothing crosses the
-        replicate dimension but DeMo's exchange (Accelerate keeps a model that is already FSDP2)."""
-        if self.uses_demo and self.is_fsdp_enabled and not fsdp.is_fsdp2(self.model):
-            self._demo_mesh = fsdp.shard_with_accelerate(self.model, self.accelerator)
-        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, without DDP's search for unused parameters unless asked for (Trainer's default for a
+        PreTrainedModel makes DDP warn on every run): ``ddp_find_unused_parameters`` left unset is False while the
+        accelerator is built, and unset again after it (the arguments stay as given)."""
+        if self.args.ddp_find_unused_parameters is not None:
+            return super().create_accelerator_and_postprocess()
+        self.args.ddp_find_unused_parameters = False
+        try:
+            return super().create_accelerator_and_postprocess()
+        finally:
+            self.args.ddp_find_unused_parameters = None
 
     def create_optimizer(self, model=None):
+        """Trainer's optimizer. With DeMo under FSDP (on GPUs) the model is sharded first, on the shard dimension of
+        Accelerate's mesh, so that the optimizer holds the sharded parameters and FSDP2 reduce-scatters gradients
+        inside each shard group: nothing crosses the replicate dimension but DeMo's exchange (Accelerate keeps a
+        model that is already FSDP2; Trainer builds the optimizer before it prepares an FSDP2 model)."""
+        if self.uses_demo and self.is_fsdp_enabled and not fsdp.is_fsdp2(self.model):
+            self._demo_mesh = fsdp.shard_with_accelerate(self.model, self.accelerator)
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         opt = unwrap_optimizer(optimizer)
         mesh = getattr(self, "_demo_mesh", None)
@@ -204,29 +206,6 @@ class DeMoTrainerMixin:
             per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
             self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options, per_step)
         return optimizer
-
-    def _get_train_sampler(self, train_dataset=None):
-        """Trainer's sampler; with ``demo_elastic`` this replica group's shard of the training set (torchft's static
-        split: replica ``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, shuffled with the run's seed), read as a
-        stream whose position a restarted replica sets from torchft's committed step (``ShardStream``)."""
-        if self._elastic_options is None:
-            return super()._get_train_sampler(train_dataset)
-        rid, n = elastic_trainer.data_shard(self._elastic_options)
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        self._elastic_stream = elastic_trainer.ShardStream(dataset, rid, n, self.args.seed)
-        return self._elastic_stream
-
-    def _build_accelerator_args(self, **kwargs) -> dict:
-        """Trainer's accelerator arguments, without DDP's search for unused parameters unless asked for (Trainer's
-        default for a PreTrainedModel makes DDP warn on every run)."""
-        args = super()._build_accelerator_args(**kwargs)
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        if self.args.ddp_find_unused_parameters is None:
-            for h in args.get("kwargs_handlers", []):
-                if isinstance(h, DistributedDataParallelKwargs):
-                    h.find_unused_parameters = False
-        return args
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
@@ -243,13 +222,26 @@ class DeMoTrainerMixin:
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict, start_time: float | None = None) -> None:
         opt = unwrap_optimizer(self.optimizer)
+        summary = opt is not None and "loss" not in logs and "train_loss" in logs  # the end-of-training row
         if opt is not None and "loss" in logs:  # a training log row
             logs.update(self._demo_metrics(opt))
             if self.demo_ops is not None:  # every rank's step split, alerts, cost (gathered on every rank)
                 logs.update(self.demo_ops.log_metrics(self.state.global_step))
-        elif opt is not None and "train_loss" in logs:  # the end-of-training summary: totals only
+        elif summary:  # totals only
             logs.update(metrics.totals(self._demo_metrics(opt)))
         super().log(logs, start_time)
+        if summary and self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._land_before_best_model(opt)
+
+    @staticmethod
+    def _land_before_best_model(opt) -> None:
+        """Trainer writes the end-of-training row once every step, evaluation and save is done, and then loads the
+        best checkpoint (``load_best_model_at_end``): the last step's verdict is read and overlap's exchange in flight
+        lands first, on every rank, so that the best checkpoint's weights are what ``train()`` ends with (the flush
+        after ``train()`` would add it on top)."""
+        opt.confirm()
+        if opt.in_flight:
+            opt.flush()
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -261,7 +253,6 @@ class DeMoTrainerMixin:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
             self._verify_checkpoint(str(resume_from_checkpoint))
-        self._unprepare_evaluation_model()
         output = super().train(
             resume_from_checkpoint=resume_from_checkpoint or None,
             trial=trial,
@@ -272,26 +263,6 @@ class DeMoTrainerMixin:
         if opt is not None and hasattr(opt, "flush"):
             opt.flush()  # overlap=True: the last step's exchange lands before evaluate/save_model
         return output
-
-    def _unprepare_evaluation_model(self) -> None:
-        """Undo the evaluation-only preparation an ``evaluate()`` before ``train()`` left behind.
-
-        ``evaluate()`` asks Accelerate to prepare the bare model for evaluation (mixed precision only) and
-        marks it prepared; ``train()`` would then never wrap it in DistributedDataParallel, so nothing
-        broadcasts the initial weights and DDP's gradient averaging (the baselines') never happens. Clearing
-        the mark lets ``train()`` wrap the model as if ``evaluate()`` had not run.
-        """
-        model = self.model
-        if (
-            self.model_wrapped is not model
-            or not getattr(model, "_is_accelerate_prepared", False)
-            or not self.accelerator.distributed_type.value.startswith("MULTI_")
-        ):
-            return
-        if "_original_forward" in model.__dict__:  # the evaluation preparation's autocast wrapper
-            model.forward = model.__dict__.pop("_original_forward")
-        del model._is_accelerate_prepared
-        self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
 
     def _verify_checkpoint(self, folder: str) -> None:
         """Every rank checks ``folder`` against its manifest; the ranks compare verdicts, so all raise the same."""
@@ -305,8 +276,27 @@ class DeMoTrainerMixin:
     def evaluation_loop(self, *args, **kwargs):
         """Trainer's evaluation (``evaluate``, ``predict``, in training and after it); inside a local phase on the
         ranks' mean parameters, the model ``train()`` ends with, not each rank its own on its shard of the data."""
+        self._wrap_before_first_evaluation()
         with self._averaged():
             return super().evaluation_loop(*args, **kwargs)
+
+    def _wrap_before_first_evaluation(self) -> None:
+        """An evaluation before ``train()`` in a run of several processes: Trainer would ask Accelerate to prepare the
+        bare model for evaluation only, which Accelerate then counts as prepared, so ``train()`` would never wrap it
+        in DistributedDataParallel: nothing would broadcast the initial weights, and DDP's gradient averaging (the
+        baselines') would never happen. The model is prepared for training here instead, through Accelerate's
+        ``prepare_model`` (DDP broadcasts rank 0's weights): Trainer evaluates the model inside the wrapper, and
+        ``train()`` trains the wrapper it finds."""
+        if (
+            self.model_wrapped is not self.model
+            or self.is_in_train
+            or self.train_dataset is None
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not self.accelerator.distributed_type.value.startswith("MULTI_")
+        ):
+            return
+        self.model_wrapped = self.accelerator.prepare_model(self.model)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's ``save_model``; inside a local phase the model file holds the ranks' mean parameters (what
@@ -317,89 +307,9 @@ class DeMoTrainerMixin:
         with self._averaged():
             return super().save_model(output_dir, _internal_call)
 
-    def _load_best_model(self) -> None:
-        """Trainer's ``load_best_model_at_end``; overlap's last exchange in flight lands first, so the best
-        checkpoint's weights are what ``train()`` ends with (the flush after ``train()`` added it on top)."""
-        opt = unwrap_optimizer(self.optimizer)
-        if opt is not None and hasattr(opt, "confirm"):
-            opt.confirm()  # the last step's verdict, read on every rank before the weights are replaced
-        if opt is not None and opt.in_flight:
-            opt.flush()
-        return super()._load_best_model()
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Trainer's save, then (after a barrier) rank 0's manifest, then the rotation of old checkpoints.
-
-        Old checkpoints are deleted only once the new one is complete (Trainer rotates before that). The last
-        step's verdict is read first on every rank (``confirm()``): a step that any rank refused is undone and
-        raised on every rank before anything is written.
-        """
-        opt = unwrap_optimizer(self.optimizer)
-        if opt is not None and hasattr(opt, "confirm"):
-            opt.confirm()
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # Trainer's rotation waits until the manifest is written
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        self._barrier()
-        if self.args.should_save:
-            ckpt.write_manifest(folder, self.args.world_size, self.state.global_step)
-            if limit:
-                from transformers.trainer_utils import rotate_checkpoints
-
-                rotate_checkpoints(
-                    output_dir=self._get_output_dir(trial=trial),
-                    save_total_limit=limit,
-                    best_model_checkpoint=self.state.best_model_checkpoint,
-                    use_mtime=True,
-                )
-        self._barrier()
-
     def _barrier(self) -> None:
         if self.args.world_size > 1:
             self.accelerator.wait_for_everyone()
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)  # rank 0: optimizer.pt (its own state), scheduler
-        opt = unwrap_optimizer(self.optimizer)
-        rank = self.args.process_index
-        if opt is not None and rank > 0:
-            os.makedirs(output_dir, exist_ok=True)
-            torch.save(opt.state_dict(), os.path.join(output_dir, rank_state_file(rank)))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        opt = unwrap_optimizer(self.optimizer)
-        if opt is None or checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, rank_state_file(self.args.process_index))
-        if not os.path.isfile(path):  # only without a manifest (verify_checkpoint catches it otherwise)
-            raise DeMoStateError(
-                f"{checkpoint} has no DeMo optimizer state for rank {self.args.process_index} "
-                f"({rank_state_file(self.args.process_index)})"
-            )
-        state, problem = None, None
-        try:  # every rank's file read first: a damaged one is named on every rank before any rank loads
-            state = ckpt.read_state(path)
-        except ckpt.CheckpointError as exc:
-            problem = str(exc)
-        ckpt.agree_on_every_rank(problem, ckpt.CheckpointError, "each rank's optimizer file is its own")
-        # DeMo.load_state_dict checks rank, world size, and every rank's run and step (keeping the requested
-        # settings, with a warning); then the model's weights, loaded by now, against this rank's state
-        try:
-            opt.load_state_dict(state)
-            checkpointing.check_model(opt)
-            problem = None
-        except DeMoStateError as exc:
-            problem = str(exc)
-        ckpt.agree_on_every_rank(
-            problem, DeMoStateError, "each rank's optimizer file is its own: which one differs is named"
-        )
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
 class DeMoTrainer(DeMoTrainerMixin, Trainer):
