@@ -35,6 +35,9 @@ class Cluster:
     intra: Link
     inter: Link
     overhead: float = COLLECTIVE_OVERHEAD  # seconds every collective costs whatever its bytes and hops (links.py)
+    # collectives one process group runs at once: 1 for NCCL (one stream, in order), 2 for gloo (ProcessGroupGloo's
+    # two worker threads: DDP's bucket all-reduces, issued without waiting, run side by side)
+    concurrent: int = 1
 
     @property
     def world(self) -> int:
@@ -96,29 +99,42 @@ class Estimate:
     loss_cost: str = ""  # what it costs in loss, measured (docs/results.md), with the section
 
     def exchange_s(self, cluster: Cluster) -> float:
-        """Seconds per step (amortised over ``every``) that the step waits on the network."""
-        fixed, hidden = self._collective_seconds(cluster)
-        return fixed + max(0.0, hidden - self.hide_window_s)
+        """Seconds per step (amortised over ``every``) that the step waits on the network: the collectives one
+        after the other, those that may hide less the computation they hide under, and on a backend that runs
+        collectives at once (``cluster.concurrent``) the ``overlaps`` ones side by side (:meth:`_side_by_side_s`)."""
+        at_once = cluster.concurrent > 1
+        side = [c for c in self.collectives if at_once and c.overlaps]
+        fixed, hidden = self._collective_seconds(cluster, [c for c in self.collectives if not (at_once and c.overlaps)])
+        return fixed + max(0.0, hidden - self.hide_window_s) + self._side_by_side_s(cluster, side)
 
     def comm_s(self, cluster: Cluster) -> float:
         """Seconds per step (amortised) its collectives take, hidden under computation or not: what a rank's
         clock around each collective adds up to (``benchmarks/plan_check.py --measure`` measures it)."""
-        return sum(self._collective_seconds(cluster))
+        return sum(self._collective_seconds(cluster, self.collectives))
 
-    def _collective_seconds(self, cluster: Cluster) -> tuple[float, float]:
+    def _collective_seconds(self, cluster: Cluster, collectives: list[Collective]) -> tuple[float, float]:
         """(seconds of the collectives the step waits for, seconds of those that may hide), per step."""
         fixed = hidden = 0.0
-        for c in self.collectives:  # side by side on one link (parallel): the link carries their sum
-            spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
-            inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
-            link = cluster.link(c.scope)
-            nbytes, overhead = c.nbytes * c.parallel, cluster.overhead  # side by side: one fixed cost
-            t = collective_seconds(c.kind, nbytes, c.world, link, inner, per_node, overhead) / c.every
+        for c in collectives:
             if c.hideable:
-                hidden += t
+                hidden += _seconds(c, cluster)
             else:
-                fixed += t
+                fixed += _seconds(c, cluster)
         return fixed, hidden
+
+    def _side_by_side_s(self, cluster: Cluster, side: list[Collective]) -> float:
+        """The wait on collectives that run ``cluster.concurrent`` at once (gloo's DDP buckets, issued as each
+        fills): the longest of those issued last (the step waits for each whole), those issued during the backward
+        pass less the computation left after them (each whole, or their times shared over the threads, the
+        longer), and all their bytes together on the one link, less the same computation."""
+        if not side:
+            return 0.0
+        window = self.hide_window_s
+        early = [_seconds(c, cluster) for c in side if c.hideable]
+        last = max((_seconds(c, cluster) for c in side if not c.hideable), default=0.0)
+        shared = max(max(early, default=0.0), sum(early) / cluster.concurrent) - window
+        together = _seconds(side[0], cluster, sum(c.nbytes for c in side)) - window  # one period: DDP's, every step
+        return max(0.0, last, shared, together)
 
     def step_s(self, cluster: Cluster) -> float:
         return self.compute_s + self.exchange_s(cluster)
@@ -136,6 +152,16 @@ class Estimate:
         """Bytes per step (amortised, mean over ranks) each rank hands to the collectives, counted as
         :class:`~hf_demo.exchange.transport.CommStats` counts ``bytes_sent``."""
         return sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives)
+
+
+def _seconds(c: Collective, cluster: Cluster, nbytes: float | None = None) -> float:
+    """Seconds per step (amortised over ``c.every``) of collective ``c`` on ``cluster`` (``nbytes``: in place of
+    its own). Ranks running it side by side on one link (``parallel``) hand the link their sum, one fixed cost."""
+    spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
+    inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
+    total = (c.nbytes if nbytes is None else nbytes) * c.parallel
+    link = cluster.link(c.scope)
+    return collective_seconds(c.kind, total, c.world, link, inner, per_node, cluster.overhead) / c.every
 
 
 # ---------------------------------------------------------------- the methods
