@@ -94,6 +94,10 @@ def test_ddp_broadcasts_its_buffers_before_every_forward():
         assert (first.kind, first.nbytes, first.hideable, first.world) == ("broadcast", 0, False, world)
     buckets = ddp_collectives([(1 << 18,), (1 << 18,)], world, "inter")[1:]
     assert [(b.nbytes, b.hideable, b.overlaps) for b in buckets] == [(1 << 20, True, True), (1 << 20, False, True)]
+    assert ddp_collectives([(1 << 18,), (1 << 18,)], world, "inter", buffers=False) == buckets  # a model without
+    link = Link.parse("1gbit", "50ms")
+    bare = Workload([(1 << 18,)], 0.03, ddp_buffers=False)
+    assert [c.kind for c in ddp_adamw(Cluster(world, 1, link, link), bare).collectives] == ["all_reduce"]
 
 
 def test_gloo_runs_ddp_buckets_side_by_side_where_nccl_runs_them_in_turn():

@@ -79,6 +79,9 @@ class Workload:
     backward_fraction: float = 2 / 3  # the part of compute_s a DDP all-reduce can hide under
     powersgd_rank: int = 4
     demo_settings: dict = field(default_factory=dict)  # settings every DeMo variant starts from
+    # the model has buffers, which DDP broadcasts before every forward (every transformers language model has some:
+    # rotary frequencies, position ids); the shapes do not say, so the planner assumes it, as for those models
+    ddp_buffers: bool = True
 
     @property
     def n_params(self) -> int:
@@ -170,7 +173,7 @@ def ddp_adamw(cluster: Cluster, work: Workload) -> Estimate:
     return Estimate(
         "ddp-adamw",
         "DDP AdamW",
-        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope, buffers=work.ddp_buffers),
         work.compute_s + work.adamw_s,
         work.backward_fraction * work.compute_s,
         memory_bytes=2 * pb * n + 4 * n + 8 * n,  # parameters, gradients, DDP's buckets, AdamW's two moments
@@ -189,7 +192,7 @@ def ddp_muon(cluster: Cluster, work: Workload) -> Estimate:
     return Estimate(
         "ddp-muon",
         label,
-        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope, buffers=work.ddp_buffers),
         work.compute_s * (1 + work.orthogonal_overhead) + work.adamw_s,
         work.backward_fraction * work.compute_s,
         # parameters, gradients, DDP's buckets, at most AdamW's state: a momentum for every parameter, a second
@@ -206,7 +209,7 @@ def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
     return Estimate(
         "ddp-powersgd",
         f"DDP PowerSGD r{r}",
-        powersgd_collectives(work.shapes, cluster.world, cluster.flat_scope, r),
+        powersgd_collectives(work.shapes, cluster.world, cluster.flat_scope, r, buffers=work.ddp_buffers),
         work.compute_s * (1 + work.powersgd_overhead) + work.adamw_s,
         0.0,  # the hook's P and Q all-reduces run one after the other at the end of the backward pass
         memory_bytes=2 * pb * n + 4 * n + 8 * n + 4 * n + factors,  # + error feedback and the factors
