@@ -300,7 +300,7 @@ def powersgd_collectives(
             p_bytes, q_bytes = p_bytes + 4 * n * rank, q_bytes + 4 * m * rank
         else:
             plain += 4 * n * m
-    out = ([ddp_buffer_broadcast(world, scope)] if buffers else [])
+    out = [ddp_buffer_broadcast(world, scope)] if buffers else []
     out += [Collective("uncompressed", "all_reduce", plain, world, scope)] if plain else []
     return out + [
         Collective("P", "all_reduce", p_bytes, world, scope),
