@@ -100,28 +100,65 @@ def run_one(method: str, args, batches) -> dict:
                 sent=(sent1 - sent0) / n)  # fmt: skip
 
 
-PROBES = (("all_gather", 8), ("all_reduce", 8), ("all_reduce", 1 << 20))  # (collective, bytes per rank)
+# (collective, bytes per rank); all_reduce_pair: two all-reduces of that many bytes issued together and then
+# waited for, as DDP issues its buckets; broadcast: 128 bytes from rank 0, DDP's buffers of the model here
+PROBES = (
+    ("all_gather", 8),
+    ("all_reduce", 8),
+    ("all_reduce", 1 << 20),
+    ("broadcast", 128),
+    ("all_reduce_pair", 1 << 20),
+)
 
 
 def probe(repeats: int, probes=PROBES) -> list[dict]:
-    """Each of ``probes`` ``repeats`` times, each after a barrier: the median seconds on the slowest rank."""
+    """Each of ``probes`` ``repeats`` times, each after a barrier: the median seconds on the slowest rank, and the
+    TCP retransmissions and retransmission timeouts of every rank's namespace over the repeats (summed)."""
     import torch
     import torch.distributed as dist
 
-    world, out = dist.get_world_size(), []
+    out = []
     for kind, nbytes in probes:
-        x = torch.zeros(nbytes // 4)
-        gathered = torch.zeros(world * x.numel())
-        times = []
+        run = _collective(kind, nbytes, dist.get_world_size())
+        before, times = _tcp_counters(), []
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_gather_into_tensor(gathered, x) if kind == "all_gather" else dist.all_reduce(x)
+            run()
             times.append(time.perf_counter() - t0)
+        tcp = torch.tensor([b - a for a, b in zip(before, _tcp_counters())] + [0.0], dtype=torch.float64)
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out.append(dict(kind=kind, nbytes=nbytes, seconds=statistics.median(slowest.tolist())))
+        dist.all_reduce(tcp)
+        out.append(dict(kind=kind, nbytes=nbytes, seconds=statistics.median(slowest.tolist()),
+                        retransmits=int(tcp[0]), timeouts=int(tcp[1])))  # fmt: skip
     return out
+
+
+def _collective(kind: str, nbytes: int, world: int):
+    """A function running one ``kind`` collective of ``nbytes`` per rank (:data:`PROBES`)."""
+    import torch
+    import torch.distributed as dist
+
+    x, y = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+    gathered = torch.zeros(world * x.numel())
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(gathered, x)
+    if kind == "broadcast":
+        return lambda: dist.broadcast(x, 0)
+    if kind == "all_reduce_pair":
+        return lambda: [w.wait() for w in (dist.all_reduce(x, async_op=True), dist.all_reduce(y, async_op=True))]
+    return lambda: dist.all_reduce(x)
+
+
+def _tcp_counters() -> tuple[float, float]:
+    """(TCP segments retransmitted, retransmission timeouts) so far in this network namespace (/proc/net)."""
+
+    def field(path: str, prefix: str, name: str) -> float:
+        head, values = [line.split() for line in open(path) if line.startswith(prefix)][:2]
+        return float(values[head.index(name)])
+
+    return field("/proc/net/snmp", "Tcp:", "RetransSegs"), field("/proc/net/netstat", "TcpExt:", "TCPTimeouts")
 
 
 def _demo_totals(opt) -> tuple[int, float]:
@@ -264,13 +301,16 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def delayed_cluster(nodes: int, rate: str, delay_ms: float, round_trip: bool, overhead: float | None = None):
-    """The planner's cluster for a case: one rank per node, ``rate`` and ``delay_ms`` between nodes; a hop costs a
-    latency, or a round trip (``round_trip``: gloo over TCP, :class:`hf_demo.ops.links.Link`)."""
+    """The planner's cluster for a case: one rank per node, ``rate`` and ``delay_ms`` between nodes; as
+    ``hf-demo plan --backend gloo`` plans it (``round_trip``: a round trip per ring hop, a binomial-tree broadcast,
+    two collectives at once, :class:`hf_demo.ops.links.Link`, :class:`hf_demo.ops.methods.Cluster`), or as
+    ``--backend nccl`` (a latency per hop, one collective at a time)."""
     from hf_demo.ops.links import COLLECTIVE_OVERHEAD, Link, parse_rate
     from hf_demo.ops.methods import Cluster
 
     link = Link(parse_rate(rate), delay_ms / 1000, round_trip)
-    return Cluster(nodes, 1, link, link, COLLECTIVE_OVERHEAD if overhead is None else overhead)
+    fixed = COLLECTIVE_OVERHEAD if overhead is None else overhead
+    return Cluster(nodes, 1, link, link, fixed, concurrent=2 if round_trip else 1)
 
 
 def estimate(method: str, cluster, work):
@@ -284,8 +324,9 @@ def estimate(method: str, cluster, work):
 
 
 def plan(rows: list[dict], orthogonal: float) -> list[dict]:
-    """Each summary row with the planner's step and wait beside it: a latency per hop (``*_one``, the model
-    before gloo's round trip) and a round trip per hop (the planner for gloo). ``orthogonal``: the planner's
+    """Each summary row with the planner's step and wait beside it: ``--backend nccl``'s model (``*_one``: a
+    latency per hop, one collective at a time) and ``--backend gloo``'s (the planner for these runs: a round trip
+    per ring hop, a binomial-tree broadcast, DDP's buckets side by side). ``orthogonal``: the planner's
     ``orthogonal_overhead`` (one Newton-Schulz run over the hidden matrices / one forward+backward)."""
     from hf_demo.ops.methods import Workload
     from plan_check import llama_shapes
@@ -324,9 +365,9 @@ def _order(r: dict) -> tuple:
 
 def table(rows: list[dict]) -> list[str]:
     lines = [
-        "| nodes | one-way delay | rate | method | step s measured (median of 3) | planned, a round trip per hop "
-        "| error | planned, a latency per hop | error | wait on the link s measured | planned, a round trip per hop "
-        "| error | planned, a latency per hop | load average (1 min) over the 3 runs | note |",
+        "| nodes | one-way delay | rate | method | step s measured (median of 3) | planned, gloo "
+        "| error | planned, nccl's model | error | wait on the link s measured | planned, gloo "
+        "| error | planned, nccl's model | load average (1 min) over the 3 runs | note |",
         "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in sorted(rows, key=_order):
@@ -341,7 +382,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def totals(rows: list[dict]) -> list[str]:
     out = []
-    for suffix, what in (("", "a round trip per hop"), ("_one", "a latency per hop")):
+    for suffix, what in (("", "gloo's model (--backend gloo)"), ("_one", "nccl's model (--backend nccl)")):
         steps = [abs(r["step_error" + suffix]) for r in rows]
         waits = [abs(r["wait_error" + suffix]) for r in rows if r["wait_error" + suffix] == r["wait_error" + suffix]]
         out.append(
@@ -354,8 +395,6 @@ def totals(rows: list[dict]) -> list[str]:
 
 def probe_rows(records: list[dict]) -> list[dict]:
     """The bare collectives (``--probes``): measured, and the planner's ``collective_seconds`` both ways."""
-    from hf_demo.ops.links import COLLECTIVE_OVERHEAD, collective_seconds
-
     out = []
     for r in records:
         if r["method"] != "probe":
@@ -363,26 +402,40 @@ def probe_rows(records: list[dict]) -> list[dict]:
         for p in r["probes"]:
             planned = {}
             for trips in (False, True):
-                link = delayed_cluster(r["nodes"], r["rate"], r["delay_ms"], trips).inter
-                planned[trips] = collective_seconds(p["kind"], p["nbytes"], r["nodes"], link, None, 1,
-                                                    COLLECTIVE_OVERHEAD)  # fmt: skip
+                cluster = delayed_cluster(r["nodes"], r["rate"], r["delay_ms"], trips)
+                planned[trips] = planned_probe(p["kind"], p["nbytes"], cluster)
             out.append(dict(nodes=r["nodes"], delay_ms=r["delay_ms"], rate=r["rate"], kind=p["kind"],
                             nbytes=p["nbytes"], measured=p["seconds"], round_trip=planned[True],
-                            one=planned[False], load=r["load"][0]))  # fmt: skip
+                            one=planned[False], load=r["load"][0], retransmits=p.get("retransmits"),
+                            timeouts=p.get("timeouts")))  # fmt: skip
     return out
+
+
+def planned_probe(kind: str, nbytes: int, cluster) -> float:
+    """The planner's seconds for a probe: one collective, or (``all_reduce_pair``) two issued together, planned as
+    DDP's buckets are (:class:`hf_demo.ops.methods.Estimate`, side by side where ``cluster.concurrent`` allows)."""
+    from hf_demo.ops.methods import Estimate
+    from hf_demo.ops.traffic import Collective
+
+    if kind == "all_reduce_pair":
+        pair = [Collective(f"b{i}", "all_reduce", nbytes, cluster.nodes, "inter", overlaps=True) for i in (0, 1)]
+    else:
+        pair = [Collective("probe", kind, nbytes, cluster.nodes, "inter")]
+    return Estimate("probe", "probe", pair, 0.0, 0.0, 0.0, 0).exchange_s(cluster)
 
 
 def probe_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| nodes | one-way delay | rate | collective | bytes per rank | measured s (median) | planned, a round "
-        "trip per hop | planned, a latency per hop | measured / one-way delay | load average |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "| nodes | one-way delay | rate | collective | bytes per rank | measured s (median) | planned, gloo "
+        "| planned, nccl's hops | measured / one-way delay | TCP retransmits, timeouts | load average |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["nodes"], r["delay_ms"], -_bits(r["rate"]), r["kind"], r["nbytes"])):
         per = f"{r['measured'] / (r['delay_ms'] / 1000):.1f}" if r["delay_ms"] else "-"
+        tcp = "-" if r.get("retransmits") is None else f"{r['retransmits']}, {r['timeouts']}"
         lines.append(
             f"| {r['nodes']} | {r['delay_ms']:g} ms | {r['rate']} | {r['kind']} | {r['nbytes']} | "
-            f"{r['measured']:.4f} | {r['round_trip']:.4f} | {r['one']:.4f} | {per} | {r['load']} |"
+            f"{r['measured']:.4f} | {r['round_trip']:.4f} | {r['one']:.4f} | {per} | {tcp} | {r['load']} |"
         )
     return lines
 
@@ -446,7 +499,9 @@ HEAD = """# The planner against a network with real delay (generated by benchmar
 Every byte between nodes held for the one-way delay by a TCP relay between network namespaces
 (benchmarks/delay_relay.py, benchmarks/delay_netns.py), every link rate-limited by tc tbf; gloo untouched. The
 planner is given DeMo defaults' compute measured in the same case, the default fixed cost per collective, the
-nominal rate and the delay. Wait on the link: DeMo's time in its collectives; DDP-AdamW's step less its compute.
+nominal rate and the delay, and plans gloo (`--backend gloo`: a round trip per ring hop, a binomial-tree broadcast,
+DDP's buckets two at a time) beside NCCL's model (`--backend nccl`: a latency per hop, one collective at a time).
+Wait on the link: DeMo's time in its collectives; DDP-AdamW's step less its compute.
 
 """
 

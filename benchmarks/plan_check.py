@@ -522,7 +522,7 @@ def predicted_comm(record: dict):
     intra = Link(loopback, 0.0)
     inter = Link(loopback if rate == "none" else Link.parse(rate).bandwidth, record["latency_ms"] / 1000)
     cluster = Cluster(record["nodes"], record["per_node"], intra, inter, record["overhead_s"])
-    work = Workload(model_shapes(), 1.0)
+    work = Workload(model_shapes(), 1.0, ddp_buffers=False)  # linear layers: no buffers for DDP to broadcast
     if MEASURED[method] is None:
         est = ddp_adamw(cluster, work)
     else:

@@ -142,3 +142,9 @@ def test_the_check_plans_each_run_and_the_router_redirects_tcp():
     assert "| 2 | 20 ms | 1gbit | DeMo defaults |" in text and "| 2 | 20 ms | 1gbit | DDP-AdamW |" in text
     [probe] = delay_check.probe_rows(records)
     assert probe["round_trip"] == pytest.approx(0.040, rel=0.01) and probe["one"] == pytest.approx(0.020, rel=0.01)
+    one = delay_check.planned_probe("all_reduce", 1 << 20, cluster)  # two at once on gloo: the time of one
+    assert delay_check.planned_probe("all_reduce_pair", 1 << 20, cluster) == pytest.approx(one)
+    nccl = delay_check.delayed_cluster(2, "1gbit", 20.0, round_trip=False)  # in turn: twice
+    assert delay_check.planned_probe("all_reduce_pair", 1 << 20, nccl) == pytest.approx(
+        2 * delay_check.planned_probe("all_reduce", 1 << 20, nccl)
+    )

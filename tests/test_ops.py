@@ -1071,14 +1071,15 @@ def test_every_collective_pays_the_fixed_cost_once_whatever_its_bytes_and_hops()
 def test_the_plan_adds_the_fixed_cost_per_collective_amortised_over_its_schedule():
     """DeMo's step is one small all-gather (the header with the payload; the verdict settles in the next one), two
     with local steps (their vote is its own): on a short link their fixed cost is most of its time in
-    collectives; with sync_every=8 it is paid once per 8 steps; DDP's one bucket once."""
+    collectives; with sync_every=8 it is paid once per 8 steps; DDP's broadcast of its buffers and its one bucket
+    once each."""
     from hf_demo.ops.links import COLLECTIVE_OVERHEAD
 
     work = Workload(shapes.parse_shapes("256x256*3,256*3"), 1.0)
     link = Link.parse("8gbit", "0")
     bare, costly = Cluster(2, 1, link, link, 0.0), Cluster(2, 1, link, link, 1e-3)
     assert Cluster(2, 1, link, link).overhead == COLLECTIVE_OVERHEAD == 20e-6  # NCCL on GPUs by default
-    for name, every, collectives in (("demo", 1, 1), ("demo-sync8", 8, 2), ("ddp-adamw", 1, 1)):
+    for name, every, collectives in (("demo", 1, 1), ("demo-sync8", 8, 2), ("ddp-adamw", 1, 2)):
         before, after = METHODS[name](bare, work), METHODS[name](costly, work)
         assert len(after.collectives) == collectives, name
         added = collectives * 1e-3 / every

@@ -235,8 +235,9 @@ def _cluster_flags(p) -> None:
         "--backend",
         choices=("nccl", "gloo"),
         default="nccl",
-        help="the collectives' backend: nccl (default) pays one latency per ring hop; gloo over TCP pays a round "
-        "trip (two latencies) per hop, measured behind a delaying relay (docs/guides/operations.md)",
+        help="the collectives' backend: nccl (default) pays one latency per ring hop and runs one collective at a "
+        "time; gloo over TCP pays a round trip (two latencies) per ring hop, broadcasts along a binomial tree and runs "
+        "DDP's buckets two at a time, as measured behind a delaying relay (docs/guides/operations.md)",
     )
     p.add_argument(
         "--collective-overhead",
@@ -401,6 +402,7 @@ def _plan_inputs(args):
         Link.parse(args.intra_node, args.intra_latency, round_trip=args.backend == "gloo"),
         Link.parse(args.inter_node, args.inter_latency, round_trip=args.backend == "gloo"),
         parse_time(args.collective_overhead),
+        concurrent=2 if args.backend == "gloo" else 1,
     )
     steps = args.steps_per_epoch or math.ceil(args.epoch_samples / (cluster.world * args.batch_size))
     work = Workload(

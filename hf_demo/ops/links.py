@@ -7,7 +7,8 @@ A link is its bandwidth (bytes per second, each direction) and its one-way laten
   ``2 (W - 1) / W * n`` bytes (what :class:`hf_demo.exchange.transport.Transport` counts for an all-reduce);
 - reduce-scatter of ``n`` bytes per rank (each keeps ``n / W`` of the sum): ``W - 1`` hops, each edge carries
   ``(W - 1) / W * n`` bytes (FSDP2's gradient reduction);
-- broadcast of ``n`` bytes: pipelined along the ring, ``n`` bytes per edge and ``W - 1`` hops.
+- broadcast of ``n`` bytes: pipelined along the ring, ``n`` bytes per edge and ``W - 1`` hops (NCCL; gloo's is a
+  binomial tree, below).
 
 Ranks spread over several nodes are limited by the link between nodes (a ring ordered by node crosses each
 node's link once each way); ranks of one node by the link inside it.
@@ -38,7 +39,9 @@ trip, two latencies (``Link(..., round_trip=True)``). Measured on namespaces who
 relay holds for the latency (``benchmarks/delay_check.py``), a gloo all-gather over ``W`` ranks takes
 ``2 (W - 1)`` latencies, not ``W - 1``. gloo keeps two segments of a collective in flight, so a hop's round
 trip and its chunk's bytes overlap: such a hop takes the longer of the two, not their sum (DDP's 1 MB buckets
-at 20 Mbit/s took their bytes' time).
+at 20 Mbit/s took their bytes' time). gloo's broadcast is a binomial tree, not a ring: ``ceil(log2 W)`` rounds, each
+sending the whole buffer, ``ceil(log2 W) + 1`` latencies in all (every receiver's ready notice is posted at the
+start, so only the first hop waits for one).
 
 Each collective also pays a fixed cost whatever its bytes and hops, once (``overhead``): the software's, to
 launch it and to learn that it is done (the framework's dispatch, the backend's queue and threads, a kernel
@@ -160,6 +163,8 @@ def _ring_seconds(kind: str, nbytes: float, world: int, link: Link, inner: Link 
     else:
         between, within = ring_hops(kind, world, per_node)
     inner = inner or link
+    if kind == "broadcast" and link.round_trip:
+        return _tree_broadcast_seconds(nbytes, world, link, inner, per_node)
     transfer = edge_bytes(kind, nbytes, world) / link.bandwidth
     if kind == "broadcast":
         return transfer + between * link.hop_latency + within * inner.hop_latency
@@ -174,6 +179,24 @@ def _hop_seconds(link: Link, chunk: float) -> float:
     if link.round_trip:
         return max(link.hop_latency, chunk / link.bandwidth)
     return link.latency + chunk / link.bandwidth
+
+
+def _tree_broadcast_seconds(nbytes: float, world: int, link: Link, inner: Link, per_node: int) -> float:
+    """gloo's broadcast (``gloo/broadcast.cc``): a binomial tree of ``ceil(log2 W)`` rounds; in round ``i`` each
+    rank holding the data sends it whole to the rank ``2^i`` away. Every receiver posts its receive at the start,
+    so its ready notice has arrived before its sender gets the data: the first hop costs a round trip, each later
+    hop one latency. The deepest rank waits for ``ceil(log2 W)`` whole copies in turn, ``(ceil(log2 W) + 1)``
+    latencies in all. With ``per_node`` ranks on each node (ranks ordered by node), the first ``log2 per_node``
+    rounds stay inside the nodes (``inner``), the rest cross between them (``link``)."""
+    rounds = math.ceil(math.log2(world))
+    within = min(rounds, math.ceil(math.log2(per_node))) if per_node > 1 else 0
+    between = rounds - within
+    first = inner if within else link
+    return (
+        within * (nbytes / inner.bandwidth + inner.latency)
+        + between * (nbytes / link.bandwidth + link.latency)
+        + first.latency
+    )
 
 
 def ring_hops(kind: str, world: int, per_node: int) -> tuple[int, int]:

@@ -35,6 +35,9 @@ class Cluster:
     intra: Link
     inter: Link
     overhead: float = COLLECTIVE_OVERHEAD  # seconds every collective costs whatever its bytes and hops (links.py)
+    # collectives one process group runs at once: 1 for NCCL (one stream, in order), 2 for gloo (ProcessGroupGloo's
+    # two worker threads: DDP's bucket all-reduces, issued without waiting, run side by side)
+    concurrent: int = 1
 
     @property
     def world(self) -> int:
@@ -76,6 +79,9 @@ class Workload:
     backward_fraction: float = 2 / 3  # the part of compute_s a DDP all-reduce can hide under
     powersgd_rank: int = 4
     demo_settings: dict = field(default_factory=dict)  # settings every DeMo variant starts from
+    # the model has buffers, which DDP broadcasts before every forward (every transformers language model has some:
+    # rotary frequencies, position ids); the shapes do not say, so the planner assumes it, as for those models
+    ddp_buffers: bool = True
 
     @property
     def n_params(self) -> int:
@@ -96,29 +102,42 @@ class Estimate:
     loss_cost: str = ""  # what it costs in loss, measured (docs/results.md), with the section
 
     def exchange_s(self, cluster: Cluster) -> float:
-        """Seconds per step (amortised over ``every``) that the step waits on the network."""
-        fixed, hidden = self._collective_seconds(cluster)
-        return fixed + max(0.0, hidden - self.hide_window_s)
+        """Seconds per step (amortised over ``every``) that the step waits on the network: the collectives one
+        after the other, those that may hide less the computation they hide under, and on a backend that runs
+        collectives at once (``cluster.concurrent``) the ``overlaps`` ones side by side (:meth:`_side_by_side_s`)."""
+        at_once = cluster.concurrent > 1
+        side = [c for c in self.collectives if at_once and c.overlaps]
+        fixed, hidden = self._collective_seconds(cluster, [c for c in self.collectives if not (at_once and c.overlaps)])
+        return fixed + max(0.0, hidden - self.hide_window_s) + self._side_by_side_s(cluster, side)
 
     def comm_s(self, cluster: Cluster) -> float:
         """Seconds per step (amortised) its collectives take, hidden under computation or not: what a rank's
         clock around each collective adds up to (``benchmarks/plan_check.py --measure`` measures it)."""
-        return sum(self._collective_seconds(cluster))
+        return sum(self._collective_seconds(cluster, self.collectives))
 
-    def _collective_seconds(self, cluster: Cluster) -> tuple[float, float]:
+    def _collective_seconds(self, cluster: Cluster, collectives: list[Collective]) -> tuple[float, float]:
         """(seconds of the collectives the step waits for, seconds of those that may hide), per step."""
         fixed = hidden = 0.0
-        for c in self.collectives:  # side by side on one link (parallel): the link carries their sum
-            spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
-            inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
-            link = cluster.link(c.scope)
-            nbytes, overhead = c.nbytes * c.parallel, cluster.overhead  # side by side: one fixed cost
-            t = collective_seconds(c.kind, nbytes, c.world, link, inner, per_node, overhead) / c.every
+        for c in collectives:
             if c.hideable:
-                hidden += t
+                hidden += _seconds(c, cluster)
             else:
-                fixed += t
+                fixed += _seconds(c, cluster)
         return fixed, hidden
+
+    def _side_by_side_s(self, cluster: Cluster, side: list[Collective]) -> float:
+        """The wait on collectives that run ``cluster.concurrent`` at once (gloo's DDP buckets, issued as each
+        fills): the longest of those issued last (the step waits for each whole), those issued during the backward
+        pass less the computation left after them (each whole, or their times shared over the threads, the
+        longer), and all their bytes together on the one link, less the same computation."""
+        if not side:
+            return 0.0
+        window = self.hide_window_s
+        early = [_seconds(c, cluster) for c in side if c.hideable]
+        last = max((_seconds(c, cluster) for c in side if not c.hideable), default=0.0)
+        shared = max(max(early, default=0.0), sum(early) / cluster.concurrent) - window
+        together = _seconds(side[0], cluster, sum(c.nbytes for c in side)) - window  # one period: DDP's, every step
+        return max(0.0, last, shared, together)
 
     def step_s(self, cluster: Cluster) -> float:
         return self.compute_s + self.exchange_s(cluster)
@@ -138,13 +157,23 @@ class Estimate:
         return sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives)
 
 
+def _seconds(c: Collective, cluster: Cluster, nbytes: float | None = None) -> float:
+    """Seconds per step (amortised over ``c.every``) of collective ``c`` on ``cluster`` (``nbytes``: in place of
+    its own). Ranks running it side by side on one link (``parallel``) hand the link their sum, one fixed cost."""
+    spans = c.scope == "inter" and c.world > cluster.nodes  # several ranks of each node in the ring
+    inner, per_node = (cluster.intra, c.world // cluster.nodes) if spans else (None, 1)
+    total = (c.nbytes if nbytes is None else nbytes) * c.parallel
+    link = cluster.link(c.scope)
+    return collective_seconds(c.kind, total, c.world, link, inner, per_node, cluster.overhead) / c.every
+
+
 # ---------------------------------------------------------------- the methods
 def ddp_adamw(cluster: Cluster, work: Workload) -> Estimate:
     n, pb = work.n_params, work.param_bytes
     return Estimate(
         "ddp-adamw",
         "DDP AdamW",
-        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope, buffers=work.ddp_buffers),
         work.compute_s + work.adamw_s,
         work.backward_fraction * work.compute_s,
         memory_bytes=2 * pb * n + 4 * n + 8 * n,  # parameters, gradients, DDP's buckets, AdamW's two moments
@@ -163,7 +192,7 @@ def ddp_muon(cluster: Cluster, work: Workload) -> Estimate:
     return Estimate(
         "ddp-muon",
         label,
-        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope),
+        ddp_collectives(work.shapes, cluster.world, cluster.flat_scope, buffers=work.ddp_buffers),
         work.compute_s * (1 + work.orthogonal_overhead) + work.adamw_s,
         work.backward_fraction * work.compute_s,
         # parameters, gradients, DDP's buckets, at most AdamW's state: a momentum for every parameter, a second
@@ -180,7 +209,7 @@ def ddp_powersgd(cluster: Cluster, work: Workload) -> Estimate:
     return Estimate(
         "ddp-powersgd",
         f"DDP PowerSGD r{r}",
-        powersgd_collectives(work.shapes, cluster.world, cluster.flat_scope, r),
+        powersgd_collectives(work.shapes, cluster.world, cluster.flat_scope, r, buffers=work.ddp_buffers),
         work.compute_s * (1 + work.powersgd_overhead) + work.adamw_s,
         0.0,  # the hook's P and Q all-reduces run one after the other at the end of the backward pass
         memory_bytes=2 * pb * n + 4 * n + 8 * n + 4 * n + factors,  # + error feedback and the factors

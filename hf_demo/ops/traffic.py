@@ -48,6 +48,9 @@ class Collective:
     every: float = 1
     hideable: bool = False
     parallel: int = 1  # ranks of one node running this collective at once, each in its own group, on one link
+    # issued without waiting for the one before (DDP's buckets): where the backend runs collectives side by side
+    # (Cluster.concurrent: gloo's two worker threads) their times overlap instead of adding up
+    overlaps: bool = False
 
 
 def demo_layouts(shapes: list[Shape], settings: DeMoSettings, topk_divisor: int = 1):
@@ -257,8 +260,12 @@ def _shard_sizes(shapes, settings, shards: int) -> dict:
     return {"matrices": rows, "figures": figures}
 
 
-def ddp_collectives(shapes: list[Shape], world: int, scope: str, grad_bytes: int = 4) -> list[Collective]:
-    """DDP's gradient all-reduces, one per bucket; every bucket but the last may run during the backward pass."""
+def ddp_collectives(
+    shapes: list[Shape], world: int, scope: str, grad_bytes: int = 4, buffers: bool = True
+) -> list[Collective]:
+    """DDP's step: the broadcast of the model's buffers before the forward (:func:`ddp_buffer_broadcast`; none
+    without ``buffers``), then its gradient all-reduces, one per bucket, each issued as its bucket fills without
+    waiting for the one before (``overlaps``); every bucket but the last may run during the backward pass."""
     total = grad_bytes * sum(math.prod(s) for s in shapes)
     sizes, rest = [], total
     cap = DDP_FIRST_BUCKET_BYTES
@@ -266,15 +273,26 @@ def ddp_collectives(shapes: list[Shape], world: int, scope: str, grad_bytes: int
         sizes.append(min(cap, rest))
         rest -= sizes[-1]
         cap = DDP_BUCKET_BYTES
-    return [
-        Collective(f"bucket{i}", "all_reduce", b, world, scope, hideable=i < len(sizes) - 1)
+    return ([ddp_buffer_broadcast(world, scope)] if buffers else []) + [
+        Collective(f"bucket{i}", "all_reduce", b, world, scope, hideable=i < len(sizes) - 1, overlaps=True)
         for i, b in enumerate(sizes)
     ]
 
 
-def powersgd_collectives(shapes: list[Shape], world: int, scope: str, rank: int = 4) -> list[Collective]:
-    """torch's ``powerSGD_hook`` on one bucket: the uncompressed tensors, then ``P``, then ``Q`` all-reduced
-    (a matrix is compressed where ``(n + m) r`` is less than half of ``n m``, its ``min_compression_rate``)."""
+def ddp_buffer_broadcast(world: int, scope: str) -> Collective:
+    """DistributedDataParallel broadcasts the module's buffers from rank 0 before every forward
+    (``broadcast_buffers=True``, torch's and Trainer's default) and waits for it. Every transformers language model
+    has buffers (rotary frequencies, position ids): a few hundred bytes, so its bytes are left out (0) and its
+    latency is not. A model without buffers skips it (``Workload.ddp_buffers=False``)."""
+    return Collective("buffers", "broadcast", 0, world, scope)
+
+
+def powersgd_collectives(
+    shapes: list[Shape], world: int, scope: str, rank: int = 4, buffers: bool = True
+) -> list[Collective]:
+    """DDP's broadcast of the buffers (:func:`ddp_buffer_broadcast`, with ``buffers``), then torch's
+    ``powerSGD_hook`` on one bucket: the uncompressed tensors, then ``P``, then ``Q`` all-reduced (a matrix is
+    compressed where ``(n + m) r`` is less than half of ``n m``, its ``min_compression_rate``)."""
     plain = p_bytes = q_bytes = 0
     for s in shapes:
         n, m = (s[0], math.prod(s[1:])) if len(s) >= 2 else (1, math.prod(s))
@@ -282,7 +300,8 @@ def powersgd_collectives(shapes: list[Shape], world: int, scope: str, rank: int 
             p_bytes, q_bytes = p_bytes + 4 * n * rank, q_bytes + 4 * m * rank
         else:
             plain += 4 * n * m
-    out = [Collective("uncompressed", "all_reduce", plain, world, scope)] if plain else []
+    out = [ddp_buffer_broadcast(world, scope)] if buffers else []
+    out += [Collective("uncompressed", "all_reduce", plain, world, scope)] if plain else []
     return out + [
         Collective("P", "all_reduce", p_bytes, world, scope),
         Collective("Q", "all_reduce", q_bytes, world, scope),
