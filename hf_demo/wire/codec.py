@@ -62,8 +62,9 @@ FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its 
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
 FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
 # settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
-FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the final round after it (hf_demo.optim.settle)
-FLAG_FINAL = 1024  # a settling row of the final round: its verdict is its sender's finding on the round before
+FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the later rounds after it (hf_demo.optim.settle)
+FLAG_FINAL = 1024  # a settling row of confirm()'s later rounds (with FLAG_CONFIRM the second, alone the third): its
+# verdict is its sender's finding on the rounds before
 VERDICT_SHIFT = 16
 
 
