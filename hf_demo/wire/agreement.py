@@ -277,7 +277,7 @@ def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sea
 
 UNREAD = -1  # a settling row this rank could not trust (or of another kind than it waited for): a refusal
 UNTRUSTED = 4  # a verdict word: this rank could not trust the verdict of the rank in the bits above the eighth
-RELAYED = 8  # a final round's word: this rank read another rank's refusal in the round before
+RELAYED = 8  # a later round's word: this rank read another rank's refusal in a round before
 
 
 def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list:
