@@ -156,18 +156,20 @@ def vote(step, chosen, found, agreed, refusal) -> Settled:
         raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
     words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
     if refusal is not None or any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
-        raise _refused_now(transport, words, refusal, found.first)
+        raise _refused_now(transport, words, refusal, found.first and step.view.secret is not None)
     if any(words):  # a verdict this rank could not trust: the step settles with that finding in the next exchange
         return Settled(row_bytes=row_bytes, again=True, owes=untrusted(transport, words))
     return Settled(row_bytes=row_bytes, again=True)
 
 
-def _refused_now(transport, words: list[int], refusal, first: bool) -> DeMoSyncError:
-    """The error of a step refused in its own settling all-gather. Where every rank refused something at a
-    process's first exchange (no rank could trust the others' headers or rows), the ranks hold different secrets
-    (``HF_DEMO_SECRET``, ``HF_DEMO_ENCRYPT``): a retry would meet the same, so it is named as that, on every rank."""
+def _refused_now(transport, words: list[int], refusal, first_signed: bool) -> DeMoSyncError:
+    """The error of a step refused in its own settling all-gather. Where, at a process's first exchange with a
+    secret (``first_signed``), this rank refused a header that passed its CRC32 (its tag failed, or it did not
+    open) and could trust no other rank's row either, the ranks hold different secrets (``HF_DEMO_SECRET``,
+    ``HF_DEMO_ENCRYPT``): a retry would meet the same, so it is named as that."""
     exc = agreement.refused_everywhere(transport, transport.step, words, refusal)
-    if not (first and all(words)):
+    header = refusal is not None and getattr(refusal, "header_sender", None) is not None
+    if not (first_signed and header and not getattr(refusal, "garbled", False) and all(words)):
         return exc
     return DeMoSyncError(
         f"{exc}. Every rank refused what the others sent at this process's first exchange: the ranks cannot read "

@@ -712,13 +712,16 @@ UNSIGNED = (
 )
 
 
+GARBLED = "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+
+
 def header_refusal(h: Header, secret: bytes | None, strict: bool = False) -> str | None:
     """Why this rank cannot trust a received header (None: it can): its CRC32 fails (corrupted on the way), or,
     where both ends sign, its HMAC does; with a secret, a row that claims not to be signed (``strict``: anywhere
     but a process's first exchange, where :func:`check_headers` names a rank without the secret on every rank
     alike, "does not sign"; a settling row always: it carries a verdict)."""
     if not h.intact():
-        return "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+        return GARBLED
     if secret is not None and not h.flags & FLAG_AUTH and (strict or h.flags & FLAG_SETTLES):
         return UNSIGNED
     if secret is not None and h.flags & FLAG_AUTH and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
@@ -765,6 +768,7 @@ def header_refused(rank: int, sender: int, step: int, why: str) -> DeMoPayloadEr
         f"rank {rank}: the header from rank {sender} at optimizer step {step} {why}; nothing was applied"
     )
     error.header_sender = sender
+    error.garbled = why == GARBLED  # its CRC32 failed: corrupted, not another secret's
     return error
 
 
