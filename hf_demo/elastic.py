@@ -23,8 +23,8 @@ step:
 
 A quorum that cannot form (the Lighthouse lost: torchft's raw ``TimeoutError: status: Cancelled``) raises one
 :class:`DeMoSyncError` naming the Lighthouse and the fix (:func:`quorum_failed`); a missing ``TORCHFT_LIGHTHOUSE`` is
-a :class:`DeMoSetupError` from ``Elastic(...)``; a replica group restarted by torchrun that finds itself alone at
-step 0 (the run is over, or every replica died) is refused (:func:`refuse_lost_run`).
+a :class:`DeMoSetupError` from ``Elastic(...)``; a replica group that comes back to a run (under any launcher) and
+finds itself alone at step 0 (the run is over, or every replica died) is refused (:func:`refuse_lost_run`).
 
 With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
 may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
@@ -195,18 +195,30 @@ def lighthouse_reachable(address: str) -> bool | None:
         return False
 
 
+FIRST_QUORUM_ID = 1  # the id a fresh Lighthouse gives its first quorum (it counts each change of the quorum's members)
+
+
 def refuse_lost_run(manager, world: int) -> None:
-    """At this process's first quorum: a restarted replica group (torchrun's ``TORCHELASTIC_RESTART_COUNT`` > 0)
-    alone in a quorum at step 0 finds no replica that holds the run's state (the others finished, or every one died):
-    training on alone would start the run again and end with other parameters, so it is refused."""
+    """At this process's first quorum: a replica group alone in a quorum at step 0 that comes back to a run (the
+    Lighthouse formed a quorum before this one, whatever launched the process; or torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` > 0) finds no replica that holds the run's state (the others finished, or every
+    one died): training on alone would start the run again and end with other parameters, so it is refused. A run's
+    first replica alone at step 0 (the Lighthouse's first quorum, no restart) trains."""
+    if world != 1 or manager.current_step() != 0:
+        return
     restarts = os.environ.get(RESTART_ENV, "0")
-    if world != 1 or manager.current_step() != 0 or not restarts.isdigit() or int(restarts) == 0:
+    quorum = getattr(manager, "_quorum_id", None)
+    if restarts.isdigit() and int(restarts) > 0:
+        why = f"this replica group was restarted ({RESTART_ENV}={restarts})"
+    elif isinstance(quorum, int) and quorum > FIRST_QUORUM_ID:
+        why = f"this replica group came back to a run whose Lighthouse formed {quorum - 1} quorum(s) before this one"
+    else:
         return
     raise DeMoSyncError(
-        f"hf_demo.elastic: this replica group was restarted ({RESTART_ENV}={restarts}) but is alone in torchft's "
-        "quorum at step 0: no live replica group holds the run's state (the others finished, or every one died), so "
-        "training on would start the run again from this process's own weights and end with other parameters. "
-        "Resume the run from its last checkpoint (every replica group), or start a new run with a new Lighthouse"
+        f"hf_demo.elastic: {why} but is alone in torchft's quorum at step 0: no live replica group holds the run's "
+        "state (the others finished, or every one died), so training on would start the run again from this "
+        "process's own weights and end with other parameters. Resume the run from its last checkpoint (every "
+        "replica group), or start a new run with a new Lighthouse"
     )
 
 

@@ -105,7 +105,36 @@ def test_hsdp_reports_the_shard_groups_traffic_apart_from_demos_bytes_across_rep
     """On HSDP comm_stats added the shard group's traffic (the whole-matrix gathers of orthogonal, the node
     header and vote) to DeMo's payload across the replicas. bytes_sent is now what crossed the replicas alone,
     intra_bytes_sent the shard group's."""
-    for rank, steps in enumerate(expect_ok(gloo(_hsdp_orthogonal, 4, timeout=240))):
+    ranks = expect_ok(gloo(_hsdp_orthogonal, 4, timeout=240))
+    for rank, steps in enumerate(ranks):
         for step, (across, inside, sent, intra) in enumerate(steps[1:], start=1):  # (step 0: set-up checks)
             assert inside > 0 and across > 0, (rank, step, steps)
             assert sent == across and intra == inside, (rank, step, steps)
+    _planned_as_sent(ranks)
+
+
+def _planned_as_sent(ranks) -> None:
+    """The planner's HSDP figures split as comm_stats splits them: its rank_bytes (the bytes across the replicas)
+    left out the shard group's Newton-Schulz gathers, node header and vote, and FSDP2's own collectives, which it
+    counted in; rank_bytes("shard") is the shard group's (intra_bytes_sent). Per step, the mean over the ranks, less
+    what runs every N steps (the drift check), amortised in the plan."""
+    from hf_demo.ops.links import sent_bytes
+    from hf_demo.ops.methods import Estimate
+    from hf_demo.ops.traffic import demo_collectives
+    from hf_demo.settings import DeMoSettings
+
+    settings = DeMoSettings(update_rule="orthogonal", compression_topk=4, compression_chunk=8)
+    shapes = [tuple(p.shape) for p in tiny_mlp().parameters()]
+    plan = Estimate("demo-hsdp", "HSDP", demo_collectives(shapes, settings, 2, 2, layout="hsdp"), 0.0, 0.0, 0.0, 0)
+
+    def per_step(group: str) -> float:
+        periodic = sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in plan.collectives
+                       if c.group == group and c.every > 1)  # fmt: skip
+        return plan.rank_bytes(group) - periodic
+
+    for step in (1, 2):
+        sent = sum(steps[step][2] for steps in ranks) / len(ranks)
+        intra = sum(steps[step][3] for steps in ranks) / len(ranks)
+        assert per_step("replicas") == pytest.approx(sent), (step, per_step("replicas"), sent)
+        assert per_step("shard") == pytest.approx(intra), (step, per_step("shard"), intra)
+    assert plan.rank_bytes("fsdp") > 0

@@ -191,6 +191,23 @@ def test_a_restarted_replica_alone_at_step_0_is_refused(monkeypatch):
     elastic.start_step()
 
 
+def test_a_replica_back_alone_at_step_0_to_a_lighthouse_that_formed_quorums_before_is_refused(monkeypatch):
+    """Without torchrun (no restart count), a replica group alone at step 0 in a quorum after the Lighthouse's first
+    one comes back to a run whose state no live replica holds: refused. The run's first replica alone at step 0
+    (the Lighthouse's first quorum) trains."""
+    _torchft()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    manager = _Manager()
+    manager.world, manager.quorum = 1, 3
+    elastic, _ = _elastic(manager)
+    with pytest.raises(DeMoSyncError, match="formed 2 quorum.s. before this one but is alone in torchft's quorum"):
+        elastic.start_step()
+    manager = _Manager()
+    manager.world = 1  # the Lighthouse's first quorum: a run that starts with one replica
+    elastic, _ = _elastic(manager)
+    elastic.start_step()
+
+
 # ---------------------------------------------------------------- replica groups on loopback (a real Lighthouse)
 def _replicas(tmp_path, n, args, extra=None):
     _torchft()
@@ -320,6 +337,26 @@ def test_a_replica_restarted_after_the_others_finished_refuses_to_train_alone(tm
     code, error, tried = done["1"]
     assert code == 1 and error is not None and "alone in torchft's quorum at step 0" in error, (code, error)
     assert "last checkpoint" in error and not tried, tried
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replica_started_again_by_any_launcher_after_the_others_finished_refuses_to_train_alone(tmp_path):
+    """The same, started again by another launcher than torchrun (a plain process: no TORCHELASTIC_RESTART_COUNT).
+    It trained alone and exited 0 with other parameters; it is now refused from the Lighthouse's quorum count."""
+    reps = _replicas(tmp_path, 2, ["--steps", "6"], extra={"1": ["--die-at", "2:between"]})
+    try:
+        reps.wait_exit("1", 120)
+        finished = reps.finish(120)
+        assert finished["0"]["steps"] == 6
+        reps.start("1")  # no TORCHELASTIC_RESTART_COUNT (the test process runs under no launcher)
+        done = _exits(reps, ["1"], 120)
+    finally:
+        reps.close()
+    code, error, tried = done["1"]
+    assert code == 1 and error is not None and "alone in torchft's quorum at step 0" in error, (code, error)
+    assert "came back to a run whose Lighthouse formed" in error and not tried, (error, tried)
 
 
 # ---------------------------------------------------------------- survivors of one failure, at different steps

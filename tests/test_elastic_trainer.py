@@ -302,3 +302,28 @@ def test_a_shard_stream_reads_on_from_its_position_across_epochs():
     assert list(stream) == whole[14:20] and list(stream) == whole[20:30]
     stream.set_epoch(0)  # Trainer's epoch counter does not move the stream
     assert stream.position == 30
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["compression_topk", "lr"])
+def test_replica_groups_whose_settings_differ_stop_under_trainer_naming_the_setting(tmp_path, lighthouse, setting):
+    """Replica group 1's top-k (or learning rate) differs from group 0's, both under DeMoTrainer with the ops
+    callbacks on. Every step was refused and retried, with a warning each time that "a replica left torchft's
+    quorum" though none did, and the cause never printed. Both replica groups now stop at their first step whose
+    headers differ with DeMoSettingsError naming the setting and each group's value, and no alert blames a lost
+    replica."""
+    other = ["--topk", "2"] if setting == "compression_topk" else ["--lr", "0.02"]
+    start = ["--steps", "40", "--start-file", str(tmp_path / "start")]
+    replicas = [Replica(0, lighthouse, tmp_path, *start), Replica(1, lighthouse, tmp_path, *start, *other)]
+    _start_together(replicas, tmp_path)
+    codes = [r.wait(240) for r in replicas]
+    logs = [(tmp_path / f"replica{rid}.log").read_text() for rid in (0, 1)]
+    name = "compression_topk" if setting == "compression_topk" else "param_groups[0].lr"
+    values = ("4", "2") if setting == "compression_topk" else ()  # (the lr's: the warm-up's at that step)
+    for rid, (code, log, replica) in enumerate(zip(codes, logs, replicas)):
+        assert code != 0 and "DeMoSettingsError" in log, (rid, code, log[-3000:])
+        assert name in log and "replica group 0 (rank 0 of the quorum)" in log, log[-3000:]
+        assert "replica group 1 (rank 1 of the quorum)" in log and all(v in log for v in values), log[-3000:]
+        assert "a replica left torchft's quorum" not in log, log[-3000:]
+        assert not any(x.get("committed") for x in replica.lines if "step" in x and x["step"] > 2), replica.lines

@@ -313,3 +313,67 @@ def test_demotrainer_names_a_truncated_vouched_file_on_every_rank(tmp_path):
         messages = _errors(proc.stdout, "CheckpointError")
         assert len(messages) == 2 and len(set(messages)) == 1, proc.stdout[-3000:]
         assert f"{name} cannot be read" in messages[0], messages[0]
+
+
+HUGE_UPDATE = 1.0e30  # within the coefficient bound (codec.coefficient_bound), its square far past fp32's range
+RULE_CASES = [(rule, fmt) for rule in ("adam", "adamw") for fmt in ("fp32", "bf16", "sign", "2bit", "inner")]
+FAST_CASES = [("adam", "fp32"), ("adamw", "inner")]  # the default run; every rule and format in the slow tier
+
+
+def _moments(opt) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for k, v in s.items() if k.endswith("exp_avg_sq")]
+
+
+def _huge_update(rank, rule: str, fmt: str):
+    """Two clean steps, then one whose update is HUGE_UPDATE (every rank sends it; ``fmt`` "inner": the local
+    steps' own rule, ``sync_every=2``, fed this rank's gradient scaled to it), then one clean step."""
+    from hf_demo.wire import codec
+
+    kw = {"sync_every": 2, "inner_rule": rule} if fmt == "inner" else {"update_rule": rule, "value_format": fmt}
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=10.0, **kw)
+    for step in range(2):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    loss_and_backward(model, rank, 2)
+    if fmt == "inner":
+        for p in model.parameters():
+            p.grad.mul_(HUGE_UPDATE / p.grad.abs().max())
+    else:
+        values = codec.value_format(fmt)
+        real_encode = values.encode_rows
+        values.encode_rows = lambda v, bucket: real_encode(torch.where(v < 0, -HUGE_UPDATE, HUGE_UPDATE), bucket)
+    try:
+        opt.step()
+    finally:
+        if fmt != "inner":
+            values.encode_rows = real_encode
+    loss_and_backward(model, rank, 3)
+    opt.step()
+    opt.flush()
+    return [p.detach().clone() for p in model.parameters()], _moments(opt), opt.steps
+
+
+def _huge_updates(rank, world, cases):
+    return {case: _huge_update(rank, *case) for case in cases}
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [FAST_CASES, pytest.param([c for c in RULE_CASES if c not in FAST_CASES], marks=pytest.mark.slow)],
+    ids=["adam_fp32-adamw_inner", "every_other_rule_and_format"],
+)
+def test_an_update_whose_square_overflows_leaves_adams_second_moment_finite_on_every_rank(gloo, cases):
+    """An averaged update above about 1.8e19 (every rank's, or a local step's own under sync_every) squared past
+    fp32's range: the second moment became Inf and stayed so (that element frozen, Inf saved in checkpoints),
+    silently. It now saturates at fp32's maximum, in every rule that keeps one (adam, adamw; outer and inner) and
+    every value format: every rank's moments and parameters are finite, and the replicas identical."""
+    ranks = expect_ok(gloo(_huge_updates, 2, [tuple(c) for c in cases], timeout=180))
+    for case in cases:
+        (params0, _, steps0), (params1, _, steps1) = (r[case] for r in ranks)
+        assert steps0 == steps1 == 4, (case, steps0, steps1)
+        assert all(torch.equal(a, b) for a, b in zip(params0, params1)), f"{case}: the replicas differ"
+        for rank, (params, moments, _) in enumerate(r[case] for r in ranks):
+            assert moments, case
+            assert all(torch.isfinite(v).all() for v in moments), f"{case}, rank {rank}: an Inf second moment"
+            assert all(torch.isfinite(p).all() for p in params), f"{case}, rank {rank}: non-finite parameters"

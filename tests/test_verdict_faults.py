@@ -66,6 +66,20 @@ def _settling(r: int):
     return when
 
 
+def _round_row(r: int, kind: int):
+    """``when``: rank ``r``'s row is a clear settling row of confirm()'s round ``kind`` (its FLAG_CONFIRM and
+    FLAG_FINAL bits: ``agreement.RELAY_ROUND``, ``agreement.FINAL_ROUND``)."""
+    from hf_demo.wire import codec
+
+    rounds = codec.FLAG_CONFIRM | codec.FLAG_FINAL
+
+    def when(out, n):
+        row = out[r * n : (r + 1) * n]
+        return _settling(r)(out, n) and _flags(row) & rounds == kind
+
+    return when
+
+
 def _sealed(row) -> bool:
     from hf_demo.wire import codec, sealing
 
@@ -105,6 +119,20 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
         flip_received_header_bit(5 * 8, once=True)  # rank 0's verdict in confirm(), on its way to rank 1
     elif scenario == "first_settling_row" and rank == 1 and call == "step 0":
         _tamper(_settling(0), _flip_byte(0, 9 * 8))  # rank 0's settling row of the first exchange
+    elif scenario == "first_header" and rank == 1 and call == "step 0":
+        flip_received_header_bit(5 * 8, once=True)  # rank 0's header of the process's first exchange
+    elif scenario == "first_sealed_header" and rank == 1 and call == "step 0":
+        _tamper(lambda out, n: _sealed(out[:n]), _flip_byte(0, 100))  # inside rank 0's sealed header, first exchange
+    elif scenario == "first_replayed_header" and rank == 1 and call in ("step 0", "step 1"):
+        _replay_first(call, memory)
+    elif scenario in ("finding_and_its_relay_row", "finding_and_its_final_row") and call == "confirm 0":
+        from hf_demo.wire import agreement
+
+        if rank == 1:
+            flip_received_header_bit(5 * 8, once=True)  # rank 0's verdict in confirm()'s first round, to rank 1 ...
+        if rank == 0:  # ... and rank 1's row of a later round, which carries that finding, reaches rank 0 corrupted
+            kind = agreement.RELAY_ROUND if scenario == "finding_and_its_relay_row" else agreement.FINAL_ROUND
+            _tamper(_round_row(1, kind), _flip_byte(1, 9 * 8))
     elif scenario == "refusal_and_its_row" and call == "step 2":
         if rank == 1:
             memory["whole"] = flip_received_payload_bit()  # rank 1 refuses step 2 ...
@@ -148,6 +176,26 @@ def _replay(call: str, memory: dict) -> None:
 
     def replay(out, n):
         out[:n] = memory["row"][:n] if memory["row"].numel() >= n else out[:n]
+
+    _tamper(lambda out, n: _sealed(out[:n]) and memory["row"].numel() == n, replay)
+
+
+def _replay_first(call: str, memory: dict) -> None:
+    """Step 0, the process's first exchange: rank 0's payload reaches rank 1 corrupted (every rank refuses it) and
+    rank 0's sealed header row is recorded on its way; at the retry (still the first exchange) the recording
+    arrives in place of rank 0's new header row."""
+    if call == "step 0":
+        memory["whole"] = flip_received_payload_bit()
+
+        def record(out, n):
+            memory["row"] = out[:n].clone()
+
+        _tamper(lambda out, n: _sealed(out[:n]), record)
+        return
+    memory.pop("whole")()
+
+    def replay(out, n):
+        out[:n] = memory["row"]
 
     _tamper(lambda out, n: _sealed(out[:n]) and memory["row"].numel() == n, replay)
 
@@ -213,6 +261,43 @@ def test_a_settling_row_of_the_first_exchange_flipped_is_decided_alike_and_the_r
     """Hole 1 (b): rank 0's settling row of the process's first exchange reaches rank 1 corrupted. Rank 1 keeps
     nothing and says so in the next exchange; every other rank committed tentatively, undoes and raises there."""
     _check(_results("first_settling_row", world), match="could not trust the verdict of rank 0")
+
+
+@WORLDS
+@pytest.mark.parametrize(
+    "scenario,env",
+    [
+        ("first_header", {}),
+        ("first_header", SECRET),
+        ("first_sealed_header", SEALED),
+        ("first_replayed_header", SEALED),
+    ],
+    ids=["clear", "secret", "sealed", "sealed_replay"],
+)
+def test_a_header_corrupted_at_a_process_first_exchange_stops_every_rank_alike_and_the_retry_commits(
+    world, scenario, env
+):
+    """Hole 1 (b, e) at a process's first exchange (not steady): rank 0's header reaches rank 1 flipped (its CRC32
+    or HMAC fails, or, sealed, it does not open) or, at the retry of a refused first step, as a replay of its
+    earlier try. It raised on rank 1 alone (sealed), or rank 1 deferred its refusal to its next call while the
+    others raised at once, so the retry met them a call apart and aborted in gloo or wedged. Every rank now raises
+    in the same call, nothing applied, and the retry commits on every rank."""
+    results = _results(scenario, world, env=env)
+    _check(results, match="refused the header from rank 0")
+    for errors, _, _ in results:
+        calls = [call for call, _ in errors]
+        assert calls == (["step 0", "step 1"] if scenario == "first_replayed_header" else ["step 0"]), errors
+
+
+@WORLDS
+@pytest.mark.parametrize("scenario", ["finding_and_its_relay_row", "finding_and_its_final_row"])
+def test_a_verdict_not_trusted_in_confirm_and_that_ranks_later_row_corrupted_too_are_decided_alike(world, scenario):
+    """Hole 1 (c), two faults in confirm(): rank 1 cannot trust rank 0's verdict of the first round (its finding:
+    a refusal), and rank 1's row of a later round, which carries that finding, reaches rank 0 corrupted. With one
+    round after the first, rank 0 left that row out and kept the step while rank 1 undid it: the ranks ended a
+    step apart. Each finding now travels in two rounds: every rank undoes the step and raises, and the retry
+    commits on every rank."""
+    _check(_results(scenario, world), match="could not trust the verdict of rank 0")
 
 
 @WORLDS

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hf_demo.ops.links import COLLECTIVE_OVERHEAD, Link, collective_seconds, edge_bytes, sent_bytes
 from hf_demo.ops.shapes import Shape
 from hf_demo.ops.traffic import (
+    GROUPS,
     Collective,
     ddp_collectives,
     demo_collectives,
@@ -151,10 +152,14 @@ class Estimate:
 
         return sum(edge_bytes(c.kind, c.nbytes, c.world) * c.parallel / c.every for c in self.collectives if on_link(c))
 
-    def rank_bytes(self) -> float:
-        """Bytes per step (amortised, mean over ranks) each rank hands to the collectives, counted as
-        :class:`~hf_demo.exchange.transport.CommStats` counts ``bytes_sent``."""
-        return sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives)
+    def rank_bytes(self, group: str = "replicas") -> float:
+        """Bytes per step (amortised, mean over ranks) each rank hands to the collectives of ``group``
+        (:attr:`~hf_demo.ops.traffic.Collective.group`), counted as :class:`~hf_demo.exchange.transport.CommStats`
+        counts them: ``"replicas"`` its ``bytes_sent`` (DeMo across the replicas; a data-parallel method's own),
+        ``"shard"`` its ``intra_bytes_sent`` (HSDP: the shard group's, inside the node), ``"fsdp"`` FSDP2's."""
+        if group not in GROUPS:
+            raise ValueError(f"rank_bytes: group={group!r}; give one of {', '.join(GROUPS)}")
+        return sum(sent_bytes(c.kind, c.nbytes, c.world) / c.every for c in self.collectives if c.group == group)
 
 
 def _seconds(c: Collective, cluster: Cluster, nbytes: float | None = None) -> float:

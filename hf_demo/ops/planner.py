@@ -49,7 +49,7 @@ class Row:
     label: str
     inter_bytes: float  # per step, on each node's link to the others (each direction)
     intra_bytes: float  # per step, on a link inside a node
-    rank_bytes: float  # per step, handed to the collectives by each rank
+    rank_bytes: float  # per step, handed by each rank to the collectives across the replicas (comm_stats.bytes_sent)
     exchange_s: float
     step_s: float
     epoch_h: float
@@ -60,6 +60,7 @@ class Row:
     settings: dict | None
     loss_cost: str = ""
     fits: bool | None = None  # its memory_gb within a device's memory (None: a refused method)
+    shard_rank_bytes: float = 0.0  # HSDP: per step, handed by each rank to its shard group's (comm_stats.intra_*)
 
 
 def evaluate(cluster: Cluster, work: Workload, steps_per_epoch: float, prices: Prices | None = None,
@@ -85,7 +86,23 @@ def _fitted(row: Row, device_memory_gb: float) -> Row:
 def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices | None) -> Row:
     if not est.collectives and math.isinf(est.compute_s):  # refused settings
         nan = math.nan
-        return Row(est.method, est.label, nan, nan, nan, nan, nan, nan, None, nan, est.quality, est.note, None, "")
+        return Row(
+            est.method,
+            est.label,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            None,
+            nan,
+            est.quality,
+            est.note,
+            None,
+            "",
+            shard_rank_bytes=nan,
+        )
     step = est.step_s(cluster)
     inter = est.link_bytes("inter", cluster) if cluster.nodes > 1 else 0.0
     hours = steps_per_epoch * step / 3600
@@ -108,6 +125,7 @@ def _row(est: Estimate, cluster: Cluster, steps_per_epoch: float, prices: Prices
         est.note,
         est.settings,
         est.loss_cost,
+        shard_rank_bytes=est.rank_bytes("shard"),
     )
 
 

@@ -30,6 +30,7 @@ from hf_demo.wire import agreement, codec
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # and its first, smaller bucket
+GROUPS = ("replicas", "shard", "fsdp")  # whose collectives a plan counts apart (Collective.group)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,10 @@ class Collective:
     the link it runs on (``inter`` between nodes, ``intra`` inside a node); ``every``: once per that many
     steps; ``hideable``: it may run under computation (DDP's early buckets, DeMo's overlapped payload, FSDP2's
     prefetched collectives); ``parallel``: that many ranks of each node run it side by side (HSDP's local ranks,
-    each exchanging its own shard), sharing the node's link."""
+    each exchanging its own shard), sharing the node's link; ``group``: whose collective it is, as the optimizer's
+    ``comm_stats`` splits them: ``"replicas"`` (DeMo across the replicas, or a data-parallel method's own:
+    ``bytes_sent``), ``"shard"`` (HSDP: DeMo over a replica's shard group, inside the node: ``intra_bytes_sent``),
+    ``"fsdp"`` (FSDP2's own gathers and reduce-scatters, which DeMo does not count)."""
 
     name: str
     kind: str
@@ -51,6 +55,7 @@ class Collective:
     # issued without waiting for the one before (DDP's buckets): where the backend runs collectives side by side
     # (Cluster.concurrent: gloo's two worker threads) their times overlap instead of adding up
     overlaps: bool = False
+    group: str = "replicas"  # "replicas", "shard" (HSDP's shard group) or "fsdp": GROUPS
 
 
 def demo_layouts(shapes: list[Shape], settings: DeMoSettings, topk_divisor: int = 1):
@@ -221,11 +226,14 @@ def hsdp_collectives(shapes, settings, nodes, devices_per_node, every, tier=(Non
     L = devices_per_node
     shard_bytes = param_bytes * _numel(shapes) / L
     out = [
-        Collective("fsdp_all_gather_forward", "all_gather", shard_bytes, L, "intra", hideable=True),
-        Collective("fsdp_all_gather_backward", "all_gather", shard_bytes, L, "intra", hideable=True),
-        Collective("fsdp_reduce_scatter", "reduce_scatter", 4 * _numel(shapes), L, "intra", hideable=True),
+        Collective("fsdp_all_gather_forward", "all_gather", shard_bytes, L, "intra", hideable=True, group="fsdp"),
+        Collective("fsdp_all_gather_backward", "all_gather", shard_bytes, L, "intra", hideable=True, group="fsdp"),
+        Collective(
+            "fsdp_reduce_scatter", "reduce_scatter", 4 * _numel(shapes), L, "intra", hideable=True, group="fsdp"
+        ),  # fmt: skip
     ]
-    out += described(ShardedTopology.COLLECTIVES, _shard_sizes(shapes, settings, L), settings, every, L, "intra")
+    node = described(ShardedTopology.COLLECTIVES, _shard_sizes(shapes, settings, L), settings, every, L, "intra")
+    out += [dataclasses.replace(c, group="shard") for c in node]
     if nodes < 2:
         return out
     lengths = sorted({s[0] for s in shapes})

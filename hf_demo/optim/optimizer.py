@@ -293,11 +293,11 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def confirm(self) -> None:
-        """Read every rank's verdict on the last step where it has not been read (two all-gathers: the verdicts,
-        then every rank's finding on them; nothing where it has). With ``commit_vote="on"`` a steady step commits
-        tentatively and its verdict travels with the next step; after the last step, and before saving a
-        checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where any rank refused the step,
-        or could not trust a verdict on it, every rank undoes it and raises the same
+        """Read every rank's verdict on the last step where it has not been read (three all-gathers: the
+        verdicts, then every rank's finding on them, twice; nothing where it has). With ``commit_vote="on"`` a
+        steady step commits tentatively and its verdict travels with the next step; after the last step, and before
+        saving a checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where any rank refused the
+        step, or could not trust a verdict on it, every rank undoes it and raises the same
         :class:`~hf_demo.errors.DeMoPayloadError`."""
         settle.confirm(self)
 

@@ -19,8 +19,9 @@ claims not to be signed) is a finding of its own, agreed before any rank keeps t
 is a refusal of that step, whose settling row every rank reads in the collective after it; a rank that finds a
 verdict it cannot trust in a non-steady step's settling all-gather keeps nothing and settles the step with that
 finding in the next exchange (every rank that read only whole verdicts commits such a step tentatively, with an
-undo log, where the next step exchanges alike); :func:`confirm` runs a final round after its own, in which each
-rank says what it found in the first, and every rank decides from the findings it can trust.
+undo log, where the next step exchanges alike); :func:`confirm` runs two rounds after its own, in which each
+rank says what it found in the first (then once more, with what it read in the second), and every rank decides
+from the findings it can trust.
 Any refusal: every rank raises the same :class:`~hf_demo.errors.DeMoPayloadError` naming step t and the refusing
 ranks, and a rank that committed step t tentatively undoes it first (bitwise back to before step t; nothing of
 step t+1 was applied). A rank that refused step t returns from ``step()`` without applying it (so that it takes
@@ -92,15 +93,9 @@ def steady(step, chosen, found, agreed) -> bool:
     """The same on every rank that trusted every header: the payloads rode, no header flag asks for more (a skip,
     a drift, a first exchange, a DDP check), no resync is due, the policy stays in its tier, this is the first
     try of the step."""
+    if unsteady_everywhere(step, found, agreed):
+        return False
     headers, view, s = agreed.headers, step.view, step.settings
-    if agreed.arrived is None or step.decided is not None or found.first:
-        return False
-    if any(h.flags & ~STEADY_FLAGS for h in headers):
-        return False
-    if found.check_drift and len({h.fingerprint for h in headers}) > 1:
-        return False
-    if verdicts.due(s.full_sync_every, step.transport.step):
-        return False
     if s.comm_budget:
         exchange_ms, elapsed_ms = max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers)
         figures = view.topology.agree_figures(
@@ -109,6 +104,30 @@ def steady(step, chosen, found, agreed) -> bool:
         if view.policy.decide(*figures, view.clock.last_exchange_tier).tier != view.policy.tier:
             return False
     return True
+
+
+def unsteady_everywhere(step, found, agreed) -> bool:
+    """Whether the step is not steady by what every rank that trusted every header knows too, so that every rank
+    runs its settling all-gather now (:func:`vote`): what the ranks hold alike (a process's first exchange, a
+    payload that did not ride, a policy's second try, a resync due) or a header this rank read intact says (a flag
+    asking for more, fingerprints apart). A rank that refused a header (its stand-in decides nothing) can tell
+    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`steady`."""
+    headers, s = agreed.headers, step.settings
+    if agreed.arrived is None or step.decided is not None or found.first:
+        return True
+    if any(h.flags & ~STEADY_FLAGS for h in headers):
+        return True
+    if found.check_drift and len({h.fingerprint for h in headers}) > 1:
+        return True
+    return verdicts.due(s.full_sync_every, step.transport.step)
+
+
+def settles_now(step, found, agreed) -> bool:
+    """Whether a rank that refused something in this step knows that every other rank runs its settling all-gather
+    now: the step is not steady by what they all know (:func:`unsteady_everywhere`), and this rank keeps no step
+    unsettled (so every row of the headers' all-gather was a header of this step: none it refused can be a
+    settling row of the step before, which would have made the others raise before the exchange)."""
+    return step.view.unsettled is None and unsteady_everywhere(step, found, agreed)
 
 
 def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: int = 0, word=None) -> Pending:
@@ -121,24 +140,42 @@ def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: 
 
 def vote(step, chosen, found, agreed, refusal) -> Settled:
     """The vote part where the step's verdict may settle later: a steady step that this rank received whole
-    commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`);
-    any other step runs the settling all-gather now and raises on every rank where any rank refused."""
+    commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`),
+    unless every other rank settles it now too (:func:`settles_now`: this rank then waits for that all-gather with
+    them and raises at once, as they do); any other step runs the settling all-gather now and raises on every rank
+    where any rank refused."""
     transport, row_bytes = step.transport, agreed.row_bytes
     if refusal is None and steady(step, chosen, found, agreed):
         return Settled(tentative=True, row_bytes=row_bytes)
     posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device)
-    if refusal is not None:
+    if refusal is not None and not settles_now(step, found, agreed):
         raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
     try:
         rows = posted.wait(transport.traffic)
     except DeMoSyncError as exc:
         raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
     words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
-    if any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
-        raise agreement.refused_everywhere(transport, transport.step, words, None)
+    if refusal is not None or any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
+        raise _refused_now(transport, words, refusal, found.first and step.view.secret is not None)
     if any(words):  # a verdict this rank could not trust: the step settles with that finding in the next exchange
         return Settled(row_bytes=row_bytes, again=True, owes=untrusted(transport, words))
     return Settled(row_bytes=row_bytes, again=True)
+
+
+def _refused_now(transport, words: list[int], refusal, first_signed: bool) -> DeMoSyncError:
+    """The error of a step refused in its own settling all-gather. Where, at a process's first exchange with a
+    secret (``first_signed``), this rank refused a header that passed its CRC32 (its tag failed, or it did not
+    open) and could trust no other rank's row either, the ranks hold different secrets (``HF_DEMO_SECRET``,
+    ``HF_DEMO_ENCRYPT``): a retry would meet the same, so it is named as that."""
+    exc = agreement.refused_everywhere(transport, transport.step, words, refusal)
+    header = refusal is not None and getattr(refusal, "header_sender", None) is not None
+    if not (first_signed and header and not getattr(refusal, "garbled", False) and all(words)):
+        return exc
+    return DeMoSyncError(
+        f"{exc}. Every rank refused what the others sent at this process's first exchange: the ranks cannot read "
+        "each other's headers, so they hold different secrets: set the same HF_DEMO_SECRET (and HF_DEMO_ENCRYPT) "
+        "on every rank"
+    )
 
 
 def untrusted(transport, words: list[int]) -> DeMoPayloadError:
@@ -207,9 +244,10 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
 def confirm(opt, final: bool = True) -> None:
     """Read every rank's verdict on the step still unsettled (none: nothing to do, no collective). Every rank
     must call it at the same point (after the last step, before a checkpoint): ``DeMo.confirm()`` (``final``).
-    Two rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round
-    (:data:`codec.FLAG_FINAL`), a verdict it could not trust included; the step stays where no trusted finding
-    refuses it (a row that fails its checks in the final round is left out: the first round was whole then)."""
+    Three rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round, a
+    verdict it could not trust included, then every rank's finding once more (a refusal it read in the second
+    round relayed: :func:`_later_rounds`); the step stays where no trusted finding refuses it (a row that fails
+    its checks in the later rounds is left out: the first round was whole then, or its finding travels twice)."""
     u = opt.unsettled
     if u is None:
         return
@@ -219,7 +257,7 @@ def confirm(opt, final: bool = True) -> None:
     try:
         read = _round(opt, transport, u, 0, codec.FLAG_CONFIRM)
         own = agreement.finding(transport, agreement.settling_words(read, u.step), 0)
-        words = agreement.final_words(transport, _round(opt, transport, u, own, codec.FLAG_FINAL), u.step, own)
+        words = _later_rounds(opt, transport, u, own)
     except DeMoSyncError as exc:
         undo(opt)
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
@@ -229,6 +267,20 @@ def confirm(opt, final: bool = True) -> None:
         undo(opt)
         raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
     opt.unsettled = None
+
+
+def _later_rounds(opt, transport, u: Unsettled, own: int) -> list[int]:
+    """confirm()'s second and third rounds after this rank's finding ``own`` on the first: every rank's finding
+    (:data:`agreement.RELAY_ROUND`), then every rank's finding with a refusal read in the second relayed
+    (:data:`agreement.FINAL_ROUND`); every rank's word of the third (or of the second, where the third's was left
+    out). A row that fails its checks is left out in both, so a finding whose row of one round is corrupted still
+    reaches every rank in the other: two corrupted messages (a verdict a rank could not trust, then that rank's
+    row of a later round) leave every rank deciding alike."""
+    relay = agreement.RELAY_ROUND
+    relayed = agreement.final_words(transport, _round(opt, transport, u, own, relay), u.step, own, relay)
+    own = own or (agreement.RELAYED if any(relayed) else 0)
+    final = agreement.final_words(transport, _round(opt, transport, u, own, agreement.FINAL_ROUND), u.step, own)
+    return [f or r for f, r in zip(final, relayed)]  # a finding read in either round, to name who found what
 
 
 def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
@@ -242,7 +294,7 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
     whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
     its undo log (``u.earlier``). Where the others confirm (``final``: every row it trusts has
-    :data:`codec.FLAG_CONFIRM`), this rank takes part in their final round."""
+    :data:`codec.FLAG_CONFIRM`), this rank takes part in their later rounds."""
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
@@ -260,9 +312,8 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
         what = f", and undid optimizer step {u.step - 1}, which rank(s) {behind} did not keep"
     others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
     if final and all(h.flags & codec.FLAG_CONFIRM for h in others):  # (a row it cannot trust: they may confirm)
-        own = agreement.verdict(u.refusal)
         try:
-            words = agreement.final_words(transport, _round(opt, transport, u, own, codec.FLAG_FINAL), u.step, own)
+            words = _later_rounds(opt, transport, u, agreement.verdict(u.refusal))
         except DeMoSyncError:
             pass  # this rank refuses the step whatever the others said
     raise agreement.refused_everywhere(transport, u.step, words, u.refusal, what)

@@ -25,11 +25,19 @@ def sign_step(update: torch.Tensor) -> torch.Tensor:
     return update.sign_()
 
 
+# The largest second moment kept: fp32's maximum. An update element above about 1.8e19 squares past fp32's range;
+# its second moment saturates here instead of holding Inf for good (which would freeze that element, every later
+# direction u / Inf being 0) and carrying Inf into checkpoints. Finite moments are untouched (the same bits), the
+# direction stays finite (the update is bounded: codec.UPDATE_BOUND), and the moment decays from there as Adam's.
+MOMENT_BOUND = torch.finfo(torch.float32).max
+
+
 def second_moment_denominator(
     update: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta2: float, eps: float
 ) -> torch.Tensor:
-    """``sqrt(v / (1 - beta2**t)) + eps`` after ``v <- beta2*v + (1-beta2)*u^2`` (``exp_avg_sq`` in place)."""
-    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2)
+    """``sqrt(v / (1 - beta2**t)) + eps`` after ``v <- min(beta2*v + (1-beta2)*u^2, MOMENT_BOUND)`` (``exp_avg_sq``
+    in place)."""
+    exp_avg_sq.mul_(beta2).addcmul_(update, update, value=1.0 - beta2).clamp_(max=MOMENT_BOUND)
     return (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
 
 
@@ -125,6 +133,7 @@ def adamw_directions(updates: list, states: list[dict], steps: list[int], beta1:
 def _second_moments(u: list, states: list[dict], beta2: float) -> list:
     v = torch._foreach_mul([s["exp_avg_sq"] for s in states], beta2)
     torch._foreach_addcmul_(v, u, u, value=1.0 - beta2)
+    torch._foreach_clamp_max_(v, MOMENT_BOUND)  # an update above ~1.8e19 saturates its moment (MOMENT_BOUND)
     for state, value in zip(states, v):
         state["exp_avg_sq"] = value
     return v

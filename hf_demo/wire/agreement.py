@@ -94,9 +94,10 @@ def gather_headers(
     returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
     the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
     (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open (or is a replay) is
-    refused the same way. ``strict`` False (a process's first exchange): a header that is not signed while this
-    rank signs, or that does not open, raises here instead, on every rank that sees it (a rank without the secret,
-    or with another one, is named to every rank).
+    refused the same way, a process's first exchange included (where every rank refuses a header there, another
+    secret is named on every rank: :func:`hf_demo.optim.settle.vote`). ``strict`` False (a process's first
+    exchange, clear headers): a header that is not signed while this rank signs is left to the headers' check,
+    which names a rank without the secret to every rank.
 
     ``riding``: each rank's row is its header followed by ``riding.agreed`` bytes, the size every rank derives
     from the last committed exchange alone (so every row has the same size whatever this step holds): the
@@ -119,9 +120,7 @@ def gather_headers(
     sealing.check_uniform(header_rows, transport.rank)
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
-        own = signed if strict else None
-        opened = sealer.open_headers(header_rows, transport.step, senders, transport.rank, own)
-        headers, refusal = opened if strict else (opened, None)
+        headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank, signed)
     else:
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step, strict)
     settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
@@ -278,7 +277,7 @@ def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sea
 
 UNREAD = -1  # a settling row this rank could not trust (or of another kind than it waited for): a refusal
 UNTRUSTED = 4  # a verdict word: this rank could not trust the verdict of the rank in the bits above the eighth
-RELAYED = 8  # a final round's word: this rank read another rank's refusal in the round before
+RELAYED = 8  # a later round's word: this rank read another rank's refusal in a round before
 
 
 def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list:
@@ -329,18 +328,24 @@ def finding(transport, words: list[int], own: int) -> int:
     return UNTRUSTED | (transport.global_rank(unread[0]) << 8) if unread else 0
 
 
-def final_words(transport, read: list, settled: int, own: int) -> list[int]:
-    """Every rank's finding from the final round's rows (:func:`read_rows`): a row this rank cannot trust is left
-    out (0): the final round follows a round whose every fault it reports, so where one message of the two rounds
-    was corrupted the ranks that read it decide alike; a trusted row of another kind (its sender is elsewhere: at
-    another step, or not in this round) is a refusal."""
+ROUNDS = codec.FLAG_CONFIRM | codec.FLAG_FINAL  # which of confirm()'s rounds a settling row belongs to
+RELAY_ROUND = codec.FLAG_CONFIRM | codec.FLAG_FINAL  # the second round: every rank's finding on the first
+FINAL_ROUND = codec.FLAG_FINAL  # the third: every rank's finding after the second
+
+
+def final_words(transport, read: list, settled: int, own: int, kind: int = FINAL_ROUND) -> list[int]:
+    """Every rank's finding from the rows of one of confirm()'s later rounds (``kind``: :data:`RELAY_ROUND` or
+    :data:`FINAL_ROUND`; :func:`read_rows`): a row this rank cannot trust is left out (0): these rounds follow a
+    round whose every fault they report, and each finding is relayed once more, so where at most two messages of
+    the rounds were corrupted the ranks decide alike; a trusted row of another kind (its sender is elsewhere: at
+    another step, or in another round) is a refusal."""
     out = []
     for r, h in enumerate(read):
         if r == transport.rank:
             out.append(own)
         elif h is None:
             out.append(0)
-        elif h.flags & codec.FLAG_FINAL and codec.settles(h) is not None and h.step == settled:
+        elif h.flags & ROUNDS == kind and codec.settles(h) is not None and h.step == settled:
             out.append(codec.settles(h))
         else:
             out.append(REFUSED)

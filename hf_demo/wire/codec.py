@@ -62,8 +62,9 @@ FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its 
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
 FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
 # settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
-FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the final round after it (hf_demo.optim.settle)
-FLAG_FINAL = 1024  # a settling row of the final round: its verdict is its sender's finding on the round before
+FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the later rounds after it (hf_demo.optim.settle)
+FLAG_FINAL = 1024  # a settling row of confirm()'s later rounds (with FLAG_CONFIRM the second, alone the third): its
+# verdict is its sender's finding on the rounds before
 VERDICT_SHIFT = 16
 
 
@@ -711,13 +712,16 @@ UNSIGNED = (
 )
 
 
+GARBLED = "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+
+
 def header_refusal(h: Header, secret: bytes | None, strict: bool = False) -> str | None:
     """Why this rank cannot trust a received header (None: it can): its CRC32 fails (corrupted on the way), or,
     where both ends sign, its HMAC does; with a secret, a row that claims not to be signed (``strict``: anywhere
     but a process's first exchange, where :func:`check_headers` names a rank without the secret on every rank
     alike, "does not sign"; a settling row always: it carries a verdict)."""
     if not h.intact():
-        return "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
+        return GARBLED
     if secret is not None and not h.flags & FLAG_AUTH and (strict or h.flags & FLAG_SETTLES):
         return UNSIGNED
     if secret is not None and h.flags & FLAG_AUTH and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
@@ -764,6 +768,7 @@ def header_refused(rank: int, sender: int, step: int, why: str) -> DeMoPayloadEr
         f"rank {rank}: the header from rank {sender} at optimizer step {step} {why}; nothing was applied"
     )
     error.header_sender = sender
+    error.garbled = why == GARBLED  # its CRC32 failed: corrupted, not another secret's
     return error
 
 

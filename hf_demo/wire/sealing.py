@@ -176,8 +176,8 @@ class Sealer:
         self, rows: torch.Tensor, step: int, senders: list[int], rank: int, own: codec.Header | None = None
     ) -> list[codec.Header] | tuple:
         """Every rank's sealed header (world, HEADER_BYTES) -> the headers; raises :class:`DeMoSyncError` on a row
-        that does not open or is a replay. With ``own`` (this rank's header: a step's headers after a process's
-        first exchange), such a row is refused instead: (headers, refusal) with :func:`codec.stand_in` in its
+        that does not open or is a replay. With ``own`` (this rank's header: a step's headers, a settling round's
+        rows), such a row is refused instead: (headers, refusal) with :func:`codec.stand_in` in its
         place and the refusal a :class:`DeMoPayloadError` naming its sender, voted on like a header that fails its
         HMAC. The counters move for the rows that open."""
         headers, envelopes, refused = [], [], []

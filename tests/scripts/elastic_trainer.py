@@ -101,6 +101,8 @@ def main() -> None:
         default=0.0,
         help="restarted by torchrun: wait this long first (the survivors' quorum forms without it)",
     )
+    ap.add_argument("--lr", type=float, default=1e-2, help="this replica group's learning rate")
+    ap.add_argument("--topk", type=int, default=4, help="this replica group's demo_compression_topk")
     args = ap.parse_args()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(args.restart_delay)
@@ -114,8 +116,8 @@ def main() -> None:
     )
     targs = args_cls(
         output_dir=str(Path(args.out) / f"replica{rid}"), optim="demo", per_device_train_batch_size=4,
-        max_steps=args.steps, logging_steps=2, report_to=[], use_cpu=True, learning_rate=1e-2, warmup_steps=2,
-        save_strategy="no", disable_tqdm=True, demo_compression_topk=4, demo_compression_chunk=8,
+        max_steps=args.steps, logging_steps=2, report_to=[], use_cpu=True, learning_rate=args.lr, warmup_steps=2,
+        save_strategy="no", disable_tqdm=True, demo_compression_topk=args.topk, demo_compression_chunk=8,
     )  # fmt: skip
     ref: list = []
     record = Record(ref, args, x)
