@@ -36,7 +36,7 @@ from transformers.trainer import (  # rank 0's state goes in Trainer's own file
 )
 
 from hf_demo import fsdp
-from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
@@ -55,6 +55,7 @@ from hf_demo.optim import checkpointing, update_rules
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
+from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings
 
 
@@ -65,6 +66,12 @@ def rank_state_file(rank: int) -> str:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def refuse_world_apart(trainer_world: int) -> None:
+    """Refuse a launch where torch.distributed has another world size than Trainer's ``trainer_world``."""
+    if _distributed() and dist.get_world_size() != trainer_world:
+        refuse("trainer_world_apart", world=dist.get_world_size(), trainer_world=trainer_world)
 
 
 def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
@@ -90,13 +97,7 @@ class DeMoTrainerMixin:
         _refuse_fsdp_on_cpu(args[1] if len(args) > 1 else kwargs.get("args"), kwargs)  # before Accelerate's checks
         super().__init__(*args, **kwargs)
         self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
-        if _distributed() and dist.get_world_size() != self.args.world_size:
-            raise DeMoSetupError(
-                f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
-                f"{self.args.world_size}: each process would train alone on the same batches. On a machine without "
-                "GPU, launch with ACCELERATE_USE_CPU=1 or pass --use_cpu true (use_cpu=True in the arguments); "
-                "`use_cpu: true` in an accelerate config file is not passed on."
-            )
+        refuse_world_apart(self.args.world_size)
         if _distributed():
             install_exit_handler()
         self._check_settings_reach_the_optimizer()
@@ -122,13 +123,10 @@ class DeMoTrainerMixin:
         from hf_demo.elastic import require_torchft
 
         if not self.uses_demo:
-            raise DeMoSetupError("demo_elastic trains DeMo elastically: give --optim demo (or a DeMo optimizer)")
+            refuse("elastic_without_demo")
         require_torchft()
         if self.args.world_size != 1:
-            raise DeMoSetupError(
-                f"demo_elastic runs one process per replica group; Trainer sees {self.args.world_size}: launch one "
-                "torchrun --nproc_per_node 1 per replica group (docs/guides/trainer-and-trl.md)"
-            )
+            refuse("elastic_trainer_processes", world=self.args.world_size)
         elastic_trainer.data_shard(self._elastic_options)
         self.add_callback(elastic_trainer.ElasticCallback(self))
 
