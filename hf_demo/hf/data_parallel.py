@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.guards import ddp as ddp_wrappers
-from hf_demo.hf.launch_env import fsdp_requested, on_cpu, refuse_fsdp_on_cpu  # noqa: F401 (this module's names too)
+from hf_demo.hf.launch_env import fsdp_requested
 from hf_demo.optim.optimizer import DeMo
-from hf_demo.refusals import refuse, text
+from hf_demo.refusals import refuse
 
 
 def unwrap_optimizer(optimizer):
@@ -47,9 +47,6 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
             registered = True
         model = model.module
     return registered
-
-
-FSDP_NOT_RUN = text("fsdp_not_run")  # FSDP asked for where Accelerate does not run it
 
 
 def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False,

@@ -42,13 +42,8 @@ from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf import elastic as elastic_trainer
 from hf_demo.hf import metrics, runtime_classes
-from hf_demo.hf.data_parallel import (
-    check_supported,
-    disable_gradient_allreduce,
-    fsdp_requested,
-    refuse_fsdp_on_cpu,
-    unwrap_optimizer,
-)
+from hf_demo.hf.data_parallel import check_supported, disable_gradient_allreduce, unwrap_optimizer
+from hf_demo.hf.launch_env import fsdp_requested, refuse_fsdp_on_cpu
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.ops import callbacks as ops_callbacks
 from hf_demo.optim import checkpointing, update_rules

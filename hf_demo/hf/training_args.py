@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from hf_demo.hf.data_parallel import refuse_fsdp_on_cpu
-from hf_demo.hf.launch_env import prepare_launch
+from hf_demo.hf.launch_env import prepare_launch, refuse_fsdp_on_cpu
 from hf_demo.optim.factory import parse_optim_args
 from hf_demo.refusals import refuse, text
 from hf_demo.settings import PRESETS, DeMoSettings
@@ -217,7 +216,7 @@ class DeMoArguments:
 
     def _refuse_fsdp_on_cpu(self) -> None:
         """Before TrainingArguments and Accelerate look at the launch: FSDP asked for on the CPU stops with DeMo's
-        message (:func:`hf_demo.hf.data_parallel.refuse_fsdp_on_cpu`)."""
+        message (:func:`hf_demo.hf.launch_env.refuse_fsdp_on_cpu`)."""
         if selects_demo(self.optim):
             refuse_fsdp_on_cpu(self)
 
