@@ -36,13 +36,6 @@ except ImportError as _exc:  # pragma: no cover - exercised only without transfo
         raise AttributeError(name)
 
 
-# `accelerate launch` with an FSDP config on a machine without GPUs: Accelerate would refuse it with its own error
-# when the script builds its Accelerator; a custom loop imports hf_demo first, so DeMo's documented message comes
-# first (DeMoTrainer and the training arguments check again, for scripts that build them before importing hf_demo)
-from hf_demo.hf.data_parallel import refuse_fsdp_on_cpu as _refuse_fsdp_on_cpu  # noqa: E402
-
-_refuse_fsdp_on_cpu()
-
 __version__ = "0.1.0"
 __all__ = [
     "CommStats",

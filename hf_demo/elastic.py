@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hf_demo import own_momentum
+from hf_demo import own_momentum, refusals
 from hf_demo.errors import DeMoError, DeMoSettingsError, DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim.policy import Clock
@@ -331,11 +331,7 @@ class Elastic:
 
         group_rank, group_world = (0, 1) if self.node is None else (self.node.rank, self.node.world)
         if self.node is None and int(os.environ.get("WORLD_SIZE", "1")) != 1:
-            raise DeMoSetupError(
-                f"hf_demo.elastic runs a replica group of {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) only as "
-                "HSDP, its parameters sharded over them (fully_shard on the node's mesh); with whole parameters "
-                "launch one torchrun --nproc_per_node=1 per replica group"
-            )
+            refusals.refuse("elastic_processes_unsharded", world=os.environ["WORLD_SIZE"])
         self._store = None
         # no launcher's store: this process hosts its replica group's (HSDP: the launcher's, shared by the node)
         if "MASTER_ADDR" not in os.environ and self.node is None:
@@ -379,10 +375,7 @@ class Elastic:
                 "REPLICA_GROUP_ID), the same for the process that takes this replica's place"
             )
         if any(is_sharded(p) for g in opt.param_groups for p in g["params"]):
-            raise DeMoSetupError(
-                "Elastic: momentum_dir is not supported on HSDP (each shard rank's momentum is blocked on its own "
-                "shard): leave it out, and a restarted node's momentum starts at zero"
-            )
+            refusals.refuse("elastic_momentum_dir_hsdp")
         return own_momentum.snapshot_path(folder, rid)
 
     # ------------------------------------------------------------------ events
@@ -601,18 +594,10 @@ def _copied(tree):
 
 def refuse_modes(opt) -> None:
     """The modes elastic DeMo does not run, refused with the reason (never a silent fallback)."""
-    refusals = []
-    if opt.device_mesh is not None or opt.process_group is not None:
-        refusals.append(
-            "device_mesh or process_group: under torchft the replicate dimension is the quorum's managed group, "
-            "rebuilt at every change of the quorum; for HSDP shard the model over the replica group's own processes "
-            "(fully_shard(model, mesh=init_device_mesh(device, (WORLD_SIZE,)))) and give DeMo neither"
-        )
-    refusals += mode_refusals(
-        opt.settings, opt.tiers, any(is_sharded(p) for g in opt.param_groups for p in g["params"])
-    )
-    if refusals:
-        raise DeMoSetupError("hf_demo.elastic does not run with " + "; ".join(refusals))
+    found = [refusals.text("elastic_mesh")] if opt.device_mesh is not None or opt.process_group is not None else []
+    found += mode_refusals(opt.settings, opt.tiers, any(is_sharded(p) for g in opt.param_groups for p in g["params"]))
+    if found:
+        raise refusals.elastic_error(found)
 
 
 def mode_refusals(settings, tiers, sharded: bool) -> list[str]:
@@ -621,19 +606,12 @@ def mode_refusals(settings, tiers, sharded: bool) -> list[str]:
     (:func:`refuse_modes`; the planner asks it of a method's settings and layout)."""
     if not sharded:
         return []
-    refusals = []
+    found = []
     if settings.overlap:
-        refusals.append(
-            "overlap=True on HSDP replica groups: a sharded state holds no exchange in flight, so a live replica "
-            "could not send its state to a recovering one mid-run"
-        )
+        found.append(refusals.text("elastic_overlap_hsdp"))
     if settings.sync_every > 1 or (settings.comm_budget and any(t.sync_every > 1 for t in tiers)):
-        refusals.append(
-            "local steps (sync_every > 1, or comm_budget's local-step tiers) on HSDP replica groups: a sharded "
-            "state holds no parameters of a rank's own, so a replica that lagged inside a local phase could not "
-            "receive a peer's; not run elastically yet (every-step DeMo on HSDP is)"
-        )
-    return refusals
+        found.append(refusals.text("elastic_local_steps_hsdp"))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- HSDP replica groups
@@ -669,12 +647,7 @@ def node_shards(opt, timeout: float) -> NodeShards | None:
     if spec is None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or len(spec.ranks) != dist.get_world_size():
-        raise DeMoSetupError(
-            "hf_demo.elastic with FSDP2-sharded parameters (HSDP): each replica group is one shard group, so shard "
-            "the model over every process of the replica group (torch.distributed initialised by its launcher, "
-            "fully_shard(model, mesh=init_device_mesh(device, (WORLD_SIZE,)))); torchft's quorum is the replicate "
-            f"dimension. Got parameters sharded over ranks {list(spec.ranks)}"
-        )
+        refusals.refuse("elastic_hsdp_partial", ranks=list(spec.ranks))
     refuse_unshardable(opt)
     return NodeShards(spec, Transport(None, 2 * timeout + 10))
 
@@ -715,7 +688,7 @@ class LockstepTransport(ManagedTransport):
             )
 
     def start_all_gather(self, buf, name, step):
-        raise DeMoSetupError("hf_demo.elastic: overlap=True is not run on HSDP replica groups (refuse_modes)")
+        raise refusals.elastic_error([refusals.text("elastic_overlap_hsdp")])  # refused at construction already
 
     start_all_reduce = start_all_gather
 

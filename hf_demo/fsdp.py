@@ -150,7 +150,7 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-    from hf_demo.errors import DeMoStateError
+    from hf_demo.refusals import refuse
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
@@ -161,21 +161,13 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
     dcp.load(saved, checkpoint_id=path)
     now = layout_of(optimizer)
     if saved[LAYOUT_KEY] != now:
-        raise DeMoStateError(
-            f"this checkpoint's optimizer state was saved on a {saved[LAYOUT_KEY]!r} layout (replicate x shard), "
-            f"this run has {now!r}: DeMo's momentum is blocked on each rank's own shard and cannot move to another "
-            "shard size. Resume on the same mesh, or load the model only "
-            "(hf_demo.fsdp.load_checkpoint(path, model)) and start the optimizer afresh. Nothing was loaded"
-        )
+        refuse("resume_dcp_other_mesh", saved=saved[LAYOUT_KEY], now=now)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     unasked = _unasked(path, model, optim_sd)
     if unasked:
-        raise DeMoStateError(
-            f"this checkpoint holds optimizer state this optimizer would not load ({', '.join(unasked[:4])}"
-            f"{', ...' if len(unasked) > 4 else ''}): other settings (update_rule, sync_every, overlap) than the "
-            "run that saved it? Resume with the same settings. Nothing was loaded"
-        )
+        entries = ", ".join(unasked[:4]) + (", ..." if len(unasked) > 4 else "")
+        refuse("resume_dcp_other_settings", entries=entries)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

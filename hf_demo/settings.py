@@ -16,27 +16,22 @@ from hf_demo.compression import transforms
 from hf_demo.compression.blocks import MAX_BLOCK_SIZE
 from hf_demo.exchange import exchanges
 from hf_demo.optim import update_rules
+from hf_demo.refusals import REFUSALS, refuse
 from hf_demo.wire import codec
 
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_POLICIES = ("raise", "resync")
 
 
-RETIRED = {
-    "hierarchy": (
-        "DeMo: the hierarchy setting is retired. hierarchy='flat' is what DeMo always does (drop the setting); "
-        "hierarchy='node' (dense averaging inside a node, DeMo between nodes) is replaced by HSDP on PyTorch's "
-        "FSDP2, which also shards the parameters, gradients and optimizer state inside the node: "
-        "mesh = hf_demo.fsdp.hsdp_mesh(); hf_demo.fsdp.shard_model(model, mesh); "
-        "DeMo(model.parameters(), device_mesh=mesh). See docs/guides/large-models.md"
-    ),
-}  # settings that once were: each raises naming what replaces it, where unknown settings are refused
+# settings that once were: each raises naming what replaces it, where unknown settings are refused
+RETIRED = {r.involves[0]: r.message for r in REFUSALS.values() if r.kind == "retired"}
+RETIRED_KEYS = {r.involves[0]: r.key for r in REFUSALS.values() if r.kind == "retired"}
 
 
 def refuse_retired(names) -> None:
     """Raise ``ValueError`` naming the replacement of the first retired setting among ``names``."""
     for name in sorted(set(names) & set(RETIRED)):
-        raise ValueError(RETIRED[name])
+        refuse(RETIRED_KEYS[name])
 
 
 def check_blocks(chunk, topk) -> None:
@@ -228,8 +223,8 @@ class DeMoSettings:
             raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
         if self.policy_patience < 1 or self.policy_sync_every < 1:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
-        for reason in refusals(self):
-            raise ValueError(f"DeMo: {reason}")
+        for key in refusals(self):
+            refuse(key)
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         self.check_group({"update_rule": self.update_rule, "inner_rule": self.inner_rule})
@@ -247,30 +242,12 @@ class DeMoSettings:
                     f"{', '.join(update_rules.UPDATE_RULES)}"
                 )
         if group["inner_rule"] in update_rules.NOT_INNER:
-            raise ValueError(
-                f"DeMo: inner_rule={group['inner_rule']!r}: a local step's rule runs on the local momentum "
-                "(inner_momentum) alone, which is neither DeMo's momentum nor an averaged update; set "
-                "inner_rule='orthogonal' (Muon's local step)"
-            )
+            refuse("inner_rule_not_inner", rule=group["inner_rule"])
         if group["update_rule"] in update_rules.ORTHOGONAL and self.sync_every > 1:
-            raise ValueError(
-                f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: a synchronisation "
-                "applies the "
-                "ranks' averaged change as it is (DiLoCo's outer step with outer learning rate 1), so no update "
-                "rule would ever orthogonalise anything. For Muon steps between synchronisations set "
-                "inner_rule='orthogonal' (muon_style_groups(model, hidden={'inner_rule': 'orthogonal'}, "
-                "others={'inner_rule': 'adam'})) and leave update_rule at 'sign'; or synchronise every step"
-            )
-
+            refuse("orthogonal_local_steps", rule=group["update_rule"], sync_every=self.sync_every)
         self._check_rules_run(group)
         if group["update_rule"] in update_rules.ORTHOGONAL and self.comm_budget > 0 and self.policy_sync_every > 1:
-            raise ValueError(
-                f"DeMo: update_rule={group['update_rule']!r} with comm_budget: the budget policy's local-step tiers "
-                f"(policy_sync_every={self.policy_sync_every}) apply the ranks' averaged change as it is, so the "
-                "orthogonal rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every "
-                "tier synchronises every step), or take Muon steps between synchronisations with "
-                "inner_rule='orthogonal' (the from_scratch preset) and update_rule='sign'"
-            )
+            refuse("orthogonal_budget_tiers", rule=group["update_rule"], policy_sync_every=self.policy_sync_every)
 
     def _check_rules_run(self, group: dict) -> None:
         """A rule named away from its default must run: ``update_rule`` in steps that synchronise every step,
@@ -278,18 +255,10 @@ class DeMoSettings:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         local_tiers = self.sync_every > 1 or (self.comm_budget > 0 and self.policy_sync_every > 1)
         if group["update_rule"] != defaults["update_rule"] and self.sync_every > 1:
-            raise ValueError(
-                f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: no step would run it "
-                "(a synchronisation applies the ranks' averaged change as it is, DiLoCo's outer step at outer lr 1). "
-                "Leave update_rule at its default and choose the local steps' rule with inner_rule, or synchronise "
-                "every step (sync_every=1)"
-            )
+            refuse("update_rule_unrun", rule=group["update_rule"], sync_every=self.sync_every)
         if group["inner_rule"] != defaults["inner_rule"] and not local_tiers:
-            raise ValueError(
-                f"DeMo: inner_rule={group['inner_rule']!r} without local steps: no step would run it (sync_every=1"
-                f"{', no comm_budget' if self.comm_budget == 0 else ', policy_sync_every=1'}). Set sync_every > 1 "
-                "(the from_scratch preset: sync_every=2, inner_rule='orthogonal'), or leave inner_rule at its default"
-            )
+            why = ", no comm_budget" if self.comm_budget == 0 else ", policy_sync_every=1"
+            refuse("inner_rule_unrun", rule=group["inner_rule"], why=why)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -320,15 +289,13 @@ class DeMoSettings:
 
 
 def refusals(s: DeMoSettings) -> list[str]:
-    """The combinations of settings DeMo refuses, each with its reason (every other pair composes)."""
+    """The keys (:data:`hf_demo.refusals.REFUSALS`) of the combinations of optimizer-wide settings DeMo refuses;
+    the per-group ones are :meth:`DeMoSettings.check_group`'s."""
     out = []
     if s.overlap and (s.sync_every > 1 or s.comm_budget > 0):
         # a synchronisation resets every rank to anchor - mean change; landing that one step late would move the
         # anchor after a local step already left it, so the ranks would apply it to different parameters
-        out.append(
-            "overlap=True needs sync_every=1 and no comm_budget (whose tiers have local steps): a synchronisation "
-            "that lands one step late would apply the mean change after a local step moved each rank apart"
-        )
+        out.append("overlap_local_steps")
     return out
 
 

@@ -396,20 +396,23 @@ def test_fsdp_config_on_cpu_stops_with_demos_message_first(tmp_path, monkeypatch
         hf_demo.DeMoTrainer(model=model, args=plain, optimizers=(hf_demo.DeMo(model.parameters(), lr=1e-3), None))
 
 
-def test_a_custom_loop_launched_with_the_fsdp_config_on_cpu_stops_with_demos_message_first():
-    """A custom loop imports hf_demo, then builds its Accelerator: under accelerate_configs/fsdp2_hsdp.yaml on CPU
-    Accelerate's `ParallelismConfig is only compatible ...` came first; DeMo's message now does."""
+def test_a_custom_loop_launched_with_the_fsdp_config_on_cpu_is_refused_at_first_use_not_at_import():
+    """A custom loop under accelerate_configs/fsdp2_hsdp.yaml on CPU: ``import hf_demo`` raises nothing; DeMo's first
+    use (building the optimizer) is refused with the same documented message, before any DeMo state exists."""
     from launch_utils import ROOT
 
     env = _launch_env(str(ROOT / "accelerate_configs" / "fsdp2_hsdp.yaml"))
-    script = "import hf_demo\nfrom accelerate import Accelerator\nAccelerator()\n"
+    script = (
+        "import torch\nimport hf_demo\nprint('imported', flush=True)\n"
+        "hf_demo.DeMo([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3)\nprint('built', flush=True)\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", script], env={**os.environ, **env, "ACCELERATE_USE_CPU": "1"}, capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode != 0
+    assert "imported" in proc.stdout and "built" not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "DeMoSetupError" in proc.stderr and "runs FSDP only on GPUs" in proc.stderr, proc.stderr[-2000:]
-    assert "is only compatible" not in proc.stderr  # Accelerate's own error
 
 
 def test_trainer_refuses_fp16_with_demo(tmp_path):

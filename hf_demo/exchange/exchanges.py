@@ -48,6 +48,7 @@ from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoStateError, lookup
 from hf_demo.exchange.collectives import REPLICAS, CollectiveSpec
 from hf_demo.exchange.transport import Pending, Traffic
+from hf_demo.refusals import refuse
 from hf_demo.wire import codec
 from hf_demo.wire.sealing import Envelope
 
@@ -202,11 +203,7 @@ class AllReduceExchange:
         if spec.average not in (None, "world"):  # every rank sends values at the same positions: mean over all
             raise ValueError(f"exchange='all_reduce' averages over every rank, not {spec.average!r}")
         if spec.value_format not in self.VALUE_DTYPES:
-            raise ValueError(
-                f"exchange='all_reduce' sums values, so value_format must be one of "
-                f"{', '.join(self.VALUE_DTYPES)} (got {spec.value_format!r}: each rank's values carry their own "
-                f"scales, which a sum cannot add); use exchange='all_gather' for {spec.value_format}"
-            )
+            refuse("all_reduce_scaled_values", allowed=", ".join(self.VALUE_DTYPES), value_format=spec.value_format)
         self.layouts = spec.layouts
         self.dtype = self.VALUE_DTYPES[spec.value_format]
         self.secret = spec.secret

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_demo.refusals import refuse
+
 
 def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     """Any NaN/Inf element (element-wise: a finite 1e30 is finite): :func:`nonfinite_or_zero`'s first answer."""
@@ -21,7 +23,7 @@ def nonfinite_or_zero(tensors: list[torch.Tensor]) -> tuple[bool, bool]:
     """
     tensors = [t for t in tensors if t.numel()]
     if any(t.is_sparse for t in tensors):
-        raise ValueError("DeMo does not support sparse gradients")
+        refuse("sparse_gradients")
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for t in tensors:
         by_device.setdefault(t.device, {}).setdefault(t.dtype, []).append(t)

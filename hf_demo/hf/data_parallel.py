@@ -16,11 +16,12 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_demo.errors import DeMoSetupError
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.guards import ddp as ddp_wrappers
+from hf_demo.hf.launch_env import fsdp_requested
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.refusals import refuse
 
 
 def unwrap_optimizer(optimizer):
@@ -48,14 +49,6 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     return registered
 
 
-FSDP_NOT_RUN = (
-    "FSDP was asked for (--fsdp, or an accelerate config with distributed_type: FSDP) but Accelerate does not "
-    "run it here: it runs FSDP only on GPUs, and this run would train plain DDP + DeMo instead (or stop in "
-    "Accelerate's ParallelismConfig check). On CPU, drop the FSDP setting to train DDP-DeMo, or shard in a custom "
-    "loop with hf_demo.fsdp (torchrun + fully_shard, docs/guides/large-models.md); or run on GPUs"
-)
-
-
 def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = False, fsdp: bool = False,
                     fsdp_requested: bool = False) -> None:  # fmt: skip
     """Stop at start-up, with a message, for set-ups DeMo cannot run in (instead of a hang or silent drift).
@@ -70,49 +63,13 @@ def check_supported(accelerator=None, *, fp16: bool = False, deepspeed: bool = F
         fp16 = fp16 or accelerator.mixed_precision == "fp16"
         fsdp_version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", None)
     if deepspeed:
-        raise ValueError(
-            "DeMo cannot run under DeepSpeed: DeepSpeed owns the optimizer step and all-reduces "
-            "gradients itself. Use plain DDP (an accelerate config with distributed_type: MULTI_GPU), or FSDP2."
-        )
+        refuse("deepspeed")
     if fsdp and fsdp_version not in (None, 2):
-        raise ValueError(
-            f"DeMo runs on FSDP2's sharded parameters, not FSDP{fsdp_version}'s flat ones: set fsdp_version: 2 in "
-            "the accelerate config (accelerate_configs/fsdp2_hsdp.yaml), or --fsdp_config with fsdp_version 2"
-        )
+        refuse("fsdp1", version=fsdp_version)
     if fsdp_requested and not fsdp:
-        raise DeMoSetupError(FSDP_NOT_RUN)
+        refuse("fsdp_not_run")
     if fp16:
-        raise ValueError(
-            "DeMo does not support fp16 with a GradScaler yet: the scaler's inf check would need "
-            "to agree across ranks before DeMo's step. Use --bf16 (or fp32) instead."
-        )
-
-
-def fsdp_requested(args=None) -> bool:
-    """Whether the training arguments (``--fsdp``) or the launch (``ACCELERATE_USE_FSDP``) ask for FSDP."""
-    import os
-
-    asked = bool(getattr(args, "fsdp", None)) if args is not None else False
-    return asked or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
-
-
-def on_cpu(args=None) -> bool:
-    """Whether this process trains on the CPU: ``use_cpu`` in ``args``, ``ACCELERATE_USE_CPU``, or no accelerator."""
-    import os
-
-    if args is not None and getattr(args, "use_cpu", False):
-        return True
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return True
-    available = getattr(getattr(torch, "accelerator", None), "is_available", torch.cuda.is_available)
-    return not available()
-
-
-def refuse_fsdp_on_cpu(args=None) -> None:
-    """Stop with :data:`FSDP_NOT_RUN` when FSDP is asked for (:func:`fsdp_requested`) on the CPU: called before
-    Accelerate builds anything, so DeMo's message comes before Accelerate's own errors for that set-up."""
-    if fsdp_requested(args) and on_cpu(args):
-        raise DeMoSetupError(FSDP_NOT_RUN)
+        refuse("fp16")
 
 
 def prepare(accelerator, model, optimizer, *others):

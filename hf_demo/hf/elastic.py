@@ -40,6 +40,7 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import TrainerCallback
 
 from hf_demo.errors import DeMoSetupError
+from hf_demo.refusals import refuse
 
 DATA_KEYS = ("replicas",)  # demo_elastic's keys that are not Elastic's
 
@@ -107,7 +108,7 @@ def build(opt, model, chosen: dict, samples_per_step: int):
     from hf_demo.elastic import Elastic
 
     if opt is None:
-        raise DeMoSetupError("demo_elastic trains DeMo elastically: give --optim demo (or a DeMo optimizer)")
+        refuse("elastic_without_demo")
     kwargs = {"batch_size": samples_per_step, **{k: v for k, v in chosen.items() if k not in DATA_KEYS}}
     if "replica_id" in kwargs:
         kwargs["replica_id"] = str(kwargs["replica_id"])

@@ -12,6 +12,9 @@
 
 ``DeMoTrainingArguments`` (and any config class made by ``with_demo_arguments``) apply both in
 ``__post_init__``, before Trainer sets up the devices.
+
+* :func:`refuse_fsdp_on_cpu`: FSDP asked for (``--fsdp``, ``ACCELERATE_USE_FSDP``) on the CPU, where Accelerate
+  does not run it: refused at DeMo's first use (the arguments, DeMoTrainer, ``DeMo(...)``, ``hf_demo.prepare``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from hf_demo.refusals import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,28 @@ def _no_accelerator() -> bool:
 
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fsdp_requested(args=None) -> bool:
+    """Whether the training arguments (``--fsdp``) or the launch (``ACCELERATE_USE_FSDP``) ask for FSDP."""
+    asked = bool(getattr(args, "fsdp", None)) if args is not None else False
+    return asked or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
+def on_cpu(args=None) -> bool:
+    """Whether this process trains on the CPU: ``use_cpu`` in ``args``, ``ACCELERATE_USE_CPU``, or no accelerator."""
+    if args is not None and getattr(args, "use_cpu", False):
+        return True
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return True
+    return _no_accelerator()
+
+
+def refuse_fsdp_on_cpu(args=None) -> None:
+    """Refuse (``fsdp_not_run``, :mod:`hf_demo.refusals`) FSDP asked for (:func:`fsdp_requested`) on the CPU: called
+    at DeMo's first use, before Accelerate's own checks where the arguments or the trainer come first."""
+    if fsdp_requested(args) and on_cpu(args):
+        refuse("fsdp_not_run")
 
 
 def launched_on_cpu_without_switch(use_cpu: bool) -> bool:

@@ -32,19 +32,13 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from hf_demo import fsdp
-from hf_demo.errors import DeMoSetupError
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf import elastic as elastic_trainer
 from hf_demo.hf import metrics, runtime_classes
-from hf_demo.hf.data_parallel import (
-    check_supported,
-    disable_gradient_allreduce,
-    fsdp_requested,
-    refuse_fsdp_on_cpu,
-    unwrap_optimizer,
-)
+from hf_demo.hf.data_parallel import check_supported, disable_gradient_allreduce, unwrap_optimizer
+from hf_demo.hf.launch_env import fsdp_requested, refuse_fsdp_on_cpu
 from hf_demo.hf.trainer_private import PrivateTrainerHooks
 from hf_demo.hf.training_args import DeMoArguments, demo_settings, given_demo_fields, selects_demo, with_demo_arguments
 from hf_demo.ops import callbacks as ops_callbacks
@@ -52,11 +46,18 @@ from hf_demo.optim import update_rules
 from hf_demo.optim.factory import optimizer_cls_and_kwargs
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import model_groups
+from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def refuse_world_apart(trainer_world: int) -> None:
+    """Refuse a launch where torch.distributed has another world size than Trainer's ``trainer_world``."""
+    if _distributed() and dist.get_world_size() != trainer_world:
+        refuse("trainer_world_apart", world=dist.get_world_size(), trainer_world=trainer_world)
 
 
 def _refuse_fsdp_on_cpu(args, kwargs: dict) -> None:
@@ -82,13 +83,7 @@ class DeMoTrainerMixin(PrivateTrainerHooks):
         _refuse_fsdp_on_cpu(args[1] if len(args) > 1 else kwargs.get("args"), kwargs)  # before Accelerate's checks
         super().__init__(*args, **kwargs)
         self._demo_metrics = metrics.CommMetrics()  # the demo/* figures of each log row (hf_demo.hf.metrics)
-        if _distributed() and dist.get_world_size() != self.args.world_size:
-            raise DeMoSetupError(
-                f"torch.distributed has {dist.get_world_size()} processes but Trainer sees world size "
-                f"{self.args.world_size}: each process would train alone on the same batches. On a machine without "
-                "GPU, launch with ACCELERATE_USE_CPU=1 or pass --use_cpu true (use_cpu=True in the arguments); "
-                "`use_cpu: true` in an accelerate config file is not passed on."
-            )
+        refuse_world_apart(self.args.world_size)
         if _distributed():
             install_exit_handler()
         self._check_settings_reach_the_optimizer()
@@ -114,13 +109,10 @@ class DeMoTrainerMixin(PrivateTrainerHooks):
         from hf_demo.elastic import require_torchft
 
         if not self.uses_demo:
-            raise DeMoSetupError("demo_elastic trains DeMo elastically: give --optim demo (or a DeMo optimizer)")
+            refuse("elastic_without_demo")
         require_torchft()
         if self.args.world_size != 1:
-            raise DeMoSetupError(
-                f"demo_elastic runs one process per replica group; Trainer sees {self.args.world_size}: launch one "
-                "torchrun --nproc_per_node 1 per replica group (docs/guides/trainer-and-trl.md)"
-            )
+            refuse("elastic_trainer_processes", world=self.args.world_size)
         elastic_trainer.data_shard(self._elastic_options)
         self.add_callback(elastic_trainer.ElasticCallback(self))
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from hf_demo.hf.data_parallel import refuse_fsdp_on_cpu
-from hf_demo.hf.launch_env import prepare_launch
+from hf_demo.hf.launch_env import prepare_launch, refuse_fsdp_on_cpu
 from hf_demo.optim.factory import parse_optim_args
+from hf_demo.refusals import refuse, text
 from hf_demo.settings import PRESETS, DeMoSettings
 
 DEMO = "demo"  # the one spelling of DeMo's optimizer name
@@ -59,7 +59,7 @@ def register_optimizer_name() -> None:
 
 
 def _refuse_plain_trainer(ctx):
-    raise ValueError(plain_trainer_fix(type(ctx.args)))
+    refuse("plain_trainer", fix=_fix(type(ctx.args)))
 
 
 def plain_trainer_fix(config_cls: type) -> str:
@@ -68,6 +68,11 @@ def plain_trainer_fix(config_cls: type) -> str:
     Trainer builds the optimizer in a static method that gets the arguments, not the trainer: the fix is
     named after the arguments' class (without hf_demo's fields), by TRL's convention ``XConfig`` for ``XTrainer``.
     """
+    return text("plain_trainer", fix=_fix(config_cls))
+
+
+def _fix(config_cls: type) -> str:
+    """The fix :func:`plain_trainer_fix` names for arguments of class ``config_cls``."""
     base = next(c for c in config_cls.__mro__ if not issubclass(c, DeMoArguments))
     name = base.__name__
     if base is TrainingArguments:
@@ -80,11 +85,7 @@ def plain_trainer_fix(config_cls: type) -> str:
         fix = f"DeMo{trainer}, DeMo{name} = hf_demo.with_demo({trainer}, {name}), and train with those two"
         if name == "SFTConfig":
             fix += " (ready-made: hf_demo.trl.DeMoSFTTrainer and hf_demo.trl.DeMoSFTConfig)"
-    return (
-        f"optim='demo' needs a DeMo-aware trainer: {fix}. hf_demo.with_demo(TrainerClass, ConfigClass) makes any "
-        "trainer class DeMo-aware (so does a subclass with hf_demo.DeMoTrainerMixin first); one that is not "
-        "would keep DDP's gradient all-reduce under DeMo."
-    )
+    return fix
 
 
 register_optimizer_name()  # at import: SFTConfig(optim="demo") and --optim demo validate before any hf_demo call
@@ -215,7 +216,7 @@ class DeMoArguments:
 
     def _refuse_fsdp_on_cpu(self) -> None:
         """Before TrainingArguments and Accelerate look at the launch: FSDP asked for on the CPU stops with DeMo's
-        message (:func:`hf_demo.hf.data_parallel.refuse_fsdp_on_cpu`)."""
+        message (:func:`hf_demo.hf.launch_env.refuse_fsdp_on_cpu`)."""
         if selects_demo(self.optim):
             refuse_fsdp_on_cpu(self)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hf_demo import refusals
 from hf_demo.ops.links import COLLECTIVE_OVERHEAD, Link, collective_seconds, edge_bytes, sent_bytes
 from hf_demo.ops.shapes import Shape
 from hf_demo.ops.traffic import (
@@ -228,10 +229,10 @@ def _demo_memory(shapes, settings: DeMoSettings, param_bytes: int) -> float:
     rules' state, for a rank holding tensors of ``shapes``."""
     n, pb = sum(math.prod(s) for s in shapes), param_bytes
     momentum = sum(layout.nblocks * layout.bsize * 4 for layout in demo_layouts(shapes, settings))
-    rule = {"adam": 4, "adamw": 8}.get(settings.update_rule, 0) * n
+    rule = update_rules.FACTS[settings.update_rule].state_bytes(shapes)
     local = 0
     if settings.sync_every > 1 or settings.comm_budget > 0:  # anchor, inner momentum, inner rule state
-        local = pb * n + 4 * n + {"adam": 4, "adamw": 8}.get(settings.inner_rule, 0) * n
+        local = pb * n + 4 * n + update_rules.FACTS[settings.inner_rule].state_bytes(shapes)
     return 2 * pb * n + 2 * momentum + rule + local
 
 
@@ -368,11 +369,10 @@ def demo_method(variant: str):
 
 
 def _sharded_refusal(settings: DeMoSettings) -> str | None:
-    """Why DeMo refuses these settings on FSDP2-sharded parameters (hf_demo.topology.sharded), or None."""
+    """Why DeMo refuses these settings on FSDP2-sharded parameters (the ``unshardable_rule`` refusal that
+    :func:`hf_demo.topology.sharded.refuse_unshardable` raises), or None."""
     refused = {settings.update_rule, settings.inner_rule} & set(update_rules.WHOLE_STATE)
-    if refused:
-        return f"{min(refused)} is not combined with FSDP2-sharded parameters"
-    return None
+    return refusals.text("unshardable_rule", rule=min(refused)) if refused else None
 
 
 def demo_estimate(
@@ -418,10 +418,8 @@ def orthogonalisations(settings: DeMoSettings, sync_every: int) -> int:
     each rank's gradient is orthogonalised as well before it enters the momentum (``orthogonal_signal``,
     ``muon_signal``)."""
     if sync_every > 1:
-        return int(settings.inner_rule == "orthogonal")
-    if settings.update_rule in update_rules.ORTHOGONAL:
-        return 2 if settings.update_rule in ("orthogonal_signal", "muon_signal") else 1
-    return 0
+        return update_rules.FACTS[settings.inner_rule].ns_update
+    return update_rules.FACTS[settings.update_rule].ns_runs
 
 
 def demo_compute_s(settings: DeMoSettings, work: Workload, sync_every: int, shards: int = 1) -> float:

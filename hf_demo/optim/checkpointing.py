@@ -22,6 +22,7 @@ from hf_demo.optim import overlap, sharded_checkpoint
 from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
 from hf_demo.optim.state import PendingExchange, SavedState, saved_tensors
+from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings
 from hf_demo.topology.dtensor import local
 
@@ -100,11 +101,7 @@ def load(opt, state_dict: dict, resume: bool = True) -> None:
 def refuse_unfit(opt, saved: SavedState) -> None:
     """Refuse, before anything is loaded, a state this run could only resume wrongly."""
     if saved.pending is not None and opt.settings.sync_every > 1:
-        raise DeMoStateError(
-            "this optimizer state holds an exchange still in flight (saved with overlap=True), which local steps "
-            "(sync_every > 1) cannot apply: resume it with the settings it was saved with, call "
-            "optimizer.flush(), save again, and resume that checkpoint with the new settings"
-        )
+        refuse("resume_in_flight_local_steps")
     if not saved.counters.unsynced or saved.world_size <= 1:  # one rank: its parameters are everybody's
         return
     saved_every = saved.tier_spec[2]
@@ -112,14 +109,7 @@ def refuse_unfit(opt, saved: SavedState) -> None:
     tier = found if found is not None else min(int(saved.policy.get("tier", 0)), len(opt.tiers) - 1)
     if opt.tiers[tier].sync_every > 1:
         return
-    raise DeMoStateError(
-        f"this optimizer state was saved inside a local phase (optimizer step {saved.counters.steps}, synchronising "
-        f"every {saved_every} steps): each rank's parameters are still its own, and this run has no local "
-        "steps (sync_every=1), so its first exchange would find the ranks apart and copy rank 0's parameters "
-        f"over the others'. Resume it with the settings it was saved with (sync_every={saved_every}), call "
-        "optimizer.flush() on every rank (end_local_phase='average' averages the ranks), save again, and "
-        "resume that checkpoint with the new settings"
-    )
+    refuse("resume_local_phase_every_step", step=saved.counters.steps, saved_every=saved_every)
 
 
 def saved_tier(opt, saved: SavedState) -> int | None:

@@ -8,6 +8,7 @@ import torch
 
 from hf_demo.compression.blocks import plan
 from hf_demo.errors import DeMoStateError
+from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings, check_blocks
 from hf_demo.topology.dtensor import local_shape
 from hf_demo.wire import codec
@@ -63,10 +64,7 @@ def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:
 
 def check_param(p: torch.Tensor) -> None:
     if p.is_complex():
-        raise ValueError(
-            f"DeMo does not support complex parameters (shape {tuple(p.shape)}): "
-            "view them as real (torch.view_as_real) or optimise them with another optimizer"
-        )
+        refuse("complex_parameters", shape=tuple(p.shape))
     if p.numel() == 0:
         raise ValueError(
             f"DeMo cannot optimise an empty parameter of shape {tuple(p.shape)}: leave it out of the optimizer"

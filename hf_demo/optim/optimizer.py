@@ -22,12 +22,14 @@ from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import exchanges, liveness, teardown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.guards import ddp
+from hf_demo.hf.launch_env import refuse_fsdp_on_cpu
 from hf_demo.optim import checkpointing, groups, local_phase, overlap, settle, stages
 from hf_demo.optim import policy as policies
 from hf_demo.optim import view as views
 from hf_demo.optim.pipeline import Pipeline, run_step
 from hf_demo.optim.state import Counters
 from hf_demo.optim.transaction import keep_attributes, keep_fields
+from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings, refuse_retired
 from hf_demo.topology import choose as choose_topology
 from hf_demo.wire import sealing
@@ -86,9 +88,10 @@ class DeMo(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, process_group=None, *,
                  device_mesh=None, sign_update: bool | None = None, preset: str | None = None,
                  **settings):  # fmt: skip
+        refuse_fsdp_on_cpu()  # an FSDP launch on the CPU: refused at first use, before Accelerate's own errors
         self.settings = DeMoSettings.resolve(preset, **_with_sign_update(sign_update, settings))
         if process_group is not None and device_mesh is not None:
-            raise ValueError("DeMo: pass process_group or device_mesh, not both (the mesh names the group)")
+            refuse("mesh_and_group")
         self.process_group, self.device_mesh = process_group, device_mesh
         self.transform = transforms.get(self.settings.transform)
         secret = os.environ.get(SECRET_ENV)
@@ -447,16 +450,13 @@ class DeMo(torch.optim.Optimizer):
         saved_rank, saved_world, scope = self.saved_world
         rank, world, now = self.identity()
         if scope != now and "mesh" in (scope + now):
-            raise DeMoStateError(
-                f"optimizer state was saved on a {scope if 'mesh' in scope else 'flat layout'} (replicate x shard) "
-                f"but this run has a {now if 'mesh' in now else 'flat layout'}: each rank's momentum is blocked on "
-                "its own shard. Resume on the mesh it was saved on (or start the optimizer afresh)"
+            refuse(
+                "resume_other_mesh",
+                saved=scope if "mesh" in scope else "flat layout",
+                now=now if "mesh" in now else "flat layout",
             )
         if saved_world != world:
-            raise DeMoStateError(
-                f"optimizer state was saved with {saved_world} process(es) but this run has {world}: each rank's "
-                f"momentum is its own, resume with {saved_world} processes (or start the optimizer afresh)"
-            )
+            refuse("resume_other_world", saved_world=saved_world, world=world)
         if saved_rank != rank:
             raise DeMoStateError(
                 f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; each rank must load its own state"
@@ -471,7 +471,7 @@ def _with_sign_update(sign_update, settings: dict) -> dict:
             raise ValueError(f"DeMo: invalid sign_update={sign_update!r}: must be True or False")
         rule = "sign" if sign_update else "raw"
         if settings.setdefault("update_rule", rule) != rule:
-            raise ValueError(f"sign_update={sign_update} contradicts update_rule={settings['update_rule']!r}")
+            refuse("sign_update_contradicts", sign_update=sign_update, rule=settings["update_rule"])
     refuse_retired(settings)
     unknown = set(settings) - set(DeMoSettings.names())
     if unknown:

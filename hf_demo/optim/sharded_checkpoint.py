@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from hf_demo.errors import DeMoStateError
+from hf_demo.optim.update_rules import FACTS
+from hf_demo.refusals import refuse
 from hf_demo.topology.dtensor import is_sharded, local, local_shape, pieces_over, placed_like, shard_shapes
 
-SAME_ON_REPLICAS = ("exp_avg", "exp_avg_sq", "anchor")  # computed from the averaged update: placed like the parameter
+# computed from the averaged update (the rules' agreed tensors, the local phase's anchor): placed like the parameter
+SAME_ON_REPLICAS = (
+    *sorted({e.key for f in FACTS.values() for e in f.state if e.agreed and e.bytes_per_param}),
+    "anchor",
+)
 
 
 def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
@@ -46,11 +51,7 @@ def to_checkpoint(opt, sd: dict, world_mesh, shards: int, holds_own: bool) -> di
     in the first parameter group (what ``get_optimizer_state_dict`` keeps), the same on every rank. ``holds_own``:
     some parameter is this rank's own (inside a local phase), which a sharded checkpoint cannot hold."""
     if opt.pending is not None or holds_own:
-        raise DeMoStateError(
-            "a checkpoint of FSDP2-sharded DeMo holds no exchange in flight (overlap=True: call optimizer.flush() "
-            "first) and no parameter of a rank's own (inside a local phase of sync_every > 1: save at a "
-            f"synchronisation, after a step that is a multiple of sync_every); optimizer step {opt.steps}"
-        )
+        refuse("sharded_save_own_state", step=opt.steps)
     sd["state"] = {pid: dict(entry) for pid, entry in sd["state"].items()}  # torch's entries are opt.state's own dicts
     by_id = params_by_id(sd, opt)
     for pid, entry in sd["state"].items():

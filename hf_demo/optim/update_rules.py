@@ -8,12 +8,16 @@ as it is, but for ``orthogonal_signal`` and ``muon_signal``) and the rank's own 
 (:data:`SIGNAL_KEYS`, committed with the step); ``direction(param, update, state)`` returns the step direction
 (``param <- param - lr * direction``, applied by :func:`hf_demo.compression.functional.apply_step`); its
 per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and resumed with it. Add a
-rule by writing one class here and listing it in :data:`RULES`.
+rule by writing one class here, with its :class:`RuleFacts`, and listing it in :data:`RULES`: what the rest of
+hf_demo knows of a rule (its state keys, which rules are Muon-style, which may be inner rules, which cannot step
+shards, the planner's memory and Newton-Schulz runs, the state a sharded checkpoint places like the parameter) is
+derived from the facts.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -196,6 +200,45 @@ def orthogonal_step(update: torch.Tensor, rms: float, steps: int, measured: bool
     return ortho.mul_(rms_matching_scale(*matrix.shape, rms)).reshape(update.shape)
 
 
+@dataclass(frozen=True)
+class StateEntry:
+    """One entry a rule keeps in a parameter's state."""
+
+    key: str
+    bytes_per_param: int  # fp32 bytes per element of the parameter; 0: a scalar per parameter (a step counter)
+    agreed: bool  # the same on every rank (computed from the averaged update); False: this rank's own
+    whole_matrix: bool = False  # kept for matrices only, and read whole (a rank holding a shard cannot keep it)
+
+
+@dataclass(frozen=True)
+class RuleFacts:
+    """What a rule declares about itself; every table about rules derives from these."""
+
+    state: tuple[StateEntry, ...] = ()
+    ns_update: int = 0  # Newton-Schulz runs per matrix and step on the averaged update (0: not Muon-style)
+    ns_signal: int = 0  # Newton-Schulz runs per matrix and step on each rank's own gradient (Rule.signal)
+    may_be_inner: bool = True  # whether it may be inner_rule (it needs only a local momentum)
+
+    @property
+    def ns_runs(self) -> int:
+        return self.ns_update + self.ns_signal
+
+    @property
+    def needs_whole_own(self) -> bool:
+        """Whether it needs the whole matrix of a rank's own gradient or of a matrix-shaped state at every step
+        (so it cannot step FSDP2 shards; the averaged update of a Muon-style rule is gathered instead)."""
+        return self.ns_signal > 0 or any(e.whole_matrix for e in self.state)
+
+    def state_bytes(self, shapes) -> int:
+        """Bytes of this rule's state for parameters of ``shapes``."""
+        return sum(
+            e.bytes_per_param * math.prod(s) for e in self.state for s in shapes if not e.whole_matrix or len(s) >= 2
+        )
+
+
+_STEP = StateEntry("rule_step", 0, agreed=True)
+
+
 class Rule:
     """What every rule has: ``directions`` of many parameters at once, here one :meth:`direction` after another
     on copies of each one's state; the rules that can batch (``torch._foreach_*``) override it. The gradient
@@ -205,6 +248,7 @@ class Rule:
     (``matrices`` of a topology, :class:`~hf_demo.topology.sharded.ShardedMatrices`)."""
 
     whole_matrix = False
+    facts = RuleFacts()
 
     def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
         """(what of ``grad`` enters DeMo's momentum, the new :data:`SIGNAL_KEYS` entries of ``state``); ``state``
@@ -244,6 +288,7 @@ class AdamRule(Rule):
     """Adam-style normalisation of the averaged update (state ``exp_avg_sq``: 4 bytes per parameter)."""
 
     name = "adam"
+    facts = RuleFacts(state=(StateEntry("exp_avg_sq", 4, agreed=True), _STEP))
     beta2 = 0.999
     eps = 1e-8
 
@@ -262,6 +307,7 @@ class AdamWRule(Rule):
     parameter). The betas are AdamW's of the benchmarks' baseline."""
 
     name = "adamw"
+    facts = RuleFacts(state=(StateEntry("exp_avg", 4, agreed=True), StateEntry("exp_avg_sq", 4, agreed=True), _STEP))
     beta1 = 0.9
     beta2 = 0.95
     eps = 1e-8
@@ -287,6 +333,7 @@ class OrthogonalRule(Rule):
     (:func:`hf_demo.optim.param_groups.muon_style_groups`). No state."""
 
     name = "orthogonal"
+    facts = RuleFacts(ns_update=1)
     rms = 0.2
     ns_steps = 5
     measured_rms = False
@@ -316,6 +363,9 @@ class OrthogonalMomentumRule(OrthogonalRule):
     feedback already delays each component until it is sent, and this momentum delays it again."""
 
     name = "orthogonal_momentum"
+    facts = RuleFacts(
+        state=(StateEntry("exp_avg", 4, agreed=True, whole_matrix=True),), ns_update=1, may_be_inner=False
+    )
     beta = 0.95
 
     def direction(self, param: torch.Tensor, update: torch.Tensor, state: dict) -> torch.Tensor:
@@ -343,6 +393,7 @@ class OrthogonalSignalRule(OrthogonalRule):
     does. One more Newton-Schulz iteration per matrix and step, on each rank; no state, no traffic."""
 
     name = "orthogonal_signal"
+    facts = RuleFacts(ns_update=1, ns_signal=1, may_be_inner=False)
 
     def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
         return orthogonalised_signal(grad, self.ns_steps), {}
@@ -368,6 +419,12 @@ class MuonSignalRule(OrthogonalRule):
     Newton-Schulz iteration more per matrix and step, on each rank; no traffic."""
 
     name = "muon_signal"
+    facts = RuleFacts(
+        state=(StateEntry("signal_momentum", 4, agreed=False, whole_matrix=True),),
+        ns_update=1,
+        ns_signal=1,
+        may_be_inner=False,
+    )
     beta = 0.95
 
     def signal(self, grad: torch.Tensor | None, state: dict) -> tuple[torch.Tensor | None, dict]:
@@ -376,9 +433,6 @@ class MuonSignalRule(OrthogonalRule):
         direction, momentum = muon_direction(grad, state.get("signal_momentum"), self.beta, self.ns_steps)
         return direction, {"signal_momentum": momentum}
 
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "rule_step")  # every key a rule keeps in the optimizer's per-parameter state
-SIGNAL_KEYS = ("signal_momentum",)  # a rule's state of this rank's own gradients (Rule.signal), like DeMo's momentum
 
 RULES = {
     rule.name: rule
@@ -394,10 +448,15 @@ RULES = {
     )
 }
 UPDATE_RULES = tuple(RULES)
-ORTHOGONAL = ("orthogonal", "orthogonal_momentum", "orthogonal_signal", "muon_signal")  # Muon-style groups
-NOT_INNER = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")  # need DeMo's momentum or averaged updates
+FACTS = {name: rule.facts for name, rule in RULES.items()}
+# every key a rule keeps in the optimizer's per-parameter state, the same on every rank
+STATE_KEYS = tuple(sorted({e.key for f in FACTS.values() for e in f.state if e.agreed}))
+# a rule's state of this rank's own gradients (Rule.signal), like DeMo's momentum
+SIGNAL_KEYS = tuple(sorted({e.key for f in FACTS.values() for e in f.state if not e.agreed}))
+ORTHOGONAL = tuple(n for n, f in FACTS.items() if f.ns_update)  # Muon-style groups
+NOT_INNER = tuple(n for n, f in FACTS.items() if not f.may_be_inner)  # need DeMo's momentum or averaged updates
 # orthogonalise each rank's gradient (signal) or keep a matrix state: not on FSDP2 shards (orthogonal gathers)
-WHOLE_STATE = ("orthogonal_momentum", "orthogonal_signal", "muon_signal")
+WHOLE_STATE = tuple(n for n, f in FACTS.items() if f.needs_whole_own)
 
 
 def get(name: str):

@@ -33,6 +33,7 @@ from hf_demo.exchange.collectives import SHARDS, CollectiveSpec
 from hf_demo.exchange.transport import Transport
 from hf_demo.optim import update_rules
 from hf_demo.optim.records import Chosen
+from hf_demo.refusals import refuse
 from hf_demo.topology import owners
 from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
 from hf_demo.wire import codec
@@ -53,27 +54,16 @@ class ShardSpec:
         if not sharded:
             return None
         if len(sharded) != len(params):
-            raise ValueError(
-                f"DeMo was given {len(sharded)} FSDP2-sharded parameter(s) (DTensor) and {len(params) - len(sharded)} "
-                "plain one(s): a plain parameter beside FSDP2 gets no gradient reduction inside the shard group, so "
-                "its copies would drift apart. Shard the modules that hold them too (fully_shard the root module, "
-                "as hf_demo.fsdp.shard_model does), or give them to another optimizer"
-            )
+            refuse("sharded_and_plain", sharded=len(sharded), plain=len(params) - len(sharded))
         meshes = {id(mesh_of(p)): mesh_of(p) for p in sharded}
         if len(meshes) > 1:
-            raise ValueError("DeMo's parameters are sharded over more than one device mesh: use one mesh for the model")
+            refuse("several_meshes")
         mesh = next(iter(meshes.values()))
         if mesh.ndim != 1:
-            raise ValueError(
-                f"DeMo's parameters are FSDP2 DTensors on a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())} "
-                "with placements (Replicate(), Shard(0)): that is FSDP2's own HSDP, which all-reduces every gradient "
-                "densely across the replicate dimension, the traffic DeMo replaces. Shard on the shard dimension "
-                "only, fully_shard(module, mesh=mesh['shard']) (hf_demo.fsdp.shard_model(model, mesh)), and give "
-                "DeMo device_mesh=mesh"
-            )
+            refuse("fsdp_own_hsdp", ndim=mesh.ndim, names=tuple(mesh.mesh_dim_names or ()))
         placements = {placements_of(p) for p in sharded}
         if any(not is_shard(pl) for pls in placements for pl in pls):
-            raise ValueError(f"DeMo steps FSDP2-sharded parameters (Shard placements); got placements {placements}")
+            refuse("not_shard_placement", placements=placements)
         return cls(mesh, tuple(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
@@ -112,12 +102,7 @@ def refuse_unshardable(opt) -> None:
     for group in opt.param_groups:
         rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.WHOLE_STATE)
         if rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
-            raise ValueError(
-                f"DeMo: update_rule/inner_rule={min(rules)!r} is not combined with FSDP2-sharded parameters: it "
-                "orthogonalises each rank's own gradient or keeps a matrix-shaped state, which would need the "
-                "whole matrix on every rank at every step. Use update_rule='orthogonal' (orthogonalised as if "
-                "unsharded) or inner_rule='orthogonal' (the from_scratch preset) for these groups"
-            )
+            refuse("unshardable_rule", rule=min(rules))
 
 
 class ShardedTopology:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.refusals import refuse
 from hf_demo.wire import codec
 
 ENCRYPT_ENV = "HF_DEMO_ENCRYPT"
@@ -77,17 +78,9 @@ def from_env(secret: bytes | None, settings, environ=None) -> Sealer | None:
     if value != "1":
         raise ValueError(f"DeMo: {ENCRYPT_ENV}={value!r}: set 1 to encrypt DeMo's traffic, or 0 (or unset) not to")
     if secret is None:
-        raise ValueError(
-            f"DeMo: {ENCRYPT_ENV}=1 derives its keys from HF_DEMO_SECRET, which is not set: set the same "
-            "HF_DEMO_SECRET on every rank (see SECURITY.md)"
-        )
+        refuse("encrypted_without_secret", env=ENCRYPT_ENV)
     if settings.exchange != "all_gather":
-        raise ValueError(
-            f"DeMo: {ENCRYPT_ENV}=1 needs exchange='all_gather': exchange={settings.exchange!r} sums the ranks' "
-            "values inside the all-reduce as they travel, and encrypted values cannot be summed (an AES-GCM "
-            "ciphertext of a sum is not the sum of ciphertexts, and each rank seals with its own key): the values "
-            "would have to travel in the clear"
-        )
+        refuse("encrypted_all_reduce", env=ENCRYPT_ENV, exchange=settings.exchange)
     return Sealer(secret)
 
 
