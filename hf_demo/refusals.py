@@ -350,6 +350,16 @@ _TABLE = (
         "accelerate config (accelerate_configs/fsdp2_hsdp.yaml), or --fsdp_config with fsdp_version 2",
     ),
     Refusal(
+        "late_checkpoint_object", "integration",
+        "An object registered with `accelerator.register_for_checkpointing` after the accelerator's first "
+        "`save_state` or `load_state`",
+        "hf_demo.hf.accelerated.AcceleratorCheckpoints._registered_last",
+        "an object was registered with accelerator.register_for_checkpointing after this accelerator's first "
+        "save_state or load_state: its file would be saved after hf_demo's manifest, which covers every other file "
+        "of a checkpoint and must be saved last. Register every object before the first save_state or load_state",
+        DeMoSetupError,
+    ),
+    Refusal(
         "fsdp_not_run", "integration",
         "FSDP asked for (`--fsdp`, an FSDP accelerate config) where Accelerate does not run it (the CPU)",
         "hf_demo.hf.launch_env.refuse_fsdp_on_cpu",

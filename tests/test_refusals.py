@@ -133,6 +133,24 @@ def _plain_trainer(tmp_path):
 
 
 # each entry of the table: a configuration that triggers it (in this process; LAYOUT: in a process of its own)
+def _late_checkpoint_object():
+    """An object registered after hf_demo's (its first save_state): the next save or load is refused."""
+    from hf_demo.hf.accelerated import AcceleratorCheckpoints
+
+    class Accelerator:  # the two things AcceleratorCheckpoints uses of accelerate.Accelerator
+        def __init__(self):
+            self._custom_objects = []
+
+        def register_for_checkpointing(self, *objects):
+            self._custom_objects.extend(objects)
+
+    accelerator = Accelerator()
+    ours = AcceleratorCheckpoints(accelerator)
+    ours._registered_last()  # the first save_state
+    accelerator.register_for_checkpointing(object())
+    ours._registered_last()
+
+
 TRIGGERS = {
     "overlap_local_steps": lambda mp, tmp: _demo(overlap=True, sync_every=2),
     "inner_rule_not_inner": lambda mp, tmp: _demo(inner_rule="muon_signal", sync_every=2),
@@ -157,6 +175,7 @@ TRIGGERS = {
     "deepspeed": lambda mp, tmp: _check_supported(deepspeed=True),
     "fsdp1": lambda mp, tmp: _check_supported(_accelerator(1)),
     "fsdp_not_run": lambda mp, tmp: _fsdp_on_cpu(mp),
+    "late_checkpoint_object": lambda mp, tmp: _late_checkpoint_object(),
     "fp16": lambda mp, tmp: _check_supported(fp16=True),
     "trainer_world_apart": lambda mp, tmp: _trainer_world(mp),
     "elastic_without_demo": lambda mp, tmp: _elastic_trainer(False, 1),
@@ -331,7 +350,11 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/hf/elastic.py::data_shard": (2, VALUE + ": replica_id, replicas"),
     "hf_demo/hf/elastic.py::options": (1, VALUE + ": demo_elastic"),
     "hf_demo/hf/runtime_classes.py::remake": (1, STATE),
-    "hf_demo/hf/trainer.py::DeMoTrainerMixin._load_optimizer_and_scheduler": (1, STATE + ": a rank's file missing"),
+    "hf_demo/hf/trainer_private.py::PrivateTrainerHooks._load_optimizer_and_scheduler": (
+        1,
+        STATE + ": a rank's file missing",
+    ),
+    "hf_demo/ops/methods.py::Estimate.rank_bytes": (1, ARGUMENT + ": an unknown group"),
     "hf_demo/hf/trainer.py::DeMoTrainerMixin.train": (
         1,
         ARGUMENT + ": no checkpoint to resume (Trainer's own message)",

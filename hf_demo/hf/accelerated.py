@@ -26,11 +26,12 @@ import weakref
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-from hf_demo.errors import DeMoSetupError, DeMoStateError
+from hf_demo.errors import DeMoStateError
 from hf_demo.hf import checkpoint as ckpt
 from hf_demo.hf.metrics import CommMetrics
 from hf_demo.optim import checkpointing
 from hf_demo.optim.optimizer import DeMo
+from hf_demo.refusals import refuse
 
 DEMO_ATTRIBUTES = frozenset(
     {"flush", "confirm", "unconfirmed", "averaged_parameters", "comm_stats", "skipped_steps", "resyncs", "tier",
@@ -93,13 +94,6 @@ def rank_state_file(index: int, rank: int) -> str:
     return name if rank == 0 else name.replace(".bin", f".rank{rank}.bin")
 
 
-LATE_OBJECT = (
-    "an object was registered with accelerator.register_for_checkpointing after this accelerator's first save_state "
-    "or load_state: its file would be saved after hf_demo's manifest, which covers every other file of a checkpoint "
-    "and must be saved last. Register every object before the first save_state or load_state"
-)
-
-
 class AcceleratorCheckpoints:
     """Every rank's DeMo state and the manifest in ``accelerator.save_state``; the check and each rank's own state
     in ``accelerator.load_state``. One per accelerator (:func:`register`); its object for checkpointing is registered
@@ -129,7 +123,7 @@ class AcceleratorCheckpoints:
             self.accelerator.register_for_checkpointing(self)
             self.index = len(objects) - 1
         if objects[-1] is not self:
-            raise DeMoSetupError(LATE_OBJECT)
+            refuse("late_checkpoint_object")
         return self.index
 
     def before_save(self, models, weights, output_dir: str) -> None:
