@@ -1,9 +1,11 @@
 """Parameter and momentum hashes after 30 steps for every mode x value format x 1/2/4 ranks (gloo, CPU).
 
-    python scripts/step_hashes.py > tests/data/step_hashes.json
+    python scripts/step_hashes.py > tests/data/step_hashes.json        # on an AVX512 CPU
+    python scripts/step_hashes.py > tests/data/step_hashes_avx2.json   # on an AVX2 CPU
 
 The file is the record that a change of the step's code changes nothing a user can see: ``tests/test_step_hashes.py``
-runs the same cases and compares, on a CPU with the same kernels (``torch.backends.cpu.get_cpu_capability()``).
+runs the same cases and compares with the file made on a CPU with the same kernels
+(``torch.backends.cpu.get_cpu_capability()``).
 """
 
 from __future__ import annotations
