@@ -47,8 +47,6 @@ from hf_demo.optim.records import Settled
 from hf_demo.optim.transaction import Undo
 from hf_demo.wire import agreement, codec
 
-STEADY_FLAGS = codec.FLAG_AUTH | codec.FLAG_FINGERPRINT  # header flags that ask for nothing beyond the steady path
-
 
 @dataclass(frozen=True)
 class Unsettled:
@@ -65,8 +63,8 @@ class Unsettled:
 
 
 class Deferred(Exception):
-    """This rank refused what it received at a step that settles later (raised by the vote part, caught by
-    ``DeMo.step``, which keeps :attr:`unsettled` and returns: the rank raises at its next step or confirm)."""
+    """This rank refused what it received at a step that settles later (raised by the vote phase, caught by
+    ``DeMo.prepare_step``, which keeps :attr:`unsettled` and returns: the rank raises at its next step or confirm)."""
 
     def __init__(self, unsettled: Unsettled):
         super().__init__(f"optimizer step {unsettled.step} refused here: {unsettled.refusal}")
@@ -89,26 +87,15 @@ def defers(step, plan) -> bool:
 
 
 def steady(step, chosen, found, agreed) -> bool:
-    """The same on every rank that trusted every header: the payloads rode, no header flag asks for more (a skip,
-    a drift, a first exchange, a DDP check), no resync is due, the policy stays in its tier, this is the first
-    try of the step."""
+    """The same on every rank that trusted every header: the payloads rode, this is the first try of the step,
+    and the headers read as steady by the judge's own reading (:func:`hf_demo.guards.verdicts.decide`: no flag
+    asks for more, no resync, not a first exchange) with the policy staying in its tier."""
     headers, view, s = agreed.headers, step.view, step.settings
-    if agreed.arrived is None or step.decided is not None or found.first:
+    if agreed.arrived is None or step.decided is not None:
         return False
-    if any(h.flags & ~STEADY_FLAGS for h in headers):
+    if not verdicts.decide(s, step.transport.step, step.transport.world, found, headers).steady:
         return False
-    if found.check_drift and len({h.fingerprint for h in headers}) > 1:
-        return False
-    if verdicts.due(s.full_sync_every, step.transport.step):
-        return False
-    if s.comm_budget:
-        exchange_ms, elapsed_ms = max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers)
-        figures = view.topology.agree_figures(
-            step.transport, chosen.device, exchange_ms, elapsed_ms, view.bytes_by_tier(chosen.items)
-        )
-        if view.policy.decide(*figures, view.clock.last_exchange_tier).tier != view.policy.tier:
-            return False
-    return True
+    return not s.comm_budget or verdicts.policy_after(step, chosen, headers).tier == view.policy.tier
 
 
 def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: int = 0, word=None) -> Pending:
