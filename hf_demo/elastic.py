@@ -7,7 +7,7 @@ step:
    changed (a replica lost or back), and a replica behind the quorum (a restarted one, or one that failed to
    commit a step the others committed) receives the agreed state from a live peer through torchft's checkpoint
    transport (:meth:`Elastic.agreed_state` / :meth:`Elastic.load_agreed`) before its forward pass.
-2. ``optimizer.step()``: DeMo's pipeline, whose collectives (headers, payloads, the vote) run over the Manager's
+2. ``optimizer.step()``: DeMo's step, whose collectives (headers, payloads, the vote) run over the Manager's
    reconfigurable process group (:class:`ManagedTransport`) among this quorum's replicas: the mean is over the
    replicas present.
 3. One commit decision, :meth:`Elastic.decide` (``DeMo.replication``): an error of the step (a collective that

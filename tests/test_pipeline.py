@@ -1,28 +1,28 @@
-"""The step's architecture as documented: the pipeline's parts in order, the registries a new part plugs into,
+"""The step's architecture as documented: the step's phases in order, the registries a new part plugs into,
 and no hook installed on other optimizers by importing hf_demo."""
 
 import dataclasses
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import hf_demo
 from hf_demo.compression import transforms
 from hf_demo.exchange import exchanges
-from hf_demo.optim import optimizer, pipeline, records, signals, update_rules, view
+from hf_demo.optim import phases, records, signals, update_rules, view
 from hf_demo.topology import TOPOLOGIES
 from hf_demo.wire import agreement
 
 DESIGN = (Path(__file__).parent.parent / "docs" / "DESIGN.md").read_text()
 
 
-def test_the_design_page_lists_the_pipelines_parts_in_order():
+def test_the_design_page_lists_the_steps_phases_in_order():
     listed = re.search(r"```text\n(.*?)\n```", DESIGN, re.S).group(1)
-    assert re.findall(r"[a-z]+", listed) == optimizer.PIPELINE.names()
+    assert re.findall(r"[a-z]+", listed) == list(phases.PHASES)
 
 
 def test_every_registry_the_design_page_names_holds_what_it_documents():
@@ -40,8 +40,8 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
         assert all(callable(getattr(cls, m)) for m in ("select", "decay_and_scale", "entering", "update")), name
     for name, rule in update_rules.RULES.items():
         assert callable(rule.direction) and callable(rule.signal) and f"`{name}`" in DESIGN
-    for part in optimizer.PIPELINE.parts:
-        assert callable(part.run) and f"`{part.name}`" in DESIGN
+    for name in phases.PHASES:
+        assert callable(getattr(phases, name)) and f"`{name}`" in DESIGN
 
 
 def test_importing_hf_demo_hooks_no_other_optimizer():
@@ -69,41 +69,64 @@ def test_a_failed_step_commits_nothing():
     assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
 
 
-def test_every_part_says_what_it_reads_and_what_it_makes():
-    """A part's ``run`` takes the step and, by name, the records it reads (each made by a part before it), and
-    returns the record it makes: its signature is the whole of what it uses of the step."""
-    made = []
-    for part in optimizer.PIPELINE.parts:
-        names = pipeline.reads(part)
-        assert all(name in made for name in names), (part.name, names, made)
-        returned = part.run.__annotations__["return"]
-        if part.makes is None:
-            assert returned == "None", part.name
-        else:
-            record, maker = records.MADE_BY[part.makes]
-            assert maker == part.name and record.__name__ in returned, (part.name, returned)
-            made.append(part.makes)
-        for name in names:  # each record it reads, annotated with its type
-            assert records.MADE_BY[name][0].__name__ in part.run.__annotations__[name], (part.name, name)
-    assert sorted(made) == sorted(records.MADE_BY)  # every record made, once
-    for name, (record, maker) in records.MADE_BY.items():
-        assert f"| `{name}` | `{record.__name__}` | `{maker}` |" in DESIGN
-        assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen
+def _reads(phase) -> list[str]:
+    """The records a phase takes: its parameters after the step."""
+    return list(inspect.signature(phase).parameters)[1:]
 
 
-def test_a_part_that_reads_a_record_no_part_before_it_makes_is_refused():
-    class Early:
-        name, makes = "early", None
+def test_every_phase_says_what_it_reads_and_what_it_makes():
+    """A phase takes the step and the records it reads (each made by a phase before it, annotated with its type),
+    and returns the record it makes: its signature is the whole of what it uses of the step. Every record is made
+    by one phase, is frozen, and the design page names the phase that makes it."""
+    by_type = {}  # record type -> the phase that makes it, in the order of the phases
+    for name in phases.PHASES:
+        phase = getattr(phases, name)
+        for arg in _reads(phase):  # each made by a phase before this one
+            assert phase.__annotations__[arg].removesuffix(" | None") in by_type, (name, arg)
+        returned = phase.__annotations__["return"]
+        if returned != "None":
+            record = returned.removesuffix(" | None")
+            assert record not in by_type, (name, record)  # every record made once
+            by_type[record] = name
+    records_made = {
+        cls.__name__
+        for cls in vars(records).values()
+        if dataclasses.is_dataclass(cls) and cls.__module__ == records.__name__ and cls.__name__ != "Step"
+    }
+    assert sorted(by_type) == sorted(records_made)
+    for record, maker in by_type.items():
+        cls = getattr(records, record)
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+        assert re.search(rf"\| `[a-z]+` \| `{record}` \| `{maker}` \|", DESIGN), (record, maker)
 
-        def run(self, step, verdict): ...
 
-    with pytest.raises(ValueError, match="'early' reads \\['verdict'\\]"):
-        pipeline.Pipeline([Early()])
+def test_run_step_calls_every_phase_in_order_each_in_its_range(monkeypatch):
+    """The ranges one steady step opens, in order: ``DeMo.step``, then each phase of :data:`PHASES` (``compress``:
+    top-k and coding), ``DeMo.exchange`` opened just before ``agreement`` (it holds ``communicate`` too); a local
+    step runs plan, topology, signal and commit only."""
+    opened = []
+    real = phases.traced
+    monkeypatch.setattr(phases, "traced", lambda name, cuda: (opened.append(name), real(name, cuda))[1])
+
+    def ranges(**settings) -> list[str]:
+        p = torch.nn.Parameter(torch.randn(8, 8))
+        opt = hf_demo.DeMo([p], lr=1e-2, compression_topk=4, compression_chunk=8, **settings)
+        p.grad = torch.randn(8, 8)
+        opt.step()
+        p.grad = torch.randn(8, 8)
+        opened.clear()
+        opt.step()
+        return [name.removeprefix("DeMo.") for name in opened]
+
+    steady = ranges()
+    assert steady[0] == "step" and [n for n in steady[1:] if n != "exchange"] == list(phases.PHASES), steady
+    assert steady.index("exchange") == steady.index("agreement") - 1
+    assert ranges(sync_every=4) == ["step", *phases.LOCAL_STEP]
 
 
-def test_parts_get_a_view_of_the_optimizer_and_not_the_optimizer():
-    """What a part is given holds no optimizer: the step's fields, and the view's, are settings, state and
-    callables, and no part's ``run`` names the optimizer."""
+def test_phases_get_a_view_of_the_optimizer_and_not_the_optimizer():
+    """What a phase is given holds no optimizer: the step's fields, and the view's, are settings, state and
+    callables, and no phase names the optimizer."""
     p = torch.nn.Parameter(torch.randn(8, 8))
     opt = hf_demo.DeMo([p], lr=1e-2, compression_topk=4, compression_chunk=8)
     seen = opt.step_view()
@@ -111,8 +134,8 @@ def test_parts_get_a_view_of_the_optimizer_and_not_the_optimizer():
     fields = {f.name: getattr(seen, f.name) for f in dataclasses.fields(seen)}
     assert not any(isinstance(v, torch.optim.Optimizer) for v in fields.values())
     assert {f.name for f in dataclasses.fields(records.Step)} == {"view", "transport", "tx", "decided"}
-    for part in optimizer.PIPELINE.parts:
-        assert not {"opt", "ctx", "optimizer"} & set(pipeline.reads(part)), part.name
+    for name in phases.PHASES:
+        assert not {"opt", "ctx", "optimizer"} & set(_reads(getattr(phases, name))), name
 
 
 def test_the_vote_words_are_packed_and_read_by_one_pair():

@@ -4,6 +4,7 @@ one verdict, the same on every rank (:func:`judge`): go on, skip the step, copy 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 from hf_demo.errors import DeMoNonFiniteError, DeMoSetupError, DeMoSyncError
 from hf_demo.guards.checks import any_nonfinite, fingerprint, gradient_fingerprint, nonfinite_or_zero
@@ -13,6 +14,7 @@ from hf_demo.wire import codec
 
 FLAG_REFUSED = codec.FLAG_REFUSED
 AGREED_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS | FLAG_REFUSED  # decide the whole model's step
+STEADY_FLAGS = codec.FLAG_AUTH | codec.FLAG_FINGERPRINT  # header flags that ask for nothing beyond the steady path
 
 UNSYNCED_START = (
     "The initial weights were never synchronised: a model initialised differently on each rank (e.g. PEFT "
@@ -42,7 +44,7 @@ def inspect(step, signal, late_refused: bool) -> Findings:
     first = not view.first_checked and world > 1
     bad_grads, zero_grads = nonfinite_or_zero([g for g in signal.signals if g is not None])
     if zero_grads and any(g["lr"] for g in view.param_groups):  # torch's DCP helpers step once at lr 0
-        step.tx.stage(lambda: warnings.warn(zero_gradients(number), stacklevel=4), keeps_nothing=True)
+        step.tx.stage(lambda: warnings.warn(zero_gradients(number), stacklevel=5), keeps_nothing=True)
     bad_params = any_nonfinite(signal.replicas)
     check_drift = (due(s.check_every, number) or first) and world > 1
     # a DDP wrapper taken for an unused one at the first step (guards.ddp.first_step_check): still?
@@ -61,8 +63,39 @@ def inspect(step, signal, late_refused: bool) -> Findings:
     return Findings(flags, first, check_drift, grad_print, replica_print, suspects)
 
 
+def decide(settings, number: int, world: int, found: Findings, headers: list) -> Verdict:
+    """What every rank's header says about step ``number``, read alike on every rank that trusted them all, by the
+    vote (:func:`hf_demo.optim.settle.steady`) and the judge (:func:`judge`): skip (non-finite gradients or
+    parameters somewhere), drift (the replicas' fingerprints differ), resync (due by ``full_sync_every``, or for
+    drift or non-finite parameters), and steady (no header flag beyond :data:`STEADY_FLAGS`, no resync, not a
+    process's first exchange; where the policy may move, the vote asks :func:`policy_after` too). It raises
+    nothing and runs no collective: the judge raises from it, and agrees the drift over a shard group."""
+    drifted = found.check_drift and len({h.fingerprint for h in headers}) > 1
+    bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
+    resync = (due(settings.full_sync_every, number) and world > 1) or drifted or bool(bad_param_ranks)
+    skip = bool(bad_param_ranks) or bool(codec.flagged(headers, codec.FLAG_NONFINITE))
+    plain = not any(h.flags & ~STEADY_FLAGS for h in headers)
+    return Verdict(skip, resync, drifted, bad_param_ranks, steady=plain and not (resync or found.first))
+
+
+def policy_after(step, chosen, headers: list):
+    """The budget policy after this step's headers (the slowest exchange and step; the figures are the whole
+    model's, agreed over the shard group where it is sharded): the tier it moves to, for the policy phase and the
+    vote alike."""
+    view = step.view
+    figures = view.topology.agree_figures(
+        step.transport,
+        chosen.device,
+        max(h.exchange_ms for h in headers),
+        max(h.elapsed_ms for h in headers),
+        view.bytes_by_tier(chosen.items),
+    )
+    return view.policy.decide(*figures, view.clock.last_exchange_tier)
+
+
 def judge(step, device, found: Findings, headers: list) -> Verdict:
-    """Raise (every rank alike), or the verdict from every rank's header: skip, resync from rank 0."""
+    """Raise (every rank alike), or the verdict from every rank's header (:func:`decide`): skip, resync from
+    rank 0."""
     s, number, topology = step.settings, step.transport.step, step.view.topology
     _refused_in_flight(step.transport, found, headers)
     if found.first or codec.flagged(headers, codec.FLAG_DDP_SUSPECT):
@@ -71,32 +104,27 @@ def judge(step, device, found: Findings, headers: list) -> Verdict:
         except DeMoSetupError:
             step.view.rescan_ddp()  # the first-step guard scans again: the fix (disable, del) may follow
             raise
-    drifted = found.check_drift and len({h.fingerprint for h in headers}) > 1
+    read = decide(s, number, step.transport.world, found, headers)
+    drifted, bad_param_ranks = read.drifted, read.bad_param_ranks
     if found.check_drift:  # sharded parameters: drift in any shard is the whole model's (every shard decides alike)
         drifted = bool(topology.agree(step.transport, device, int(drifted), "node_drift"))
-    bad_param_ranks = codec.flagged(headers, codec.FLAG_NONFINITE_PARAMS)
-    resync = due(s.full_sync_every, number) and step.transport.world > 1
-    if drifted or bad_param_ranks:
-        if s.drift == "raise" or 0 in bad_param_ranks:
-            why = (
-                f"non-finite parameters on rank(s) {bad_param_ranks}"
-                if bad_param_ranks
-                else f"parameter fingerprints differ: {[h.fingerprint for h in headers]}"
-            )
-            raise DeMoSyncError(
-                f"replicas {'started' if found.first else 'drifted'} apart at optimizer step {number}: {why} "
-                f"(drift={s.drift!r}); no state was changed"
-                + (f". {UNSYNCED_START}" if found.first and drifted else "")
-            )
-        resync = True
+    if (drifted or bad_param_ranks) and (s.drift == "raise" or 0 in bad_param_ranks):
+        why = (
+            f"non-finite parameters on rank(s) {bad_param_ranks}"
+            if bad_param_ranks
+            else f"parameter fingerprints differ: {[h.fingerprint for h in headers]}"
+        )
+        raise DeMoSyncError(
+            f"replicas {'started' if found.first else 'drifted'} apart at optimizer step {number}: {why} "
+            f"(drift={s.drift!r}); no state was changed" + (f". {UNSYNCED_START}" if found.first and drifted else "")
+        )
     nonfinite = codec.flagged(headers, codec.FLAG_NONFINITE)
-    skip = bool(nonfinite or bad_param_ranks)
     if nonfinite and not bad_param_ranks and s.nonfinite == "raise":
         raise DeMoNonFiniteError(
             f"non-finite gradients on rank(s) {nonfinite} at optimizer step {number}; "
             "no state was changed (nonfinite='raise')"
         )
-    return Verdict(skip=skip, resynced=resync, drifted=drifted, bad_param_ranks=bad_param_ranks)
+    return replace(read, resynced=read.resynced or drifted, drifted=drifted, steady=read.steady and not drifted)
 
 
 def _refused_in_flight(transport, found: Findings, headers: list) -> None:

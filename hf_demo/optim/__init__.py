@@ -1,1 +1,1 @@
-"""The optimizer and its step: :class:`DeMo`, the staged step's parts, update rules, local steps, the policy."""
+"""The optimizer and its step: :class:`DeMo`, the step's phases, update rules, local steps, the policy."""

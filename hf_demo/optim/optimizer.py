@@ -1,9 +1,10 @@
 """``hf_demo.DeMo``: Decoupled Momentum Optimization as a ``torch.optim.Optimizer``.
 
-A thin class over the step's parts: :meth:`DeMo.step` runs the pipeline of :mod:`hf_demo.optim.pipeline`
-(parts in :mod:`hf_demo.optim.stages`) and commits its transaction, so an error raised anywhere in a step (a bad
-payload, a timeout, a disagreeing rank) leaves the optimizer, the parameters and the counters exactly as they
-were: the step can be retried or the run resumed.
+A thin class over the step's phases: :meth:`DeMo.prepare_step` runs them (:func:`hf_demo.optim.phases.run_step`)
+and hands back a :class:`StagedStep`, whose ``commit()`` applies the step's transaction and ``discard()`` drops it;
+:meth:`DeMo.step` is the two together. An error raised anywhere in a step (a bad payload, a timeout, a
+disagreeing rank) leaves the optimizer, the parameters and the counters exactly as they were: the step can be
+retried or the run resumed.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.compression import transforms
-from hf_demo.errors import DeMoStateError
+from hf_demo.errors import DeMoStateError, DeMoSyncError
 from hf_demo.exchange import exchanges, liveness, teardown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.guards import ddp
 from hf_demo.hf.launch_env import refuse_fsdp_on_cpu
-from hf_demo.optim import checkpointing, groups, local_phase, overlap, settle, stages
+from hf_demo.optim import checkpointing, groups, local_phase, overlap, phases, settle
 from hf_demo.optim import policy as policies
 from hf_demo.optim import view as views
-from hf_demo.optim.pipeline import Pipeline, run_step
+from hf_demo.optim.phases import run_step
 from hf_demo.optim.state import Counters
 from hf_demo.optim.transaction import keep_attributes, keep_fields
 from hf_demo.refusals import refuse
@@ -36,24 +37,6 @@ from hf_demo.wire import sealing
 
 logger = logging.getLogger(__name__)
 SECRET_ENV = "HF_DEMO_SECRET"
-PIPELINE = Pipeline(
-    [
-        stages.Plan(),
-        stages.Select(),
-        stages.Signal(),
-        stages.Inspect(),
-        stages.Momentum(),
-        stages.Prepare(),
-        stages.Agreement(),
-        stages.Communicate(),
-        stages.Vote(),
-        stages.Policy(),
-        stages.Judge(),
-        stages.LandLate(),
-        stages.Update(),
-        stages.Conclude(),
-    ]
-)
 
 
 def _counter(name: str) -> property:
@@ -192,7 +175,7 @@ class DeMo(torch.optim.Optimizer):
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def step_view(self) -> views.OptimizerView:
-        """What the step's parts read of this optimizer (:class:`~hf_demo.optim.view.OptimizerView`), taken now."""
+        """What the step's phases read of this optimizer (:class:`~hf_demo.optim.view.OptimizerView`), taken now."""
         return views.OptimizerView(
             settings=self.settings,
             secret=self.secret,
@@ -233,10 +216,20 @@ class DeMo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on every rank: :meth:`prepare_step` and its :meth:`StagedStep.commit`."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._commit(self.prepare_step())
+        return loss
+
+    @torch.no_grad()
+    def prepare_step(self) -> StagedStep:
+        """Every phase of a step (:func:`hf_demo.optim.phases.run_step`: its collectives, checks and verdicts, on
+        every rank) with nothing applied: the parameters, the optimizer state and the counters are as they were
+        until :meth:`StagedStep.commit`; :meth:`StagedStep.discard` drops the step. Call it, and then the same one of
+        the two, on every rank. An error raised here changes nothing (as a failed :meth:`step`)."""
         transport = self.transport.at(self.steps)
         self.check_saved_world()
         self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
@@ -244,38 +237,56 @@ class DeMo(torch.optim.Optimizer):
         if self.unsettled is not None and self.unsettled.posted is not None:
             settle.confirm(self, final=False)  # this rank refused the last step: it raises now, with every rank
         try:
-            stepped, made = run_step(self.step_view(), PIPELINE, transport, self._on_cuda())
+            stepped, settled, outcome = run_step(self.step_view(), transport, self._on_cuda())
         except settle.Deferred as exc:  # refused here; raised at the next step or confirm, with every rank
             settle.deferred(self, exc)
-            return loss
+            return StagedStep(self, transport)
         except BaseException as exc:
             if getattr(exc, "undo_unsettled", False):
                 settle.undo(self)  # another rank refused the last step, committed here tentatively
-            arrived = self.pending.in_flight.arrived if self.pending is not None else None
-            if arrived is not None and not self.pending.counted:  # it arrived during this try: it happened
-                self.comm_stats.record(arrived.sent, arrived.received, arrived.waited)
-                self.pending.counted = True
+            self._count_arrived()
             if self.replication is None:
                 raise
-            self.replication.decide(
-                exc
-            )  # elastic: reported to torchft, the step refused (or raised if not a sync error)
-            return loss
-        settled = made.get("settled")
+            self.replication.decide(exc)  # elastic: told to torchft, the step refused (raised if not a sync error)
+            return StagedStep(self, transport)
         if settled is not None and settled.owes is not None:  # a verdict this rank could not trust: settled later
-            settle.owe(self, transport, settled.owes, made["outcome"])
-            return loss
-        if self.replication is None or self.replication.decide(None):
-            self._stage_outcome(stepped.tx, made["outcome"])
-            # its verdict settles in the next exchange: tentatively, with an undo log
-            tentative, row_bytes = settle.keeps_undo(self, stepped.tx, settled, made["outcome"], transport.world)
-            spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
-            undo = stepped.tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
-            if tentative:
-                self.unsettled = settle.Unsettled(transport.step, row_bytes, undo=undo)
-            if self.replication is not None:
-                self.replication.after_commit()  # elastic: this replica's momentum snapshot, where kept
-        return loss
+            settle.owe(self, transport, settled.owes, outcome)
+            return StagedStep(self, transport)
+        return StagedStep(self, transport, stepped.tx, settled, outcome)
+
+    def _commit(self, staged: StagedStep) -> None:
+        """:meth:`StagedStep.commit`: the step's outcome staged last, and its transaction committed (elastic: where
+        torchft's ``should_commit`` agrees); tentatively, with an undo log, where its verdict settles later."""
+        tx = staged.close("committed")
+        if tx is None or not (self.replication is None or self.replication.decide(None)):
+            return
+        outcome, transport = staged.outcome, staged.transport
+        self._stage_outcome(tx, outcome)
+        # its verdict settles in the next exchange: tentatively, with an undo log
+        tentative, row_bytes = settle.keeps_undo(self, tx, staged.settled, outcome, transport.world)
+        spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
+        undo = tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
+        if tentative:
+            self.unsettled = settle.Unsettled(transport.step, row_bytes, undo=undo)
+        if self.replication is not None:
+            self.replication.after_commit()  # elastic: this replica's momentum snapshot, where kept
+
+    def _discard(self, staged: StagedStep) -> None:
+        """:meth:`StagedStep.discard`: nothing of the step is applied; what happened on the wire stays counted
+        (an exchange in flight that arrived), and an elastic step is refused through torchft on every replica."""
+        if staged.close("discarded") is None:
+            return
+        self._count_arrived()
+        if self.replication is not None:
+            self.replication.decide(DeMoSyncError("the step was discarded (StagedStep.discard)"))
+
+    def _count_arrived(self) -> None:
+        """Overlap: the exchange in flight, where it arrived during a step that keeps nothing, is counted (it
+        happened on the wire), once."""
+        arrived = self.pending.in_flight.arrived if self.pending is not None else None
+        if arrived is not None and not self.pending.counted:
+            self.comm_stats.record(arrived.sent, arrived.received, arrived.waited)
+            self.pending.counted = True
 
     def _settle_prior(self) -> None:
         """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
@@ -322,7 +333,7 @@ class DeMo(torch.optim.Optimizer):
             kept = keep_attributes(self, "wire_agreed")
             tx.stage(lambda: setattr(self, "wire_agreed", outcome.wire_agreed), before=kept)
         if outcome.warn_skips:
-            tx.stage(lambda: stages.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
+            tx.stage(lambda: phases.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
         tx.stage(lambda: setattr(self, "counters", outcome.counters), before=keep_attributes(self, "counters"))
 
     def _exchanged(self, outcome) -> None:
@@ -462,6 +473,39 @@ class DeMo(torch.optim.Optimizer):
                 f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; each rank must load its own state"
             )
         self.saved_world = None
+
+
+class StagedStep:
+    """A step that :meth:`DeMo.prepare_step` ran to its end, with its writes staged (its transaction) and nothing
+    applied. ``commit()`` applies it (as :meth:`DeMo.step` does), ``discard()`` drops it: the parameters, the
+    optimizer state and the counters stay bitwise as they were (what happened on the wire stays counted). One of
+    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later, or elastic
+    refused it) has nothing staged: both do nothing then (:attr:`empty`)."""
+
+    def __init__(self, opt: DeMo, transport, tx=None, settled=None, outcome=None):
+        self._opt, self.transport, self._tx = opt, transport, tx
+        self.settled, self.outcome = settled, outcome
+        self.closed: str | None = None  # "committed" or "discarded", once
+
+    @property
+    def empty(self) -> bool:
+        """Nothing staged to apply: this rank keeps nothing of the step (refused here, settled later)."""
+        return self._tx is None
+
+    def commit(self) -> None:
+        """Apply the step (its transaction, then its outcome: counters, policy, traffic)."""
+        self._opt._commit(self)
+
+    def discard(self) -> None:
+        """Drop the step: nothing of it is applied."""
+        self._opt._discard(self)
+
+    def close(self, how: str):
+        """Mark the step ``how`` (committed, discarded) and hand over its transaction (None: nothing staged)."""
+        if self.closed is not None:
+            raise RuntimeError(f"DeMo: this prepared step was already {self.closed}: commit() or discard() it once")
+        self.closed = how
+        return self._tx
 
 
 def _with_sign_update(sign_update, settings: dict) -> dict:

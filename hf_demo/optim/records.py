@@ -1,8 +1,8 @@
-"""What one phase of a step hands the next: small frozen records, one per part (:mod:`hf_demo.optim.pipeline`).
+"""What one phase of a step hands the next: small frozen records, one per phase (:mod:`hf_demo.optim.phases`).
 
-A part's ``run`` takes the :class:`Step` (what every part is given) and, by name, the records it reads; it returns
-the one record it makes (:data:`MADE_BY` names the part that makes each). Nothing here is the optimizer's state:
-the writes a part computes are staged in ``step.tx`` and the optimizer takes the :class:`Outcome` at the commit.
+A phase takes the :class:`Step` (what every phase is given) and the records it reads, as its arguments; it returns
+the one record it makes (each record's docstring names its phase). Nothing here is the optimizer's state: the
+writes a phase computes are staged in ``step.tx`` and the optimizer takes the :class:`Outcome` at the commit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SKIPPING_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS  # every ran
 
 @dataclass(frozen=True)
 class Step:
-    """What every part is given: the optimizer's narrow view (:class:`~hf_demo.optim.view.OptimizerView`), this
+    """What every phase is given: the optimizer's narrow view (:class:`~hf_demo.optim.view.OptimizerView`), this
     step's transport (its collectives and their traffic), its transaction, and the policy's move down when this
     is the step again in a lower tier."""
 
@@ -122,7 +122,7 @@ class Momenta:
 
 @dataclass(frozen=True)
 class Prepared:
-    """``prepare``: the step's exchange and this rank's payload."""
+    """``compress``: the step's exchange and this rank's payload."""
 
     exchange: object
     payload: torch.Tensor
@@ -170,12 +170,14 @@ class Decision:
 
 @dataclass(frozen=True)
 class Verdict:
-    """``judge``: skip the step, and whether rank 0's replicas were copied (staged) and why."""
+    """``judge`` (read by :func:`hf_demo.guards.verdicts.decide`): skip the step, whether rank 0's replicas are
+    copied (staged) and why, and whether the step is steady (its verdict may settle in the next exchange)."""
 
     skip: bool
     resynced: bool
     drifted: bool
     bad_param_ranks: list
+    steady: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,20 +204,3 @@ class Outcome:
     wire_agreed: dict | None = None
     landed: Landed | None = None
     warn_skips: bool = False
-
-
-MADE_BY = {  # each record's name (as parts' ``run`` take it) -> (its type, the part that makes it)
-    "plan": (StepPlan, "plan"),
-    "chosen": (Chosen, "topology"),
-    "signal": (Signalled, "signal"),
-    "found": (Findings, "inspect"),
-    "momenta": (Momenta, "momentum"),
-    "prepared": (Prepared, "prepare"),
-    "agreed": (Agreed, "agreement"),
-    "exchanged": (Exchanged, "communicate"),
-    "settled": (Settled, "vote"),
-    "decision": (Decision, "policy"),
-    "verdict": (Verdict, "judge"),
-    "landed": (Landed, "land"),
-    "outcome": (Outcome, "commit"),
-}

@@ -48,8 +48,6 @@ from hf_demo.optim.records import Settled
 from hf_demo.optim.transaction import Undo
 from hf_demo.wire import agreement, codec
 
-STEADY_FLAGS = codec.FLAG_AUTH | codec.FLAG_FINGERPRINT  # header flags that ask for nothing beyond the steady path
-
 
 @dataclass(frozen=True)
 class Unsettled:
@@ -66,8 +64,8 @@ class Unsettled:
 
 
 class Deferred(Exception):
-    """This rank refused what it received at a step that settles later (raised by the vote part, caught by
-    ``DeMo.step``, which keeps :attr:`unsettled` and returns: the rank raises at its next step or confirm)."""
+    """This rank refused what it received at a step that settles later (raised by the vote phase, caught by
+    ``DeMo.prepare_step``, which keeps :attr:`unsettled` and returns: the rank raises at its next step or confirm)."""
 
     def __init__(self, unsettled: Unsettled):
         super().__init__(f"optimizer step {unsettled.step} refused here: {unsettled.refusal}")
@@ -90,20 +88,13 @@ def defers(step, plan) -> bool:
 
 
 def steady(step, chosen, found, agreed) -> bool:
-    """The same on every rank that trusted every header: the payloads rode, no header flag asks for more (a skip,
-    a drift, a first exchange, a DDP check), no resync is due, the policy stays in its tier, this is the first
-    try of the step."""
+    """The same on every rank that trusted every header: the headers read as steady by the judge's own reading
+    (:func:`unsteady_everywhere`, :func:`hf_demo.guards.verdicts.decide`) and the policy stays in its tier."""
     if unsteady_everywhere(step, found, agreed):
         return False
-    headers, view, s = agreed.headers, step.view, step.settings
-    if s.comm_budget:
-        exchange_ms, elapsed_ms = max(h.exchange_ms for h in headers), max(h.elapsed_ms for h in headers)
-        figures = view.topology.agree_figures(
-            step.transport, chosen.device, exchange_ms, elapsed_ms, view.bytes_by_tier(chosen.items)
-        )
-        if view.policy.decide(*figures, view.clock.last_exchange_tier).tier != view.policy.tier:
-            return False
-    return True
+    return not step.settings.comm_budget or (
+        verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
+    )
 
 
 def unsteady_everywhere(step, found, agreed) -> bool:
@@ -112,14 +103,9 @@ def unsteady_everywhere(step, found, agreed) -> bool:
     payload that did not ride, a policy's second try, a resync due) or a header this rank read intact says (a flag
     asking for more, fingerprints apart). A rank that refused a header (its stand-in decides nothing) can tell
     from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`steady`."""
-    headers, s = agreed.headers, step.settings
-    if agreed.arrived is None or step.decided is not None or found.first:
+    if agreed.arrived is None or step.decided is not None:
         return True
-    if any(h.flags & ~STEADY_FLAGS for h in headers):
-        return True
-    if found.check_drift and len({h.fingerprint for h in headers}) > 1:
-        return True
-    return verdicts.due(s.full_sync_every, step.transport.step)
+    return not verdicts.decide(step.settings, step.transport.step, step.transport.world, found, agreed.headers).steady
 
 
 def settles_now(step, found, agreed) -> bool:

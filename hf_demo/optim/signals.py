@@ -1,4 +1,4 @@
-"""What enters DeMo's momentum, and how the averaged result becomes the new parameters: the ``signal`` part.
+"""What enters DeMo's momentum, and how the averaged result becomes the new parameters: the ``signal`` phase.
 
 - :class:`GradientSignal` (every-step DeMo): the gradient goes in, scaled by the learning rate, into a momentum
   that decays by ``compression_decay``; the update rule turns the averaged update into a step.

@@ -1,8 +1,8 @@
-"""What a step's parts read of the optimizer: :class:`OptimizerView`, taken once per step by
+"""What a step's phases read of the optimizer: :class:`OptimizerView`, taken once per step by
 :meth:`hf_demo.DeMo.view`, instead of the optimizer itself.
 
 The view holds the settings, the secret and sealer, the topology, the policy's figures, the counters, the exchange
-in flight and the per-parameter state (read; a part writes it only through the step's transaction). It has no
+in flight and the per-parameter state (read; a phase writes it only through the step's transaction). It has no
 setter: what the step changes in the optimizer is the :class:`~hf_demo.optim.records.Outcome` the optimizer takes
 at the commit. The writes it allows outside the transaction are :attr:`OptimizerView.rescan_ddp` and
 :attr:`OptimizerView.settle_prior` (see ``docs/DESIGN.md``, "The transaction").

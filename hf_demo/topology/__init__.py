@@ -1,6 +1,6 @@
 """Which parameters and gradients each rank handles, and who exchanges with whom.
 
-A topology is a pipeline part (:mod:`hf_demo.optim.pipeline`) with ``select(items)`` (a
+A topology is what the ``topology`` phase asks (:mod:`hf_demo.optim.phases`): it has ``select(items)`` (a
 :class:`~hf_demo.optim.records.Chosen`: this rank's items and gradients), the ``transport`` DeMo exchanges over,
 ``identity()`` (the rank a saved state belongs to) and ``mean_over_ranks(params, transport, name)`` (the ranks'
 mean, which ends a local phase). :data:`TOPOLOGIES` lists them by name; :func:`choose` picks one for an optimizer:

@@ -106,7 +106,7 @@ def refuse_unshardable(opt) -> None:
 
 
 class ShardedTopology:
-    """The pipeline's part for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
+    """The topology for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
     name = "sharded"
     # what it runs over the shard group (hf_demo.exchange.collectives): agree_step, agree_refusal, agree (named by
