@@ -393,7 +393,6 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/optim/optimizer.py::DeMo.check_saved_world": (1, STATE + ": another rank's file"),
     "hf_demo/optim/optimizer.py::_with_sign_update": (2, VALUE + ": sign_update; an unknown setting"),
     "hf_demo/optim/overlap.py::targets": (1, STATE),
-    "hf_demo/optim/pipeline.py::Pipeline.__init__": (2, INVARIANT),
     "hf_demo/optim/reference.py::ReferenceDeMo.__init__": (1, VALUE + " (the tests' slow reference)"),
     "hf_demo/optim/state.py::SavedState.from_dict": (3, STATE),
     "hf_demo/optim/state.py::_check_types": (4, STATE),
