@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hf_demo.compression import transforms
 from hf_demo.compression.blocks import MAX_BLOCK_SIZE
 from hf_demo.exchange import exchanges
-from hf_demo.optim import update_rules
+from hf_demo.optim import local_steps, update_rules
 from hf_demo.wire import codec
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -121,7 +121,7 @@ class DeMoSettings:
         "a matrix enters the momentum is Muon's own direction: a Newton-Schulz iterate of a Nesterov momentum, "
         "0.95, of the rank's gradients, 4 bytes per parameter: the best every-step rule) or orthogonal_momentum "
         "(orthogonal on a Nesterov momentum, 0.95, of the averaged updates); every rule runs identically on every "
-        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
+        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change times outer_lr; "
         "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,
         per_group=True,
@@ -150,6 +150,21 @@ class DeMoSettings:
         "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum; orthogonal: local Muon steps)",
         update_rules.UPDATE_RULES,
         per_group=True,
+    )
+    outer_lr: float = _setting(
+        1.0,
+        "each synchronisation of local steps (sync_every > 1, the policy's local-step tiers) moves every rank's "
+        "anchor by the ranks' mean change times this (DiLoCo's outer learning rate, without momentum); with "
+        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too. Refused without local steps (sync_every=1, no "
+        "comm_budget): no synchronisation applies a mean change there, scale lr instead",
+    )
+    outer_lr_scaling: str = _setting(
+        "none",
+        "none (outer_lr as given) or sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
+        "read at each synchronisation: 1 at W=2, 2 at W=8). The mean of W ranks' local changes is about sqrt(W) "
+        "shorter than one rank's, since each is mostly its own noise; sqrt_world gives the applied change the "
+        "same size at every W (the from_scratch presets: docs/guides/choosing-settings.md)",
+        local_steps.OUTER_LR_SCALINGS,
     )
     comm_budget: float = _setting(
         0.0,
@@ -224,6 +239,8 @@ class DeMoSettings:
                 raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
         if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
             raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"DeMo: invalid outer_lr={self.outer_lr!r}: a finite number > 0 (1 = the mean change)")
         if not (math.isfinite(self.comm_budget) and 0 <= self.comm_budget < 1):
             raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
         if self.policy_patience < 1 or self.policy_sync_every < 1:
@@ -256,7 +273,7 @@ class DeMoSettings:
             raise ValueError(
                 f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: a synchronisation "
                 "applies the "
-                "ranks' averaged change as it is (DiLoCo's outer step with outer learning rate 1), so no update "
+                "ranks' averaged change times outer_lr (DiLoCo's outer step without momentum), so no update "
                 "rule would ever orthogonalise anything. For Muon steps between synchronisations set "
                 "inner_rule='orthogonal' (muon_style_groups(model, hidden={'inner_rule': 'orthogonal'}, "
                 "others={'inner_rule': 'adam'})) and leave update_rule at 'sign'; or synchronise every step"
@@ -266,7 +283,7 @@ class DeMoSettings:
         if group["update_rule"] in update_rules.ORTHOGONAL and self.comm_budget > 0 and self.policy_sync_every > 1:
             raise ValueError(
                 f"DeMo: update_rule={group['update_rule']!r} with comm_budget: the budget policy's local-step tiers "
-                f"(policy_sync_every={self.policy_sync_every}) apply the ranks' averaged change as it is, so the "
+                f"(policy_sync_every={self.policy_sync_every}) apply the ranks' averaged change times outer_lr, so the "
                 "orthogonal rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every "
                 "tier synchronises every step), or take Muon steps between synchronisations with "
                 "inner_rule='orthogonal' (the from_scratch preset) and update_rule='sign'"
@@ -280,7 +297,7 @@ class DeMoSettings:
         if group["update_rule"] != defaults["update_rule"] and self.sync_every > 1:
             raise ValueError(
                 f"DeMo: update_rule={group['update_rule']!r} with sync_every={self.sync_every}: no step would run it "
-                "(a synchronisation applies the ranks' averaged change as it is, DiLoCo's outer step at outer lr 1). "
+                "(a synchronisation applies the ranks' averaged change times outer_lr, DiLoCo's outer step). "
                 "Leave update_rule at its default and choose the local steps' rule with inner_rule, or synchronise "
                 "every step (sync_every=1)"
             )
@@ -329,6 +346,14 @@ def refusals(s: DeMoSettings) -> list[str]:
             "overlap=True needs sync_every=1 and no comm_budget (whose tiers have local steps): a synchronisation "
             "that lands one step late would apply the mean change after a local step moved each rank apart"
         )
+    local_tiers = s.sync_every > 1 or (s.comm_budget > 0 and s.policy_sync_every > 1)
+    if (s.outer_lr != 1.0 or s.outer_lr_scaling != "none") and not local_tiers:
+        out.append(
+            f"outer_lr={s.outer_lr!r}, outer_lr_scaling={s.outer_lr_scaling!r} without local steps (sync_every=1"
+            f"{', no comm_budget' if s.comm_budget == 0 else ', policy_sync_every=1'}): no synchronisation applies "
+            "a mean change of local steps, so the outer learning rate would never act. Set sync_every > 1 (the "
+            "from_scratch presets), or scale lr instead"
+        )
     return out
 
 
@@ -346,19 +371,21 @@ PRESETS: dict[str, dict] = {
     # training from scratch: local Muon steps (inner_rule="orthogonal" for the hidden matrices, local Adam for
     # the rest: the Muon-style groups that create_optimizer and DeMoTrainer build) between synchronisations every
     # 2 steps, each sending 1-bit values, top-24 of 32x32, of the change since the last one (0.014 B/param/step
-    # on the 0.46M Llama, 0.020 on the 3.3M one). Its best lr was 2e-2 on both (20x AdamW's); its figures against
-    # DDP-AdamW and DDP-Muon: docs/results.md
+    # on the 0.46M Llama, 0.020 on the 3.3M one). Its best lr was 2e-2 on both (20x AdamW's) at 2 ranks; the
+    # mean change is applied x sqrt(W/2) (outer_lr_scaling, 1 at 2 ranks), so that its size does not fall as
+    # 1/sqrt(W) with more ranks. Its figures against DDP-AdamW and DDP-Muon: docs/results.md
     "from_scratch": {
         "sync_every": 2,
         "inner_rule": "orthogonal",
         "value_format": "sign",
         "compression_chunk": 32,
         "compression_topk": 24,
+        "outer_lr_scaling": "sqrt_world",
     },
     # the from_scratch recipe at Psyche's bytes: synchronising every 4 steps with top-16 of 64x64 (0.0020
     # B/param/step on the 0.46M Llama, 0.0019 on the 3.3M one, 0.0015 on SmolLM2-135M): 1.05x and 1.03x the
     # from_scratch preset's held-out loss after 1000 steps for 7x and 10x fewer bytes, 1.01x after 3000 steps on
-    # the 0.46M Llama. 64-wide blocks cut both
+    # the 0.46M Llama (at 2 ranks; the mean change x sqrt(W/2) as from_scratch's). 64-wide blocks cut both
     # Llamas' MLP dimensions (344, 688) into 43-wide blocks, the same share sent on each, where 32-wide ones pad 344
     # and cut 688 into 16s (twice the share); a shorter interval with fewer coefficients beat a longer one with more
     # at equal bytes (docs/results.md)
@@ -368,6 +395,7 @@ PRESETS: dict[str, dict] = {
         "value_format": "sign",
         "compression_chunk": 64,
         "compression_topk": 16,
+        "outer_lr_scaling": "sqrt_world",
     },
 }
 
