@@ -155,8 +155,9 @@ class DeMoSettings:
         1.0,
         "each synchronisation of local steps (sync_every > 1, the policy's local-step tiers) moves every rank's "
         "anchor by the ranks' mean change times this (DiLoCo's outer learning rate, without momentum); with "
-        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too. Refused without local steps (sync_every=1, no "
-        "comm_budget): no synchronisation applies a mean change there, scale lr instead",
+        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too (end_local_phase's dense average is not scaled). Refused "
+        "without local steps (sync_every=1, no comm_budget): no synchronisation applies a mean change there, scale "
+        "lr instead",
     )
     outer_lr_scaling: str = _setting(
         "none",
