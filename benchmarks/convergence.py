@@ -49,8 +49,10 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``signal_beta=X`` (muon_signal's), ``ns_steps=N`` (the rules' Newton-Schulz steps).
                 ``inner_rule=orthogonal`` (``sync_every > 1``) trains Muon-style groups too: local Muon steps for the
                 hidden matrices, local Adam steps for the rest; benchmark-only with ``sync_every > 1``:
-                ``inner_beta=X`` (the local steps' momentum), ``outer_momentum=B`` and ``outer_lr=X`` (an
-                outer Nesterov momentum on the mean change, DiLoCo's). ``shared_positions=true`` (any
+                ``inner_beta=X`` (the local steps' momentum), ``outer_momentum=B`` (an outer Nesterov momentum on
+                the mean change, DiLoCo's; the ``outer_lr`` setting multiplies what it applies). DeMo's own
+                ``outer_lr=X`` and ``outer_lr_scaling=sqrt_world`` (the mean change x X, x sqrt(W/2)) go to DeMo
+                as any setting does; the presets' is ``outer_lr_scaling=sqrt_world``. ``shared_positions=true`` (any
                 configuration; a prototype): every rank sends the same randomly drawn positions instead of its own
                 top-k. Bytes = ``comm_stats.bytes_sent`` (headers included).
 
@@ -310,7 +312,7 @@ def _orthogonal_groups(model, kw: dict):
 
         local_steps.INNER_BETA = float(kw.pop("inner_beta"))  # this forked run's process only
     if "outer_momentum" in kw:
-        _outer_momentum(float(kw.pop("outer_momentum")), float(kw.pop("outer_lr", 1.0)))
+        _outer_momentum(float(kw.pop("outer_momentum")))
     if kw.get("update_rule") in update_rules.ORTHOGONAL:
         return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
     if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the groups create_optimizer builds
@@ -320,18 +322,19 @@ def _orthogonal_groups(model, kw: dict):
     return None
 
 
-def _outer_momentum(beta: float, lr: float) -> None:
-    """Benchmark-only prototype (``outer_momentum=B[,outer_lr=X]``, this forked run's process only): DiLoCo's
-    outer Nesterov momentum on the mean change of each synchronisation, ``v <- B*v + change``, the anchor moving
-    by ``X * (change + B*v)`` instead of the change (identical on every rank; not in checkpoints)."""
+def _outer_momentum(beta: float) -> None:
+    """Benchmark-only prototype (``outer_momentum=B``, this forked run's process only): DiLoCo's outer Nesterov
+    momentum on the mean change of each synchronisation, ``v <- B*v + change``, the anchor moving by
+    ``outer_lr * (change + B*v)`` instead of ``outer_lr * change`` (``outer_lr``: DeMo's factor, from its
+    ``outer_lr`` and ``outer_lr_scaling`` settings; identical on every rank; not in checkpoints)."""
     from hf_demo.optim import local_steps
 
     original, buffers = local_steps.commit_sync, {}
 
-    def commit_sync(param, state, update, m_in, rule_state):
+    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
         v = buffers.get(id(param))
         buffers[id(param)] = v = update.clone() if v is None else v.mul_(beta).add_(update)
-        original(param, state, (update + beta * v) * lr, m_in, rule_state)
+        original(param, state, update + beta * v, outer_lr, m_in, rule_state)
 
     local_steps.commit_sync = commit_sync
 

@@ -59,7 +59,8 @@ from benchlib.baselines import ddp_muon  # noqa: E402
 from benchlib.ranks import expect_ok, run_ranks  # noqa: E402
 
 P = "decay=0.999,format=sign,inner_rule=orthogonal"
-CONFIGS = {  # the presets as convergence.py's ranks300 runs wrote them (the same groups and bits)
+CONFIGS = {  # the presets as convergence.py's ranks300 runs wrote them (the same groups and bits), the mean change
+    # applied as it is (outer lr 1): add outer_lr_scaling=sqrt_world for the presets' own (x sqrt(W/2))
     "from_scratch": f"sync_every=2,topk=24,chunk=32,{P}",
     "from_scratch_few_bytes": f"sync_every=4,topk=16,chunk=64,{P}",
 }
@@ -140,12 +141,12 @@ def orthogonal_outer(hidden_ids: set[int]) -> None:
 
     real = local_steps.commit_sync
 
-    def commit_sync(param, state, update, m_in, rule_state):
+    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
         if id(param) in hidden_ids and update.dim() >= 2:
             ortho = newton_schulz(matrix_view(update), 5)
             scale = update.norm() / ortho.norm().clamp(min=1e-12)
             update = (ortho * scale).reshape(update.shape)
-        real(param, state, update, m_in, rule_state)
+        real(param, state, update, outer_lr, m_in, rule_state)
 
     local_steps.commit_sync = commit_sync
 

@@ -52,7 +52,7 @@ class Refusal:
 
 
 _ORTHO_SYNC = (
-    "a synchronisation applies the ranks' averaged change as it is (DiLoCo's outer step with outer learning rate 1), "
+    "a synchronisation applies the ranks' averaged change times outer_lr (DiLoCo's outer step without momentum), "
     "so no update rule would ever orthogonalise anything. For Muon steps between synchronisations set "
     "inner_rule='orthogonal' (muon_style_groups(model, hidden={{'inner_rule': 'orthogonal'}}, "
     "others={{'inner_rule': 'adam'}})) and leave update_rule at 'sign'; or synchronise every step"
@@ -68,6 +68,16 @@ _TABLE = (
         "DeMo: overlap=True needs sync_every=1 and no comm_budget (whose tiers have local steps): a synchronisation "
         "that lands one step late would apply the mean change after a local step moved each rank apart",
         involves=("overlap", "sync_every", "comm_budget"),
+    ),
+    Refusal(
+        "outer_lr_without_local_steps", "construction",
+        "`outer_lr ≠ 1` or `outer_lr_scaling=\"sqrt_world\"` without local steps (`sync_every=1`, and no "
+        "`comm_budget` tier with `policy_sync_every > 1`)",
+        "hf_demo.settings.refusals",
+        "DeMo: outer_lr={outer_lr!r}, outer_lr_scaling={scaling!r} without local steps (sync_every=1{why}): no "
+        "synchronisation applies a mean change of local steps, so the outer learning rate would never act. Set "
+        "sync_every > 1 (the from_scratch presets), or scale lr instead",
+        involves=("outer_lr", "outer_lr_scaling", "sync_every", "comm_budget", "policy_sync_every"),
     ),
     Refusal(
         "inner_rule_not_inner", "construction",
@@ -89,7 +99,7 @@ _TABLE = (
         "`update_rule` away from its default × `sync_every > 1` (no step would run it)",
         "hf_demo.settings.DeMoSettings.check_group",
         "DeMo: update_rule={rule!r} with sync_every={sync_every}: no step would run it (a synchronisation applies "
-        "the ranks' averaged change as it is, DiLoCo's outer step at outer lr 1). Leave update_rule at its default "
+        "the ranks' averaged change times outer_lr, DiLoCo's outer step). Leave update_rule at its default "
         "and choose the local steps' rule with inner_rule, or synchronise every step (sync_every=1)",
         involves=("update_rule", "sync_every"),
     ),
@@ -108,8 +118,8 @@ _TABLE = (
         "`update_rule` orthogonal × `comm_budget` with `policy_sync_every > 1`",
         "hf_demo.settings.DeMoSettings.check_group",
         "DeMo: update_rule={rule!r} with comm_budget: the budget policy's local-step tiers "
-        "(policy_sync_every={policy_sync_every}) apply the ranks' averaged change as it is, so the orthogonal rule "
-        "would stop running whenever the policy moved down. Set policy_sync_every=1 (every tier synchronises every "
+        "(policy_sync_every={policy_sync_every}) apply the ranks' averaged change times outer_lr, so the orthogonal "
+        "rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every tier synchronises every "
         "step), or take Muon steps between synchronisations with inner_rule='orthogonal' (the from_scratch preset) "
         "and update_rule='sign'",
         involves=("update_rule", "comm_budget", "policy_sync_every"),

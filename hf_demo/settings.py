@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hf_demo.compression import transforms
 from hf_demo.compression.blocks import MAX_BLOCK_SIZE
 from hf_demo.exchange import exchanges
-from hf_demo.optim import update_rules
+from hf_demo.optim import local_steps, update_rules
 from hf_demo.refusals import REFUSALS, refuse
 from hf_demo.wire import codec
 
@@ -116,7 +116,7 @@ class DeMoSettings:
         "a matrix enters the momentum is Muon's own direction: a Newton-Schulz iterate of a Nesterov momentum, "
         "0.95, of the rank's gradients, 4 bytes per parameter: the best every-step rule) or orthogonal_momentum "
         "(orthogonal on a Nesterov momentum, 0.95, of the averaged updates); every rule runs identically on every "
-        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change as it is; "
+        "rank: no extra traffic. Synchronisations of sync_every > 1 apply the averaged change times outer_lr; "
         "their local steps follow inner_rule",
         update_rules.UPDATE_RULES,
         per_group=True,
@@ -145,6 +145,22 @@ class DeMoSettings:
         "local Adam steps, as DiLoCo/SparseLoCo's inner AdamW; sign: local Signum; orthogonal: local Muon steps)",
         update_rules.UPDATE_RULES,
         per_group=True,
+    )
+    outer_lr: float = _setting(
+        1.0,
+        "each synchronisation of local steps (sync_every > 1, the policy's local-step tiers) moves every rank's "
+        "anchor by the ranks' mean change times this (DiLoCo's outer learning rate, without momentum); with "
+        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too (end_local_phase's dense average is not scaled). Refused "
+        "without local steps (sync_every=1, no comm_budget): no synchronisation applies a mean change there, scale "
+        "lr instead",
+    )
+    outer_lr_scaling: str = _setting(
+        "none",
+        "none (outer_lr as given) or sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
+        "read at each synchronisation: 1 at W=2, 2 at W=8). The mean of W ranks' local changes is about sqrt(W) "
+        "shorter than one rank's, since each is mostly its own noise; sqrt_world gives the applied change the "
+        "same size at every W (the from_scratch presets: docs/guides/choosing-settings.md)",
+        local_steps.OUTER_LR_SCALINGS,
     )
     comm_budget: float = _setting(
         0.0,
@@ -219,12 +235,14 @@ class DeMoSettings:
                 raise ValueError(f"DeMo: invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
         if not (math.isfinite(self.comm_timeout) and self.comm_timeout >= 0):
             raise ValueError(f"DeMo: invalid comm_timeout={self.comm_timeout!r}: seconds >= 0 (0 = no limit)")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"DeMo: invalid outer_lr={self.outer_lr!r}: a finite number > 0 (1 = the mean change)")
         if not (math.isfinite(self.comm_budget) and 0 <= self.comm_budget < 1):
             raise ValueError(f"DeMo: invalid comm_budget={self.comm_budget!r}: a fraction in [0, 1) (0 = off)")
         if self.policy_patience < 1 or self.policy_sync_every < 1:
             raise ValueError("DeMo: policy_patience and policy_sync_every must be >= 1")
-        for key in refusals(self):
-            refuse(key)
+        for key, fields in refusals(self):
+            refuse(key, **fields)
         if self.sync_every < 1:
             raise ValueError(f"DeMo: invalid sync_every={self.sync_every!r}: must be >= 1")
         self.check_group({"update_rule": self.update_rule, "inner_rule": self.inner_rule})
@@ -288,14 +306,20 @@ class DeMoSettings:
         return cls(**{**PRESETS.get(preset, {}), **chosen})
 
 
-def refusals(s: DeMoSettings) -> list[str]:
-    """The keys (:data:`hf_demo.refusals.REFUSALS`) of the combinations of optimizer-wide settings DeMo refuses;
-    the per-group ones are :meth:`DeMoSettings.check_group`'s."""
+def refusals(s: DeMoSettings) -> list[tuple[str, dict]]:
+    """The keys (:data:`hf_demo.refusals.REFUSALS`) and message fields of the combinations of optimizer-wide
+    settings DeMo refuses; the per-group ones are :meth:`DeMoSettings.check_group`'s."""
     out = []
     if s.overlap and (s.sync_every > 1 or s.comm_budget > 0):
         # a synchronisation resets every rank to anchor - mean change; landing that one step late would move the
         # anchor after a local step already left it, so the ranks would apply it to different parameters
-        out.append("overlap_local_steps")
+        out.append(("overlap_local_steps", {}))
+    local_tiers = s.sync_every > 1 or (s.comm_budget > 0 and s.policy_sync_every > 1)
+    if (s.outer_lr != 1.0 or s.outer_lr_scaling != "none") and not local_tiers:
+        why = ", no comm_budget" if s.comm_budget == 0 else ", policy_sync_every=1"
+        out.append(
+            ("outer_lr_without_local_steps", {"outer_lr": s.outer_lr, "scaling": s.outer_lr_scaling, "why": why})
+        )
     return out
 
 
@@ -313,19 +337,21 @@ PRESETS: dict[str, dict] = {
     # training from scratch: local Muon steps (inner_rule="orthogonal" for the hidden matrices, local Adam for
     # the rest: the Muon-style groups that create_optimizer and DeMoTrainer build) between synchronisations every
     # 2 steps, each sending 1-bit values, top-24 of 32x32, of the change since the last one (0.014 B/param/step
-    # on the 0.46M Llama, 0.020 on the 3.3M one). Its best lr was 2e-2 on both (20x AdamW's); its figures against
-    # DDP-AdamW and DDP-Muon: docs/results.md
+    # on the 0.46M Llama, 0.020 on the 3.3M one). Its best lr was 2e-2 on both (20x AdamW's) at 2 ranks; the
+    # mean change is applied x sqrt(W/2) (outer_lr_scaling, 1 at 2 ranks), so that its size does not fall as
+    # 1/sqrt(W) with more ranks. Its figures against DDP-AdamW and DDP-Muon: docs/results.md
     "from_scratch": {
         "sync_every": 2,
         "inner_rule": "orthogonal",
         "value_format": "sign",
         "compression_chunk": 32,
         "compression_topk": 24,
+        "outer_lr_scaling": "sqrt_world",
     },
     # the from_scratch recipe at Psyche's bytes: synchronising every 4 steps with top-16 of 64x64 (0.0020
     # B/param/step on the 0.46M Llama, 0.0019 on the 3.3M one, 0.0015 on SmolLM2-135M): 1.05x and 1.03x the
     # from_scratch preset's held-out loss after 1000 steps for 7x and 10x fewer bytes, 1.01x after 3000 steps on
-    # the 0.46M Llama. 64-wide blocks cut both
+    # the 0.46M Llama (at 2 ranks; the mean change x sqrt(W/2) as from_scratch's). 64-wide blocks cut both
     # Llamas' MLP dimensions (344, 688) into 43-wide blocks, the same share sent on each, where 32-wide ones pad 344
     # and cut 688 into 16s (twice the share); a shorter interval with fewer coefficients beat a longer one with more
     # at equal bytes (docs/results.md)
@@ -335,6 +361,7 @@ PRESETS: dict[str, dict] = {
         "value_format": "sign",
         "compression_chunk": 64,
         "compression_topk": 16,
+        "outer_lr_scaling": "sqrt_world",
     },
 }
 

@@ -29,7 +29,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 if [ -z "${HF_DEMO_TOKENIZER:-}" ] && [ -d .gpuq/tokenizer ]; then export HF_DEMO_TOKENIZER=$PWD/.gpuq/tokenizer; fi
 export HF_DEMO_BENCH_CACHE=${HF_DEMO_BENCH_CACHE:-/tmp/hf-demo-bench}
-P="decay=0.999,format=sign,inner_rule=orthogonal"
+P="decay=0.999,format=sign,inner_rule=orthogonal,outer_lr_scaling=sqrt_world"  # the presets: the mean change x sqrt(W/2)
 exec "$PY" benchmarks/convergence.py --tag gpu_quality --results-dir "${GPU_QUALITY_OUT:-benchmarks/results}" \
   --device cuda --corpus site-packages --corpus-tokens "${GPU_QUALITY_TOKENS:-8e6}" --shards interleaved \
   --hidden 640 --intermediate 1728 --layers 8 --heads 10 --seq-len 256 --batch-size 8 --eval-batches 8 \

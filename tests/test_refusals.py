@@ -153,6 +153,7 @@ def _late_checkpoint_object():
 
 TRIGGERS = {
     "overlap_local_steps": lambda mp, tmp: _demo(overlap=True, sync_every=2),
+    "outer_lr_without_local_steps": lambda mp, tmp: _demo(outer_lr=2.0),
     "inner_rule_not_inner": lambda mp, tmp: _demo(inner_rule="muon_signal", sync_every=2),
     "orthogonal_local_steps": lambda mp, tmp: _demo(update_rule="orthogonal", sync_every=2),
     "update_rule_unrun": lambda mp, tmp: _demo(update_rule="adam", sync_every=2),

@@ -35,6 +35,7 @@ SPACE = {
     "sync_every": [1, 2],
     "comm_budget": [0.0, 0.2],
     "transform": list(FIELDS["transform"].metadata["choices"]),
+    "outer_lr": [1.0, 1.5],  # refused without local steps
 }
 STEPS = 4
 KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8)

@@ -45,9 +45,10 @@ def _unblocks(coeffs, shape, geometry):
     return x.reshape(shape)
 
 
-def reference(world, inner_rule):
+def reference(world, inner_rule, outer_lr=1.0):
     """W ranks simulated in one process, float64, Python loops: inner Signum or Adam steps, then DeMo on
-    anchor - param with decayed error feedback and the mean over every rank (unpicked = 0)."""
+    anchor - param with decayed error feedback and the mean over every rank (unpicked = 0); the anchor moves by
+    ``outer_lr`` times that mean."""
     lr, decay, k, chunk, wd = (
         SETTINGS[n] for n in ("lr", "sync_decay", "compression_topk", "compression_chunk", "weight_decay")
     )
@@ -91,26 +92,37 @@ def reference(world, inner_rule):
             mean = [torch.zeros_like(c) for c in blocks]
             for (b, j), v in sums.items():
                 mean[b][j] = v / world  # every rank's share, a rank that did not pick it counting 0
-            a.sub_(_unblocks(mean, a.shape, geometry))
+            a.sub_(outer_lr * _unblocks(mean, a.shape, geometry))
             for model in models:
                 with torch.no_grad():
                     list(model.parameters())[i].copy_(a)
     return [[p.detach().float() for p in m.parameters()] for m in models]
 
 
-def _hf_demo(rank, world, inner_rule):
+def _hf_demo(rank, world, inner_rule, outer=None):
     model = tiny_mlp()
-    opt = hf_demo.DeMo(model.parameters(), value_format="fp32", sync_every=H, inner_rule=inner_rule, **SETTINGS)
+    opt = hf_demo.DeMo(
+        model.parameters(), value_format="fp32", sync_every=H, inner_rule=inner_rule, **SETTINGS, **(outer or {})
+    )
     for step in range(STEPS):
         loss_and_backward(model, rank, step)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.comm_stats.total_collectives
 
 
-@pytest.mark.parametrize("world,inner_rule", [(2, "adam"), (3, "adam"), (2, "sign")])
-def test_sync_every_matches_the_slow_reference(world, inner_rule):
-    expected = reference(world, inner_rule)
-    results = expect_ok(run_ranks(_hf_demo, world, inner_rule))
+@pytest.mark.parametrize(
+    "world,inner_rule,outer,factor",
+    [
+        (2, "adam", {}, 1.0),
+        (3, "adam", {}, 1.0),
+        (2, "sign", {}, 1.0),
+        (2, "adam", {"outer_lr": 1.7}, 1.7),  # the anchor moves by 1.7 x the mean change
+        (3, "sign", {"outer_lr": 0.8, "outer_lr_scaling": "sqrt_world"}, 0.8 * (3 / 2) ** 0.5),
+    ],
+)
+def test_sync_every_matches_the_slow_reference(world, inner_rule, outer, factor):
+    expected = reference(world, inner_rule, factor)
+    results = expect_ok(run_ranks(_hf_demo, world, inner_rule, outer))
     for rank, (params, collectives) in enumerate(results):
         # at each synchronisation only: the header with the payload and the vote; the first, the header alone first
         assert collectives == 2 * (STEPS // H) + 1
@@ -118,6 +130,61 @@ def test_sync_every_matches_the_slow_reference(world, inner_rule):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # after step 8 (a synchronisation) the replicas were identical; steps 9 and 10 were local again
     assert not all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+
+
+def _synchronised_at(rank, world, steps, outer):
+    """Every rank's parameters after ``steps`` steps that end on a synchronisation, and the anchor before it."""
+    model = tiny_mlp()
+    opt = hf_demo.DeMo(model.parameters(), value_format="fp32", sync_every=H, **SETTINGS, **outer)
+    for step in range(steps):
+        if step == steps - H:
+            anchors = [p.detach().clone() for p in model.parameters()]
+        loss_and_backward(model, rank, step)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], anchors
+
+
+def test_the_outer_lr_moves_every_rank_alike_by_its_multiple_of_the_mean_change():
+    """2 gloo ranks: after a synchronisation every rank holds the same bits, anchor - outer_lr x the mean change,
+    where the mean change is what the same run applies at outer_lr 1 (the same local steps before it); at 2 ranks
+    outer_lr_scaling='sqrt_world' is the factor 1, bit for bit the run without it."""
+    plain = expect_ok(run_ranks(_synchronised_at, 2, H, {}))
+    for outer, factor in (({"outer_lr": 2.5}, 2.5), ({"outer_lr_scaling": "sqrt_world"}, 1.0)):
+        scaled = expect_ok(run_ranks(_synchronised_at, 2, H, outer))
+        (params0, anchors), (params1, _) = scaled
+        assert all(torch.equal(a, b) for a, b in zip(params0, params1))  # identical replicas
+        for p, p1, a in zip(params0, plain[0][0], anchors):
+            torch.testing.assert_close(p, a - factor * (a - p1), atol=1e-6, rtol=0)
+        assert all(torch.equal(p, p1) for p, p1 in zip(params0, plain[0][0])) == (factor == 1.0)
+    later = expect_ok(run_ranks(_synchronised_at, 2, 2 * H, {"outer_lr": 2.5}))  # a second synchronisation
+    assert all(torch.equal(a, b) for a, b in zip(later[0][0], later[1][0]))
+
+
+def test_the_outer_lr_is_refused_where_no_synchronisation_applies_a_mean_change():
+    for bad in ({"outer_lr": 2.0}, {"outer_lr_scaling": "sqrt_world"}):
+        with pytest.raises(ValueError, match="without local steps") as refused:
+            hf_demo.DeMo(tiny_mlp().parameters(), **bad)  # sync_every=1
+        assert "sync_every > 1" in str(refused.value)
+        with pytest.raises(ValueError, match="policy_sync_every=1"):
+            hf_demo.DeMo(tiny_mlp().parameters(), comm_budget=0.2, policy_sync_every=1, **bad)
+        hf_demo.DeMo(tiny_mlp().parameters(), comm_budget=0.2, **bad)  # the policy's last tier takes local steps
+        hf_demo.DeMo(tiny_mlp().parameters(), sync_every=2, **bad)
+    for value in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="invalid outer_lr"):
+            hf_demo.DeMo(tiny_mlp().parameters(), sync_every=2, outer_lr=value)
+    with pytest.raises(ValueError, match="invalid outer_lr_scaling='linear'; expected one of none, sqrt_world"):
+        hf_demo.DeMo(tiny_mlp().parameters(), sync_every=2, outer_lr_scaling="linear")
+
+
+def test_the_from_scratch_presets_scale_the_outer_lr_with_the_number_of_ranks():
+    from hf_demo.optim.local_steps import outer_factor
+    from hf_demo.settings import DeMoSettings
+
+    for preset in ("from_scratch", "from_scratch_few_bytes"):
+        s = DeMoSettings.resolve(preset)
+        factors = [outer_factor(s.outer_lr, s.outer_lr_scaling, w) for w in (1, 2, 4, 8, 16)]
+        assert factors == [0.5**0.5, 1.0, 2**0.5, 2.0, 8**0.5]
+    assert outer_factor(1.5, "none", 8) == 1.5 and outer_factor(1.5, "sqrt_world", 8) == 3.0
 
 
 def _sync_resume(rank, world, resume_at):

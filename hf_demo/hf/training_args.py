@@ -161,7 +161,8 @@ class DeMoArguments:
     Update (how the averaged coefficients become a step):
         demo_update_rule, demo_param_rounding.
     Local steps between synchronisations:
-        demo_sync_every, demo_sync_decay, demo_inner_rule, demo_end_local_phase.
+        demo_sync_every, demo_sync_decay, demo_inner_rule, demo_outer_lr, demo_outer_lr_scaling,
+        demo_end_local_phase.
     Communication budget (tiers chosen as the network changes):
         demo_comm_budget, demo_policy_patience, demo_policy_sync_every.
     Faults and guards:
@@ -190,6 +191,8 @@ class DeMoArguments:
     demo_sync_every: int | None = _setting_field("sync_every")
     demo_sync_decay: float | None = _setting_field("sync_decay")
     demo_inner_rule: str | None = _setting_field("inner_rule")
+    demo_outer_lr: float | None = _setting_field("outer_lr")
+    demo_outer_lr_scaling: str | None = _setting_field("outer_lr_scaling")
     demo_end_local_phase: str | None = _setting_field("end_local_phase")
     # communication budget
     demo_comm_budget: float | None = _setting_field("comm_budget")

@@ -8,8 +8,9 @@ H-th call is a synchronisation: the rank's accumulated change since the last syn
 DCT(anchor - param)`` with ``beta`` from :func:`feedback_decay` (0.70 for top-96 of a 64x64 block by
 default: what top-k has not sent fades instead of piling up behind the agreed model, SparseLoCo's decayed
 error feedback), top-k, the exchange, and the mean over **every** rank (a rank that did not pick a
-coefficient counts zero). Every rank sets ``param = anchor - mean update``: the replicas are
-identical again and the anchor moves there. Traffic is one DeMo payload per H steps.
+coefficient counts zero). Every rank sets ``param = anchor - outer_lr * mean update`` (:func:`outer_factor`:
+the ``outer_lr`` setting, times sqrt(W/2) with ``outer_lr_scaling="sqrt_world"``): the replicas are identical
+again and the anchor moves there. Traffic is one DeMo payload per H steps.
 
 State per parameter: ``anchor`` (the parameters at the last synchronisation, the parameter's dtype),
 ``inner_momentum`` (fp32) and the inner rule's own state under ``inner_`` keys (adam: ``inner_exp_avg_sq``,
@@ -18,12 +19,29 @@ State per parameter: ``anchor`` (the parameters at the last synchronisation, the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hf_demo.compression import functional as F
 from hf_demo.optim.update_rules import STATE_KEYS
 
 INNER_BETA = 0.9
+
+
+OUTER_LR_SCALINGS = ("none", "sqrt_world")  # the outer_lr_scaling setting's values (see outer_factor)
+
+
+def outer_factor(outer_lr: float, scaling: str, world: int) -> float:
+    """What a synchronisation multiplies the ranks' mean change by: ``outer_lr``, times ``sqrt(world / 2)`` with
+    ``scaling="sqrt_world"`` (1 at 2 ranks, 2 at 8; ``world`` is the number of ranks the change is averaged over).
+
+    Each rank's local change is mostly its own noise (the ranks' changes are nearly orthogonal), so the mean of
+    ``world`` of them is about ``sqrt(world)`` times shorter than one: the factor gives the applied change the
+    size it has at 2 ranks, where the presets' learning rate was chosen."""
+    if scaling not in OUTER_LR_SCALINGS:
+        raise ValueError(f"DeMo: invalid outer_lr_scaling={scaling!r}; expected one of {', '.join(OUTER_LR_SCALINGS)}")
+    return outer_lr * (math.sqrt(world / 2) if scaling == "sqrt_world" else 1.0)
 
 
 def feedback_decay(sync_decay: float, layout) -> float:
@@ -116,13 +134,15 @@ def pseudo_gradient(anchor_value: torch.Tensor, after: torch.Tensor) -> torch.Te
     return anchor_value.float() - after.float()
 
 
-def synchronised(anchor: torch.Tensor, update: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``anchor - update`` in the parameter's dtype: the parameters of every rank after a synchronisation."""
-    return (anchor.float() - update).to(dtype)
+def synchronised(anchor: torch.Tensor, update: torch.Tensor, outer_lr: float, dtype: torch.dtype) -> torch.Tensor:
+    """``anchor - outer_lr * update`` in the parameter's dtype: the parameters of every rank after a
+    synchronisation (at ``outer_lr`` 1 the update is applied as it is, not multiplied)."""
+    applied = update if outer_lr == 1.0 else update * outer_lr
+    return (anchor.float() - applied).to(dtype)
 
 
-def commit_sync(param, state: dict, update: torch.Tensor, m_in, rule_state) -> None:
-    """``param = anchor - update`` (identical on every rank), and the anchor moves there."""
-    state["anchor"].copy_(synchronised(state["anchor"], update, param.dtype))
+def commit_sync(param, state: dict, update: torch.Tensor, outer_lr: float, m_in, rule_state) -> None:
+    """``param = anchor - outer_lr * update`` (identical on every rank), and the anchor moves there."""
+    state["anchor"].copy_(synchronised(state["anchor"], update, outer_lr, param.dtype))
     param.copy_(state["anchor"])
     _keep(state, m_in, rule_state)

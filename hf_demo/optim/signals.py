@@ -4,7 +4,8 @@
   that decays by ``compression_decay``; the update rule turns the averaged update into a step.
 - :class:`LocalSignal` (``sync_every = H > 1``, :mod:`hf_demo.optim.local_steps`): every rank takes local steps
   on its own; every H-th step the change since the last synchronisation goes in, into an error feedback that
-  decays with what top-k sends, and the mean change moves every rank's anchor (and parameters) alike.
+  decays with what top-k sends, and the mean change times the outer learning rate moves every rank's anchor (and
+  parameters) alike.
 
 Chosen per step by the tier's ``sync_every`` (the budget policy's tiers switch between both).
 """
@@ -130,12 +131,16 @@ class LocalSignal:
         return signal
 
     def update(self, step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, working, updates) -> None:
-        """Every rank sets ``param = anchor - mean change`` and the anchor moves there."""
-        view = step.view
+        """Every rank sets ``param = anchor - outer_lr * mean change`` and the anchor moves there (the factor from
+        the settings and the number of ranks averaged over, :func:`local_steps.outer_factor`)."""
+        view, s = step.view, step.settings
+        factor = local_steps.outer_factor(s.outer_lr, s.outer_lr_scaling, step.transport.world)
         changes = F.decode_many(updates, chosen.layouts, view.transform)
         for p, m, change, inner in zip(chosen.params, working, changes, signal.inner):
             step.tx.set(view.state[p], "momentum", m)
-            step.tx.stage(lambda p=p, c=change, i=inner: local_steps.commit_sync(local(p), view.state[p], c, *i[1:]))
+            step.tx.stage(
+                lambda p=p, c=change, i=inner: local_steps.commit_sync(local(p), view.state[p], c, factor, *i[1:])
+            )
 
 
 SIGNALS = {cls.name: cls for cls in (GradientSignal, LocalSignal)}
