@@ -119,9 +119,9 @@ _TABLE = (
         "hf_demo.settings.DeMoSettings.check_group",
         "DeMo: update_rule={rule!r} with comm_budget: the budget policy's local-step tiers "
         "(policy_sync_every={policy_sync_every}) apply the ranks' averaged change times outer_lr, so the orthogonal "
-        "rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every tier synchronises every "
-        "step), or take Muon steps between synchronisations with inner_rule='orthogonal' (the from_scratch preset) "
-        "and update_rule='sign'",
+        "rule would stop running whenever the policy moved down. Set policy_sync_every=1 (every tier synchronises "
+        "every step), or take Muon steps between synchronisations with inner_rule='orthogonal' (the from_scratch "
+        "preset) and update_rule='sign'",
         involves=("update_rule", "comm_budget", "policy_sync_every"),
     ),
     Refusal(
