@@ -7,7 +7,7 @@ setup:
 	VENV=$(VENV) bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=25
 
 # The slow tier: 20 two-process launches under load, exits with starved gloo workers, torchrun kill-and-recover,
 # compare.py end to end and a few launches whose checks the default run makes elsewhere (about 18 minutes).

@@ -7,6 +7,9 @@ real gloo ranks; a test takes the ``gloo`` fixture for that, which marks it. ``a
 ``dist_utils.run_ranks`` refuse to run inside a test without the marker, so the fast tier
 (``-m "not launch and not ranks"``) does not silently grow.
 
+:data:`SLOW_CASES`: the default tier's longest cases, moved to the slow tier (``make test-slow``) where a case of
+the same family, or another test, keeps the guarantee in the default run; each says which.
+
 ``device``: the single-process tests that take it run on every device: ``"cpu"``, and ``"cuda"`` (marked
 ``cuda``, skipped with the reason where torch sees no GPU). ``pytest -m cuda`` is the GPU subset that
 ``scripts/gpu_check.sh`` runs.
@@ -29,6 +32,50 @@ DEVICES = [
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# node id prefix -> what keeps its guarantee in the default run
+SLOW_CASES = {
+    "test_optimizer.py::test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes": (
+        "test_optimizer.py's bf16 cases and test_devices.py check stochastic rounding's bits"
+    ),
+    "test_optimizer.py::test_every_value_format_trains[cpu-fp32]": "the bf16 case",
+    "test_optimizer.py::test_every_value_format_trains[cpu-sign]": "the bf16 case; test_modes.py's sign cases",
+    "test_optimizer.py::test_every_value_format_trains[cpu-2bit]": "the bf16 case; test_equivalence.py's 2bit case",
+    "test_equivalence.py::test_2bit_values_match_the_reference_single_process[raw-": "the sign-divisible case",
+    "test_equivalence.py::test_2bit_values_match_the_reference_single_process[sign-padded]": "the sign-divisible case",
+    "test_ops.py::test_the_table_log_keeps_every_row_at_exit_and_on_sigterm[exit-": "the sigterm cases",
+    "test_ops.py::test_the_table_log_keeps_every_row_at_exit_and_on_sigterm[sigterm-csv]": "the sigterm-parquet case",
+    "test_elastic_faults.py::test_an_hsdp_replica_group_with_another_lr": "test_hsdp_mismatch.py (HSDP, not elastic)",
+    "test_elastic_faults.py::test_a_replica_restarted_after_the_others_finished": (
+        "test_a_replica_back_alone_at_step_0_to_a_lighthouse_that_formed_quorums_before_is_refused"
+    ),
+    "test_elastic_faults.py::test_a_joiner_whose_top_k_differs": (
+        "the replica groups whose settings differ from the start"
+    ),
+    "test_elastic_faults.py::test_a_lighthouse_killed_mid_run": (
+        "test_a_quorum_that_fails_names_a_lighthouse_that_is_gone"
+    ),
+    "test_orthogonal.py::test_convergence_benchmark_runs_ddp_muon_and_the_orthogonal_rule": (
+        "test_benchmarks.py's wan_worker cases run DDP-Muon and the presets"
+    ),
+    "test_error_faults.py::test_load_state_refuses_another_runs_model_and_damaged_files_on_every_rank": (
+        "test_accelerate_loop.py's model check and test_trainer.py's damaged checkpoints"
+    ),
+    "test_helpers.py::test_spawned_ranks_report_results_and_errors": "every ranks test runs through run_ranks",
+    "test_recipe_sft.py::test_sft_two_processes[lora]": "the full case; test_recipe_lora.py",
+    "test_recipe_classification.py::test_two_process": "test_recipe_clm.py's two-process launches",
+    "test_launch.py::test_cpu_launch_without_the_switch_stops_with_plain_arguments": (
+        "test_args.py's unit tests of the switch"
+    ),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid.removeprefix("tests/")
+        if any(nodeid.startswith(prefix) for prefix in SLOW_CASES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(tryfirst=True)
