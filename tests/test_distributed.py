@@ -311,9 +311,9 @@ SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 @pytest.mark.parametrize(
     "kw,first,steady,confirm",
     [
-        ({}, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
-        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
-        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle", "settle"]),
+        ({}, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
+        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
+        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
         ({"commit_vote": "separate"}, ["header", "payload", "vote"], ["payload", "vote"], []),
         ({"commit_vote": "off"}, ["header", "payload"], ["payload"], []),
         ({"overlap": True}, ["header", "payload"], ["header", "payload"], []),
@@ -324,8 +324,8 @@ SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
     """The header rides with the payload once its size is agreed (the first step sends it alone first). With the
     defaults (and a secret, and sealed traffic) a steady step is one round trip: its verdict settles in the next
-    step's all-gather, and confirm() settles the last one (two all-gathers of the row's size: the verdicts, then
-    every rank's finding on them); the first step
+    step's all-gather, and confirm() settles the last one (three all-gathers of the row's size: the verdicts, every
+    rank's finding on them, and those findings passed on); the first step
     settles at once (not steady). commit_vote='separate' votes in an all-gather of its own (two round trips);
     overlap sends its header alone (the payload goes in the background, the verdict rides in the next header,
     confirm() has nothing to settle); all_reduce's union nominations ride with the header, its values follow, the vote
