@@ -10,7 +10,8 @@ test: setup
 	$(PY) -m pytest -q -m "not slow" --durations=25
 
 # The slow tier: 20 two-process launches under load, exits with starved gloo workers, torchrun kill-and-recover,
-# compare.py end to end and a few launches whose checks the default run makes elsewhere (about 18 minutes).
+# compare.py end to end, the 4-rank cases of the bitwise families and the longest cases whose checks the default run
+# makes elsewhere (tests/conftest.py: SLOW_CASES, FOUR_RANK_FAMILIES).
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 

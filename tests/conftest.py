@@ -8,7 +8,8 @@ real gloo ranks; a test takes the ``gloo`` fixture for that, which marks it. ``a
 (``-m "not launch and not ranks"``) does not silently grow.
 
 :data:`SLOW_CASES`: the default tier's longest cases, moved to the slow tier (``make test-slow``) where a case of
-the same family, or another test, keeps the guarantee in the default run; each says which.
+the same family, or another test, keeps the guarantee in the default run; each says which. The 4-rank cases of
+:data:`FOUR_RANK_FAMILIES` run there too (their 1- and 2-rank cases stay).
 
 ``device``: the single-process tests that take it run on every device: ``"cpu"``, and ``"cuda"`` (marked
 ``cuda``, skipped with the reason where torch sees no GPU). ``pytest -m cuda`` is the GPU subset that
@@ -71,10 +72,25 @@ SLOW_CASES = {
 }
 
 
+# families whose 4-rank cases run in the slow tier: their 1- and 2-rank cases stay in the default run
+FOUR_RANK_FAMILIES = (
+    "test_step_hashes.py::test_every_rank_ends_with_the_recorded_hashes[",
+    "test_equivalence.py::test_matches_reference_distributed[",
+    "test_modes.py::test_replicas_bitwise_identical[",
+    "test_orthogonal.py::test_replicas_stay_bitwise_identical[",
+    "test_orthogonal.py::test_matches_the_float64_reference[",
+)
+
+
+def _four_ranks(nodeid: str) -> bool:
+    """A case of :data:`FOUR_RANK_FAMILIES` on 4 ranks (its id names the world: ``/4]``, ``-4-`` or ``-4]``)."""
+    return nodeid.startswith(FOUR_RANK_FAMILIES) and any(tag in nodeid for tag in ("/4]", "-4-", "-4]", "[4-"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         nodeid = item.nodeid.removeprefix("tests/")
-        if any(nodeid.startswith(prefix) for prefix in SLOW_CASES):
+        if any(nodeid.startswith(prefix) for prefix in SLOW_CASES) or _four_ranks(nodeid):
             item.add_marker(pytest.mark.slow)
 
 

@@ -25,6 +25,7 @@ from hf_demo.ops.exporters import Snapshot
 from hf_demo.ops.links import Link, edge_bytes
 from hf_demo.ops.methods import METHODS, Cluster, Workload, _demo_memory
 from hf_demo.ops.traffic import demo_collectives
+from hf_demo.refusals import text as refusal_text
 from hf_demo.settings import DeMoSettings
 from hf_demo.wire.codec import HEADER_BYTES as HEADER
 from launch_utils import ROOT
@@ -85,7 +86,8 @@ def test_the_hsdp_plan_counts_fsdp2_inside_a_node_and_shards_between_nodes():
     assert METHODS["demo-hsdp"](cluster, budget).note.startswith("settles in tier")  # one tier for the whole model
     assert any(c.name == "node_figures" for c in METHODS["demo-hsdp"](cluster, budget).collectives)
     signal = Workload(shape_list, compute_s=1.0, demo_settings={"update_rule": "muon_signal"})
-    assert METHODS["demo-hsdp"](cluster, signal).note.startswith("refused: muon_signal")  # as DeMo refuses it
+    refused = refusal_text("unshardable_rule", rule="muon_signal")  # as DeMo refuses it, word for word
+    assert METHODS["demo-hsdp"](cluster, signal).note == f"refused: {refused}"
 
 
 def test_the_plan_counts_the_newton_schulz_runs_of_the_rules_that_orthogonalise(tmp_path):
