@@ -555,6 +555,9 @@ def _resumed(rank, world, where, kw, resume_at=None, shard_after=2):
             try:
                 fsdp.load_checkpoint(where, model, opt)
             except hf_demo.DeMoStateError as exc:
+                # every rank refuses alike: none leaves (tearing the store down) while another still builds the
+                # new layout's groups
+                dist.barrier()
                 return str(exc)
         backward(model, rank, step)
         opt.step()
