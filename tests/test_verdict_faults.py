@@ -108,6 +108,49 @@ def _forge(r: int, verdict: int):
     return change
 
 
+def _header_of(r: int):
+    """``when``: rank ``r``'s row is a clear header of a step (not a settling row)."""
+    from hf_demo.wire import codec
+
+    def when(out, n):
+        row = out[r * n : (r + 1) * n]
+        return carries_header(row) and not _sealed(row) and not _flags(row) & codec.FLAG_SETTLES
+
+    return when
+
+
+def _resign(r: int, signed: bool):
+    """``change``: rank ``r``'s clear header rewritten by a writer without the secret as unsigned (FLAG_AUTH
+    cleared, no tag) or as signed (FLAG_AUTH set, a made-up tag), the header's CRC32 recomputed."""
+    from hf_demo.wire import codec
+
+    def change(out, n):
+        row = out[r * n : r * n + codec.HEADER_BYTES]
+        h = codec.Header.from_bytes(row.clone())
+        flags = h.flags | codec.FLAG_AUTH if signed else h.flags & ~codec.FLAG_AUTH
+        forged = codec._replace(h, flags=flags, tag=bytes(range(32)) if signed else bytes(32))
+        forged = codec._replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
+        row.copy_(forged.to_bytes())
+
+    return change
+
+
+def _corrupt_link(memory: dict) -> None:
+    """From now on (until ``memory["whole"]()``), every sealed row of rank 0's reaches this rank with a bit flipped
+    inside it: headers and settling rows alike."""
+    from hf_demo.exchange import transport as comm
+
+    real = comm._all_gather
+
+    def flip(out, buf):
+        n = buf.numel()
+        if _sealed(out[:n]):
+            out[100] ^= 0x01
+
+    comm._all_gather = _flipping(real, flip)
+    memory["whole"] = lambda: setattr(comm, "_all_gather", real)
+
+
 def _vote(out, n) -> bool:
     return n in (8, 16, 24) and not carries_header(out[:n])
 
@@ -123,6 +166,14 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
         flip_received_header_bit(5 * 8, once=True)  # rank 0's header of the process's first exchange
     elif scenario == "first_sealed_header" and rank == 1 and call == "step 0":
         _tamper(lambda out, n: _sealed(out[:n]), _flip_byte(0, 100))  # inside rank 0's sealed header, first exchange
+    elif scenario == "first_unsigned_header" and rank == 1 and call == "step 0":
+        _tamper(_header_of(0), _resign(0, signed=False))  # rank 0's signed header, rewritten as unsigned
+    elif scenario == "first_signed_header" and rank == 1 and call == "step 0":
+        _tamper(_header_of(0), _resign(0, signed=True))  # rank 0's unsigned header, rewritten as signed
+    elif scenario == "sealed_link" and rank == 1 and call == "step 0":
+        _corrupt_link(memory)  # what rank 0 sends rank 1 arrives corrupted on every try of step 0 ...
+    elif scenario == "sealed_link" and rank == 1 and call == "step 2":
+        memory.pop("whole")()  # ... until the third
     elif scenario == "first_replayed_header" and rank == 1 and call in ("step 0", "step 1"):
         _replay_first(call, memory)
     elif scenario in ("finding_and_its_relay_row", "finding_and_its_final_row") and call == "confirm 0":
@@ -271,17 +322,21 @@ def test_a_settling_row_of_the_first_exchange_flipped_is_decided_alike_and_the_r
         ("first_header", SECRET),
         ("first_sealed_header", SEALED),
         ("first_replayed_header", SEALED),
+        ("first_unsigned_header", SECRET),
+        ("first_signed_header", {}),
     ],
-    ids=["clear", "secret", "sealed", "sealed_replay"],
+    ids=["clear", "secret", "sealed", "sealed_replay", "rewritten_unsigned", "rewritten_signed"],
 )
 def test_a_header_corrupted_at_a_process_first_exchange_stops_every_rank_alike_and_the_retry_commits(
     world, scenario, env
 ):
     """Hole 1 (b, e) at a process's first exchange (not steady): rank 0's header reaches rank 1 flipped (its CRC32
     or HMAC fails, or, sealed, it does not open) or, at the retry of a refused first step, as a replay of its
-    earlier try. It raised on rank 1 alone (sealed), or rank 1 deferred its refusal to its next call while the
-    others raised at once, so the retry met them a call apart and aborted in gloo or wedged. Every rank now raises
-    in the same call, nothing applied, and the retry commits on every rank."""
+    earlier try, or rewritten by a writer without the secret as unsigned (a signed run) or as signed (a run without
+    a secret), its CRC32 recomputed. It raised on rank 1 alone (sealed; a rewritten header: "rank 0 does not sign
+    its payloads"), or rank 1 deferred its refusal to its next call while the others raised at once, so the retry
+    met them a call apart and aborted in gloo or wedged. Every rank now raises in the same call, nothing applied,
+    and the retry commits on every rank."""
     results = _results(scenario, world, env=env)
     _check(results, match="refused the header from rank 0")
     for errors, _, _ in results:
@@ -386,3 +441,20 @@ def _results_of(fn, env):
     if env.get("HF_DEMO_ENCRYPT"):
         pytest.importorskip("cryptography")
     return expect_ok(run_ranks(fn, 2, env, timeout=120))
+
+
+@WORLDS
+def test_a_sealed_link_corrupted_on_every_try_is_named_alike_on_every_rank(world):
+    """Hole 1, sealed: what rank 0 sends rank 1 arrives corrupted on two tries of the first step running (headers
+    and settling rows: nothing of rank 0's opens on rank 1). Rank 1, which could open nothing, named "different
+    secrets" (DeMoSyncError) while rank 0 raised a DeMoPayloadError. A row that does not open is corruption or
+    another secret alike: every rank now raises the same class in the same call, naming both, and the third try
+    commits."""
+    results = _results("sealed_link", world, env=SEALED)
+    _check(results, match="corrupted in transit or sealed with another secret")
+    for call in ("step 0", "step 1"):
+        raised = [[e for c, e in errors if c == call] for errors, _, _ in results]
+        assert all(len(r) == 1 for r in raised), results
+        assert len({r[0].type for r in raised}) == 1, [r[0] for r in raised]
+        assert not any("they hold different secrets" in r[0].message for r in raised), raised
+    assert all([c for c, _ in errors] == ["step 0", "step 1"] for errors, _, _ in results), results

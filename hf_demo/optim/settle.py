@@ -142,26 +142,29 @@ def vote(step, chosen, found, agreed, refusal) -> Settled:
         raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
     words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
     if refusal is not None or any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
-        raise _refused_now(transport, words, refusal, found.first and step.view.secret is not None)
+        raise _refused_now(transport, words, refusal, found.first)
     if any(words):  # a verdict this rank could not trust: the step settles with that finding in the next exchange
         return Settled(row_bytes=row_bytes, again=True, owes=untrusted(transport, words))
     return Settled(row_bytes=row_bytes, again=True)
 
 
-def _refused_now(transport, words: list[int], refusal, first_signed: bool) -> DeMoSyncError:
-    """The error of a step refused in its own settling all-gather. Where, at a process's first exchange with a
-    secret (``first_signed``), this rank refused a header that passed its CRC32 (its tag failed, or it did not
-    open) and could trust no other rank's row either, the ranks hold different secrets (``HF_DEMO_SECRET``,
-    ``HF_DEMO_ENCRYPT``): a retry would meet the same, so it is named as that."""
+FIRST_UNAUTHENTIC = (
+    "At this process's first exchange a header failed its authentication (its HMAC, its seal, or signed on one end "
+    "only): corrupted in transit or sealed with another secret, which the ranks cannot tell apart. Run the step "
+    "again; if every try fails alike, set the same HF_DEMO_SECRET (and HF_DEMO_ENCRYPT) on every rank"
+)
+
+
+def _refused_now(transport, words: list[int], refusal, first: bool) -> DeMoSyncError:
+    """The error of a step refused in its own settling all-gather. At a process's first exchange (``first``), where
+    this rank's own refusal or a verdict it read is of a header that failed its authentication
+    (:data:`agreement.UNAUTHENTIC`), every such rank raises the same :class:`DeMoSyncError` naming both causes
+    (:data:`FIRST_UNAUTHENTIC`); elsewhere the :class:`DeMoPayloadError` of :func:`agreement.refused_everywhere`."""
     exc = agreement.refused_everywhere(transport, transport.step, words, refusal)
-    header = refusal is not None and getattr(refusal, "header_sender", None) is not None
-    if not (first_signed and header and not getattr(refusal, "garbled", False) and all(words)):
+    unauthentic = [w for w in words if w > 0 and w & agreement.HEADER_REFUSED and w & agreement.UNAUTHENTIC]
+    if not first or not (unauthentic or getattr(refusal, "unauthentic", False)):
         return exc
-    return DeMoSyncError(
-        f"{exc}. Every rank refused what the others sent at this process's first exchange: the ranks cannot read "
-        "each other's headers, so they hold different secrets: set the same HF_DEMO_SECRET (and HF_DEMO_ENCRYPT) "
-        "on every rank"
-    )
+    return DeMoSyncError(f"{exc}. {FIRST_UNAUTHENTIC}")
 
 
 def untrusted(transport, words: list[int]) -> DeMoPayloadError:

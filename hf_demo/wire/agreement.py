@@ -82,7 +82,6 @@ def gather_headers(
     settings: Callable[[], list],
     sealer=None,
     riding: Riding | None = None,
-    strict: bool = True,
 ) -> Gathered:
     """Sign this rank's header for its payload, all-gather every rank's, check them.
 
@@ -90,14 +89,13 @@ def gather_headers(
     where the settings differ the error names each differing setting with every rank's value (``settings``: this
     rank's ``[label, settings by name]`` rows, its shard group's under HSDP: the topology's ``node_settings``,
     gathered only then).
-    A header this rank cannot trust (its CRC32 or HMAC fails: :func:`codec.receive_headers`) is the refusal
-    returned, a :class:`DeMoPayloadError`: this rank goes on into the step's collectives like the others and
-    the commit vote makes every rank raise it. With a :class:`~hf_demo.wire.sealing.Sealer`
-    (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one that does not open (or is a replay) is
-    refused the same way, a process's first exchange included (where every rank refuses a header there, another
-    secret is named on every rank: :func:`hf_demo.optim.settle.vote`). ``strict`` False (a process's first
-    exchange, clear headers): a header that is not signed while this rank signs is left to the headers' check,
-    which names a rank without the secret to every rank.
+    A header this rank cannot trust (its CRC32 or HMAC fails, or it claims another signing than this rank's:
+    :func:`codec.receive_headers`) is the refusal returned, a :class:`DeMoPayloadError`: this rank goes on into
+    the step's collectives like the others and the commit vote makes every rank raise it. With a
+    :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one
+    that does not open (or is a replay) is refused the same way. At a process's first exchange, a header refused
+    for its HMAC, its signing or its seal (corruption or another secret alike) makes every rank raise the same
+    :class:`DeMoSyncError` naming both causes (:func:`hf_demo.optim.settle.vote`).
 
     ``riding``: each rank's row is its header followed by ``riding.agreed`` bytes, the size every rank derives
     from the last committed exchange alone (so every row has the same size whatever this step holds): the
@@ -122,7 +120,7 @@ def gather_headers(
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
         headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank, signed)
     else:
-        headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step, strict)
+        headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
     settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)
@@ -278,12 +276,13 @@ def settling_row(transport, settled: int, word: int, row_bytes: int, secret, sea
 UNREAD = -1  # a settling row this rank could not trust (or of another kind than it waited for): a refusal
 UNTRUSTED = 4  # a verdict word: this rank could not trust the verdict of the rank in the bits above the eighth
 RELAYED = 8  # a later round's word: this rank read another rank's refusal in a round before
+UNAUTHENTIC = 16  # with HEADER_REFUSED: the header failed its HMAC, did not open or claimed another signing
 
 
 def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list:
     """Every row of the all-gather after step ``settled``'s headers (or of confirm's rounds): the header it holds,
     or None where this rank cannot trust it (its CRC32, HMAC or AES-GCM fails, it is a replay, or, with a secret,
-    it claims not to be signed). This rank's own row is always read."""
+    it claims another signing than this rank's). This rank's own row is always read."""
     header_rows = rows[:, : codec.HEADER_BYTES].cpu()
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
@@ -292,7 +291,7 @@ def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> li
         return [h if e is not None else None for h, e in zip(headers, sealer.envelopes)]
     headers = [codec.Header.from_bytes(row) for row in header_rows]
     return [
-        h if r == transport.rank or codec.header_refusal(h, secret, strict=True) is None else None
+        h if r == transport.rank or codec.header_refusal(h, secret, transport.rank, r) is None else None
         for r, h in enumerate(headers)
     ]
 
@@ -390,13 +389,16 @@ def refused_everywhere(transport, settled: int, words: list[int], refusal, undon
 
 def verdict(refusal: DeMoPayloadError | None) -> int:
     """What this rank says in the vote: 0 (whole), REFUSED (a payload), or HEADER_REFUSED with the sender of the
-    header it refused in the bits above (:func:`codec.receive_headers`)."""
+    header it refused in the bits above the eighth (:func:`codec.receive_headers`), and :data:`UNAUTHENTIC` where
+    that header failed its HMAC, did not open or claimed another signing (not its CRC32)."""
     if refusal is None:
         return 0
     if getattr(refusal, "verdict_word", None) is not None:  # a verdict this rank could not trust (settle)
         return refusal.verdict_word
     sender = getattr(refusal, "header_sender", None)
-    return REFUSED if sender is None else HEADER_REFUSED | (sender << 8)
+    if sender is None:
+        return REFUSED
+    return HEADER_REFUSED | (UNAUTHENTIC if getattr(refusal, "unauthentic", False) else 0) | (sender << 8)
 
 
 def vote(transport, refusal: DeMoPayloadError | None, device, sealer=None, secret=None, headers=None) -> None:

@@ -707,31 +707,36 @@ def _replace(header: Header, **changes) -> Header:
 
 
 UNSIGNED = (
-    "is not signed while this rank holds HF_DEMO_SECRET (rewritten on the way by a writer without the secret, or "
-    "sent by a rank without it: set the same HF_DEMO_SECRET on every rank)"
+    "is not signed while this rank holds HF_DEMO_SECRET: rank {sender} does not sign its payloads and rank {rank} "
+    "does (set the same HF_DEMO_SECRET on every rank), or a writer on the way without the secret rewrote it"
 )
+SIGNED = (
+    "is signed while this rank holds no HF_DEMO_SECRET: rank {rank} does not sign its payloads and rank {sender} "
+    "does (set the same HF_DEMO_SECRET on every rank), or a writer on the way rewrote it"
+)
+BAD_TAG = "carries no valid HMAC-SHA256 tag for this HF_DEMO_SECRET (a different secret, or injected traffic)"
 
 
 GARBLED = "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
 
 
-def header_refusal(h: Header, secret: bytes | None, strict: bool = False) -> str | None:
-    """Why this rank cannot trust a received header (None: it can): its CRC32 fails (corrupted on the way), or,
-    where both ends sign, its HMAC does; with a secret, a row that claims not to be signed (``strict``: anywhere
-    but a process's first exchange, where :func:`check_headers` names a rank without the secret on every rank
-    alike, "does not sign"; a settling row always: it carries a verdict)."""
+def header_refusal(h: Header, secret: bytes | None, rank: int = 0, sender: int = 0) -> str | None:
+    """Why this rank (``rank``) cannot trust a header received from ``sender`` (None: it can): its CRC32 fails
+    (corrupted on the way); it claims to be signed where this rank does not sign, or not where this rank does (a
+    writer on the way, or a rank with another HF_DEMO_SECRET setting: refused, and so voted on, on the rank that
+    sees it, so that every rank decides alike, also where only one rank received it rewritten); its HMAC fails."""
     if not h.intact():
         return GARBLED
-    if secret is not None and not h.flags & FLAG_AUTH and (strict or h.flags & FLAG_SETTLES):
-        return UNSIGNED
-    if secret is not None and h.flags & FLAG_AUTH and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
-        return "carries no valid HMAC-SHA256 tag for this HF_DEMO_SECRET (a different secret, or injected traffic)"
+    if secret is not None and not h.flags & FLAG_AUTH:
+        return UNSIGNED.format(rank=rank, sender=sender)
+    if secret is None and h.flags & FLAG_AUTH:
+        return SIGNED.format(rank=rank, sender=sender)
+    if secret is not None and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
+        return BAD_TAG
     return None
 
 
-def receive_headers(
-    rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int, strict: bool = False
-) -> tuple:
+def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int) -> tuple:
     """Every rank's header row (world, HEADER_BYTES) -> (headers, refusal or None), checking each header's CRC32
     (and HMAC) before any of its fields is acted on.
 
@@ -744,7 +749,7 @@ def receive_headers(
     headers, refused = [], []
     for r, row in enumerate(rows):
         h = Header.from_bytes(row)
-        why = header_refusal(h, secret, strict) if r != rank else None
+        why = header_refusal(h, secret, rank, r) if r != rank else None
         if why is not None:
             refused.append((r, why))
             h = stand_in(own)
@@ -762,13 +767,15 @@ def stand_in(own: Header) -> Header:
     return _replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
 
 
-def header_refused(rank: int, sender: int, step: int, why: str) -> DeMoPayloadError:
-    """The refusal of ``sender``'s header, voted on (its sender in ``header_sender``)."""
+def header_refused(rank: int, sender: int, step: int, why: str, unauthentic: bool | None = None) -> DeMoPayloadError:
+    """The refusal of ``sender``'s header, voted on (its sender in ``header_sender``; ``unauthentic``: it failed
+    its HMAC, did not open, or claims another signing than this rank's, which corruption and another secret
+    explain alike; by default every refusal but a failed CRC32)."""
     error = DeMoPayloadError(
         f"rank {rank}: the header from rank {sender} at optimizer step {step} {why}; nothing was applied"
     )
     error.header_sender = sender
-    error.garbled = why == GARBLED  # its CRC32 failed: corrupted, not another secret's
+    error.unauthentic = why != GARBLED if unauthentic is None else unauthentic
     return error
 
 

@@ -116,6 +116,13 @@ def check_uniform(rows: torch.Tensor, rank: int) -> None:
         )
 
 
+def _unopened(message: str) -> DeMoSyncError:
+    """A header row that does not open (marked ``unopened``: corruption and another secret explain it alike)."""
+    error = DeMoSyncError(message)
+    error.unopened = True
+    return error
+
+
 def _clear_header(row: torch.Tensor) -> bool:
     h = codec.Header.from_bytes(row.contiguous())
     return h.magic == codec.MAGIC and h.intact()
@@ -180,7 +187,8 @@ class Sealer:
             except DeMoSyncError as exc:
                 if own is None:
                     raise
-                refused.append((r, str(exc).split(f"at optimizer step {step} ", 1)[-1]))
+                why = str(exc).split(f"at optimizer step {step} ", 1)[-1]
+                refused.append((r, why, getattr(exc, "unopened", False)))
                 header, envelope = codec.stand_in(own), None
             headers.append(header)
             envelopes.append(envelope)
@@ -192,8 +200,8 @@ class Sealer:
             return headers
         if not refused:
             return headers, None
-        sender, why = refused[0]
-        return headers, codec.header_refused(rank, sender, step, why)
+        sender, why, unopened = refused[0]
+        return headers, codec.header_refused(rank, sender, step, why, unauthentic=unopened)
 
     def _open_header(self, row: torch.Tensor, step: int, sender: int, r: int, rank: int) -> tuple:
         """One sealed header row -> (header, envelope); raises :class:`DeMoSyncError` where it does not open."""
@@ -202,14 +210,14 @@ class Sealer:
         prefix, tries, session = raw[:n], *struct.unpack("<I", raw[4:8]), raw[8 : 8 + SESSION_BYTES]
         where = f"rank {rank}: the header from rank {r} at optimizer step {step}"
         if not is_sealed(row):
-            raise DeMoSyncError(f"{where} is not sealed (corrupted on the way, or injected traffic): refused")
+            raise _unopened(f"{where} is not sealed (corrupted on the way, or injected traffic): refused")
         self._check_fresh(sender, session, tries, where)
         try:
             words = self._key(sender, session).decrypt(nonce(step, tries, sender, "header"), raw[n:], prefix)
         except self._invalid:
-            raise DeMoSyncError(
+            raise _unopened(
                 f"{where} does not open with rank {r}'s key for this HF_DEMO_SECRET (AES-256-GCM): refused (a "
-                "different secret, a header of another rank, step or try, or injected traffic)"
+                "different secret, a flipped bit, a header of another rank, step or try, or injected traffic)"
             ) from None
         padded = bytearray(words + bytes(codec.HEADER_BYTES - len(words)))
         header = codec.Header.from_bytes(torch.frombuffer(padded, dtype=torch.uint8))
