@@ -14,8 +14,8 @@ size: **the collective after G_t is an all-gather of G_t's row size.** It is, on
   collective the headers choose, and by :func:`confirm` (``DeMo.confirm()``, ``flush()``) after the last step.
 
 Every rank then reads every rank's verdict on step t in that all-gather. All whole: the undo log is dropped.
-What a rank cannot trust there (a row that fails its CRC32, HMAC or AES-GCM, a replay, with a secret a row that
-claims not to be signed) is a finding of its own, agreed before any rank keeps the step: in a step's headers it
+What a rank cannot trust there (a row that fails its CRC32, HMAC or AES-GCM, a replay, a row that claims
+another signing than this rank's) is a finding of its own, agreed before any rank keeps the step: in a step's headers it
 is a refusal of that step, whose settling row every rank reads in the collective after it; a rank that finds a
 verdict it cannot trust in a non-steady step's settling all-gather keeps nothing and settles the step with that
 finding in the next exchange (every rank that read only whole verdicts commits such a step tentatively, with an

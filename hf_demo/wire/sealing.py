@@ -22,9 +22,10 @@ words, so a payload opens only beside the header it was sent with.
 
 Refusals. A row that does not open (another secret, a flipped bit, another rank's row, a row of another step or
 try) is refused, and so is a header whose try is not beyond the last one accepted from its sender (a replay) or
-that comes from another session of its sender than the first one seen. A header refusal raises
-:class:`~hf_demo.errors.DeMoSyncError` on every rank that sees it; a payload refusal is a
-:class:`~hf_demo.errors.DeMoPayloadError`, voted on like a bad CRC32 or HMAC. A mix of ranks that encrypt and
+that comes from another session of its sender than the first one seen. A header or payload refusal is a
+:class:`~hf_demo.errors.DeMoPayloadError`, voted on like a bad CRC32 or HMAC (at a process's first exchange, a
+header that does not open makes every rank raise the same :class:`~hf_demo.errors.DeMoSyncError`, naming
+corruption and another secret alike: :func:`hf_demo.optim.settle.vote`). A mix of ranks that encrypt and
 ranks that do not stops every rank at the first header (:func:`check_uniform`).
 """
 
