@@ -50,9 +50,9 @@ def test_optim_demo_and_its_settings():
 
 
 def test_optim_stays_demo_everywhere():
-    """'demo' is a registered optimizer name: plain TrainingArguments keep it, no swap, no half-truth."""
-    args = TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
-    assert args.optim == "demo" and args.optim == OptimizerNames("demo") and args.to_dict()["optim"] == "demo"
+    """'demo' is a value of hf_demo's argument classes: kept as given, from start to end."""
+    args = hf_demo.DeMoTrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
+    assert args.optim == "demo" and args.to_dict()["optim"] == "demo"
     assert hf_demo.hf.training_args.demo_settings(args) == DeMoSettings().as_dict()
     cls, kwargs = hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(parse("--optim", "demo", "--demo_drift", "raise"))
     assert cls is hf_demo.DeMo and kwargs["drift"] == "raise" and kwargs["lr"] == 5e-5
@@ -65,7 +65,7 @@ def test_plain_trainer_refuses_optim_demo():
 
     with pytest.raises(ValueError, match="needs a DeMo-aware trainer: use hf_demo.DeMoTrainer instead of Trainer"):
         Trainer.get_optimizer_cls_and_kwargs(
-            TrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
+            hf_demo.DeMoTrainingArguments(output_dir="out-never-written", use_cpu=True, optim="demo")
         )
 
 
@@ -73,10 +73,10 @@ def test_the_refusal_names_the_fix_for_the_trainer_at_hand():
     """A DPOTrainer user was sent to the SFT class: the fix is with_demo of the user's own pair."""
     import trl
 
-    from hf_demo.hf.training_args import plain_trainer_fix
+    from hf_demo.hf.training_args import plain_trainer_fix, with_demo_arguments
     from hf_demo.trl import DeMoSFTConfig
 
-    dpo = trl.DPOConfig(output_dir="out-never-written", use_cpu=True, optim="demo")
+    dpo = with_demo_arguments(trl.DPOConfig)(output_dir="out-never-written", use_cpu=True, optim="demo")
     with pytest.raises(ValueError, match=r"hf_demo\.with_demo\(DPOTrainer, DPOConfig\)") as refused:
         trl.DPOTrainer.get_optimizer_cls_and_kwargs(dpo)
     assert "SFT" not in str(refused.value)
@@ -187,11 +187,9 @@ def test_trl_config_keeps_sftconfig_defaults():
 
     from hf_demo.trl import DeMoSFTConfig
 
-    plain = trl.SFTConfig(
-        output_dir="out-never-written", use_cpu=True, optim="demo"
-    )  # accepted once hf_demo is imported
+    plain = trl.SFTConfig(output_dir="out-never-written", use_cpu=True)
     ours = DeMoSFTConfig(output_dir="out-never-written", use_cpu=True, optim="demo", demo_compression_topk=4)
-    assert plain.optim == ours.optim == "demo"
+    assert ours.optim == "demo"
     for name in ("bf16", "learning_rate", "logging_steps", "gradient_checkpointing", "max_length"):
         assert getattr(ours, name) == getattr(plain, name), name
     assert ours.demo_settings()["compression_topk"] == 4
@@ -215,7 +213,7 @@ def test_with_demo_makes_any_trainer_and_config_demo_aware():
     assert hf_demo.with_demo(trl.DPOTrainer, trl.DPOConfig) == (dpo_trainer, dpo_config)
     assert issubclass(dpo_trainer, hf_demo.DeMoTrainerMixin) and issubclass(dpo_trainer, trl.DPOTrainer)
     assert dpo_trainer.__mro__[1] is hf_demo.DeMoTrainerMixin  # the mixin first
-    plain = trl.DPOConfig(output_dir="out-never-written", use_cpu=True, optim="demo")
+    plain = trl.DPOConfig(output_dir="out-never-written", use_cpu=True)
     ours = dpo_config(output_dir="out-never-written", use_cpu=True, optim="demo", demo_compression_topk=8)
     for name in ("bf16", "learning_rate", "logging_steps", "beta", "max_length"):
         assert getattr(ours, name) == getattr(plain, name), name
@@ -274,19 +272,58 @@ def test_a_subclass_of_a_made_class_pickles_by_its_own_name():
         del globals()["Sub"]
 
 
-def test_every_training_arguments_subclass_accepts_optim_demo():
-    """Once hf_demo is imported, 'demo' is an OptimizerNames member: TRL's configs take it as a value and
-    as a command-line choice; their plain trainers refuse to build it (they would keep DDP's all-reduce)."""
+def test_every_demo_argument_class_accepts_optim_demo_and_transformers_names_stay_as_they_are():
+    """hf_demo's argument classes built on TRL's configs take 'demo' as a value and as a command-line choice, and
+    keep every other optimizer; their plain trainers refuse to build it (they would keep DDP's all-reduce). The
+    plain configs do not know 'demo' (transformers refuses it): hf_demo adds no member to OptimizerNames."""
     import trl
 
+    from hf_demo.hf.training_args import with_demo_arguments
+    from hf_demo.trl import DeMoSFTConfig
+
     for config_cls in (trl.SFTConfig, trl.DPOConfig, trl.RewardConfig):
-        assert config_cls(output_dir="out-never-written", use_cpu=True, optim="demo").optim == "demo"
-        (parsed,) = HfArgumentParser(config_cls).parse_args_into_dataclasses(
-            ["--output_dir", "out-never-written", "--use_cpu", "true", "--optim", "demo"]
-        )
-        assert parsed.optim == "demo"
+        demo_cls = with_demo_arguments(config_cls)
+        assert demo_cls(output_dir="out-never-written", use_cpu=True, optim="demo").optim == "demo"
+        for cls, optim in ((demo_cls, "demo"), (demo_cls, "sgd"), (config_cls, "sgd")):
+            (parsed,) = HfArgumentParser(cls).parse_args_into_dataclasses(
+                ["--output_dir", "out-never-written", "--use_cpu", "true", "--optim", optim]
+            )
+            assert parsed.optim == optim
+        default = HfArgumentParser(demo_cls).parse_args_into_dataclasses(["--output_dir", "x", "--use_cpu", "true"])
+        assert default[0].optim == config_cls(output_dir="x", use_cpu=True).optim
+        with pytest.raises(ValueError, match="demo is not a valid OptimizerNames"):
+            config_cls(output_dir="out-never-written", use_cpu=True, optim="demo")
     with pytest.raises(ValueError, match="needs a DeMo-aware trainer"):
-        trl.SFTTrainer.get_optimizer_cls_and_kwargs(trl.SFTConfig(output_dir="x", use_cpu=True, optim="demo"))
+        trl.SFTTrainer.get_optimizer_cls_and_kwargs(DeMoSFTConfig(output_dir="x", use_cpu=True, optim="demo"))
+
+
+UNTOUCHED = """
+from transformers import HfArgumentParser
+from transformers.training_args import OptimizerNames
+
+def names():
+    return (list(OptimizerNames), list(OptimizerNames._member_names_), dict(OptimizerNames._member_map_),
+            dict(OptimizerNames._value2member_map_))
+
+before = names()
+import hf_demo, hf_demo.trl
+args = hf_demo.DeMoTrainingArguments(output_dir="x", use_cpu=True, optim="demo")
+hf_demo.DeMoTrainer.get_optimizer_cls_and_kwargs(args)
+hf_demo.trl.DeMoSFTConfig(output_dir="x", use_cpu=True, optim="demo")
+HfArgumentParser(hf_demo.DeMoTrainingArguments).parse_args_into_dataclasses(
+    ["--output_dir", "x", "--use_cpu", "true", "--optim", "demo"])
+assert names() == before, "hf_demo changed transformers' OptimizerNames"
+assert "demo" not in OptimizerNames._value2member_map_
+print("untouched")
+"""
+
+
+def test_transformers_optimizer_names_are_untouched_by_hf_demo():
+    """Importing hf_demo, building and parsing its arguments with optim 'demo', and asking DeMoTrainer for the
+    optimizer leave transformers' OptimizerNames enum exactly as it was (a fresh process: nothing imported before)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", UNTOUCHED], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "untouched" in done.stdout, done.stderr[-3000:]
 
 
 def _tiny_llama():

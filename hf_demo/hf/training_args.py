@@ -1,11 +1,14 @@
 """``--optim demo`` and DeMo's settings as training arguments (:class:`DeMoArguments`, :class:`DeMoTrainingArguments`).
 
-* ``"demo"`` is registered as a value of transformers' ``OptimizerNames`` (:func:`register_optimizer_name`,
-  done on import), so ``TrainingArguments(optim="demo")``, ``SFTConfig(optim="demo")`` and ``--optim demo``
-  all parse and validate like any other optimizer, and ``args.optim`` is ``"demo"`` from start to end.
-  Only a DeMo-aware trainer (:class:`hf_demo.DeMoTrainer`, or any trainer class with
-  :class:`hf_demo.DeMoTrainerMixin`) builds DeMo from it, through Trainer's own extension point
-  ``get_optimizer_cls_and_kwargs``; a plain Trainer refuses it at start-up (it would all-reduce gradients).
+* ``"demo"`` is a value of ``optim`` in hf_demo's argument classes (:class:`DeMoTrainingArguments`, and every
+  class :func:`with_demo_arguments` makes: ``hf_demo.trl.DeMoSFTConfig``, ``hf_demo.with_demo``'s), not of
+  transformers' ``OptimizerNames``, which hf_demo leaves as it is: those classes redeclare ``optim`` (a string
+  whose choices are Trainer's optimizers and ``demo``, so ``--optim demo`` parses) and validate any other value
+  as Trainer does (:func:`validate_optim`). ``args.optim`` is ``"demo"`` from start to end. Only a DeMo-aware
+  trainer (:class:`hf_demo.DeMoTrainer`, or any trainer class with :class:`hf_demo.DeMoTrainerMixin`) builds
+  DeMo from it, through Trainer's own extension point ``get_optimizer_cls_and_kwargs``; a plain Trainer given
+  such arguments refuses it at start-up (it would all-reduce gradients). A plain ``TrainingArguments`` (or TRL
+  config) does not know ``demo``: transformers refuses it there ("is not a valid OptimizerNames").
 * :class:`DeMoArguments` holds one optional ``demo_<name>`` field per DeMo setting, written out and grouped;
   each field's help and choices are read from :class:`hf_demo.settings.DeMoSettings` (a test checks that the
   fields and the settings are the same). :func:`with_demo_arguments` combines it with any TrainingArguments
@@ -35,27 +38,42 @@ DEMO = "demo"  # the one spelling of DeMo's optimizer name
 
 
 # ---------------------------------------------------------------------- the optimizer name
-def register_optimizer_name() -> None:
-    """Make ``"demo"`` a member of transformers' ``OptimizerNames`` (idempotent).
+def optim_field(config_cls: type) -> dataclasses.Field:
+    """``optim`` redeclared for an argument class built on ``config_cls``: a string, ``config_cls``'s own default,
+    whose choices (``HfArgumentParser``'s ``--optim``) are Trainer's optimizers and ``demo``."""
+    names = [o.value for o in OptimizerNames]
+    return field(
+        default=config_cls.__dataclass_fields__["optim"].default,  # Trainer's own default (or the config's)
+        metadata={
+            "help": f"The optimizer: '{DEMO}' for DeMo (hf_demo), or any Trainer optimizer ({', '.join(names)}).",
+            "choices": [*names, DEMO],
+        },
+    )
 
-    ``TrainingArguments.__post_init__`` converts ``optim`` with ``OptimizerNames(optim)`` and
-    ``HfArgumentParser`` takes ``--optim``'s choices from the enum: with the member added, every
-    TrainingArguments class (TRL's configs included) accepts ``optim="demo"`` and keeps it as given. A
-    handler in Trainer's optimizer registry makes a DeMo-unaware Trainer stop with a message naming the fix.
-    """
-    if DEMO not in OptimizerNames._value2member_map_:
-        member = str.__new__(OptimizerNames, DEMO)
-        member._name_, member._value_ = "DEMO", DEMO
-        member.__objclass__ = OptimizerNames
-        member._sort_order_ = len(OptimizerNames._member_names_)
-        OptimizerNames._member_map_["DEMO"] = member
-        OptimizerNames._value2member_map_[DEMO] = member
-        OptimizerNames._member_names_.append("DEMO")
+
+def validate_optim(args, post_init) -> None:
+    """``post_init`` (TrainingArguments' own ``__post_init__``, which makes ``optim`` an ``OptimizerNames``) for
+    arguments whose ``optim`` may be ``demo``: that value is not Trainer's, so ``OptimizerNames.ADAMW_TORCH``
+    stands in for it while Trainer validates the rest (nothing else there reads ``optim``) and ``demo`` is put
+    back after, also where it raises. Any other value is Trainer's to accept or refuse."""
+    if not selects_demo(args.optim):
+        return post_init()
+    args.optim = OptimizerNames.ADAMW_TORCH
+    try:
+        post_init()
+    finally:
+        args.optim = DEMO
+
+
+def register_plain_trainer_refusal() -> None:
+    """A handler for ``demo`` in Trainer's optimizer registry (transformers >= 5), keyed by the string: a
+    DeMo-unaware Trainer given arguments with ``optim="demo"`` stops with a message naming the fix (idempotent;
+    transformers' ``OptimizerNames`` is not touched)."""
     try:  # transformers >= 5: a registry of optimizer handlers (private; absent elsewhere: its own error then)
         from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
     except ImportError:  # pragma: no cover - older transformers
         return
-    _OPTIMIZER_HANDLERS.setdefault(OptimizerNames(DEMO), _refuse_plain_trainer)
+    _OPTIMIZER_HANDLERS.setdefault(DEMO, _refuse_plain_trainer)
 
 
 def _refuse_plain_trainer(ctx):
@@ -88,7 +106,7 @@ def _fix(config_cls: type) -> str:
     return fix
 
 
-register_optimizer_name()  # at import: SFTConfig(optim="demo") and --optim demo validate before any hf_demo call
+register_plain_trainer_refusal()
 
 
 def selects_demo(optim) -> bool:
@@ -242,18 +260,12 @@ class DeMoTrainingArguments(TrainingArguments, DeMoArguments):
     ``torchrun --max-restarts`` rendezvous on a fresh store prefix.
     """
 
-    optim: OptimizerNames | str = field(
-        default=TrainingArguments.__dataclass_fields__["optim"].default,  # Trainer's own default
-        metadata={
-            "help": "The optimizer: 'demo' for DeMo (hf_demo), or any Trainer optimizer "
-            f"({', '.join(o.value for o in OptimizerNames if o.value != DEMO)})."
-        },
-    )
+    optim: str = optim_field(TrainingArguments)
 
     def __post_init__(self):
         prepare_launch(self)  # CPU-only launch without the switch; torchrun restarts (hf_demo.hf.launch_env)
         self._refuse_fsdp_on_cpu()
-        super().__post_init__()
+        validate_optim(self, super().__post_init__)
         self._check_demo_arguments()
 
 
@@ -267,12 +279,12 @@ def with_demo_arguments(config_cls: type, name: str | None = None, bases: tuple[
     def __post_init__(self):
         prepare_launch(self)
         self._refuse_fsdp_on_cpu()
-        super(cls, self).__post_init__()
+        validate_optim(self, super(cls, self).__post_init__)
         self._check_demo_arguments()
 
     cls = dataclasses.make_dataclass(
         name or f"DeMo{config_cls.__name__}",
-        [],
+        [("optim", str, optim_field(config_cls))],  # here: config_cls's own optim would win over a base's
         bases=(config_cls, DeMoArguments, *bases),
         namespace={"__post_init__": __post_init__},
     )
@@ -285,7 +297,9 @@ __all__ = [
     "DeMoTrainingArguments",
     "demo_settings",
     "plain_trainer_fix",
-    "register_optimizer_name",
+    "optim_field",
+    "register_plain_trainer_refusal",
     "selects_demo",
+    "validate_optim",
     "with_demo_arguments",
 ]
