@@ -1,11 +1,13 @@
 """Parameter and momentum hashes after 30 steps for every mode x value format x 1/2/4 ranks (gloo, CPU).
 
-    python scripts/step_hashes.py > tests/data/step_hashes.json        # on an AVX512 CPU
-    python scripts/step_hashes.py > tests/data/step_hashes_avx2.json   # on an AVX2 CPU
+    python scripts/step_hashes.py > tests/data/step_hashes.json              # an AVX512 CPU not made by AMD
+    python scripts/step_hashes.py > tests/data/step_hashes_avx2.json         # an AMD AVX2 CPU
+    python scripts/step_hashes.py > tests/data/step_hashes_amd_avx512.json   # an AMD AVX512 CPU
 
 The file is the record that a change of the step's code changes nothing a user can see: ``tests/test_step_hashes.py``
-runs the same cases and compares with the file made on a CPU with the same kernels
-(``torch.backends.cpu.get_cpu_capability()``).
+runs the same cases and compares with the file made on a CPU with the same kernels: the same vendor
+(``/proc/cpuinfo``'s ``vendor_id``) and vector width (``torch.backends.cpu.get_cpu_capability()``). The vendor
+matters: the math libraries take other code paths on AMD's and Intel's AVX512 CPUs, and their bits differ.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ from dist_utils import expect_ok, run_ranks  # noqa: E402
 from models import loss_and_backward, tiny_mlp  # noqa: E402
 
 STEPS = 30
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as Linux names it (``AuthenticAMD``, ``GenuineIntel``), or ``unknown``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 MODES = {
     "all_gather": {},
     "all_gather+raw": {"update_rule": "raw"},
@@ -73,7 +86,8 @@ def run_case(kw, world) -> list[dict]:
 
 
 def main() -> None:
-    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "cases": {}}
+    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "vendor": cpu_vendor(), "torch": torch.__version__}
+    out["cases"] = {}
     for name, kw, world in cases():
         out["cases"][name] = run_case(kw, world)
         print(name, out["cases"][name][0], file=sys.stderr)
