@@ -38,6 +38,14 @@ def cpu_vendor() -> str:
         return "unknown"
 
 
+def made_here(record: dict) -> bool:
+    """Whether ``record`` was made on this kind of CPU: the same vector width and torch, and the same maker (a
+    record without one was made on an AVX512 CPU not AMD's: AMD's give other bits)."""
+    if (record["cpu"], record["torch"]) != (torch.backends.cpu.get_cpu_capability(), torch.__version__):
+        return False
+    return record["vendor"] == cpu_vendor() if "vendor" in record else cpu_vendor() != "AuthenticAMD"
+
+
 MODES = {
     "all_gather": {},
     "all_gather+raw": {"update_rule": "raw"},

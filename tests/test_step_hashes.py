@@ -22,12 +22,7 @@ def _kind(record: dict) -> str:
 
 
 RECORDS = [json.loads(path.read_text()) for path in sorted((ROOT / "tests" / "data").glob("step_hashes*.json"))]
-KERNELS = (torch.backends.cpu.get_cpu_capability(), torch.__version__)
-VENDOR = step_hashes.cpu_vendor()
-SAME_WIDTH = [r for r in RECORDS if (r["cpu"], r["torch"]) == KERNELS]
-MATCHING = [r for r in SAME_WIDTH if r.get("vendor") == VENDOR] or [
-    r for r in SAME_WIDTH if "vendor" not in r and VENDOR != "AuthenticAMD"
-]
+MATCHING = [r for r in RECORDS if step_hashes.made_here(r)]
 RECORDED = MATCHING[0] if MATCHING else RECORDS[0]
 SAME_KERNELS = bool(MATCHING)
 pytestmark = [
@@ -35,7 +30,8 @@ pytestmark = [
     pytest.mark.skipif(
         not SAME_KERNELS,
         reason=f"recorded on {', '.join(_kind(r) + ' CPUs with torch ' + r['torch'] for r in RECORDS)}, this is "
-        f"{VENDOR} {KERNELS[0]}: bitwise results differ elsewhere (record this kind with scripts/step_hashes.py)",
+        f"{step_hashes.cpu_vendor()} {torch.backends.cpu.get_cpu_capability()}: bitwise results differ elsewhere "
+        "(record this kind with scripts/step_hashes.py)",
     ),
 ]
 CASES = {name: (kw, world) for name, kw, world in step_hashes.cases()}
