@@ -7,7 +7,7 @@ different data" runs (``convergence_ranks300_w{W}_{split}.json``, see docs/resul
   panel per W (IID).
 
 and from the "outer step scales with W" runs (IID; ``convergence_outerlr_*.json``,
-``convergence_fewbytes_{c2_w2,c2_w8,sqrt2_w8}.json``, the ``ranks300`` files and the prototype's bit-identical runs):
+``convergence_fewbytes_*.json``, the ``ranks300`` files and the prototype's bit-identical runs):
 
 - ``outer_lr_ratio_vs_w.png``: the presets as they are (the factor outer_lr x sqrt(W/2)), the other outer lr
   measured and the mean change as it is, with the DDP baselines and the defaults, as a ratio to DDP-Muon's held-out
@@ -99,7 +99,7 @@ _SQRT2 = "outer_lr=1.4142135623730951"
 OUTER_WORLDS = (2, 4, 8, 16)
 OUTER_FILES = [f"ranks300_w{w}_interleaved" for w in WORLDS] + [f"outerlr_w{w}" for w in OUTER_WORLDS]
 OUTER_FILES += ["outerlr_w16m", "outerlr_c2_w4", "outerlr_c2_w8", "diag_outerlr_w8", "fewbytes_c2_w2", "fewbytes_c2_w8"]
-OUTER_FILES += ["fewbytes_sqrt2_w8"]
+OUTER_FILES += ["fewbytes_sqrt2_w8", "fewbytes_w4", "fewbytes_c2_w4"]
 # (the runs' method name, the worlds it counts at or None for all) -> (preset, outer lr c, or None: "as it is");
 # c = 1 at W = 2 is the mean change as it is (sqrt(2/2) = 1), and the prototype's outer_lr=2 at W = 8 is c = 1 bit
 # for bit (benchmarks/reports/2026-12-07-outer-lr.md)
@@ -116,7 +116,7 @@ for _preset, _cfg in (("from_scratch", _F), ("from_scratch_few_bytes", _FB)):
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world", None, _preset, 1.0)
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world", 2, _preset, None)
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,{_SQRT2}", None, _preset, 2**0.5)
-    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,outer_lr=2.0", None, _preset, 2.0)
+    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,outer_lr=2", None, _preset, 2.0)
     _counts(f"DeMo {_cfg},outer_momentum=0,outer_lr=2", 8, _preset, 1.0)
 _counts("from_scratch:outer_momentum=0,outer_lr=2", 8, "from_scratch", 1.0)  # diagnose_levers.json
 for _name in ("DDP-Muon", "DDP-AdamW", "DeMo"):
