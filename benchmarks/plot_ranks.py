@@ -148,7 +148,8 @@ def _outer_records(results: Path):
                 if r["ok"] and r["config"]["shards"] == "interleaved" and r["config"]["steps"] == 300:
                     w = r["config"]["world"]
                     yield r["method"], w, r["seed"], r["final_loss"], r["bytes_per_param_step"]
-    for r in json.loads((results / "diagnose_levers.json").read_text()):
+    levers = results / "diagnose_levers.json"  # diagnose_scaling.py's runs: no bytes in them
+    for r in json.loads(levers.read_text()) if levers.exists() else []:
         yield r["config"], r["world"], r["seed"], r["evals"][-1][1], None
 
 
