@@ -6,6 +6,15 @@ different data" runs (``convergence_ranks300_w{W}_{split}.json``, see docs/resul
 - ``ranks300_loss_vs_bytes.png``: held-out loss against the bytes each rank sends per parameter and step, one
   panel per W (IID).
 
+and from the "outer step scales with W" runs (IID; ``convergence_outerlr_*.json``,
+``convergence_fewbytes_*.json``, the ``ranks300`` files and the prototype's bit-identical runs):
+
+- ``outer_lr_ratio_vs_w.png``: the presets as they are (the factor outer_lr x sqrt(W/2)), the other outer lr
+  measured and the mean change as it is, with the DDP baselines and the defaults, as a ratio to DDP-Muon's held-out
+  loss on the same seeds against W (2 to 16), mean and sd of the per-seed ratios;
+- ``outer_lr_loss_vs_bytes.png``: held-out loss against bytes per parameter and step at W = 2, 4, 8, the same
+  configurations.
+
     python benchmarks/plot_ranks.py [--results-dir benchmarks/results]
 """
 
@@ -20,6 +29,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from hf_demo.settings import PRESETS  # noqa: E402
 
 WORLDS = (2, 4, 8)
 SPLITS = {"interleaved": "IID", "by_directory": "non-IID"}
@@ -81,6 +92,139 @@ def plot_bytes(figures: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------ the outer step scaled with W (IID, 300 steps)
+_F = "sync_every=2,topk=24,decay=0.999,format=sign,chunk=32,inner_rule=orthogonal"
+_FB = "sync_every=4,topk=16,chunk=64,decay=0.999,format=sign,inner_rule=orthogonal"
+_SQRT2 = "outer_lr=1.4142135623730951"
+OUTER_WORLDS = (2, 4, 8, 16)
+OUTER_FILES = [f"ranks300_w{w}_interleaved" for w in WORLDS] + [f"outerlr_w{w}" for w in OUTER_WORLDS]
+OUTER_FILES += ["outerlr_w16m", "outerlr_c2_w4", "outerlr_c2_w8", "diag_outerlr_w8", "fewbytes_c2_w2", "fewbytes_c2_w8"]
+OUTER_FILES += ["fewbytes_sqrt2_w8", "fewbytes_w4", "fewbytes_c2_w4"]
+# (the runs' method name, the worlds it counts at or None for all) -> (preset, outer lr c, or None: "as it is");
+# c = 1 at W = 2 is the mean change as it is (sqrt(2/2) = 1), and the prototype's outer_lr=2 at W = 8 is c = 1 bit
+# for bit (benchmarks/reports/2026-12-07-outer-lr.md)
+OUTER_RUNS: dict = {}
+
+
+def _counts(name: str, world: int | None, preset: str, c: float | None) -> None:
+    OUTER_RUNS.setdefault((name, world), []).append((preset, c))
+
+
+for _preset, _cfg in (("from_scratch", _F), ("from_scratch_few_bytes", _FB)):
+    _counts(f"DeMo {_cfg}", None, _preset, None)
+    _counts(f"DeMo {_cfg}", 2, _preset, 1.0)
+    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world", None, _preset, 1.0)
+    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world", 2, _preset, None)
+    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,{_SQRT2}", None, _preset, 2**0.5)
+    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,outer_lr=2", None, _preset, 2.0)
+    _counts(f"DeMo {_cfg},outer_momentum=0,outer_lr=2", 8, _preset, 1.0)
+_counts("from_scratch:outer_momentum=0,outer_lr=2", 8, "from_scratch", 1.0)  # diagnose_levers.json
+for _name in ("DDP-Muon", "DDP-AdamW", "DeMo"):
+    _counts(_name, None, NAMES[_name], None)
+
+
+def outer_series(preset: str, c: float | None) -> str:
+    """The legend's name: the preset as it is now (its own outer_lr), another c, or the mean change as it is."""
+    if preset not in PRESETS:
+        return preset
+    if c is None:
+        return f"{preset}, mean change as it is"
+    own = PRESETS[preset].get("outer_lr", 1.0)
+    factor = "√(W/2)" if c == 1 else f"{c:.3g}√(W/2)"
+    return f"{preset}, the preset (× {factor})" if c == own else f"{preset}, outer_lr={c:.3g} (× {factor})"
+
+
+def _outer_colors(figures: dict) -> dict:
+    """One colour per configuration in both plots."""
+    return {name: f"C{i}" for i, name in enumerate(sorted({s for s, _ in figures}))}
+
+
+def _outer_records(results: Path):
+    """(run name, W, seed, held-out loss at the last step, bytes/param/step or None) of every IID run."""
+    for tag in OUTER_FILES:
+        path = results / f"convergence_{tag}.json"
+        if path.exists():
+            for r in json.loads(path.read_text()):
+                if r["ok"] and r["config"]["shards"] == "interleaved" and r["config"]["steps"] == 300:
+                    w = r["config"]["world"]
+                    yield r["method"], w, r["seed"], r["final_loss"], r["bytes_per_param_step"]
+    levers = results / "diagnose_levers.json"  # diagnose_scaling.py's runs: no bytes in them
+    for r in json.loads(levers.read_text()) if levers.exists() else []:
+        yield r["config"], r["world"], r["seed"], r["evals"][-1][1], None
+
+
+def load_outer(results: Path) -> dict:
+    """{(series, W): {seed: (held-out loss, bytes/param/step)}}; a seed found twice must agree."""
+    out: dict = {}
+    for name, w, seed, loss, nbytes in _outer_records(results):
+        for which in OUTER_RUNS.get((name, w), []) + OUTER_RUNS.get((name, None), []):
+            seeds = out.setdefault((outer_series(*which), w), {})
+            if seed in seeds and abs(seeds[seed][0] - loss) > 1e-9:
+                raise SystemExit(f"{name} at W={w}, seed {seed}: two different losses in the result files")
+            seeds[seed] = (loss, nbytes if seed not in seeds else seeds[seed][1] or nbytes)
+    return out
+
+
+def outer_ratio(figures: dict, series: str, w: int):
+    """(ratio, sd, n) over the seeds both have: the mean held-out loss / DDP-Muon's mean (the tables' figure),
+    and the sd of the per-seed ratios."""
+    mine, muon = figures.get((series, w), {}), figures.get(("DDP-Muon", w), {})
+    seeds = sorted(set(mine) & set(muon))
+    if not seeds:
+        return None
+    ratio = statistics.mean(mine[s][0] for s in seeds) / statistics.mean(muon[s][0] for s in seeds)
+    per_seed = [mine[s][0] / muon[s][0] for s in seeds]
+    return ratio, (statistics.stdev(per_seed) if len(seeds) > 1 else 0.0), len(seeds)
+
+
+def plot_outer_ratio(figures: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    colors = _outer_colors(figures)
+    for name in (n for n in colors if n != "DDP-Muon"):
+        points = [(w, outer_ratio(figures, name, w)) for w in OUTER_WORLDS]
+        points = [(w, r) for w, r in points if r]
+        style = "--" if "as it is" in name else ":" if name.startswith("DDP") or name == "DeMo defaults" else "-"
+        ax.errorbar(
+            [w for w, _ in points],
+            [r[0] for _, r in points],
+            yerr=[r[1] for _, r in points],
+            fmt=style,
+            marker="o",
+            capsize=3,
+            color=colors[name],
+            label=name,
+        )
+    ax.axhline(1.0, color="black", lw=0.8, label="DDP-Muon")
+    ax.set(xlabel="ranks (W)", ylabel="held-out loss / DDP-Muon's (same seeds)", xscale="log", xticks=OUTER_WORLDS)
+    ax.set_xticklabels([str(w) for w in OUTER_WORLDS])
+    ax.minorticks_off()
+    ax.set_title("0.46M Llama, 300 steps, IID: the gap to DDP-Muon against W (± sd of the per-seed ratios)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_outer_bytes(figures: dict, path: Path) -> None:
+    colors = _outer_colors(figures)
+    fig, axes = plt.subplots(1, len(WORLDS), figsize=(13, 4.4), sharey=True)
+    for ax, w in zip(axes, WORLDS):
+        for name, color in colors.items():
+            seeds = figures.get((name, w), {})
+            nbytes = [b for _, b in seeds.values() if b is not None]  # the same for every seed of a configuration
+            if nbytes:
+                loss = statistics.mean(v[0] for v in seeds.values())
+                nbytes = statistics.mean(nbytes)
+                ax.scatter([nbytes], [loss], color=color, marker="x" if "as it is" in name else "o", label=name)
+        ax.set(xscale="log", xlabel="bytes/param/step each rank sends", title=f"W = {w} (IID)")
+    axes[0].set_ylabel("held-out loss after 300 steps (mean over seeds)")
+    handles = {h.get_label(): h for ax in axes for h in ax.collections}  # every configuration once
+    axes[-1].legend(handles.values(), handles.keys(), fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results-dir", type=Path, default=Path(__file__).parent / "results")
@@ -88,7 +232,11 @@ def main(argv=None) -> None:
     figures = load(args.results_dir)
     plot_ratio(figures, args.results_dir / "ranks300_ratio_vs_w.png")
     plot_bytes(figures, args.results_dir / "ranks300_loss_vs_bytes.png")
-    print(f"wrote {args.results_dir / 'ranks300_ratio_vs_w.png'} and {args.results_dir / 'ranks300_loss_vs_bytes.png'}")
+    outer = load_outer(args.results_dir)
+    plot_outer_ratio(outer, args.results_dir / "outer_lr_ratio_vs_w.png")
+    plot_outer_bytes(outer, args.results_dir / "outer_lr_loss_vs_bytes.png")
+    for name in ("ranks300_ratio_vs_w", "ranks300_loss_vs_bytes", "outer_lr_ratio_vs_w", "outer_lr_loss_vs_bytes"):
+        print(f"wrote {args.results_dir / name}.png")
 
 
 if __name__ == "__main__":

@@ -140,14 +140,39 @@ def test_step_trace_counts_the_functions_and_files_of_one_steady_step():
     assert "optim/optimizer.py" in out["by_file"] and out["calls"] >= out["functions"]
 
 
-def test_plot_ranks_draws_both_plots_from_the_result_files(tmp_path):
-    for path in (ROOT / "benchmarks" / "results").glob("convergence_ranks300_w*_*.json"):
-        (tmp_path / path.name).write_bytes(path.read_bytes())
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "plot_ranks.py"), "--results-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+def _plot_ranks(results: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "plot_ranks.py"), "--results-dir", str(results)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_plot_ranks_draws_its_plots_from_the_result_files_and_refuses_two_losses_for_one_seed(tmp_path):
+    """The four plots from the result files; the outer-step figures the docs quote (docs/results.md, "The outer
+    step scales with W") are what its loader computes; a seed found twice with different losses stops it."""
+    results = ROOT / "benchmarks" / "results"
+    for pattern in ("convergence_ranks300_w*_*.json", "convergence_outerlr_*.json", "convergence_fewbytes_*.json"):
+        for path in results.glob(pattern):
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    for name in ("convergence_diag_outerlr_w8.json", "diagnose_levers.json"):
+        (tmp_path / name).write_bytes((results / name).read_bytes())
+    proc = _plot_ranks(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("ranks300_ratio_vs_w.png", "ranks300_loss_vs_bytes.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ("ranks300_ratio_vs_w", "ranks300_loss_vs_bytes", "outer_lr_ratio_vs_w", "outer_lr_loss_vs_bytes"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_ranks
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    figures = plot_ranks.load_outer(tmp_path)
+    preset, sqrt2 = plot_ranks.outer_series("from_scratch", 1.0), plot_ranks.outer_series("from_scratch", 2**0.5)
+    ratios = {w: round(plot_ranks.outer_ratio(figures, preset, w)[0], 3) for w in (2, 4, 8)}
+    assert ratios == {2: 1.059, 4: 1.045, 8: 1.040}
+    assert [round(plot_ranks.outer_ratio(figures, sqrt2, w)[0], 3) for w in (2, 4, 8)] == [1.020, 1.037, 1.049]
+    runs = json.loads((tmp_path / "convergence_outerlr_w8.json").read_text())
+    runs[0]["final_loss"] += 0.01  # the same run (seed 2 of the preset at W = 8), another loss than convergence_...
+    (tmp_path / "convergence_outerlr_c2_w4.json").write_text(json.dumps(runs))  # ...outerlr_w8.json's
+    proc = _plot_ranks(tmp_path)
+    assert proc.returncode != 0 and "seed 2: two different losses in the result files" in proc.stderr, proc.stderr
 
 
 def test_gpu_quality_skips_with_77_without_a_gpu():
