@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_utils import expect_ok, process_alive, run_ranks
 from models import loss_and_backward, small_demo, tiny_mlp
 
-TIMEOUT = 4.0
+TIMEOUT = 6.0
 
 
 def _stopped(rank, world, where):
@@ -29,6 +29,7 @@ def _stopped(rank, world, where):
     model = tiny_mlp()
     opt = small_demo(model, comm_timeout=TIMEOUT)
     loss_and_backward(model, rank, 0)
+    dist.barrier()  # both ranks start the first step together, however loaded the machine (the 30-minute group)
     opt.step()  # DeMo's first step in the group: the default group is bounded by comm_timeout from now on
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
