@@ -360,6 +360,38 @@ def _shared_positions() -> None:
     functional.select = select
 
 
+def rank_setup(cfg: RunConfig, rank: int):
+    """One rank's (data, model) on ``cfg.device``: its shard of the corpus, the model with rank 0's weights
+    (broadcast: needs the process group)."""
+    import torch
+    import torch.distributed as dist
+
+    data = toy.Data(
+        _corpus(cfg.corpus, cfg.corpus_tokens),
+        *(rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, _SPANS),
+    )
+    device = torch.device(cfg.device)
+    data.eval = [b.to(device) for b in data.eval]
+    model = toy.byte_llama(
+        hidden=cfg.hidden,
+        intermediate=cfg.intermediate,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        vocab=VOCAB[cfg.corpus],
+    ).to(device)
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+    return data, model
+
+
+def set_lr(opt, lr: float) -> None:
+    """Every group's learning rate for this step: ``lr`` times the group's ``lr_scale`` (1 where it has none)."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
 def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -371,23 +403,8 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-        corpus = _corpus(cfg.corpus, cfg.corpus_tokens)
-        data = toy.Data(
-            corpus, rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, _SPANS
-        )
+        data, model = rank_setup(cfg, rank)
         device = torch.device(cfg.device)
-        data.eval = [b.to(device) for b in data.eval]
-        model = toy.byte_llama(
-            hidden=cfg.hidden,
-            intermediate=cfg.intermediate,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            seq_len=cfg.seq_len,
-            seed=cfg.seed,
-            vocab=VOCAB[cfg.corpus],
-        ).to(device)
-        for p in model.parameters():
-            dist.broadcast(p.data, 0)
         n_params = sum(p.numel() for p in model.parameters())
         net, opt, sent = _build_optimizer(cfg, model, n_params)
         evals, train_loss, sent_bytes, lrs = [], [], [], []
@@ -401,8 +418,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         do_eval(0)
         for step in range(cfg.steps):
             lr = lr_at(cfg, step)
-            for g in opt.param_groups:
-                g["lr"] = lr * g.get("lr_scale", 1.0)
+            set_lr(opt, lr)
             batch = data.next_batch().to(device)
             loss = net(input_ids=batch, labels=batch).loss
             loss.backward()

@@ -64,7 +64,7 @@ class DelayedCluster(netns.Cluster):
         super().__init__(n, rate, shaper, prefix)
         if not 1 <= n <= 250:
             raise ValueError("1..250 nodes")
-        self.router = f"{self.prefix}-rt"
+        self.router = self.hub = f"{self.prefix}-rt"
         self.addrs = [f"198.18.{i + 1}.1" for i in range(n)]
         self.delay_ms = delay_ms
         self.delay_file = Path(tempfile.mkdtemp(prefix="delay-")) / "delay_ms"
@@ -93,14 +93,6 @@ class DelayedCluster(netns.Cluster):
         self._start_relay()
         self._wait_reachable()
 
-    def _shape(self, where: str, dev: str) -> None:
-        self._qdiscs.append((where, dev))
-        for args in netns.shaping_args(self.rate, self.shaper):
-            if args[0] == "root":
-                _ns(where, "tc", "qdisc", "add", "dev", dev, *args)
-            else:
-                _ns(where, "tc", "class", "add", "dev", dev, *args)
-
     def _start_relay(self) -> None:
         cmd = [sys.executable, str(HERE / "delay_relay.py"), "--listen", f"0.0.0.0:{RELAY_PORT}", "--transparent"]
         cmd += ["--delay-ms", str(self.delay_ms), "--delay-file", str(self.delay_file)]
@@ -127,19 +119,7 @@ class DelayedCluster(netns.Cluster):
         self.delay_ms = delay_ms
         time.sleep(0.05)
 
-    def set_link(self, i: int, up: bool) -> None:
-        _ns(self.router, "ip", "link", "set", f"p{i}", "up" if up else "down")
-        if up:
-            self._wait_reachable()
-
-    def _wait_reachable(self, timeout: float = 15.0) -> None:
-        deadline = time.time() + timeout
-        for i, ns in enumerate(self.nodes):
-            while True:
-                link = _ns(ns, "cat", f"/sys/class/net/{self.ifname}/operstate", check=False).stdout.strip()
-                port = _ns(self.router, "cat", f"/sys/class/net/p{i}/operstate", check=False).stdout.strip()
-                if link == "up" and port == "up":
-                    break
-                if time.time() > deadline:
-                    raise RuntimeError(f"{ns}: {self.ifname} is {link!r}, router port p{i} is {port!r}")
-                time.sleep(0.1)
+    def _port_ready(self, i: int) -> tuple[bool, str]:
+        """Whether the router's port to node ``i`` is up, and its state in words."""
+        state = _ns(self.router, "cat", f"/sys/class/net/p{i}/operstate", check=False).stdout.strip()
+        return state == "up", f"router port p{i} is {state!r}"

@@ -250,7 +250,6 @@ class Reference:
 
 def build(rank: int, world: int, job: dict):
     """(data, model, DeMo optimizer, its RunConfig, the reference) of one rank, as ``convergence.py`` builds them."""
-    import torch.distributed as dist
 
     label, overrides, own = parse_config(job["config"])
     lr = job["lr"] * (world / 2) ** own.get("lr_scale", 0.0)
@@ -263,20 +262,7 @@ def build(rank: int, world: int, job: dict):
         shards=job["shards"],
         **job["model"],
     )
-    corpus = conv._corpus()
-    data = toy.Data(
-        corpus, rank, world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, conv._SPANS
-    )
-    model = toy.byte_llama(
-        hidden=cfg.hidden,
-        intermediate=cfg.intermediate,
-        layers=cfg.layers,
-        heads=cfg.heads,
-        seq_len=cfg.seq_len,
-        seed=cfg.seed,
-    )
-    for p in model.parameters():
-        dist.broadcast(p.data, 0)
+    data, model = conv.rank_setup(cfg, rank)
     _, opt, _ = conv._build_optimizer(cfg, model, sum(p.numel() for p in model.parameters()))
     if own.get("outer") == "ortho":
         orthogonal_outer({id(p) for g in opt.param_groups if g.get("inner_rule") == "orthogonal" for p in g["params"]})
@@ -300,8 +286,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     anchor, d_ref, lrs, syncs, drift, evals = flat(params), 0.0, [], [], [], []
     for step in range(cfg.steps):
         lr = conv.lr_at(cfg, step)
-        for g in opt.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
+        conv.set_lr(opt, lr)
         batch = data.next_batch()
         model(input_ids=batch, labels=batch).loss.backward()
         d_ref = d_ref + ref.step([p.grad for p in params], world, step)

@@ -115,6 +115,7 @@ class Cluster:
         self.n, self.rate, self.shaper = n, rate, shaper
         self.prefix = prefix or f"{DEFAULT_PREFIX}{os.getpid()}"
         self.switch = f"{self.prefix}-sw"
+        self.hub = self.switch  # the namespace holding every node's port p<i> (delay_netns: its router)
         self.nodes = [f"{self.prefix}-n{i}" for i in range(n)]
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self.ifname = "eth0"
@@ -150,14 +151,14 @@ class Cluster:
             _ns(ns, "ip", "link", "set", self.ifname, "up")
             if self.rate:
                 for where, dev in ((ns, self.ifname), (self.switch, port)):
-                    self._qdiscs.append((where, dev))
-                    for args in shaping_args(self.rate, self.shaper):
-                        verb = "add" if args[0] == "root" else None
-                        if verb:
-                            _ns(where, "tc", "qdisc", "add", "dev", dev, *args)
-                        else:
-                            _ns(where, "tc", "class", "add", "dev", dev, *args)
+                    self._shape(where, dev)
         self._wait_reachable()
+
+    def _shape(self, where: str, dev: str) -> None:
+        """Limit ``dev`` in namespace ``where`` to the cluster's rate (its egress), remembered for :meth:`set_rate`."""
+        self._qdiscs.append((where, dev))
+        for args in shaping_args(self.rate, self.shaper):
+            _ns(where, "tc", "qdisc" if args[0] == "root" else "class", "add", "dev", dev, *args)
 
     def set_rate(self, rate: str) -> None:
         """Change every link's rate in place (``tc qdisc/class change``), e.g. mid-run. Needs a shaped cluster."""
@@ -172,22 +173,27 @@ class Cluster:
         self.rate = rate
 
     def set_link(self, i: int, up: bool) -> None:
-        """Take node ``i``'s switch port down (the cable pulled: nothing passes either way) or back up."""
-        _ns(self.switch, "ip", "link", "set", f"p{i}", "up" if up else "down")
+        """Take node ``i``'s port at the hub down (the cable pulled: nothing passes either way) or back up."""
+        _ns(self.hub, "ip", "link", "set", f"p{i}", "up" if up else "down")
         if up:
             self._wait_reachable()
 
+    def _port_ready(self, i: int) -> tuple[bool, str]:
+        """Whether node ``i``'s bridge port is forwarding (brport state 3), and its state in words."""
+        state = _ns(self.switch, "cat", f"/sys/class/net/p{i}/brport/state", check=False).stdout.strip()
+        return state == "3", f"bridge port p{i} state {state!r}"
+
     def _wait_reachable(self, timeout: float = 15.0) -> None:
-        """Wait until every node's eth0 is up and every bridge port is forwarding (brport state 3)."""
+        """Wait until every node's eth0 is up and its port at the hub passes traffic (:meth:`_port_ready`)."""
         deadline = time.time() + timeout
         for i, ns in enumerate(self.nodes):
             while True:
                 link = _ns(ns, "cat", f"/sys/class/net/{self.ifname}/operstate", check=False).stdout.strip()
-                port = _ns(self.switch, "cat", f"/sys/class/net/p{i}/brport/state", check=False).stdout.strip()
-                if link == "up" and port == "3":
+                ready, port = self._port_ready(i)
+                if link == "up" and ready:
                     break
                 if time.time() > deadline:
-                    raise RuntimeError(f"{ns}: {self.ifname} is {link!r}, bridge port p{i} state {port!r}")
+                    raise RuntimeError(f"{ns}: {self.ifname} is {link!r}, {port}")
                 time.sleep(0.1)
 
     def close(self) -> None:

@@ -33,6 +33,9 @@ DEVICES = [
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one torch thread in the test process, as in every rank and launched process the tests start: the tests' tensors
+# are tiny, and a second intra-op thread only adds its hand-offs (many times the work on a busy machine)
+torch.set_num_threads(1)
 
 
 # node id prefix -> what keeps its guarantee in the default run

@@ -127,23 +127,11 @@ def test_a_refused_step_with_no_replica_lost_is_not_called_a_lost_replica():
     every try of a settings mismatch) alerts as elastic_step_refused naming where the reason is, not as a replica
     that "left torchft's quorum"; a quorum that shrinks still alerts replica_lost."""
     from hf_demo.ops.health import HealthRules
-    from hf_demo.ops.monitor import StepMonitor
     from hf_demo.ops.settings import HealthSettings
-    from test_elastic_ops import event
+    from test_elastic_ops import event, monitored
 
-    monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
     events = {1: [event("join", 1, 2)], 3: [event("loss", 3, 2, samples_lost=8)], 5: [event("loss", 5, 1)]}
-    samples = []
-    try:
-        for step in range(1, 7):
-            monitor.step_begin()
-            for e in events.get(step, []):
-                monitor.record_elastic(e)
-            monitor.pre_optimizer()
-            monitor.optimizer_done()
-            samples.append(monitor.step_end(step))
-    finally:
-        monitor.close()
+    samples, _ = monitored(6, events)
     rules = HealthRules(HealthSettings(quorum_patience=100))
     alerts = [a for s in samples for a in rules.observe(s) if a.kind in ("replica_lost", "elastic_step_refused")]
     assert [(a.kind, a.step) for a in alerts] == [("elastic_step_refused", 3), ("replica_lost", 5)], alerts

@@ -17,7 +17,7 @@ import torch
 from hf_demo.elastic import ElasticEvent
 from hf_demo.ops import HealthSettings, OpsSettings
 from hf_demo.ops.health import HealthRules
-from hf_demo.ops.monitor import StepMonitor, StepSample
+from hf_demo.ops.monitor import StepMonitor, StepSample, Totals
 from launch_utils import ROOT
 from models import Regression
 
@@ -39,13 +39,15 @@ EVENTS = {
 }
 
 
-def _monitored(steps: int = 40) -> list[StepSample]:
+def monitored(steps: int = 40, events: dict | None = None) -> tuple[list[StepSample], Totals]:
+    """Each step's sample and the run's totals of a monitor that saw ``events`` (step -> events; :data:`EVENTS`)."""
+    events = EVENTS if events is None else events
     monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
     samples = []
     try:
         for step in range(1, steps + 1):
             monitor.step_begin()
-            for e in EVENTS.get(step, []):
+            for e in events.get(step, []):
                 monitor.record_elastic(e)
             monitor.pre_optimizer()
             monitor.optimizer_done()
@@ -56,7 +58,7 @@ def _monitored(steps: int = 40) -> list[StepSample]:
 
 
 def test_the_quorums_events_become_each_steps_figures_and_the_runs_totals():
-    samples, totals = _monitored()
+    samples, totals = monitored()
     by_step = {s.step: s for s in samples}
     assert [by_step[s].quorum for s in (1, 3, 4, 6, 7, 8, 9, 40)] == [3, 3, 2, 2, 3, 3, 2, 2]
     assert (by_step[4].losses, by_step[4].samples_lost, by_step[5].losses) == (1, 24, 0)
@@ -104,7 +106,7 @@ def test_the_samples_no_replica_reads_are_each_steps_figure_a_total_and_a_promet
 
 
 def test_a_loss_a_quorum_that_stays_short_and_a_slow_recovery_alert():
-    samples, _ = _monitored()
+    samples, _ = monitored()
     rules = HealthRules(HealthSettings(quorum_patience=20, recovery_alert_s=2.0, cooldown_steps=10))
     found = [(a.kind, a.step, a.value, a.baseline) for s in samples for a in rules.observe(s)]
     # each loss alerts (no cooldown between them); the quorum below the largest seen (3) for 20 steps in a row
@@ -135,7 +137,7 @@ def test_the_prometheus_registry_serves_the_quorums_series_only_for_elastic_runs
     from dist_utils import free_port
     from hf_demo.ops.exporters import ELASTIC_TOTALS, METRICS, PrometheusExporter, Snapshot
 
-    samples, totals = _monitored(12)
+    samples, totals = monitored(12)
     exporter = PrometheusExporter(free_port(), "127.0.0.1", "el")
     try:
         exporter.update(0, Snapshot(totals, samples[-1], 12, ""))
@@ -167,7 +169,7 @@ def test_the_table_log_has_the_quorums_columns(tmp_path, fmt):
 
     from hf_demo.ops.exporters import TableLog
 
-    samples, _ = _monitored(10)
+    samples, _ = monitored(10)
     table = TableLog(tmp_path, 0, fmt, flush_steps=4)
     for s in samples:
         table.add(s.row("el"))

@@ -37,7 +37,7 @@ SPACE = {
     "transform": list(FIELDS["transform"].metadata["choices"]),
     "outer_lr": [1.0, 1.5],  # refused without local steps
 }
-STEPS = 4
+STEPS = 3  # a synchronised step, the budget policy moved down at step 1, a local step after a sync
 KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8)
 
 
