@@ -849,6 +849,49 @@ def build_methods(args) -> list[Method]:
     return methods
 
 
+def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
+    """Every run the arguments ask for: each method at each of its lrs, each seed."""
+    lrs = parse_lrs(args.lrs)
+    plan = []
+    for m in build_methods(args):
+        for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
+            for seed in args.seeds:
+                plan.append(
+                    RunConfig(
+                        method=m,
+                        lr=lr,
+                        seed=seed,
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        schedule=args.schedule,
+                        min_lr_ratio=args.min_lr_ratio,
+                        world=args.world,
+                        shards=args.shards,
+                        eval_every=args.eval_every,
+                        hidden=args.hidden,
+                        intermediate=args.intermediate,
+                        layers=args.layers,
+                        heads=args.heads,
+                        seq_len=args.seq_len,
+                        batch_size=args.batch_size,
+                        eval_batches=args.eval_batches,
+                        topk=args.topk,
+                        chunk=args.chunk,
+                        powersgd_rank=args.powersgd_rank,
+                        threads=args.threads,
+                        corpus=args.corpus,
+                        corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
+                        device=args.device,
+                        tie_embeddings=args.tie_embeddings,
+                        checkpoint_every=args.checkpoint_every,
+                        checkpoint_dir=args.checkpoint_dir,
+                        stop_at=stop_at,
+                        timeout_s=args.timeout_s,
+                    )
+                )
+    return plan
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default="short", help="results go to <results-dir>/convergence_<tag>.*")
@@ -937,46 +980,9 @@ def main(argv=None):
     path = RESULTS / f"convergence_{args.tag}.json"
     runs = json.loads(path.read_text()) if path.exists() and (args.resume or args.report_only) else []
     if not args.report_only:
-        lrs = parse_lrs(args.lrs)
         done = {r.get("key") for r in runs if r.get("ok")}
         stop_at = time.time() + 60 * args.stop_after_minutes if args.stop_after_minutes else None
-        plan = []
-        for m in build_methods(args):
-            for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
-                for seed in args.seeds:
-                    plan.append(
-                        RunConfig(
-                            method=m,
-                            lr=lr,
-                            seed=seed,
-                            steps=args.steps,
-                            warmup=args.warmup,
-                            schedule=args.schedule,
-                            min_lr_ratio=args.min_lr_ratio,
-                            world=args.world,
-                            shards=args.shards,
-                            eval_every=args.eval_every,
-                            hidden=args.hidden,
-                            intermediate=args.intermediate,
-                            layers=args.layers,
-                            heads=args.heads,
-                            seq_len=args.seq_len,
-                            batch_size=args.batch_size,
-                            eval_batches=args.eval_batches,
-                            topk=args.topk,
-                            chunk=args.chunk,
-                            powersgd_rank=args.powersgd_rank,
-                            threads=args.threads,
-                            corpus=args.corpus,
-                            corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
-                            device=args.device,
-                            tie_embeddings=args.tie_embeddings,
-                            checkpoint_every=args.checkpoint_every,
-                            checkpoint_dir=args.checkpoint_dir,
-                            stop_at=stop_at,
-                            timeout_s=args.timeout_s,
-                        )
-                    )
+        plan = build_plan(args, stop_at)
         t_start = time.monotonic()
         for i, cfg in enumerate(plan):
             if cfg.key() in done:
