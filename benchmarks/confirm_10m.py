@@ -9,7 +9,7 @@ cosine to 0.1 x lr; held-out loss every 50 steps on 64 windows. The learning rat
 (``scripts/gpu_quality.sh``): DDP-Muon 8e-3, the presets 2e-2, DDP-AdamW 1e-3; the presets' settings are read from
 ``hf_demo.settings.PRESETS``.
 
-A run takes hours on a busy 2-core machine, so runs checkpoint every 25 steps and resume
+A run takes hours on a busy 2-core machine, so runs checkpoint every 10 steps and resume
 (``convergence.py --checkpoint-every``, ``benchlib.run_checkpoint``): a session starts what it can and stops at
 ``--minutes``; the next one runs the same command and goes on.
 
@@ -43,7 +43,7 @@ STEPS = 1000
 COMMON = (
     "--corpus site-packages --shards interleaved --world 4 --threads 1 --tie-embeddings "
     "--hidden 192 --intermediate 512 --layers 4 --heads 3 --seq-len 128 --batch-size 4 --eval-batches 16 "
-    f"--steps {STEPS} --warmup 50 --eval-every 50 --checkpoint-every 25 --seeds 0 --timeout-s 172800"
+    f"--steps {STEPS} --warmup 50 --eval-every 50 --checkpoint-every 10 --seeds 0 --timeout-s 172800"
 ).split()
 
 
