@@ -125,7 +125,8 @@ def report(args) -> str:
     lines = [
         "# Beyond toy models: an 11.2M-parameter Llama, SmolLM2's tokenizer, site-packages' sources, W = 4",
         "",
-        "| method | steps reached | held-out loss there | / DDP-Muon at that step | bytes/param/step | wall (load) |",
+        "| method | steps trained | last held-out loss (its step) | / DDP-Muon at that step | bytes/param/step | "
+        "wall, under the load noted |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in found.items():
@@ -136,13 +137,15 @@ def report(args) -> str:
         wall = sum(s["wall_s"] for s in segs)
         load = sum(s["load"] * s["wall_s"] for s in segs) / wall if wall else float("nan")
         lines.append(
-            f"| {LABELS[name]} | {step}/{r['config']['steps']} | {r['evals'][-1][1]:.4f} | {ratio} | "
-            f"{r['bytes_per_param_step']:.4f} | {wall / 3600:.2f} h ({len(segs)} sessions, load {load:.0f}) |"
+            f"| {LABELS[name]} | {r['step']}/{r['config']['steps']} | {r['evals'][-1][1]:.4f} ({step}) | {ratio} | "
+            f"{r['bytes_per_param_step']:.4f} | {wall / 3600:.2f} h, {wall / r['step']:.0f} s/step ({len(segs)} "
+            f"stretches, mean load {load:.0f}) |"
         )
     missing = [LABELS[n] for n in METHODS if n not in found]
     lines += ["", f"Not started: {', '.join(missing)}." if missing else "Every method has started.", ""]
     lines += _common_steps(found)
     text = "\n".join(lines) + "\n"
+    Path(args.results_dir).mkdir(parents=True, exist_ok=True)
     Path(args.results_dir, "convergence_confirm10m.md").write_text(text)
     _plot(found, Path(args.results_dir, "convergence_confirm10m.png"))
     print(text)
