@@ -1012,6 +1012,9 @@ def main(argv=None):
                     f"FAILED {r['error']}",
                     flush=True,
                 )
+    if not any(r.get("ok") for r in runs):
+        print(f"[convergence] no finished run in {path}: no report", flush=True)
+        return
     print(write_report(args.tag, runs, args))
 
 
