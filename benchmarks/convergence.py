@@ -156,6 +156,10 @@ class RunConfig:
     corpus: str = "stdlib"
     corpus_tokens: int | None = None
     device: str = "cpu"
+    tie_embeddings: bool = False
+    checkpoint_every: int = 0  # 0: none; else every rank saves its state every this many steps (resumable)
+    checkpoint_dir: str = ""  # "": benchlib.run_checkpoint.default_root()
+    stop_at: float | None = None  # time.time() after which a run stops at its next checkpoint
 
     def key(self) -> str:
         m = self.method
@@ -164,6 +168,8 @@ class RunConfig:
             extra += [f"corpus={self.corpus}", f"corpus_tokens={self.corpus_tokens}", f"heads={self.heads}"]
         if self.device != "cpu":
             extra.append(f"device={self.device}")
+        if self.tie_embeddings:
+            extra.append("tied")
         return json.dumps(
             [
                 m.kind,
@@ -380,6 +386,7 @@ def rank_setup(cfg: RunConfig, rank: int):
         seq_len=cfg.seq_len,
         seed=cfg.seed,
         vocab=VOCAB[cfg.corpus],
+        tie=cfg.tie_embeddings,
     ).to(device)
     for p in model.parameters():
         dist.broadcast(p.data, 0)
@@ -403,39 +410,7 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
         )
-        data, model = rank_setup(cfg, rank)
-        device = torch.device(cfg.device)
-        n_params = sum(p.numel() for p in model.parameters())
-        net, opt, sent = _build_optimizer(cfg, model, n_params)
-        evals, train_loss, sent_bytes, lrs = [], [], [], []
-
-        def do_eval(step):
-            if rank == 0:
-                evals.append((step, toy.evaluate(model, data.eval)))
-            dist.barrier()
-
-        t0 = time.perf_counter()
-        do_eval(0)
-        for step in range(cfg.steps):
-            lr = lr_at(cfg, step)
-            set_lr(opt, lr)
-            batch = data.next_batch().to(device)
-            loss = net(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            train_loss.append(float(loss.detach()))
-            sent_bytes.append(int(sent()))
-            lrs.append(lr)
-            if not math.isfinite(train_loss[-1]):
-                raise FloatingPointError(f"training loss is {train_loss[-1]} at step {step + 1}")
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                do_eval(step + 1)
-        wall = time.perf_counter() - t0
-        if rank == 0:
-            out = dict(
-                ok=True, n_params=n_params, evals=evals, train_loss=train_loss, sent=sent_bytes, lr=lrs, wall_s=wall
-            )
+        out = _train(rank, cfg)
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out = dict(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -447,6 +422,120 @@ def _worker(rank: int, cfg: RunConfig, port: int, queue) -> None:
         shutdown()  # waits for gloo's workers first (a bare destroy can deadlock at exit: see wan_worker.py)
     except Exception:
         pass
+
+
+def _setup(rank: int, cfg: RunConfig):
+    """(data, model, module to call, optimizer, bytes sent -> int, parameter count) of rank ``rank``."""
+    data, model = rank_setup(cfg, rank)
+    n_params = sum(p.numel() for p in model.parameters())
+    net, opt, sent = _build_optimizer(cfg, model, n_params)
+    return data, model, net, opt, sent, n_params
+
+
+def _train(rank: int, cfg: RunConfig) -> dict | None:
+    """Train rank ``rank``'s part of ``cfg`` (from its last checkpoint, with ``checkpoint_every``): rank 0's
+    measurements, or on every rank a ``stopped`` record when it stopped at a checkpoint (``stop_at``)."""
+    import torch.distributed as dist
+
+    data, model, net, opt, sent, n_params = _setup(rank, cfg)
+    rec = dict(evals=[], train_loss=[], sent=[], lr=[], segments=[])
+    ckpt = _checkpoints(cfg, rank)
+    start = _resume(ckpt, model, opt, data, rec)
+    t0, load = time.perf_counter(), []
+
+    def do_eval(step):
+        if rank == 0:
+            rec["evals"].append((step, toy.evaluate(model, data.eval)))
+        dist.barrier()
+
+    if start == 0:
+        do_eval(0)
+    for step in range(start, cfg.steps):
+        lr = lr_at(cfg, step)
+        set_lr(opt, lr)
+        batch = data.next_batch().to(cfg.device)
+        loss = net(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec["train_loss"].append(float(loss.detach()))
+        rec["sent"].append(int(sent()))
+        rec["lr"].append(lr)
+        if not math.isfinite(rec["train_loss"][-1]):
+            raise FloatingPointError(f"training loss is {rec['train_loss'][-1]} at step {step + 1}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            do_eval(step + 1)
+        if ckpt is not None and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            load.append(os.getloadavg()[0])
+            _segment(rec, start, step + 1, time.perf_counter() - t0, load)
+            _save(ckpt, cfg, model, opt, data, rec, n_params)
+            if ckpt.should_stop(cfg.stop_at, time.time()):
+                return dict(ok=False, stopped=True, step=step + 1)
+            rec["segments"].pop()
+    load.append(os.getloadavg()[0])
+    _segment(rec, start, cfg.steps, time.perf_counter() - t0, load)
+    if rank != 0:
+        return None
+    wall = sum(seg["wall_s"] for seg in rec["segments"])
+    return dict(ok=True, n_params=n_params, wall_s=wall, **rec)
+
+
+def _segment(rec: dict, start: int, end: int, wall: float, load: list) -> None:
+    """Append this process's stretch of the run (steps, wall time, mean 1-minute load average of the machine)."""
+    rec["segments"].append(dict(steps=[start, end], wall_s=wall, load=statistics.mean(load)))
+
+
+def _checkpoints(cfg: RunConfig, rank: int):
+    if not cfg.checkpoint_every:
+        return None
+    if cfg.method.kind == "powersgd":
+        raise ValueError("--checkpoint-every cannot resume powersgd: its hook's error feedback is not saved")
+    from benchlib.run_checkpoint import RunCheckpoint, default_root
+
+    return RunCheckpoint(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else default_root(), cfg.key(), rank, _CORPUS)
+
+
+def _resume(ckpt, model, opt, data, rec: dict) -> int:
+    """Load this rank's last checkpoint into the run (its step), or 0 without one."""
+    import torch
+
+    step = ckpt.latest() if ckpt is not None else None
+    if step is None:
+        return 0
+    state = ckpt.load(step)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    data.gen.set_state(state["data_gen"])
+    torch.set_rng_state(state["rng"])
+    rec.update(state["record"])
+    return step
+
+
+def _save(ckpt, cfg: RunConfig, model, opt, data, rec: dict, n_params: int) -> None:
+    import torch
+
+    step = len(rec["train_loss"])
+    state = dict(
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
+        data_gen=data.gen.get_state(),
+        rng=torch.get_rng_state(),
+        record=rec,
+    )
+    progress = dict(
+        method=cfg.method.label,
+        kind=cfg.method.kind,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        step=step,
+        steps=cfg.steps,
+        n_params=n_params,
+        evals=rec["evals"],
+        bytes_per_param_step=statistics.mean(rec["sent"]) / n_params,
+        segments=rec["segments"],
+        config=_cfg_dict(cfg),
+    )
+    ckpt.save(step, state, progress)
 
 
 def run(cfg: RunConfig) -> dict:
@@ -476,6 +565,9 @@ def run(cfg: RunConfig) -> dict:
         if out.get("ok"):
             result = out
             got += 1
+        elif out.get("stopped"):
+            result = out
+            break
         else:
             errors.append(f"rank {rank}: {out['error']}")
             break
@@ -486,6 +578,8 @@ def run(cfg: RunConfig) -> dict:
             p.join()
     if result is None:
         return dict(ok=False, error="; ".join(errors) or "no result (a rank died?)", config=_cfg_dict(cfg))
+    if result.get("stopped"):
+        return dict(result, config=_cfg_dict(cfg), error=f"stopped at its checkpoint of step {result['step']}")
     sent = result["sent"]
     result.update(
         config=_cfg_dict(cfg),
@@ -767,6 +861,49 @@ def build_methods(args) -> list[Method]:
     return methods
 
 
+def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
+    """Every run the arguments ask for: each method at each of its lrs, each seed."""
+    lrs = parse_lrs(args.lrs)
+    plan = []
+    for m in build_methods(args):
+        for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
+            for seed in args.seeds:
+                plan.append(
+                    RunConfig(
+                        method=m,
+                        lr=lr,
+                        seed=seed,
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        schedule=args.schedule,
+                        min_lr_ratio=args.min_lr_ratio,
+                        world=args.world,
+                        shards=args.shards,
+                        eval_every=args.eval_every,
+                        hidden=args.hidden,
+                        intermediate=args.intermediate,
+                        layers=args.layers,
+                        heads=args.heads,
+                        seq_len=args.seq_len,
+                        batch_size=args.batch_size,
+                        eval_batches=args.eval_batches,
+                        topk=args.topk,
+                        chunk=args.chunk,
+                        powersgd_rank=args.powersgd_rank,
+                        threads=args.threads,
+                        corpus=args.corpus,
+                        corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
+                        device=args.device,
+                        tie_embeddings=args.tie_embeddings,
+                        checkpoint_every=args.checkpoint_every,
+                        checkpoint_dir=args.checkpoint_dir,
+                        stop_at=stop_at,
+                        timeout_s=args.timeout_s,
+                    )
+                )
+    return plan
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default="short", help="results go to <results-dir>/convergence_<tag>.*")
@@ -827,6 +964,23 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="skip runs already in the tag's JSON")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from the JSON")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this long")
+    p.add_argument(
+        "--stop-after-minutes",
+        type=float,
+        default=None,
+        help="with --checkpoint-every: after this long, the run going on stops at its next checkpoint and no new run "
+        "starts (--resume goes on from there)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="every rank saves its state every this many steps (benchlib.run_checkpoint); --resume goes on from "
+        "the last checkpoint of an unfinished run (default 0: no checkpoints)",
+    )
+    p.add_argument("--checkpoint-dir", default="", help="default: $HF_DEMO_BENCH_CACHE/checkpoints")
+    p.add_argument("--tie-embeddings", action="store_true", help="the output head shares the embedding matrix")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="a run's limit (and gloo's timeout), seconds")
     return p.parse_args(argv)
 
 
@@ -838,40 +992,9 @@ def main(argv=None):
     path = RESULTS / f"convergence_{args.tag}.json"
     runs = json.loads(path.read_text()) if path.exists() and (args.resume or args.report_only) else []
     if not args.report_only:
-        lrs = parse_lrs(args.lrs)
         done = {r.get("key") for r in runs if r.get("ok")}
-        plan = []
-        for m in build_methods(args):
-            for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
-                for seed in args.seeds:
-                    plan.append(
-                        RunConfig(
-                            method=m,
-                            lr=lr,
-                            seed=seed,
-                            steps=args.steps,
-                            warmup=args.warmup,
-                            schedule=args.schedule,
-                            min_lr_ratio=args.min_lr_ratio,
-                            world=args.world,
-                            shards=args.shards,
-                            eval_every=args.eval_every,
-                            hidden=args.hidden,
-                            intermediate=args.intermediate,
-                            layers=args.layers,
-                            heads=args.heads,
-                            seq_len=args.seq_len,
-                            batch_size=args.batch_size,
-                            eval_batches=args.eval_batches,
-                            topk=args.topk,
-                            chunk=args.chunk,
-                            powersgd_rank=args.powersgd_rank,
-                            threads=args.threads,
-                            corpus=args.corpus,
-                            corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
-                            device=args.device,
-                        )
-                    )
+        stop_at = time.time() + 60 * args.stop_after_minutes if args.stop_after_minutes else None
+        plan = build_plan(args, stop_at)
         t_start = time.monotonic()
         for i, cfg in enumerate(plan):
             if cfg.key() in done:
@@ -879,7 +1002,13 @@ def main(argv=None):
             if args.max_minutes and time.monotonic() - t_start > 60 * args.max_minutes:
                 print(f"[convergence] --max-minutes reached: {len(plan) - i} runs not started", flush=True)
                 break
+            if stop_at is not None and time.time() > stop_at:
+                print(f"[convergence] --stop-after-minutes reached: {len(plan) - i} runs not started", flush=True)
+                break
             r = run(cfg)
+            if r.get("stopped"):
+                print(f"[convergence] {cfg.method.label}: {r['error']}; --resume goes on from there", flush=True)
+                break
             runs = [x for x in runs if x.get("key") != cfg.key()] + [r]
             path.write_text(json.dumps(runs))
             if r.get("ok"):
@@ -895,6 +1024,9 @@ def main(argv=None):
                     f"FAILED {r['error']}",
                     flush=True,
                 )
+    if not any(r.get("ok") for r in runs):
+        print(f"[convergence] no finished run in {path}: no report", flush=True)
+        return
     print(write_report(args.tag, runs, args))
 
 

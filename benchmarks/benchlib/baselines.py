@@ -56,7 +56,10 @@ class Optimizers:
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> list[dict]:  # read afresh: load_state_dict replaces each optimizer's groups
+        return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self):
         for o in self.optimizers:
@@ -65,6 +68,13 @@ class Optimizers:
     def zero_grad(self, set_to_none: bool = True):
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, sd in zip(self.optimizers, state["optimizers"], strict=True):
+            o.load_state_dict(sd)
 
 
 def ddp_muon(model, lr: float) -> Optimizers:

@@ -87,9 +87,11 @@ def shard_ranges(shards: str, rank: int, world: int, cut: int, spans=None) -> li
     return [(s, e) for (_, s, e), r in zip(clipped, owners) if r == rank]
 
 
-def byte_llama(*, hidden: int, intermediate: int, layers: int, heads: int, seq_len: int, seed: int, vocab: int = 256):
+def byte_llama(
+    *, hidden: int, intermediate: int, layers: int, heads: int, seq_len: int, seed: int, vocab: int = 256, tie=False
+):
     """A randomly initialised Llama over bytes (no tokenizer; ``vocab`` another tokenizer's size): the same weights
-    for the same arguments."""
+    for the same arguments. ``tie``: the output head is the embedding matrix (as SmolLM2's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -100,7 +102,7 @@ def byte_llama(*, hidden: int, intermediate: int, layers: int, heads: int, seq_l
         num_attention_heads=heads,
         num_key_value_heads=heads,
         max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
