@@ -23,7 +23,7 @@ import torch
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec, sealing
 
-WORD_BYTES = 32  # step (8), what the rank says (1), zeros (3), CRC32 (4), HMAC-SHA256 truncated (16)
+WORD_BYTES = 32  # what the rank says (1), zeros (11), CRC32 (4), HMAC-SHA256 truncated (16); the step travels not
 SEALS = 1  # the sender seals its traffic (HF_DEMO_ENCRYPT=1)
 SAW_MIX = 2  # the sender received headers both sealed and in the clear
 SIGNED = 4  # the word carries an HMAC of HF_DEMO_SECRET
@@ -54,16 +54,21 @@ def _clear_header(row: torch.Tensor) -> bool:
 
 
 def encode(step: int, sender: int, word: Word, secret: bytes | None) -> torch.Tensor:
-    """This rank's word: its CRC32 and, with a secret, its HMAC both bind the step and the sender's global rank."""
+    """This rank's word: its CRC32 and, with a secret, its HMAC both bind the step and the sender's global rank,
+    which it does not carry."""
     bits = (SEALS if word.seals else 0) | (SAW_MIX if word.saw_mix else 0) | (SIGNED if secret is not None else 0)
-    body = struct.pack("<QB3x", step, bits)
-    crc = zlib.crc32(body + struct.pack("<I", sender))
-    tag = _tag(body, sender, secret) if secret is not None else bytes(16)
+    body = struct.pack("<B11x", bits)
+    crc = zlib.crc32(body + _bound(step, sender))
+    tag = _tag(body, step, sender, secret) if secret is not None else bytes(16)
     return torch.frombuffer(bytearray(body + struct.pack("<I", crc) + tag), dtype=torch.uint8)
 
 
-def _tag(body: bytes, sender: int, secret: bytes) -> bytes:
-    return hmac.new(secret, _DOMAIN + body + struct.pack("<I", sender), hashlib.sha256).digest()[:16]
+def _bound(step: int, sender: int) -> bytes:
+    return struct.pack("<QI", step, sender)
+
+
+def _tag(body: bytes, step: int, sender: int, secret: bytes) -> bytes:
+    return hmac.new(secret, _DOMAIN + body + _bound(step, sender), hashlib.sha256).digest()[:16]
 
 
 def decode(row: torch.Tensor, step: int, sender: int, secret: bytes | None) -> Word | None:
@@ -71,12 +76,12 @@ def decode(row: torch.Tensor, step: int, sender: int, secret: bytes | None) -> W
     it is signed where this rank holds no secret (or not where it does), or its HMAC fails."""
     raw = bytes(row.cpu().tolist())
     body, (crc,), tag = raw[:12], struct.unpack("<I", raw[12:16]), raw[16:WORD_BYTES]
-    if zlib.crc32(body + struct.pack("<I", sender)) != crc:
+    if zlib.crc32(body + _bound(step, sender)) != crc:
         return None
-    got_step, bits = struct.unpack("<QB3x", body)
-    if got_step != step or bool(bits & SIGNED) != (secret is not None):
+    (bits,) = struct.unpack("<B11x", body)
+    if bool(bits & SIGNED) != (secret is not None):
         return None
-    if secret is not None and not hmac.compare_digest(_tag(body, sender, secret), tag):
+    if secret is not None and not hmac.compare_digest(_tag(body, step, sender, secret), tag):
         return None
     return Word(bool(bits & SEALS), bool(bits & SAW_MIX))
 
