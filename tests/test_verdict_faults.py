@@ -158,6 +158,13 @@ def _marker_in_place(r: int):
     return change
 
 
+def codec_words_bytes() -> int:
+    """Where a clear header's HMAC tag begins (after its words, which its CRC32 covers)."""
+    from hf_demo.wire import codec
+
+    return codec.HEADER_WORDS * 8
+
+
 def _corrupt_link(memory: dict) -> None:
     """From now on (until ``memory["whole"]()``), every sealed row of rank 0's reaches this rank with a bit flipped
     inside it: headers and settling rows alike."""
@@ -197,6 +204,11 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
         _tamper(lambda out, n: _sealed(out[:n]), _clear_in_place(0))  # rank 0's sealed header, an intact clear one
     elif scenario in ("first_marker", "marker") and rank == 1 and call == _AT[scenario]:
         _tamper(_header_of(0), _marker_in_place(0))  # rank 0's clear header, the seal's marker written into it
+    elif scenario == "first_tag_and_its_row" and call == "step 0":
+        if rank == 1:  # rank 0's header of the first exchange reaches rank 1 with its HMAC tag flipped ...
+            _tamper(_header_of(0), _flip_byte(0, codec_words_bytes() + 8))
+        if rank == 0:  # ... and rank 1's settling row, its refusal, reaches rank 0 corrupted
+            _tamper(_settling(1), _flip_byte(1, 9 * 8))
     elif scenario == "sealed_link" and rank == 1 and call == "step 0":
         _corrupt_link(memory)  # what rank 0 sends rank 1 arrives corrupted on every try of step 0 ...
     elif scenario == "sealed_link" and rank == 1 and call == "step 2":
@@ -399,6 +411,19 @@ def test_a_header_of_the_other_sealing_at_a_steady_step_is_refused_on_every_rank
     intact clear one, or with the seal's marker written in. A refusal voted on like a header that does not open:
     every rank refuses the step, and the retry commits."""
     _check(_results(scenario, world, env=env))
+
+
+@WORLDS
+def test_a_header_refused_for_its_hmac_at_a_process_first_exchange_and_its_row_corrupted_too_raise_one_class(world):
+    """Two faults at a process's first exchange: rank 0's header reaches rank 1 with its HMAC tag flipped (rank 1
+    refuses it: corruption or another secret), and rank 1's settling row reaches rank 0 corrupted. Rank 1 raised
+    DeMoSyncError while rank 0, which could not read the verdict, raised DeMoPayloadError (a call later). Rank 1 says
+    so in the first exchange's sealing round, before the payloads: every rank raises the same class in the same
+    call, nothing applied, and the retry commits."""
+    results = _results("first_tag_and_its_row", world, env=SECRET)
+    _check(results, match="corrupted in transit or sealed with another secret")
+    for errors, _, _ in results:
+        assert [(call, e.type) for call, e in errors] == [("step 0", "DeMoSyncError")], errors
 
 
 @WORLDS

@@ -119,13 +119,13 @@ def gather_headers(
         row = torch.cat([row, torch.zeros(riding.agreed, dtype=torch.uint8, device=device)])
     rows = transport.all_gather(row, riding.name if fits else "header")
     header_rows = rows[:, : own_row.numel()].cpu()  # one copy back for all ranks
-    unsure = uniform.agree(transport, header_rows, secret, sealer, device) if first else None
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
         headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank, signed)
     else:
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
-    refusal = refusal or unsure
+    if first:  # every rank's headers sealed or none, agreed before any payload-sized collective
+        refusal = uniform.agree(transport, header_rows, secret, sealer, device, refusal)
     settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)

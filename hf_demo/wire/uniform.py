@@ -27,6 +27,7 @@ WORD_BYTES = 32  # what the rank says (1), zeros (11), CRC32 (4), HMAC-SHA256 tr
 SEALS = 1  # the sender seals its traffic (HF_DEMO_ENCRYPT=1)
 SAW_MIX = 2  # the sender received headers both sealed and in the clear
 SIGNED = 4  # the word carries an HMAC of HF_DEMO_SECRET
+REFUSED_AUTH = 8  # the sender refused a header for its HMAC, its seal or its signing (codec.header_refused)
 _DOMAIN = b"hf_demo first-exchange sealing word"
 UNTRUSTED_WORD = (
     "came with a word of the first exchange's sealing round that fails its CRC32 or HMAC (corrupted or rewritten "
@@ -38,6 +39,7 @@ UNTRUSTED_WORD = (
 class Word:
     seals: bool
     saw_mix: bool
+    refused_auth: bool = False
 
 
 def mix(rows: torch.Tensor) -> tuple[list[int], list[int]] | None:
@@ -57,6 +59,7 @@ def encode(step: int, sender: int, word: Word, secret: bytes | None) -> torch.Te
     """This rank's word: its CRC32 and, with a secret, its HMAC both bind the step and the sender's global rank,
     which it does not carry."""
     bits = (SEALS if word.seals else 0) | (SAW_MIX if word.saw_mix else 0) | (SIGNED if secret is not None else 0)
+    bits |= REFUSED_AUTH if word.refused_auth else 0
     body = struct.pack("<B11x", bits)
     crc = zlib.crc32(body + _bound(step, sender))
     tag = _tag(body, step, sender, secret) if secret is not None else bytes(16)
@@ -83,16 +86,18 @@ def decode(row: torch.Tensor, step: int, sender: int, secret: bytes | None) -> W
         return None
     if secret is not None and not hmac.compare_digest(_tag(body, step, sender, secret), tag):
         return None
-    return Word(bool(bits & SEALS), bool(bits & SAW_MIX))
+    return Word(bool(bits & SEALS), bool(bits & SAW_MIX), bool(bits & REFUSED_AUTH))
 
 
-def agree(transport, rows: torch.Tensor, secret, sealer, device) -> DeMoPayloadError | None:
+def agree(transport, rows: torch.Tensor, secret, sealer, device, refusal=None) -> DeMoPayloadError | None:
     """The sealing round of a process's first exchange, after its headers' all-gather (``rows``: every rank's
-    header row) and before any payload-sized collective. Raises the same :class:`DeMoSyncError` on every rank
-    where any rank saw headers both sealed and in the clear; returns the refusal of a word this rank cannot trust
-    (voted on with the step), or None."""
+    header row; ``refusal``: this rank's of one of them) and before any payload-sized collective. Raises the same
+    :class:`DeMoSyncError` on every rank where any rank saw headers both sealed and in the clear. Returns the
+    refusal this rank votes with: its own; else that of a word it cannot trust; else, where another rank says it
+    refused a header for its authentication, that refusal relayed (so that every rank raises the same error in
+    the settling round, also where that rank's settling row is corrupted on its way); else None."""
     step, me, seen = transport.step, transport.rank, mix(rows)
-    own = Word(sealer is not None, seen is not None)
+    own = Word(sealer is not None, seen is not None, bool(getattr(refusal, "unauthentic", False)))
     gathered = transport.all_gather(encode(step, _sender(transport, me), own, secret).to(device), "sealing").cpu()
     words = [
         own if r == me else decode(gathered[r], step, _sender(transport, r), secret) for r in range(gathered.shape[0])
@@ -101,9 +106,24 @@ def agree(transport, rows: torch.Tensor, secret, sealer, device) -> DeMoPayloadE
     if saw:
         raise DeMoSyncError(_mixed(step, words, saw, seen))
     untrusted = [r for r, w in enumerate(words) if w is None]
+    refused = [r for r, w in enumerate(words) if w is not None and w.refused_auth]
+    if refusal is not None:
+        return refusal
     if untrusted:
         return codec.header_refused(me, untrusted[0], step, UNTRUSTED_WORD, unauthentic=True)
+    if refused:
+        return _relayed(me, refused[0], step)
     return None
+
+
+def _relayed(rank: int, by: int, step: int) -> DeMoPayloadError:
+    """Rank ``by``'s refusal of a header for its authentication, as this rank votes it (marked ``unauthentic``)."""
+    error = DeMoPayloadError(
+        f"rank {rank}: rank {by} refused a header at optimizer step {step} for its authentication (its HMAC, its "
+        "seal or its signing), as it said in the first exchange's sealing round; nothing was applied"
+    )
+    error.unauthentic = True
+    return error
 
 
 def _sender(transport, r: int) -> int:
