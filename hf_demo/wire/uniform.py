@@ -98,7 +98,8 @@ def agree(transport, rows: torch.Tensor, secret, sealer, device, refusal=None) -
     the settling round, also where that rank's settling row is corrupted on its way); else None."""
     step, me, seen = transport.step, transport.rank, mix(rows)
     own = Word(sealer is not None, seen is not None, bool(getattr(refusal, "unauthentic", False)))
-    gathered = transport.all_gather(encode(step, _sender(transport, me), own, secret).to(device), "sealing").cpu()
+    word = encode(step, _sender(transport, me), own, secret).to(device)
+    gathered = transport.all_gather(word, "sealing", count=False).cpu()  # a set-up round: not in comm_stats
     words = [
         own if r == me else decode(gathered[r], step, _sender(transport, r), secret) for r in range(gathered.shape[0])
     ]
