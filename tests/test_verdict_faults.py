@@ -304,6 +304,7 @@ def _run(rank, world, scenario, kw, env):
     calls = [f"step {i}" for i in range(STEPS)] + ["confirm 0", f"step {STEPS}", "confirm 1"]
     for call in calls:
         _arm(scenario, rank, call, memory)
+        before = [p.detach().clone() for p in model.parameters()]
         try:
             if call.startswith("step"):
                 loss_and_backward(model, rank, opt.steps)
@@ -311,7 +312,9 @@ def _run(rank, world, scenario, kw, env):
             else:
                 opt.confirm()
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            errors.append((call, RankError(exc)))
+            error = RankError(exc)
+            error.unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            errors.append((call, error))
     return errors, [p.detach().clone() for p in model.parameters()], opt.steps
 
 
@@ -400,7 +403,7 @@ def test_a_header_of_the_other_sealing_at_a_process_first_exchange_stops_every_r
     _check(results, match="received headers both sealed and in the clear")
     for errors, _, _ in results:
         assert [call for call, _ in errors] == ["step 0"], errors
-        assert errors[0][1].type == "DeMoSyncError", errors
+        assert errors[0][1].type == "DeMoSyncError" and errors[0][1].unchanged, errors  # nothing applied
     assert len({errors[0][1].message for errors, _, _ in results}) == 1, results
 
 
@@ -424,6 +427,7 @@ def test_a_header_refused_for_its_hmac_at_a_process_first_exchange_and_its_row_c
     _check(results, match="corrupted in transit or sealed with another secret")
     for errors, _, _ in results:
         assert [(call, e.type) for call, e in errors] == [("step 0", "DeMoSyncError")], errors
+        assert errors[0][1].unchanged, errors  # nothing applied
 
 
 @WORLDS
