@@ -311,13 +311,18 @@ SEALED = {"env": {"HF_DEMO_SECRET": "s3cret", "HF_DEMO_ENCRYPT": "1"}}
 @pytest.mark.parametrize(
     "kw,first,steady,confirm",
     [
-        ({}, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
-        (SECRET, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
-        (SEALED, ["header", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
-        ({"commit_vote": "separate"}, ["header", "payload", "vote"], ["payload", "vote"], []),
-        ({"commit_vote": "off"}, ["header", "payload"], ["payload"], []),
-        ({"overlap": True}, ["header", "payload"], ["header", "payload"], []),
-        ({"exchange": "all_reduce"}, ["header", "positions", "values", "vote"], ["positions", "values", "vote"], []),
+        ({}, ["header", "sealing", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
+        (SECRET, ["header", "sealing", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
+        (SEALED, ["header", "sealing", "payload", "settle"], ["payload"], ["settle", "settle", "settle"]),
+        ({"commit_vote": "separate"}, ["header", "sealing", "payload", "vote"], ["payload", "vote"], []),
+        ({"commit_vote": "off"}, ["header", "sealing", "payload"], ["payload"], []),
+        ({"overlap": True}, ["header", "sealing", "payload"], ["header", "payload"], []),
+        (
+            {"exchange": "all_reduce"},
+            ["header", "sealing", "positions", "values", "vote"],
+            ["positions", "values", "vote"],
+            [],
+        ),
     ],
     ids=["defaults", "secret", "sealed", "vote_separate", "vote_off", "overlap", "all_reduce"],
 )
@@ -329,7 +334,8 @@ def test_round_trips_and_bytes_of_a_step(kw, first, steady, confirm):
     settles at once (not steady). commit_vote='separate' votes in an all-gather of its own (two round trips);
     overlap sends its header alone (the payload goes in the background, the verdict rides in the next header,
     confirm() has nothing to settle); all_reduce's union nominations ride with the header, its values follow, the vote
-    is its own. Bytes: the planner's."""
+    is its own. A process's first exchange agrees that every rank seals its headers or none in a round of its own
+    ("sealing", hf_demo.wire.uniform) before any payload-sized collective. Bytes: the planner's."""
     from hf_demo.ops.traffic import demo_payload
     from hf_demo.wire import agreement, codec, sealing
 

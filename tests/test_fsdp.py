@@ -19,7 +19,7 @@ from dist_utils import corrupt_indices, expect_ok, run_ranks
 from hf_demo import fsdp
 from hf_demo.ops.monitor import INSIDE_NODE
 from hf_demo.topology.dtensor import local
-from hf_demo.wire import agreement, codec
+from hf_demo.wire import agreement, codec, uniform
 
 pytestmark = pytest.mark.ranks  # real gloo ranks in forked processes
 
@@ -179,12 +179,14 @@ def test_hsdp_sends_nothing_dense_across_the_replicate_dimension_and_demo_bytes_
         assert across and not [c for c in across if c[0] != "all_gather_single" or c[2] != "torch.uint8"], across
         assert any(c[0] == "reduce_scatter_single" and c[1] == (rank - rank % 2, rank - rank % 2 + 1) for c in calls)
     # DeMo's bytes across the replicate dimension: each node's two shards together send what flat DeMo sends for
-    # the same rows, plus the second rank's header and tagged vote per step and its payload's byte alignment (<= 8 B)
+    # the same rows, plus the second rank's header and tagged vote per step, its sealing word at the first exchange
+    # (hf_demo.wire.uniform) and its payload's byte alignment (<= 8 B)
     flat = expect_ok(run_ranks(_recorded, 2, True))
     for node in range(2):
         hsdp = sum(n for r in (2 * node, 2 * node + 1) for name, n in results[r][1] if name not in INSIDE_NODE)
         ddp = sum(n for _, n in flat[node][1])
-        assert 0 <= hsdp - ddp - 4 * (codec.HEADER_BYTES + agreement.VOTE_ROW_BYTES) <= 4 * 8, (hsdp, ddp)
+        second = 4 * (codec.HEADER_BYTES + agreement.VOTE_ROW_BYTES) + uniform.WORD_BYTES
+        assert 0 <= hsdp - ddp - second <= 4 * 8, (hsdp, ddp)
 
 
 # ---------------------------------------------------------------- the guards, on sharded parameters

@@ -165,10 +165,11 @@ class Wire:
 
     def __init__(self, world: int):
         from hf_demo.exchange import transport as comm
-        from hf_demo.wire import codec, sealing
+        from hf_demo.wire import codec, sealing, uniform
 
         self.world, self.sent, self.received, self.tamper = world, [], [], None
         self.kinds = {codec.HEADER_BYTES: "header", 8 + sealing.TAG_BYTES: "vote", 8: "vote", 16: "ddp_check"}
+        self.kinds[uniform.WORD_BYTES] = "sealing"  # the first exchange's sealing round
         real = comm._all_gather
 
         def arrived(out, buf):

@@ -135,6 +135,36 @@ def _resign(r: int, signed: bool):
     return change
 
 
+def _clear_in_place(r: int):
+    """``change``: rank ``r``'s sealed header row swapped, by a writer without the secret, for an intact clear
+    header (its CRC32 right) of the same size."""
+    from hf_demo.wire import codec
+
+    def change(out, n):
+        h = codec.Header(step=0, layout_checksum=0, settings_checksum=0, flags=0, world_size=2, payload_bytes=0)
+        h = codec._replace(h, header_crc=zlib.crc32(h.body_bytes()))
+        out[r * n : r * n + codec.HEADER_BYTES] = h.to_bytes()
+
+    return change
+
+
+def _marker_in_place(r: int):
+    """``change``: the sealed header's marker written over the first bytes of rank ``r``'s clear header row."""
+    from hf_demo.wire import sealing
+
+    def change(out, n):
+        out[r * n : r * n + len(sealing.MARKER)] = torch.frombuffer(bytearray(sealing.MARKER), dtype=torch.uint8)
+
+    return change
+
+
+def codec_words_bytes() -> int:
+    """Where a clear header's HMAC tag begins (after its words, which its CRC32 covers)."""
+    from hf_demo.wire import codec
+
+    return codec.HEADER_WORDS * 8
+
+
 def _corrupt_link(memory: dict) -> None:
     """From now on (until ``memory["whole"]()``), every sealed row of rank 0's reaches this rank with a bit flipped
     inside it: headers and settling rows alike."""
@@ -170,6 +200,15 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
         _tamper(_header_of(0), _resign(0, signed=False))  # rank 0's signed header, rewritten as unsigned
     elif scenario == "first_signed_header" and rank == 1 and call == "step 0":
         _tamper(_header_of(0), _resign(0, signed=True))  # rank 0's unsigned header, rewritten as signed
+    elif scenario in ("first_swapped_clear", "swapped_clear") and rank == 1 and call == _AT[scenario]:
+        _tamper(lambda out, n: _sealed(out[:n]), _clear_in_place(0))  # rank 0's sealed header, an intact clear one
+    elif scenario in ("first_marker", "marker") and rank == 1 and call == _AT[scenario]:
+        _tamper(_header_of(0), _marker_in_place(0))  # rank 0's clear header, the seal's marker written into it
+    elif scenario == "first_tag_and_its_row" and call == "step 0":
+        if rank == 1:  # rank 0's header of the first exchange reaches rank 1 with its HMAC tag flipped ...
+            _tamper(_header_of(0), _flip_byte(0, codec_words_bytes() + 8))
+        if rank == 0:  # ... and rank 1's settling row, its refusal, reaches rank 0 corrupted
+            _tamper(_settling(1), _flip_byte(1, 9 * 8))
     elif scenario == "sealed_link" and rank == 1 and call == "step 0":
         _corrupt_link(memory)  # what rank 0 sends rank 1 arrives corrupted on every try of step 0 ...
     elif scenario == "sealed_link" and rank == 1 and call == "step 2":
@@ -213,6 +252,9 @@ def _arm(scenario: str, rank: int, call: str, memory: dict) -> None:
         memory.pop("whole")()
     elif scenario == "forged_refusal" and rank == 1 and call == "confirm 0":
         _tamper(_settling(0), _forge(0, 1))  # rank 0's commit in confirm() rewritten as a refusal, to rank 1
+
+
+_AT = {"first_swapped_clear": "step 0", "first_marker": "step 0", "swapped_clear": "step 2", "marker": "step 2"}
 
 
 def _replay(call: str, memory: dict) -> None:
@@ -262,6 +304,7 @@ def _run(rank, world, scenario, kw, env):
     calls = [f"step {i}" for i in range(STEPS)] + ["confirm 0", f"step {STEPS}", "confirm 1"]
     for call in calls:
         _arm(scenario, rank, call, memory)
+        before = [p.detach().clone() for p in model.parameters()]
         try:
             if call.startswith("step"):
                 loss_and_backward(model, rank, opt.steps)
@@ -269,7 +312,9 @@ def _run(rank, world, scenario, kw, env):
             else:
                 opt.confirm()
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            errors.append((call, RankError(exc)))
+            error = RankError(exc)
+            error.unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            errors.append((call, error))
     return errors, [p.detach().clone() for p in model.parameters()], opt.steps
 
 
@@ -342,6 +387,47 @@ def test_a_header_corrupted_at_a_process_first_exchange_stops_every_rank_alike_a
     for errors, _, _ in results:
         calls = [call for call, _ in errors]
         assert calls == (["step 0", "step 1"] if scenario == "first_replayed_header" else ["step 0"]), errors
+
+
+@WORLDS
+@pytest.mark.parametrize(
+    "scenario,env", [("first_swapped_clear", SEALED), ("first_marker", {})], ids=["sealed_run", "clear_run"]
+)
+def test_a_header_of_the_other_sealing_at_a_process_first_exchange_stops_every_rank_alike(world, scenario, env):
+    """Hole 1 at a process's first exchange: rank 0's sealed header reaches rank 1 swapped for an intact clear one
+    (a sealed run), or with the seal's marker written into it (a clear run). Rank 1 alone saw a sealed/clear mix
+    and raised, while rank 0 went on into the payload's all-gather. The ranks now agree on what each saw in a
+    header-sized round before any payload-sized collective: every rank raises the same DeMoSyncError, with the
+    same message, in the same call, nothing applied, and the retry commits on every rank."""
+    results = _results(scenario, world, env=env)
+    _check(results, match="received headers both sealed and in the clear")
+    for errors, _, _ in results:
+        assert [call for call, _ in errors] == ["step 0"], errors
+        assert errors[0][1].type == "DeMoSyncError" and errors[0][1].unchanged, errors  # nothing applied
+    assert len({errors[0][1].message for errors, _, _ in results}) == 1, results
+
+
+@WORLDS
+@pytest.mark.parametrize("scenario,env", [("swapped_clear", SEALED), ("marker", {})], ids=["sealed_run", "clear_run"])
+def test_a_header_of_the_other_sealing_at_a_steady_step_is_refused_on_every_rank(world, scenario, env):
+    """Hole 1 at a steady step (the payload riding with the header): rank 0's header reaches rank 1 swapped for an
+    intact clear one, or with the seal's marker written in. A refusal voted on like a header that does not open:
+    every rank refuses the step, and the retry commits."""
+    _check(_results(scenario, world, env=env))
+
+
+@WORLDS
+def test_a_header_refused_for_its_hmac_at_a_process_first_exchange_and_its_row_corrupted_too_raise_one_class(world):
+    """Two faults at a process's first exchange: rank 0's header reaches rank 1 with its HMAC tag flipped (rank 1
+    refuses it: corruption or another secret), and rank 1's settling row reaches rank 0 corrupted. Rank 1 raised
+    DeMoSyncError while rank 0, which could not read the verdict, raised DeMoPayloadError (a call later). Rank 1 says
+    so in the first exchange's sealing round, before the payloads: every rank raises the same class in the same
+    call, nothing applied, and the retry commits."""
+    results = _results("first_tag_and_its_row", world, env=SECRET)
+    _check(results, match="corrupted in transit or sealed with another secret")
+    for errors, _, _ in results:
+        assert [(call, e.type) for call, e in errors] == [("step 0", "DeMoSyncError")], errors
+        assert errors[0][1].unchanged, errors  # nothing applied
 
 
 @WORLDS

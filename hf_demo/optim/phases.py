@@ -248,6 +248,7 @@ def agreement(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, prepa
         lambda: view.topology.node_settings(transport, view.settings_view(plan.tier)),
         view.sealer,
         riding,
+        first=found.first,
     )
     if gathered.settling:  # rows settling the last step: a rank refused it (hf_demo.optim.settle)
         raise settle.refused_before(transport, gathered.settling, view.unsettled)

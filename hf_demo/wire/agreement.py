@@ -27,7 +27,7 @@ import torch
 
 from hf_demo.errors import DeMoPayloadError, DeMoSettingsError, DeMoSyncError
 from hf_demo.exchange.collectives import COMMIT_VOTE, FULL_SYNC, REPLICAS, CollectiveSpec
-from hf_demo.wire import codec, sealing
+from hf_demo.wire import codec, sealing, uniform
 
 REFUSED = 1  # a payload failed this rank's checks
 HEADER_REFUSED = 2  # a header failed this rank's checks (its sender in the bits above the eighth)
@@ -82,6 +82,7 @@ def gather_headers(
     settings: Callable[[], list],
     sealer=None,
     riding: Riding | None = None,
+    first: bool = False,
 ) -> Gathered:
     """Sign this rank's header for its payload, all-gather every rank's, check them.
 
@@ -93,7 +94,10 @@ def gather_headers(
     :func:`codec.receive_headers`) is the refusal returned, a :class:`DeMoPayloadError`: this rank goes on into
     the step's collectives like the others and the commit vote makes every rank raise it. With a
     :class:`~hf_demo.wire.sealing.Sealer` (``HF_DEMO_ENCRYPT=1``) the header travels encrypted instead, and one
-    that does not open (or is a replay) is refused the same way. At a process's first exchange, a header refused
+    that does not open (or is a replay) is refused the same way, as is, after a process's first exchange, a header
+    of the other sealing (clear in a sealed run, or bearing the seal's marker in a clear one). At a process's
+    first exchange (``first``) the ranks agree first, in a round of a few bytes, that every rank's headers are
+    sealed or none (:func:`hf_demo.wire.uniform.agree`: the same error on every rank otherwise); there, a header refused
     for its HMAC, its signing or its seal (corruption or another secret alike) makes every rank raise the same
     :class:`DeMoSyncError` naming both causes (:func:`hf_demo.optim.settle.vote`).
 
@@ -115,12 +119,13 @@ def gather_headers(
         row = torch.cat([row, torch.zeros(riding.agreed, dtype=torch.uint8, device=device)])
     rows = transport.all_gather(row, riding.name if fits else "header")
     header_rows = rows[:, : own_row.numel()].cpu()  # one copy back for all ranks
-    sealing.check_uniform(header_rows, transport.rank)
     if sealer is not None:
         senders = [transport.global_rank(r) for r in range(rows.shape[0])]
         headers, refusal = sealer.open_headers(header_rows, transport.step, senders, transport.rank, signed)
     else:
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
+    if first:  # every rank's headers sealed or none, agreed before any payload-sized collective
+        refusal = uniform.agree(transport, header_rows, secret, sealer, device, refusal)
     settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)

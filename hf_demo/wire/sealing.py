@@ -26,7 +26,7 @@ that comes from another session of its sender than the first one seen. A header 
 :class:`~hf_demo.errors.DeMoPayloadError`, voted on like a bad CRC32 or HMAC (at a process's first exchange, a
 header that does not open makes every rank raise the same :class:`~hf_demo.errors.DeMoSyncError`, naming
 corruption and another secret alike: :func:`hf_demo.optim.settle.vote`). A mix of ranks that encrypt and
-ranks that do not stops every rank at the first header (:func:`check_uniform`).
+ranks that do not stops every rank alike at a process's first exchange (:func:`hf_demo.wire.uniform.agree`).
 """
 
 from __future__ import annotations
@@ -104,29 +104,11 @@ def is_sealed(row: torch.Tensor) -> bool:
     return bytes(row[: len(MARKER)].tolist()) == MARKER
 
 
-def check_uniform(rows: torch.Tensor, rank: int) -> None:
-    """Every rank's header encrypted, or none: raises the same :class:`DeMoSyncError` on every rank otherwise. A
-    row that is neither sealed nor an intact clear header (a sealed one corrupted on the way to this rank) is left
-    to :meth:`Sealer.open_headers`, which refuses it."""
-    sealed = [r for r, row in enumerate(rows) if is_sealed(row)]
-    clear = [r for r in range(rows.shape[0]) if r not in sealed and _clear_header(rows[r])]
-    if sealed and clear:
-        raise DeMoSyncError(
-            f"DeMo ranks disagree (seen by rank {rank}): rank(s) {sealed} encrypt their traffic and rank(s) {clear} "
-            f"send it in the clear: set the same HF_DEMO_SECRET and {ENCRYPT_ENV}=1 on every rank"
-        )
-
-
 def _unopened(message: str) -> DeMoSyncError:
     """A header row that does not open (marked ``unopened``: corruption and another secret explain it alike)."""
     error = DeMoSyncError(message)
     error.unopened = True
     return error
-
-
-def _clear_header(row: torch.Tensor) -> bool:
-    h = codec.Header.from_bytes(row.contiguous())
-    return h.magic == codec.MAGIC and h.intact()
 
 
 @dataclass(frozen=True)
