@@ -17,9 +17,9 @@ exchange between replica groups, shard rank i with shard rank i)::
 Each step: torchft's quorum (``Elastic.start_step``: a restarted replica receives the agreed state from a live
 peer here), forward and backward on this replica's batch (its rank in the quorum), ``elastic.step()`` (the wrapper
 around DeMo), which commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the
-step in flight; they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
-writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256 (HSDP: of
-this rank's shards), the steps, the final loss, the quorum's figures.
+step in flight; they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with
+``--out``, writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256
+(HSDP: of this rank's shards), the steps, the final loss, the quorum's figures.
 
 A warm standby (``--standby FILE``): the process imports torch, transformers and torchft, builds its model,
 optimizer and data, prints ``{"standby": "warm"}`` and waits until FILE holds a replica id; then it joins the
