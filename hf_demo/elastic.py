@@ -504,8 +504,7 @@ class Elastic(torch.optim.Optimizer):
         :class:`DeMoSyncError` (a bug, a bad setting), or a :class:`DeMoSettingsError` (the replica groups' settings
         differ: every replica holds the same headers and raises it alike, and every retry would meet it again), is
         raised once torchft has been told."""
-        if not self._armed:
-            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each elastic.step()")
+        self._check_armed()
         self._armed = False
         if error is not None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
@@ -519,6 +518,11 @@ class Elastic(torch.optim.Optimizer):
         if error is not None and (not isinstance(error, DeMoSyncError) or isinstance(error, DeMoSettingsError)):
             raise error  # a bug, or settings that differ between replica groups: a retry would meet them again
         return commit
+
+    def _check_armed(self) -> None:
+        """One step (one commit decision) per quorum: :meth:`start_step` must come first."""
+        if not self._armed:
+            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each elastic.step()")
 
     def _refused(self, world: int) -> None:
         self.stats.refused_steps += 1
@@ -589,8 +593,7 @@ class Elastic(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._armed:  # before any collective of the step
-            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each elastic.step()")
+        self._check_armed()  # before any collective of the step
         try:
             staged = self.opt.prepare_step(elastic=True)
         except BaseException as exc:

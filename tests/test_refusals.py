@@ -347,7 +347,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/elastic.py::Elastic.__init__": (1, VALUE + ": batch_size"),
     "hf_demo/elastic.py::Elastic._manager": (1, ARGUMENT + ": no Lighthouse address"),
     "hf_demo/elastic.py::Elastic._snapshot_path": (2, VALUE + ": momentum_every; " + ARGUMENT + ": no replica id"),
-    "hf_demo/elastic.py::Elastic.decide": (1, RUNTIME),
+    "hf_demo/elastic.py::Elastic._check_armed": (1, RUNTIME),
     "hf_demo/elastic.py::placed_optimizer_state": (1, INVARIANT),
     "hf_demo/errors.py::lookup": (1, VALUE + ": a name no registry holds"),
     "hf_demo/exchange/collectives.py::CollectiveSpec.__post_init__": (1, INVARIANT),
