@@ -499,8 +499,8 @@ class StagedStep:
     """A step that :meth:`DeMo.prepare_step` ran to its end, with its writes staged (its transaction) and nothing
     applied. ``commit()`` applies it (as :meth:`DeMo.step` does), ``discard()`` drops it: the parameters, the
     optimizer state and the counters stay bitwise as they were (what happened on the wire stays counted). One of
-    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later, or elastic
-    refused it) has nothing staged: both do nothing then (:attr:`empty`)."""
+    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later) has nothing
+    staged: both do nothing then (:attr:`empty`)."""
 
     def __init__(self, opt: DeMo, transport, tx=None, settled=None, outcome=None):
         self._opt, self.transport, self._tx = opt, transport, tx
