@@ -15,11 +15,11 @@ exchange between replica groups, shard rank i with shard rank i)::
         examples/elastic.py --steps 200
 
 Each step: torchft's quorum (``Elastic.start_step``: a restarted replica receives the agreed state from a live
-peer here), forward and backward on this replica's batch (its rank in the quorum), ``optimizer.step()``, which
-commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the step in flight;
-they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with ``--out``,
-writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256 (HSDP: of
-this rank's shards), the steps, the final loss, the quorum's figures.
+peer here), forward and backward on this replica's batch (its rank in the quorum), ``elastic.step()`` (the wrapper
+around DeMo), which commits only where torchft's ``should_commit`` says so. A killed replica costs the survivors the
+step in flight; they go on with the replicas present. Prints one JSON line per step (``--quiet``: none) and, with
+``--out``, writes ``replica<id>.json`` (HSDP: ``replica<id>-<shard rank>.json``) at the end: the parameters' SHA-256
+(HSDP: of this rank's shards), the steps, the final loss, the quorum's figures.
 
 A warm standby (``--standby FILE``): the process imports torch, transformers and torchft, builds its model,
 optimizer and data, prints ``{"standby": "warm"}`` and waits until FILE holds a replica id; then it joins the
@@ -313,7 +313,7 @@ def train(args, replica: str, elastic, model, opt, corpus, shard: int = 0, shard
             next(model.parameters()).grad.fill_(float("nan"))
         time.sleep(args.step_seconds)
         getattr(elastic, "die", lambda at: None)("before")
-        opt.step()
+        elastic.step()  # the wrapper steps DeMo (a plain opt.step() is refused while it wraps it)
         getattr(elastic, "die", lambda at: None)("between")
         if step == args.drift_at and elastic.last_committed:
             with torch.no_grad():

@@ -7,10 +7,11 @@ step:
    changed (a replica lost or back), and a replica behind the quorum (a restarted one, or one that failed to
    commit a step the others committed) receives the agreed state from a live peer through torchft's checkpoint
    transport (:meth:`Elastic.agreed_state` / :meth:`Elastic.load_agreed`) before its forward pass.
-2. ``optimizer.step()``: DeMo's step, whose collectives (headers, payloads, the vote) run over the Manager's
-   reconfigurable process group (:class:`ManagedTransport`) among this quorum's replicas: the mean is over the
-   replicas present.
-3. One commit decision, :meth:`Elastic.decide` (``DeMo.replication``): an error of the step (a collective that
+2. :meth:`Elastic.step`: DeMo's step prepared (:meth:`DeMo.prepare_step`), its collectives (headers, payloads, the
+   vote) over the Manager's reconfigurable process group (:class:`ManagedGroup`, the backend of DeMo's transport),
+   which :meth:`DeMo.reset_peers` gave DeMo at the quorum's change, among this quorum's replicas: the mean is over
+   the replicas present. A plain ``opt.step()`` on a wrapped DeMo is refused, naming ``elastic.step()``.
+3. One commit decision, :meth:`Elastic.decide`: an error of the step (a collective that
    failed because a peer died, a payload or header refused by DeMo's all-ranks vote) is reported to torchft
    (``Manager.report_error``), and ``Manager.should_commit()`` decides whether the step's transaction commits.
    A refused step applies nothing (parameters, momenta, counters: DeMo's transaction) and does not count as a
@@ -29,7 +30,7 @@ finds itself alone at step 0 (the run is over, or every replica died) is refused
 With local steps (``sync_every > 1``, or a ``comm_budget`` policy's local-step tier) every quorum inside a local phase
 may only shrink (torchft's ``shrink_only``): a joiner enters at the first quorum after a synchronisation, when the
 replicas' parameters agree. The policy's tier is agreed state (a joiner receives it); the figures it decides from
-are forgotten by every replica at each change of the quorum (:func:`forget_peers`), so every replica takes the same
+are forgotten by every replica at each change of the quorum (:meth:`DeMo.reset_peers`), so every replica takes the same
 decision.
 With ``overlap=True`` every replica drops the exchange still in flight at each change of the quorum (one step's
 update lost, alike everywhere).
@@ -64,7 +65,6 @@ import torch
 from hf_demo import own_momentum, refusals
 from hf_demo.errors import DeMoError, DeMoSettingsError, DeMoSetupError, DeMoSyncError
 from hf_demo.exchange.transport import Transport
-from hf_demo.optim.policy import Clock
 from hf_demo.own_momentum import own_key
 from hf_demo.topology.dtensor import is_sharded, local, placed_like
 from hf_demo.topology.flat import FlatTopology
@@ -99,45 +99,55 @@ def lighthouse(min_replicas: int = 1, bind: str = "[::]:0", join_timeout_ms: int
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
 
 
-class ManagedTransport(Transport):
-    """DeMo's collectives over torchft's reconfigurable process group, among the replicas of one quorum.
+class ManagedGroup:
+    """torchft's reconfigurable process group as the backend of a :class:`~hf_demo.exchange.transport.Transport`
+    (in place of :class:`~hf_demo.exchange.transport.DistBackend`): DeMo's collectives among the replicas of one
+    quorum. ``rank`` and ``world`` are this replica's rank and the number of replicas in the quorum."""
 
-    ``rank`` and ``world`` are this replica's rank and the number of replicas in the quorum. A collective that
-    fails (a peer died mid-step) raises :class:`DeMoSyncError` inside the step as on a plain group; the step's
-    :meth:`Elastic.decide` reports it to torchft instead of raising it to the training loop."""
+    probes_liveness = False  # who is gone is torchft's quorum's to say, at the next step
 
-    def __init__(self, pg, rank: int, world: int, timeout: float):
-        self.timeout, self.failures = timeout, 0
-        self.base_group = self.group = pg
-        self.rank, self.world = rank, world
-        self.backend = "nccl" if "nccl" in pg.getBackendName() else "gloo"
-        self.replica_name = None  # this replica group's id (Elastic sets it): named in a settings error
+    def __init__(self, pg, rank: int, world: int):
+        self.group, self.rank, self.world = pg, rank, world
+        self.name = "nccl" if "nccl" in pg.getBackendName() else "gloo"
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank  # the replica's rank in this quorum
 
-    def _unanswered_ranks(self, step: int) -> list[int]:
-        return []  # who is gone is torchft's quorum's to say, at the next step
-
-    def _gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
+    def gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         rows = list(out.view(self.world, -1).unbind(0))
         return _issued(lambda: self.group.allgather([rows], [wire], AllgatherOptions()), async_op)
 
-    def _reduce(self, wire: torch.Tensor, async_op: bool = False):
+    def reduce(self, wire: torch.Tensor, async_op: bool = False):
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         return _issued(lambda: self.group.allreduce([wire], opts), async_op)
 
-    def _broadcast(self, wire: torch.Tensor, src: int):
+    def broadcast(self, wire: torch.Tensor, src: int):
         from torch.distributed.distributed_c10d import BroadcastOptions
 
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         return _issued(lambda: self.group.broadcast([wire], opts), False)
+
+    def all_to_all(self, out: torch.Tensor, wire: torch.Tensor, receive: list[int], send: list[int]):
+        import torch.distributed as dist
+
+        return dist.all_to_all_single(out, wire, list(receive), list(send), group=self.group)
+
+
+class ManagedTransport(Transport):
+    """DeMo's :class:`~hf_demo.exchange.transport.Transport` over torchft's managed group (:class:`ManagedGroup`,
+    its backend): a collective that fails (a peer died mid-step) raises :class:`DeMoSyncError` inside the step as on
+    a plain group; :meth:`Elastic.step` reports it to torchft instead of raising it to the training loop.
+    ``replica_name``: this replica group's id, named in a settings error."""
+
+    def __init__(self, pg, rank: int, world: int, timeout: float, replica_name: str | None = None):
+        super().__init__(None, timeout, ManagedGroup(pg, rank, world))
+        self.replica_name = replica_name
 
 
 def _issued(call, async_op: bool):
@@ -267,12 +277,19 @@ class ElasticStats:
         return asdict(self)
 
 
-class Elastic:
-    """DeMo ``opt`` (over ``model``'s parameters) trained elastically under torchft.
+class Elastic(torch.optim.Optimizer):
+    """DeMo ``opt`` (over ``model``'s parameters) trained elastically under torchft: a wrapper around an untouched
+    DeMo, as torchft's ``OptimizerWrapper`` is around any optimizer.
 
     Per step, on every replica: :meth:`start_step` (the quorum; a joiner's recovery), forward and backward on the
     batch :attr:`batch_index` of the run's batch stream (:attr:`rank` among :attr:`world` replicas), then
-    ``opt.step()``, which commits only where torchft says so (:attr:`last_committed`).
+    :meth:`step` (in place of ``opt.step()``, which is refused while wrapped), which commits only where torchft says
+    so (:attr:`last_committed`). It is a ``torch.optim.Optimizer`` for what takes one (a learning-rate schedule,
+    Accelerate, Trainer): ``param_groups``, ``state``, ``defaults``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` are DeMo's (torchft's wrapper's pattern: the base class's ``__init__`` is not run, DeMo
+    holds the groups and the state). DeMo holds no reference to it: it is given each quorum's group
+    (:meth:`DeMo.reset_peers`) and stepped through its public phases (:meth:`DeMo.prepare_step`, then
+    ``commit()`` or ``discard()``).
 
     Data: the run reads one stream of batches; a committed step consumes ``world`` of them (replica ``rank`` reads
     ``batches_committed + rank``), a refused step none, so its batches (a dead replica's included) are the next
@@ -323,7 +340,7 @@ class Elastic:
         self.lighthouse = lighthouse  # the address a quorum's failure names (_manager: the one torchft is given)
         self.replica_name = replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID")
         self.manager = manager or self._manager(lighthouse, replica_id, min_replicas, timeout, quorum_timeout)
-        opt.replication = self
+        opt.reset_peers(self.topology)  # a world of one until the first quorum; DeMo's own step() refused from now
 
     def _manager(self, lighthouse, replica_id, min_replicas, timeout, quorum_timeout):
         from torchft.manager import Manager
@@ -426,16 +443,16 @@ class Elastic:
         quorum = getattr(self.manager, "_quorum_id", None)
         before = self.stats.quorum_size
         self.stats.quorum_size = world
-        if quorum != self._quorum_id:
+        if quorum != self._quorum_id or self._topology is None:
             changed = self._quorum_id is not None
             self._quorum_id = quorum
-            forget_peers(self.opt)
+            self._topology = self._topology_over(rank, world)
+            self.opt.reset_peers(self._topology)  # DeMo forgets the last quorum's peers, and exchanges over this one's
             if changed:
                 self._count_change(before, world)
         if self.stats.recoveries > recoveries and self.manager.current_step() > 0:
             self._emit("recovered", seconds)
-        self._topology = self._topology_over(rank, world)
-        self._armed = True  # one optimizer.step() may now decide
+        self._armed = True  # one step() may now decide
 
     def _count_change(self, before: int, world: int) -> None:
         self.stats.quorum_changes += 1
@@ -467,20 +484,18 @@ class Elastic:
 
     @property
     def topology(self):
-        """The flat topology over this quorum's group (``DeMo.topology`` while elastic; a world of one before the
-        first quorum, for the state a peer's recovery asks for)."""
+        """The flat topology over this quorum's group (what DeMo exchanges over, given by :meth:`DeMo.reset_peers`;
+        a world of one before the first quorum, for the state a peer's recovery asks for)."""
         if self._topology is not None:
             return self._topology
         return FlatTopology(Transport.alone()) if self.node is None else sharded_topology(Transport.alone(), self.node)
 
     def _topology_over(self, rank: int, world: int):
         """This quorum's topology: flat over torchft's group, or (HSDP) sharded with the replicate dimension on it."""
+        pg, name = self.manager._pg, self.replica_name  # the name: what a settings error calls this replica group
         if self.node is None:
-            transport = ManagedTransport(self.manager._pg, rank, world, self.timeout)
-        else:
-            transport = LockstepTransport(self.manager._pg, rank, world, self.timeout, self.node)
-        transport.replica_name = self.replica_name  # what a settings error calls this replica group
-        return FlatTopology(transport) if self.node is None else sharded_topology(transport, self.node)
+            return FlatTopology(ManagedTransport(pg, rank, world, self.timeout, name))
+        return sharded_topology(LockstepTransport(pg, rank, world, self.timeout, self.node, name), self.node)
 
     def decide(self, error: BaseException | None) -> bool:
         """The one commit decision of a step, on every replica: DeMo's verdict (``error``: what the step raised,
@@ -489,8 +504,7 @@ class Elastic:
         :class:`DeMoSyncError` (a bug, a bad setting), or a :class:`DeMoSettingsError` (the replica groups' settings
         differ: every replica holds the same headers and raises it alike, and every retry would meet it again), is
         raised once torchft has been told."""
-        if not self._armed:
-            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each optimizer.step()")
+        self._check_armed()
         self._armed = False
         if error is not None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
@@ -504,6 +518,11 @@ class Elastic:
         if error is not None and (not isinstance(error, DeMoSyncError) or isinstance(error, DeMoSettingsError)):
             raise error  # a bug, or settings that differ between replica groups: a retry would meet them again
         return commit
+
+    def _check_armed(self) -> None:
+        """One step (one commit decision) per quorum: :meth:`start_step` must come first."""
+        if not self._armed:
+            raise DeMoSetupError("hf_demo.elastic: call elastic.start_step() before each elastic.step()")
 
     def _refused(self, world: int) -> None:
         self.stats.refused_steps += 1
@@ -550,36 +569,71 @@ class Elastic:
         self.stats.recoveries += 1
 
     def after_commit(self) -> None:
-        """Called by DeMo once a committed step's transaction is applied: this replica's momentum snapshot, every
+        """After a committed step's transaction is applied (:meth:`step`): this replica's momentum snapshot, every
         ``momentum_every`` committed steps (``momentum_dir``)."""
         step = self.manager.current_step()
         if self._snapshot is not None and step % self.momentum_every == 0:
             own_momentum.save(self._snapshot, self.opt, step, self.replica_name)
 
     def shutdown(self) -> None:
-        """Stop this replica's Manager (its server and checkpoint transport)."""
+        """Stop this replica's Manager (its server and checkpoint transport); DeMo is its own again (its own group,
+        the peers of the quorum forgotten, its own ``step()``)."""
         self.manager.shutdown(wait=False)
-        self.opt.replication = None
+        self.opt.reset_peers(None)
 
+    # ------------------------------------------------------------------ the optimizer the loop steps
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One elastic step of DeMo on every replica, after :meth:`start_step` and the backward pass: DeMo's step
+        prepared over this quorum's group (:meth:`DeMo.prepare_step`), torchft's ``should_commit()`` asked with what
+        the step raised (:meth:`decide`), the step committed or discarded, and after a commit this replica's
+        momentum snapshot (:meth:`after_commit`). An error that is not a lost peer's is raised once torchft is told.
+        Returns the closure's loss, where one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_armed()  # before any collective of the step
+        try:
+            staged = self.opt.prepare_step(elastic=True)
+        except BaseException as exc:
+            self.decide(exc)  # told to torchft, the step refused (raised if not a sync error)
+            return loss
+        if self.decide(None):
+            staged.commit()
+            self.after_commit()
+        else:
+            staged.discard()
+        return loss
 
-def forget_peers(opt) -> None:
-    """What DeMo learnt about the peers of the last quorum, forgotten on every replica of a new one at the same step
-    (each sees the quorum change at the same step): the first exchange compares every replica again (a joiner's
-    recovered state checked against the survivors'), the first-step DDP guard runs again, and no payload rides
-    with the headers until the new quorum has agreed its size on the wire. A joiner starts with none of these, so
-    a survivor that kept them would meet it with another collective (a drift check, the guard's all-gather or a
-    riding payload on one side only): a collective mismatch. With ``overlap=True`` the exchange still in flight is
-    dropped on every replica alike (its update, one step's, is lost: a joiner has none to land, and after a loss
-    it cannot finish). The budget policy's figures of the last exchange (``comm_budget``: its time, the time since
-    it began, the tier it ran in) are forgotten too: a joiner has none, and a survivor's would scale its predictions
-    from another tier than the joiner's, so the replicas would choose different tiers; with none anywhere the first
-    exchange of the new quorum takes no decision (its headers carry no time), and every replica keeps the agreed
-    tier."""
-    opt.clock = Clock()  # comm_budget: every replica decides its next tier from the same (no) figures
-    opt.first_checked = False
-    opt.ddp_checked = False  # a joiner under a launcher runs the first-step DDP guard's all-gather: so does everyone
-    opt.wire_agreed = {}
-    opt.pending = None  # overlap: the exchange in flight ran over the last quorum's group; nobody applies it
+    @property
+    def optimizer(self):
+        """The DeMo this wraps (also :attr:`opt`; ``hf_demo.hf.data_parallel.unwrap_optimizer`` finds it here)."""
+        return self.opt
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    @property
+    def state(self):
+        return self.opt.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.opt.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.opt.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.opt.load_state_dict(state_dict)
 
 
 def _copied(tree):
@@ -661,8 +715,8 @@ class LockstepTransport(ManagedTransport):
     step is refused on all of them, and torchft's ``should_commit`` (which needs every rank of a replica group)
     agrees."""
 
-    def __init__(self, pg, rank: int, world: int, timeout: float, node: NodeShards):
-        super().__init__(pg, rank, world, timeout)
+    def __init__(self, pg, rank: int, world: int, timeout: float, node: NodeShards, replica_name: str | None = None):
+        super().__init__(pg, rank, world, timeout, replica_name)
         self.node = node
 
     def _run(self, name, sent, received, op, device, step, traffic) -> None:

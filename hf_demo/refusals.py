@@ -265,6 +265,15 @@ _TABLE = (
         DeMoSetupError,
     ),
     Refusal(
+        "wrapped_step", "elastic",
+        "`DeMo.step()` (or `prepare_step()` without `elastic=True`) × a DeMo that `hf_demo.elastic.Elastic` wraps",
+        "hf_demo.optim.optimizer.DeMo.prepare_step",
+        "DeMo.step() on a DeMo that hf_demo.elastic.Elastic wraps: torchft would not decide that step (no quorum "
+        "check, no should_commit), so a replica could apply a step the others refused. Call elastic.step() in place "
+        "of optimizer.step() (DeMoTrainer with demo_elastic steps the wrapper itself)",
+        DeMoSetupError,
+    ),
+    Refusal(
         "elastic_hsdp_partial", "elastic",
         "`hf_demo.elastic` × parameters sharded over some of the replica group's processes only",
         "hf_demo.elastic.node_shards",

@@ -184,7 +184,7 @@ def _stepped(manager, tmp_path):
     elastic, model = _elastic(manager, replica_id="r1", momentum_dir=tmp_path)
     elastic.start_step()
     model(torch.randn(4, 8)).square().mean().backward()
-    elastic.opt.step()
+    elastic.step()
     return elastic, model
 
 

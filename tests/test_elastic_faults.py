@@ -66,7 +66,7 @@ def test_a_snapshot_that_is_not_finite_torn_or_another_replicas_is_refused_namin
         dead, model = _elastic(manager, replica_id="r0", momentum_dir=tmp_path)
         dead.start_step()
         model(torch.randn(4, 8)).square().mean().backward()
-        dead.opt.step()
+        dead.step()
         os.replace(snapshot_path(tmp_path, "r0"), snapshot_path(tmp_path, "r1"))  # copied over r1's
     path = snapshot_path(tmp_path, "r1")
     if fault == "nan":

@@ -82,16 +82,16 @@ def test_the_samples_no_replica_reads_are_each_steps_figure_a_total_and_a_promet
 
     opt = hf_demo.DeMo([torch.nn.Parameter(torch.zeros(8, 8))], lr=1e-3)
     stats = ElasticStats()
-    opt.replication = SimpleNamespace(world=2, stats=stats)
+    elastic = SimpleNamespace(world=2, stats=stats, optimizer=opt, events=[], add_listener=lambda callback: None)
     monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
     seen = []
     try:
         for step, unread in enumerate([0, 8, 8, 0, 4], 1):
-            monitor.step_begin(opt)
+            monitor.step_begin(elastic)  # what the loop steps: the elastic wrapper around DeMo
             monitor.pre_optimizer()
             monitor.optimizer_done()
             stats.samples_unread += unread  # the elastic callback's on_step_end runs before the ops callback's
-            sample = monitor.step_end(step, opt)
+            sample = monitor.step_end(step, elastic)
             seen.append((sample.quorum, sample.samples_unread))
     finally:
         monitor.close()
@@ -385,26 +385,26 @@ def test_the_monitor_listens_to_an_elastic_optimizers_events_by_itself():
     from models import small_demo, tiny_mlp
 
     class FakeElastic:  # what the monitor reads of hf_demo.elastic.Elastic
-        def __init__(self):
+        def __init__(self, optimizer):
             self.events, self.listeners, self.world = [event("join", 1, 3)], [], 3
+            self.optimizer = optimizer  # the DeMo it wraps
 
         def add_listener(self, callback):
             self.listeners.append(callback)
 
     opt = small_demo(tiny_mlp())
-    opt.replication = elastic = FakeElastic()
+    elastic = FakeElastic(opt)  # what the loop steps
     monitor = StepMonitor(0, 0, 1, None, sync_cuda=False)
     try:
         samples = []
         for step in (1, 2, 3):
-            monitor.step_begin(opt)
+            monitor.step_begin(elastic)
             if step == 2:
                 elastic.world = 2
                 for listener in elastic.listeners:
                     listener(event("loss", 2, 2, samples_lost=8))
-            samples.append(monitor.step_end(step, opt))
+            samples.append(monitor.step_end(step, elastic))
     finally:
-        opt.replication = None
         monitor.close()
     assert len(elastic.listeners) == 1  # attached once
     seen = [(s.quorum, s.joins, s.losses, s.samples_lost) for s in samples]

@@ -54,6 +54,15 @@ def _elastic_world(monkeypatch):
     Elastic._manager(SimpleNamespace(node=None), None, None, 1, 1.0, 1.0)
 
 
+def _wrapped_step():
+    from hf_demo.exchange.transport import Transport
+    from hf_demo.topology.flat import FlatTopology
+
+    demo = _demo()
+    demo.reset_peers(FlatTopology(Transport.alone()))  # as hf_demo.elastic.Elastic does at every new quorum
+    demo.step()
+
+
 def _resume_in_flight():
     from hf_demo.optim.checkpointing import refuse_unfit
 
@@ -168,6 +177,7 @@ TRIGGERS = {
     "sparse_gradients": lambda mp, tmp: _sparse_step(),
     "elastic_mesh": lambda mp, tmp: _refuse_modes(device_mesh=object()),
     "elastic_processes_unsharded": lambda mp, tmp: _elastic_world(mp),
+    "wrapped_step": lambda mp, tmp: _wrapped_step(),
     "resume_in_flight_local_steps": lambda mp, tmp: _resume_in_flight(),
     "resume_local_phase_every_step": lambda mp, tmp: _resume_local_phase(),
     "resume_other_mesh": lambda mp, tmp: _saved_world(0, 1, "mesh 1x1"),
@@ -337,7 +347,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/elastic.py::Elastic.__init__": (1, VALUE + ": batch_size"),
     "hf_demo/elastic.py::Elastic._manager": (1, ARGUMENT + ": no Lighthouse address"),
     "hf_demo/elastic.py::Elastic._snapshot_path": (2, VALUE + ": momentum_every; " + ARGUMENT + ": no replica id"),
-    "hf_demo/elastic.py::Elastic.decide": (1, RUNTIME),
+    "hf_demo/elastic.py::Elastic._check_armed": (1, RUNTIME),
     "hf_demo/elastic.py::placed_optimizer_state": (1, INVARIANT),
     "hf_demo/errors.py::lookup": (1, VALUE + ": a name no registry holds"),
     "hf_demo/exchange/collectives.py::CollectiveSpec.__post_init__": (1, INVARIANT),

@@ -246,25 +246,21 @@ def timed_group(ranks: list[int], timeout: float, backend: str | None = None):
     return _TIMED_GROUPS[key]
 
 
-class Transport:
-    """DeMo's collectives over one process group, with a timeout and named failures.
+class DistBackend:
+    """The collectives of a :class:`Transport` on ``torch.distributed``, over one process group (``None``: the world
+    where it is initialised, else a world of one). With ``timeout`` > 0 they run in a group of DeMo's own created
+    with that timeout (same ranks, same backend, :func:`timed_group`). Another backend object with the same
+    attributes and calls plugs into a :class:`Transport` in its place (hf_demo.elastic: torchft's managed group)."""
 
-    With ``timeout`` > 0, DeMo communicates in a group of its own created with that timeout (same ranks,
-    same backend), so a frozen or vanished peer makes every surviving rank raise instead of blocking for
-    the backend's default 30 minutes. Every collective names the optimizer step it belongs to and the
-    :class:`Traffic` it counts into (``None``: a set-up check, not counted); :meth:`at` binds both for a step.
-    """
+    probes_liveness = True  # a failed collective asks the rendezvous store which ranks answered
 
     def __init__(self, group, timeout: float):
-        self.timeout = timeout
-        self.failures = 0
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
-        self.base_group = group
+        self.base_group = self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.group = group
-        self.backend = dist.get_backend(group) if group is not None else None
+        self.name = dist.get_backend(group) if group is not None else None  # gloo, nccl: where buffers must be
         if group is not None and self.world > 1 and timeout > 0:
             try:
                 self.group = timed_group(dist.get_process_group_ranks(group), timeout, dist.get_backend(group))
@@ -274,21 +270,62 @@ class Transport:
                     f"a peer is missing (not started, crashed, or already finished). Backend said: {exc}"
                 ) from exc
 
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank
+
+    def gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
+        if async_op:
+            return _all_gather(out, wire, group=self.group, async_op=True)
+        return _all_gather(out, wire, group=self.group)  # the call tests wrap (tests/dist_utils.py)
+
+    def reduce(self, wire: torch.Tensor, async_op: bool = False):
+        return dist.all_reduce(wire, group=self.group, async_op=async_op)
+
+    def broadcast(self, wire: torch.Tensor, src: int):
+        return dist.broadcast(wire, src=self.global_rank(src), group=self.group)
+
+    def all_to_all(self, out: torch.Tensor, wire: torch.Tensor, receive: list[int], send: list[int]):
+        return dist.all_to_all_single(out, wire, list(receive), list(send), group=self.group)
+
+
+class _Alone:
+    """The backend of a world of one: no collective is ever called (each returns before, at ``world == 1``)."""
+
+    probes_liveness, world, rank, name = False, 1, 0, None
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
+
+class Transport:
+    """DeMo's collectives, with a timeout, counters and named failures, over a backend object: ``torch.distributed``
+    over ``group`` (:class:`DistBackend`), or the ``backend`` given (hf_demo.elastic: torchft's managed group).
+
+    With ``timeout`` > 0, DeMo communicates in a group of its own created with that timeout (same ranks,
+    same backend), so a frozen or vanished peer makes every surviving rank raise instead of blocking for
+    the backend's default 30 minutes. Every collective names the optimizer step it belongs to and the
+    :class:`Traffic` it counts into (``None``: a set-up check, not counted); :meth:`at` binds both for a step.
+    """
+
+    def __init__(self, group, timeout: float, backend=None):
+        self.timeout = timeout
+        self.failures = 0
+        self.collectives = backend if backend is not None else DistBackend(group, timeout)
+        self.world, self.rank = self.collectives.world, self.collectives.rank
+        self.backend = self.collectives.name  # its name: where a buffer must be for it (wire_device)
+
     @classmethod
     def alone(cls) -> Transport:
         """A world of one, without collectives, also where torch.distributed is initialised (pure FSDP: no
         replica to exchange with)."""
-        transport = cls(None, 0) if not (dist.is_available() and dist.is_initialized()) else cls.__new__(cls)
-        transport.timeout, transport.failures, transport.world, transport.rank = 0, 0, 1, 0
-        transport.base_group = transport.group = transport.backend = None
-        return transport
+        return Transport(None, 0, _Alone())
 
     def at(self, step: int, traffic: Traffic | None = None) -> StepTransport:
         """This transport for the collectives of optimizer step ``step``, counting into ``traffic``."""
         return StepTransport(self, step, traffic)
 
     def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.base_group, group_rank) if self.base_group is not None else group_rank
+        return self.collectives.global_rank(group_rank)
 
     def _to_wire(self, buf: torch.Tensor) -> torch.Tensor:
         """``buf`` on the device the backend needs (itself when it is there already)."""
@@ -374,22 +411,19 @@ class Transport:
         wire = self._to_wire(buf)
         out = torch.empty(sum(receive), dtype=torch.uint8, device=wire.device)
         sent, received = sum(send) - send[self.rank], sum(receive) - receive[self.rank]
-        op = lambda: dist.all_to_all_single(out, wire, list(receive), list(send), group=self.group)  # noqa: E731
+        op = lambda: self.collectives.all_to_all(out, wire, receive, send)  # noqa: E731
         self._run(name, sent, received, op, wire.device, step, traffic)
         return out.to(buf.device)
 
-    # ------------------------------------------------------------ the backend's calls (hf_demo.elastic routes them
-    # through torchft's reconfigurable process group)
+    # ------------------------------------------------------------ the backend's calls
     def _gather(self, out: torch.Tensor, wire: torch.Tensor, async_op: bool = False):
-        if async_op:
-            return _all_gather(out, wire, group=self.group, async_op=True)
-        return _all_gather(out, wire, group=self.group)  # the call tests wrap (tests/dist_utils.py)
+        return self.collectives.gather(out, wire, async_op)
 
     def _reduce(self, wire: torch.Tensor, async_op: bool = False):
-        return dist.all_reduce(wire, group=self.group, async_op=async_op)
+        return self.collectives.reduce(wire, async_op)
 
     def _broadcast(self, wire: torch.Tensor, src: int):
-        return dist.broadcast(wire, src=self.global_rank(src), group=self.group)
+        return self.collectives.broadcast(wire, src)
 
     def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device, step, traffic) -> None:
         for hook in list(_HOOKS.values()):
@@ -420,7 +454,10 @@ class Transport:
         """Ask the rendezvous store which ranks are alive: each survivor writes the wall-clock time under its rank,
         waits briefly and reads the others'. A rank counts as alive if it wrote within this probe's window and the
         ``comm_timeout`` before it: the survivors of one failure probe within about that much of each other, even
-        where they fail at different steps or collectives (no step or count in the key, which they would not share)."""
+        where they fail at different steps or collectives (no step or count in the key, which they would not share).
+        None where the backend cannot ask (torchft's group: who is gone is its quorum's to say, at the next step)."""
+        if not self.collectives.probes_liveness:
+            return []
         try:
             store = dist.distributed_c10d._get_default_store()
             self.failures += 1

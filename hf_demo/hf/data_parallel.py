@@ -31,6 +31,16 @@ def unwrap_optimizer(optimizer):
     return optimizer if isinstance(optimizer, DeMo) else None
 
 
+def unwrap_stepped(optimizer):
+    """What is stepped inside Accelerate's AcceleratedOptimizer: DeMo, or the elastic wrapper around it
+    (:class:`hf_demo.elastic.Elastic`, what has ``add_listener``); None if no DeMo is inside."""
+    if unwrap_optimizer(optimizer) is None:
+        return None
+    while not isinstance(optimizer, DeMo) and not hasattr(optimizer, "add_listener"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def disable_gradient_allreduce(model: torch.nn.Module) -> bool:
     """Register DDP's no-op comm hook on ``model`` when it is DDP: each rank keeps its local gradient.
 

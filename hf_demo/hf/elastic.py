@@ -5,10 +5,11 @@ Launch one ``torchrun --nproc_per_node 1`` per replica group, each with ``REPLIC
 
 - the optimizer Trainer builds (DeMo) is wrapped in :class:`hf_demo.elastic.Elastic` (``demo_elastic``: ``True``,
   or a dict of ``Elastic``'s keyword arguments: ``min_replicas``, ``timeout``, ``lighthouse``, ``replica_id``,
-  ``quorum_timeout``; and ``replicas``, the number of replica groups the data is split into);
+  ``quorum_timeout``; and ``replicas``, the number of replica groups the data is split into), and the wrapper is
+  Trainer's optimizer (``DeMoTrainerMixin.create_optimizer``), as torchft's ``OptimizerWrapper`` would be;
 - each step begins with torchft's quorum (:meth:`Elastic.start_step`, from ``on_step_begin``, before the
-  step's forward passes: a restarted replica receives the agreed state from a live peer there), and DeMo's
-  ``optimizer.step()`` commits only where torchft's ``should_commit`` says so;
+  step's forward passes: a restarted replica receives the agreed state from a live peer there), and Trainer's
+  ``optimizer.step()`` (the wrapper's) commits DeMo's step only where torchft's ``should_commit`` says so;
 - Trainer's step counter and learning-rate schedule follow torchft's committed steps: a refused step (a
   replica lost in flight) does not count, and a replica that recovered continues at the quorum's step with
   the schedule's learning rate at that step, so every replica applies the same update;

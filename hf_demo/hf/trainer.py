@@ -197,6 +197,7 @@ class DeMoTrainerMixin(PrivateTrainerHooks):
         if self._elastic_options is not None and self.demo_elastic is None:
             per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
             self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options, per_step)
+            optimizer = self.optimizer = self.demo_elastic  # Trainer steps the wrapper: torchft decides each commit
         return optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):

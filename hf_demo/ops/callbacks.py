@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from hf_demo.hf.data_parallel import unwrap_optimizer
+from hf_demo.hf.data_parallel import unwrap_optimizer, unwrap_stepped
 from hf_demo.ops import exporters
 from hf_demo.ops.health import Alert, DeMoHealthCallback
 from hf_demo.ops.monitor import PHASES, StepMonitor, StepSample, phase_of_log, rank_and_node
@@ -113,7 +113,7 @@ class DeMoOpsCallback(TrainerCallback):
     # ---------------------------------------------------------------- the step
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         if self.monitor is not None:
-            self.monitor.step_begin(unwrap_optimizer(optimizer))
+            self.monitor.step_begin(unwrap_stepped(optimizer))  # DeMo, or the elastic wrapper around it
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.monitor is not None:
@@ -127,7 +127,7 @@ class DeMoOpsCallback(TrainerCallback):
         if self.monitor is None:
             return
         opt = unwrap_optimizer(optimizer)
-        sample = self.monitor.step_end(state.global_step, opt)
+        sample = self.monitor.step_end(state.global_step, unwrap_stepped(optimizer))
         if not self._config_written:
             self._write_run_config(args, opt)
         self.last = sample

@@ -185,11 +185,11 @@ class _ElasticWindow:
         self.samples_lost = 0
         self.unread_seen = 0  # the replica's ElasticStats.samples_unread at the last step's end
 
-    def observe(self, replication) -> int:
-        """At a step's end: the quorum ``replication`` ran with, and the samples it counted unread since the last
+    def observe(self, elastic) -> int:
+        """At a step's end: the quorum ``elastic`` ran with, and the samples it counted unread since the last
         step's end (a count the Trainer's elastic callback adds to, in either order with the monitor's)."""
-        self.quorum = replication.world
-        total = int(getattr(getattr(replication, "stats", None), "samples_unread", 0))
+        self.quorum = elastic.world
+        total = int(getattr(getattr(elastic, "stats", None), "samples_unread", 0))
         new, self.unread_seen = max(total - self.unread_seen, 0), total
         return new
 
@@ -255,7 +255,9 @@ class StepMonitor:
         return time.perf_counter()
 
     def step_begin(self, opt=None) -> None:
-        self._watch_elastic(opt)
+        """A step begins; ``opt``: what the loop steps, DeMo or the elastic wrapper around it (:func:`stepped`)."""
+        opt, elastic = stepped(opt)
+        self._watch_elastic(elastic)
         self._marks = {"begin": self._now()}
         self._before = _counters(opt)
         self._losses = []
@@ -296,15 +298,14 @@ class StepMonitor:
         elif torch.is_tensor(ids):
             self._tokens.append(ids.numel())
 
-    def _watch_elastic(self, opt) -> None:
-        """An elastic optimizer's quorum events, from now on and those it had already (once per ``Elastic``)."""
-        replication = getattr(opt, "replication", None)
-        if replication is None or replication is self._watched_elastic or not hasattr(replication, "add_listener"):
+    def _watch_elastic(self, elastic) -> None:
+        """An elastic wrapper's quorum events, from now on and those it had already (once per ``Elastic``)."""
+        if elastic is None or elastic is self._watched_elastic:
             return
-        self._watched_elastic = replication
-        for event in list(replication.events):
+        self._watched_elastic = elastic
+        for event in list(elastic.events):
             self.record_elastic(event)
-        replication.add_listener(self.record_elastic)
+        elastic.add_listener(self.record_elastic)
 
     def record_elastic(self, event) -> None:
         """An :class:`~hf_demo.elastic.ElasticEvent` (a join, a loss, this replica's recovery): counted in the next
@@ -312,6 +313,8 @@ class StepMonitor:
         self._elastic.add(event)
 
     def step_end(self, step: int, opt=None) -> StepSample:
+        """The step's sample; ``opt`` as :meth:`step_begin`'s."""
+        opt, elastic = stepped(opt)
         end = self._now()
         m = self._marks
         begin = m.get("begin", self._last_end)
@@ -321,9 +324,8 @@ class StepMonitor:
         exchange = after["seconds"] - before["seconds"]  # DeMo's collectives
         received = after["received"] - before["received"]
         communicated = after["collectives"] > before["collectives"]
-        replication = getattr(opt, "replication", None)
         # elastic: the quorum this step ran with, events or not
-        unread = self._elastic.observe(replication) if replication is not None else 0
+        unread = self._elastic.observe(elastic) if elastic is not None else 0
         sample = StepSample(
             step=step,
             rank=self.rank,
@@ -394,6 +396,14 @@ class StepMonitor:
         first, self._first_exchange = self._first_exchange, False
         every = opt.settings.check_every
         return int(first or (every > 0 and steps_taken % every == 0))
+
+
+def stepped(opt) -> tuple:
+    """(DeMo, the elastic wrapper around it or None) of what a loop steps: DeMo, or an elastic wrapper
+    (:class:`hf_demo.elastic.Elastic`: what has ``add_listener``, its DeMo ``optimizer``), or None."""
+    if opt is not None and hasattr(opt, "add_listener"):
+        return opt.optimizer, opt
+    return opt, None
 
 
 def _world(opt) -> int:

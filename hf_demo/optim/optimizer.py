@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.compression import transforms
-from hf_demo.errors import DeMoStateError, DeMoSyncError
+from hf_demo.errors import DeMoStateError
 from hf_demo.exchange import exchanges, liveness, teardown
 from hf_demo.exchange.transport import CommStats
 from hf_demo.guards import ddp
@@ -99,7 +99,7 @@ class DeMo(torch.optim.Optimizer):
         self.ddp_checked = False  # the first-step DDP guard ran (again if False)
         self._ddp_wrappers: list[weakref.ref] = []  # live DDP wrappers of its parameters, taken for unused ones
         self._topology = None
-        self.replication = None  # hf_demo.elastic: torchft says whom DeMo exchanges with and whether a step commits
+        self._peers = None  # the topology a wrapper gave (reset_peers: an elastic quorum's), which then steps DeMo
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
@@ -143,8 +143,8 @@ class DeMo(torch.optim.Optimizer):
     @property
     def topology(self):
         """The topology part (:mod:`hf_demo.topology`), built with its groups once the process group exists."""
-        if self.replication is not None:  # elastic: the group of this step's torchft quorum
-            return self.replication.topology
+        if self._peers is not None:  # given by reset_peers (hf_demo.elastic: this quorum's torchft group)
+            return self._peers
         initialised = dist.is_available() and dist.is_initialized()
         built = self._topology
         if built is not None and (built.transport.world > 1 or built.name != "flat") == initialised:
@@ -174,8 +174,9 @@ class DeMo(torch.optim.Optimizer):
     def group_of(self, p: torch.Tensor) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
-    def step_view(self) -> views.OptimizerView:
-        """What the step's phases read of this optimizer (:class:`~hf_demo.optim.view.OptimizerView`), taken now."""
+    def step_view(self, elastic: bool = False) -> views.OptimizerView:
+        """What the step's phases read of this optimizer (:class:`~hf_demo.optim.view.OptimizerView`), taken now;
+        ``elastic``: a wrapper decides the commit (:meth:`prepare_step`)."""
         return views.OptimizerView(
             settings=self.settings,
             secret=self.secret,
@@ -197,7 +198,7 @@ class DeMo(torch.optim.Optimizer):
             header_timings=self.header_timings,
             ddp_suspects=self.ddp_suspects,
             rescan_ddp=self._rescan_ddp,
-            elastic=self.replication is not None,
+            elastic=elastic,
             unsettled=self.unsettled,
             settle_prior=self._settle_prior,
         )
@@ -216,7 +217,8 @@ class DeMo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step on every rank: :meth:`prepare_step` and its :meth:`StagedStep.commit`."""
+        """One optimizer step on every rank: :meth:`prepare_step` and its :meth:`StagedStep.commit`. Refused where a
+        wrapper gave DeMo its peers (:meth:`reset_peers`): the wrapper's ``step()`` steps it then."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -225,11 +227,15 @@ class DeMo(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def prepare_step(self) -> StagedStep:
+    def prepare_step(self, *, elastic: bool = False) -> StagedStep:
         """Every phase of a step (:func:`hf_demo.optim.phases.run_step`: its collectives, checks and verdicts, on
         every rank) with nothing applied: the parameters, the optimizer state and the counters are as they were
         until :meth:`StagedStep.commit`; :meth:`StagedStep.discard` drops the step. Call it, and then the same one of
-        the two, on every rank. An error raised here changes nothing (as a failed :meth:`step`)."""
+        the two, on every rank. An error raised here changes nothing (as a failed :meth:`step`). ``elastic``: a
+        wrapper decides whether the step commits (:class:`hf_demo.elastic.Elastic`, torchft's ``should_commit``), so
+        its verdict is read within the step, never settled later; required where a wrapper gave DeMo its peers."""
+        if self._peers is not None and not elastic:
+            refuse("wrapped_step")
         transport = self.transport.at(self.steps)
         self.check_saved_world()
         self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
@@ -237,7 +243,7 @@ class DeMo(torch.optim.Optimizer):
         if self.unsettled is not None and self.unsettled.posted is not None:
             settle.confirm(self, final=False)  # this rank refused the last step: it raises now, with every rank
         try:
-            stepped, settled, outcome = run_step(self.step_view(), transport, self._on_cuda())
+            stepped, settled, outcome = run_step(self.step_view(elastic), transport, self._on_cuda())
         except settle.Deferred as exc:  # refused here; raised at the next step or confirm, with every rank
             settle.deferred(self, exc)
             return StagedStep(self, transport)
@@ -245,20 +251,17 @@ class DeMo(torch.optim.Optimizer):
             if getattr(exc, "undo_unsettled", False):
                 settle.undo(self)  # another rank refused the last step, committed here tentatively
             self._count_arrived()
-            if self.replication is None:
-                raise
-            self.replication.decide(exc)  # elastic: told to torchft, the step refused (raised if not a sync error)
-            return StagedStep(self, transport)
+            raise
         if settled is not None and settled.owes is not None:  # a verdict this rank could not trust: settled later
             settle.owe(self, transport, settled.owes, outcome)
             return StagedStep(self, transport)
         return StagedStep(self, transport, stepped.tx, settled, outcome)
 
     def _commit(self, staged: StagedStep) -> None:
-        """:meth:`StagedStep.commit`: the step's outcome staged last, and its transaction committed (elastic: where
-        torchft's ``should_commit`` agrees); tentatively, with an undo log, where its verdict settles later."""
+        """:meth:`StagedStep.commit`: the step's outcome staged last, and its transaction committed; tentatively,
+        with an undo log, where its verdict settles later."""
         tx = staged.close("committed")
-        if tx is None or not (self.replication is None or self.replication.decide(None)):
+        if tx is None:
             return
         outcome, transport = staged.outcome, staged.transport
         self._stage_outcome(tx, outcome)
@@ -268,17 +271,13 @@ class DeMo(torch.optim.Optimizer):
         undo = tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
         if tentative:
             self.unsettled = settle.Unsettled(transport.step, row_bytes, undo=undo)
-        if self.replication is not None:
-            self.replication.after_commit()  # elastic: this replica's momentum snapshot, where kept
 
     def _discard(self, staged: StagedStep) -> None:
         """:meth:`StagedStep.discard`: nothing of the step is applied; what happened on the wire stays counted
-        (an exchange in flight that arrived), and an elastic step is refused through torchft on every replica."""
+        (an exchange in flight that arrived)."""
         if staged.close("discarded") is None:
             return
         self._count_arrived()
-        if self.replication is not None:
-            self.replication.decide(DeMoSyncError("the step was discarded (StagedStep.discard)"))
 
     def _count_arrived(self) -> None:
         """Overlap: the exchange in flight, where it arrived during a step that keeps nothing, is counted (it
@@ -377,6 +376,27 @@ class DeMo(torch.optim.Optimizer):
 
     def land_in_flight(self, pending) -> None:
         self.pending = pending
+
+    def reset_peers(self, topology=None) -> None:
+        """The peers DeMo exchanges with changed (hf_demo.elastic: a new torchft quorum, on every replica of it at
+        the same step): what it learnt of the last ones is forgotten. The first exchange compares every rank again
+        (a joiner's recovered state checked against the survivors'), the first-step DDP guard runs again, and no
+        payload rides with the headers until the new peers have agreed its size on the wire (a joiner has none of
+        these: a rank that kept them would meet it with another collective). With ``overlap=True`` the exchange in
+        flight, over the last peers' group, is dropped (one step's update, lost alike everywhere). The budget
+        policy's figures of the last exchange are forgotten too, so every rank decides its next tier from the same
+        (none); the tier itself is kept.
+
+        ``topology``: the new peers' group (:mod:`hf_demo.topology`), which DeMo exchanges over from now on (steps,
+        :meth:`flush`, :meth:`confirm`, :meth:`end_local_phase`, the identity a state is saved with) in place of its
+        own from ``torch.distributed``; the wrapper that gave it steps DeMo (:meth:`prepare_step` with
+        ``elastic=True``), and a plain :meth:`step` is refused. None: DeMo's own group again."""
+        self.clock = policies.Clock()
+        self.first_checked = False
+        self.ddp_checked = False
+        self.wire_agreed = {}
+        self.pending = None
+        self._peers = topology
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -479,8 +499,8 @@ class StagedStep:
     """A step that :meth:`DeMo.prepare_step` ran to its end, with its writes staged (its transaction) and nothing
     applied. ``commit()`` applies it (as :meth:`DeMo.step` does), ``discard()`` drops it: the parameters, the
     optimizer state and the counters stay bitwise as they were (what happened on the wire stays counted). One of
-    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later, or elastic
-    refused it) has nothing staged: both do nothing then (:attr:`empty`)."""
+    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later) has nothing
+    staged: both do nothing then (:attr:`empty`)."""
 
     def __init__(self, opt: DeMo, transport, tx=None, settled=None, outcome=None):
         self._opt, self.transport, self._tx = opt, transport, tx
