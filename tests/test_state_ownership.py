@@ -243,3 +243,46 @@ def test_only_the_optimizer_writes_its_attributes_while_two_ranks_run(tmp_path):
     for seen in expect_ok(run_ranks(_two_ranks, 2, str(tmp_path), timeout=180)):
         assert "unsettled" in seen.get("optim/optimizer.py", ()), seen  # the refused step was kept, then settled
         assert set(seen) == {"optim/optimizer.py"}, seen
+
+
+# ---------------------------------------------------------------------------------------------- device_mesh
+class _Mesh:
+    """Stands for Accelerate's (replicate, shard) mesh: DeMo keeps it at construction and reads it at its first step."""
+
+    ndim = 2
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["optim_demo", "optimizer_cls_and_kwargs"])
+def test_the_trainer_gives_demo_the_hsdp_mesh_when_it_builds_it(tmp_path, monkeypatch, given):
+    """Under HSDP (the model sharded by the Trainer on a 2-D mesh) DeMo is built with ``device_mesh``: the Trainer
+    writes nothing into it after (``--optim demo``, or a DeMo class given to the Trainer), and puts its own
+    ``optimizer_cls_and_kwargs`` back."""
+    built = []
+    monkeypatch.setattr(DeMo, "__init__", _recording(DeMo.__init__, built))
+    chosen = (DeMo, {"lr": 1e-3, "compression_topk": 4}) if given else None
+    optim = {} if given else {"optim": "demo"}
+    args = hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **optim)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    trainer = hf_demo.DeMoTrainer(model=model, args=args, optimizer_cls_and_kwargs=chosen)
+    trainer._demo_mesh = mesh = _Mesh()
+    opt = hf_demo.hf.data_parallel.unwrap_optimizer(trainer.create_optimizer())
+    assert built == [mesh] and opt.device_mesh is mesh
+    assert trainer.optimizer_cls_and_kwargs is chosen
+
+
+def test_the_trainer_gives_no_mesh_without_hsdp(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(DeMo, "__init__", _recording(DeMo.__init__, built))
+    args = hf_demo.DeMoTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", optim="demo")
+    trainer = hf_demo.DeMoTrainer(model=torch.nn.Sequential(torch.nn.Linear(8, 8)), args=args)
+    trainer._demo_mesh = type("FSDP", (), {"ndim": 1})()  # pure FSDP: nothing to exchange across replicas
+    trainer.create_optimizer()
+    assert built == [None]
+
+
+def _recording(init, built: list):
+    def recorded(self, *args, device_mesh=None, **kwargs):
+        built.append(device_mesh)
+        init(self, *args, device_mesh=device_mesh, **kwargs)
+
+    return recorded
