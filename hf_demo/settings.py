@@ -34,6 +34,24 @@ def refuse_retired(names) -> None:
         refuse(RETIRED_KEYS[name])
 
 
+def with_sign_update(sign_update, settings: dict) -> dict:
+    """``DeMo(sign_update=...)``, the reference's switch, as ``update_rule``; unknown settings refused with the known
+    ones."""
+    if sign_update is not None:
+        if not isinstance(sign_update, bool):
+            raise ValueError(f"DeMo: invalid sign_update={sign_update!r}: must be True or False")
+        rule = "sign" if sign_update else "raw"
+        if settings.setdefault("update_rule", rule) != rule:
+            refuse("sign_update_contradicts", sign_update=sign_update, rule=settings["update_rule"])
+    refuse_retired(settings)
+    unknown = set(settings) - set(DeMoSettings.names())
+    if unknown:
+        raise ValueError(
+            f"unknown DeMo setting(s) {sorted(unknown)}; known settings: {', '.join(DeMoSettings.names())}"
+        )
+    return settings
+
+
 def check_blocks(chunk, topk) -> None:
     """Refuse a block side or a top-k DeMo cannot run (ValueError): the one check of both, for the optimizer's
     settings (:class:`DeMoSettings`) and for every parameter group (:func:`hf_demo.optim.groups.validate_group`)."""

@@ -9,6 +9,8 @@ that averages makes the gradients of the parameters it holds bitwise the same on
 from __future__ import annotations
 
 import gc
+import warnings
+import weakref
 from itertools import compress
 
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_demo.errors import DDP_ALLREDUCES, DeMoSetupError
+from hf_demo.exchange import liveness, teardown
 from hf_demo.guards.checks import gradient_fingerprint
 from hf_demo.wire import codec
 from hf_demo.wire.agreement import pack_words, unpack_words
@@ -52,6 +55,39 @@ def held_params(wrappers, params) -> list[torch.Tensor]:
     """Those of ``params`` that any of ``wrappers`` (still all-reducing) holds, in the order of ``params``."""
     held = {id(p) for w in wrappers if allreducing(w) for p in w.module.parameters()}
     return [p for p in params if id(p) in held]
+
+
+def first_step_guard(opt, params: list[torch.Tensor], transport) -> list[weakref.ref]:
+    """At DeMo's first step in a process group: the exit handler (:mod:`hf_demo.exchange.teardown`), the liveness
+    guard (a frozen peer caught outside DeMo's collectives too), and a loud error if DDP still averages
+    (:func:`first_step_check`); returns the wrappers to watch (:func:`watched`)."""
+    teardown.install_exit_handler()
+    liveness.guard(opt.settings.comm_timeout)
+    teardown.track(opt)
+    return watched(first_step_check(params, transport), opt.steps)
+
+
+def watched(wrappers: list[DistributedDataParallel], step: int) -> list[weakref.ref]:
+    """DDP wrappers of the optimizer's parameters that did not average their gradients at its first step (optimizer
+    step ``step``): warned about, and returned as weak references for the optimizer to check again at every
+    ``check_every`` step (:func:`suspects`)."""
+    if wrappers:
+        warnings.warn(
+            f"DeMo: {len(wrappers)} DistributedDataParallel wrapper(s) hold some of DeMo's parameters but did not "
+            f"average their gradients at optimizer step {step} (they differ between ranks): taken for "
+            "wrappers no longer in use. DeMo checks them again at every check_every step; "
+            "hf_demo.disable_gradient_allreduce(wrapper) or `del wrapper` silences this.",
+            stacklevel=4,
+        )
+    return [weakref.ref(w) for w in wrappers]
+
+
+def suspects(watched: list[weakref.ref], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` that the watched wrappers (alive and still all-reducing) hold (read only: a step writes
+    nothing)."""
+    if not watched:
+        return []
+    return held_params([w for ref in watched if (w := ref()) is not None], params)
 
 
 def averaging_ranks(flags: list[bool], prints: list[int]) -> list[int]:

@@ -189,21 +189,36 @@ class DeMoTrainerMixin(PrivateTrainerHooks):
         model that is already FSDP2; Trainer builds the optimizer before it prepares an FSDP2 model)."""
         if self.uses_demo and self.is_fsdp_enabled and not fsdp.is_fsdp2(self.model):
             self._demo_mesh = fsdp.shard_with_accelerate(self.model, self.accelerator)
-        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        with self._built_on_mesh(model if model is not None else self.model):
+            optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         opt = unwrap_optimizer(optimizer)
-        mesh = getattr(self, "_demo_mesh", None)
-        if opt is not None and mesh is not None and mesh.ndim == 2:
-            opt.device_mesh = mesh  # HSDP: DeMo exchanges across the replicate dimension of Accelerate's mesh
         if self._elastic_options is not None and self.demo_elastic is None:
             per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
             self.demo_elastic = elastic_trainer.build(opt, self.model, self._elastic_options, per_step)
             optimizer = self.optimizer = self.demo_elastic  # Trainer steps the wrapper: torchft decides each commit
         return optimizer
 
+    @contextlib.contextmanager
+    def _built_on_mesh(self, model):
+        """While Trainer builds its optimizer: under HSDP (the model sharded here on a 2-D mesh) DeMo is given
+        Accelerate's (replicate, shard) mesh at construction (``device_mesh``), and exchanges across its replicate
+        dimension. Trainer's own optimizer class and kwargs (or the ones given to it) are put back after."""
+        mesh, given = getattr(self, "_demo_mesh", None), self.optimizer_cls_and_kwargs
+        if self.optimizer is not None or mesh is None or mesh.ndim != 2:
+            yield
+            return
+        cls, kwargs = given if given is not None else self.get_optimizer_cls_and_kwargs(self.args, model)
+        if isinstance(cls, type) and issubclass(cls, DeMo):
+            self.optimizer_cls_and_kwargs = (cls, {**kwargs, "device_mesh": mesh})
+        try:
+            yield
+        finally:
+            self.optimizer_cls_and_kwargs = given
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.uses_demo:
             disable_gradient_allreduce(model)  # before the first backward; once
-            unwrap_optimizer(self.optimizer).context = "trainer"  # its errors name Trainer's switches
+            unwrap_optimizer(self.optimizer).run_by("trainer")  # its errors name Trainer's switches
         if self.demo_ops is not None:
             self.demo_ops.watch_forward(model)  # DDP's buffer broadcast: a wait, not this rank's own time
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -8,6 +8,7 @@ over the checkpoint's (a warning names the differences; the momentum is re-plann
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import uuid
 import warnings
@@ -52,10 +53,10 @@ def save(opt, sd: dict) -> dict:
     return sharded_checkpoint.to_checkpoint(opt, sd, topology.world_mesh(), topology.shards.world, bool(own))
 
 
-def load(opt, state_dict: dict, resume: bool = True) -> None:
-    """``state_dict`` into ``opt``. ``resume``: a checkpoint of this run, checked to be this rank's, saved with this
-    many ranks, at every rank's step (now where the group exists, else at the first step); ``False``: a live peer's
-    agreed state (elastic recovery), whose rank, world and step are the peer's and are not checked."""
+def unpacked(opt, state_dict: dict, resume: bool = True) -> tuple[dict, SavedState, list[dict]]:
+    """``state_dict`` checked before anything is loaded: (torch's part of it, DeMo's saved state, the settings
+    each parameter group asks for now). ``resume``: a checkpoint of this run, whose refusal the other ranks hear
+    at once; ``False``: a live peer's agreed state (elastic recovery)."""
     state_dict = dict(state_dict)
     if opt.topology.name == "sharded":
         state_dict = sharded_checkpoint.from_checkpoint(opt, state_dict)
@@ -67,10 +68,18 @@ def load(opt, state_dict: dict, resume: bool = True) -> None:
             announce_refused(opt, exc)  # the other ranks' comparison hears it now, not after comm_timeout
         raise
     requested = [{k: g[k] for k in DeMoSettings.per_group_names()} for g in opt.param_groups]
-    tensors, saved_groups = saved_tensors(state_dict), state_dict["param_groups"]
-    torch.optim.Optimizer.load_state_dict(opt, state_dict)
+    return state_dict, saved, requested
+
+
+def restored(opt, state_dict: dict, saved: SavedState, requested: list[dict], resume: bool) -> dict:
+    """After torch's ``load_state_dict`` of ``state_dict``: the requested settings win over the saved ones (a
+    warning names the differences), DeMo's state tensors are placed (the momentum re-planned where the chunk
+    changed). Returns what the optimizer takes of the saved state, by attribute: its counters, policy (a fresh
+    clock: the figures of an exchange run before the load are not the resumed run's), exchange in flight, run
+    (a resumed run is the run it resumes) and, for ``resume``, whose state it is (checked once the group exists)."""
+    saved_groups = state_dict["param_groups"]
     changed = _requested_win(opt, requested, saved_groups) + _changed_settings(opt, saved.settings)
-    ids = [pid for g in saved_groups for pid in g["params"]]
+    tensors, ids = saved_tensors(state_dict), [pid for g in saved_groups for pid in g["params"]]
     pairs = [(p, g, saved_g) for g, saved_g in zip(opt.param_groups, saved_groups) for p in g["params"]]
     for pid, (p, group, saved_g) in zip(ids, pairs):
         _restore_tensors(opt, p, tensors.get(pid, {}), saved_g.get("compression_chunk"), group, pid)
@@ -80,22 +89,37 @@ def load(opt, state_dict: dict, resume: bool = True) -> None:
             "re-planned where the chunk changed): " + "; ".join(changed),
             stacklevel=3,
         )
-    opt.counters = saved.counters
-    _load_policy(opt, saved)
     rank, world = opt.identity()[:2]
-    opt.land_in_flight(
-        None if saved.pending is None else PendingExchange.from_state(saved.pending, rank, world, opt.device())
+    pending = None if saved.pending is None else PendingExchange.from_state(saved.pending, rank, world, opt.device())
+    return dict(
+        counters=saved.counters,
+        policy=loaded_policy(opt, saved),
+        clock=policies.Clock(),
+        pending=pending,
+        run_id=saved.run_id or opt.run_id,
+        saved_world=(saved.rank, saved.world_size, saved.rank_scope) if resume else None,
+        saved_identity=(saved.run_id, saved.counters.steps, saved.params_print) if resume else (None, None, None),
     )
-    opt.comm_stats.load(saved.comm)
-    opt.run_id = saved.run_id or opt.run_id  # a resumed run is the run it resumes
-    if resume:
-        opt.saved_world = (saved.rank, saved.world_size, saved.rank_scope)
-        opt.saved_identity = (saved.run_id, saved.counters.steps, saved.params_print)
-        if dist.is_available() and dist.is_initialized():  # else at the first step, once the group exists
-            opt.check_saved_world()
-    else:
-        opt.saved_world, opt.saved_identity = None, (None, None, None)
-    _restore_own_parameters(opt, ids, [p for p, _, _ in pairs], saved.local_params)
+
+
+def check_saved_world(opt, saved_world: tuple[int, int, str]) -> None:
+    """``DeMo.check_saved_world``: the loaded state (saved by ``saved_world``: rank, world, scope) must be this
+    rank's, saved with this many ranks, by the run and at the step of every other rank's (compared first, through
+    the store: a rank that refused its own state is heard before any group is built)."""
+    compare_resumed(opt, opt.settings.comm_timeout or 300.0)
+    (saved_rank, saved_world_size, scope), (rank, world, here) = saved_world, opt.identity()
+    if scope != here and "mesh" in (scope + here):
+        refuse(
+            "resume_other_mesh",
+            saved=scope if "mesh" in scope else "flat layout",
+            now=here if "mesh" in here else "flat layout",
+        )
+    if saved_world_size != world:
+        refuse("resume_other_world", saved_world=saved_world_size, world=world)
+    if saved_rank != rank:
+        raise DeMoStateError(
+            f"rank {rank} loaded the optimizer state saved by rank {saved_rank}; each rank must load its own state"
+        )
 
 
 def refuse_unfit(opt, saved: SavedState) -> None:
@@ -119,22 +143,21 @@ def saved_tier(opt, saved: SavedState) -> int | None:
     return opt.tiers.index(tier) if tier in opt.tiers else None
 
 
-def _load_policy(opt, saved: SavedState) -> None:
-    # the figures of an exchange this optimizer ran before the load (torch's DCP state-dict helpers take a step to
-    # create the state they load into) are not the resumed run's: it starts without a last exchange, as a fresh one
-    opt.clock = policies.Clock()
+def loaded_policy(opt, saved: SavedState) -> policies.BudgetPolicy:
+    """The policy the saved state resumes (a new object: the optimizer keeps it), in the saved tier found among
+    this run's tiers by what it is (a warning where this run has no such tier)."""
     found = saved_tier(opt, saved)
-    opt.policy.load_state_dict({k: v for k, v in saved.policy.items() if k != "tier_spec"})
+    policy = policies.BudgetPolicy(**vars(opt.policy))
+    policy.load_state_dict({k: v for k, v in saved.policy.items() if k != "tier_spec"})
     if found is not None:
-        opt.policy.tier = found
-        return
-    tier = min(opt.policy.tier, len(opt.tiers) - 1)
+        return dataclasses.replace(policy, tier=found)
+    tier = min(policy.tier, len(opt.tiers) - 1)
     warnings.warn(
         f"DeMo: the checkpoint's communication tier ({list(saved.tier_spec)}) is not among this run's tiers (other "
         f"settings); continuing in tier {tier} {astuple(opt.tiers[tier])}",
         stacklevel=4,
     )
-    opt.policy.tier = tier
+    return dataclasses.replace(policy, tier=tier)
 
 
 def _requested_win(opt, requested, saved_groups) -> list[str]:
@@ -286,12 +309,14 @@ def own_parameters(opt):
             yield i, p
 
 
-def _restore_own_parameters(opt, ids, params, own: dict) -> None:
+def restore_own_parameters(opt, state_dict: dict, saved: SavedState) -> None:
     """Mid local phase: this rank's own parameters, not the checkpoint's model weights (rank 0's, or the ranks'
     mean when written through averaged_parameters); one that had not moved is its anchor."""
+    ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params, own = [p for g in opt.param_groups for p in g["params"]], saved.local_params
     with torch.no_grad():
         for pid, p in zip(ids, params):
             if pid in own:
                 local(p).copy_(own[pid])
-            elif opt.unsynced and "anchor" in opt.state.get(p, {}):
+            elif saved.counters.unsynced and "anchor" in opt.state.get(p, {}):
                 local(p).copy_(opt.state[p]["anchor"])

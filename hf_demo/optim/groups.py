@@ -87,6 +87,20 @@ def replan_momentum(
     return transform.encode(transform.decode(momentum, old), new)
 
 
+def group_of(param_groups: list[dict], p: torch.Tensor) -> dict:
+    """The parameter group that holds ``p``."""
+    return next(g for g in param_groups if any(q is p for q in g["params"]))
+
+
+def check_added(group: dict, settings: DeMoSettings) -> None:
+    """A parameter group just added to the optimizer (its defaults filled in): its values, the optimizer-wide
+    settings' view of them, and each of its parameters, checked."""
+    validate_group(group)
+    settings.check_group(group)
+    for p in group["params"]:
+        check_param(p)
+
+
 def validate_group(group: dict) -> None:
     def bad(name, why):
         raise ValueError(f"DeMo: invalid {name}={group[name]!r}: {why}")

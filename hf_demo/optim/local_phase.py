@@ -4,17 +4,23 @@ what ends such a phase, and what shows the ranks' mean without ending it."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 
 import torch
 
 from hf_demo.errors import DeMoNonFiniteError
 from hf_demo.exchange.transport import Traffic
 from hf_demo.guards.checks import any_nonfinite
+from hf_demo.optim import overlap, settle
 from hf_demo.topology.dtensor import local
+
+logger = logging.getLogger("hf_demo.optim.optimizer")  # the optimizer's log, as before
 
 
 def in_local_phase(opt) -> bool:
-    """A local step ran since the last committed synchronisation (the same answer on every rank)."""
+    """``DeMo.in_local_phase()``: whether the ranks are between synchronisations: a local step ran since the last
+    committed one (a skipped synchronisation included). The same answer on every rank."""
     return opt.unsynced and opt.transport.world > 1
 
 
@@ -28,10 +34,11 @@ def phase_means(opt, name: str) -> tuple[dict, Traffic]:
 
 
 def end(opt) -> int:
-    """Every anchored parameter becomes the mean of every rank's and its anchor moves there; raises
-    :class:`DeMoNonFiniteError` (every rank, nothing changed) when the mean is not finite."""
-    if not in_local_phase(opt):
-        return 0
+    """``DeMo.end_local_phase()`` inside a local phase, on every rank: each parameter with an anchor becomes the mean
+    of every rank's value (dense all-reduces in fp32, or the parameter's dtype where wider, counted in
+    ``comm_stats``) and its anchor moves there; the error feedback and the inner state are kept (the optimizer then
+    marks its counters synchronised). Raises :class:`DeMoNonFiniteError` (every rank, nothing changed) when the
+    mean is not finite. Returns the number of parameters averaged."""
     means, traffic = phase_means(opt, "end_local_phase")
     opt.comm_stats.add(traffic, "averaging")
     if any_nonfinite(list(means.values())):
@@ -44,13 +51,47 @@ def end(opt) -> int:
             local(p).copy_(mean.to(p.dtype))
             if "anchor" in opt.state.get(p, {}):
                 opt.state[p]["anchor"].copy_(local(p))
-    opt.counters.unsynced = False
     return len(means)
+
+
+@torch.no_grad()
+def flush(opt) -> None:
+    """``DeMo.flush()``: after the last step, on every rank. The last step's verdict is read where it has not been
+    (``confirm()``). Overlap: apply the update of the exchange still in flight. Inside a local phase
+    (``sync_every > 1``, or a policy's local-step tier) the ranks' parameters are their own until the next
+    synchronisation: ``end_local_phase='average'`` ends the phase now (``end_local_phase()``), ``'warn'`` leaves
+    them apart and warns (a model saved from rank 0 holds rank 0's)."""
+    settle.confirm(opt)
+    if opt.pending is not None:
+        overlap.flush(opt)
+    if in_local_phase(opt):
+        ended_inside(opt)
+
+
+def ended_inside(opt) -> None:
+    """``flush()`` inside a local phase: ``end_local_phase='average'`` ends it now (``DeMo.end_local_phase``),
+    ``'warn'`` leaves the ranks' parameters apart and warns."""
+    every = opt.tiers[opt.policy.tier].sync_every
+    where = f"training ended inside a local phase (optimizer step {opt.steps}, sync_every={every})"
+    if opt.settings.end_local_phase == "average":
+        logger.info("DeMo: %s: %d parameters averaged over every rank", where, opt.end_local_phase())
+        return
+    message = (
+        f"DeMo: {where}: each rank's parameters are still its own and a model saved from rank 0 holds rank "
+        f"0's. End on a synchronisation (max_steps a multiple of {every}), resume from a checkpoint, which "
+        "keeps each rank's parameters in its optimizer state, or set end_local_phase='average'"
+    )
+    logger.warning(message)
+    warnings.warn(message, stacklevel=3)
 
 
 @contextlib.contextmanager
 def averaged(opt):
-    """The ranks' mean in the parameters while the block runs, then this rank's own again, bit for bit."""
+    """``DeMo.averaged_parameters()``: inside a local phase, the parameters hold the mean of every rank's while the
+    ``with`` block runs, then this rank's own again, bit for bit; the optimizer state is not touched. Use it for what
+    should see the model and not one rank's part of it: an evaluation, the model file of a checkpoint (DeMoTrainer
+    does both). Outside a local phase it does nothing. Inside one it is a collective (every rank enters it) and its
+    dense all-reduces are counted in ``comm_stats``."""
     if not in_local_phase(opt):
         yield
         return

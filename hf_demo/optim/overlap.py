@@ -92,6 +92,15 @@ def stage_late(view, tx: Transaction, updates, stepping) -> None:
     tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator))
 
 
+def count_arrived(pending, stats) -> None:
+    """The exchange in flight (``pending``), where it arrived during a step that keeps nothing, counted in
+    ``stats`` once (it happened on the wire)."""
+    arrived = pending.in_flight.arrived if pending is not None else None
+    if arrived is not None and not pending.counted:
+        stats.record(arrived.sent, arrived.received, arrived.waited)
+        pending.counted = True
+
+
 def flush(opt) -> None:
     """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied."""
     view, transport = opt.step_view(), opt.transport.at(opt.steps)

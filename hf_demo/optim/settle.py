@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange.transport import Pending
 from hf_demo.guards import verdicts
@@ -201,16 +203,17 @@ def keeps_undo(opt, tx, settled, outcome, world: int) -> tuple[bool, int]:
     return (row_bytes is not None and tx.undoable), row_bytes or 0
 
 
-def owe(opt, transport, refusal: DeMoPayloadError, outcome) -> None:
+def owe(opt, transport, refusal: DeMoPayloadError, outcome) -> Unsettled:
     """A non-steady step this rank keeps nothing of, for a verdict it could not trust: its settling row goes out
     at once in the next exchange's all-gather (where every other rank committed it tentatively, or refused it
     too); this rank raises at its next step or confirm, with every rank (:func:`_refused_here`). Where no
-    exchange follows at once (a local phase starts), it raises now."""
+    exchange follows at once (a local phase starts), it raises now. Returns the step kept unsettled (the optimizer
+    keeps it)."""
     row_bytes = next_row_bytes(opt, outcome, transport.world)
     if row_bytes is None:
         raise refusal
     posted = post(transport, transport.step, refusal, row_bytes, opt, opt.device())
-    opt.unsettled = Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
+    return Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
 
 
 def refused_before(transport, settling: dict, unsettled) -> Exception:
@@ -230,9 +233,16 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
     return exc
 
 
+@torch.no_grad()
 def confirm(opt, final: bool = True) -> None:
-    """Read every rank's verdict on the step still unsettled (none: nothing to do, no collective). Every rank
-    must call it at the same point (after the last step, before a checkpoint): ``DeMo.confirm()`` (``final``).
+    """``DeMo.confirm()``: read every rank's verdict on the last step where it has not been read (three
+    all-gathers: the verdicts, then every rank's finding on them, twice; nothing where it has). With
+    ``commit_vote="on"`` a steady step commits tentatively and its verdict travels with the next step; after the
+    last step, and before saving a checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where
+    any rank refused the step, or could not trust a verdict on it, every rank undoes it and raises the same
+    :class:`~hf_demo.errors.DeMoPayloadError`. (``final``: not from the next step, which only raises a refusal of
+    this rank's.)
+
     Three rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round, a
     verdict it could not trust included, then every rank's finding once more (a refusal it read in the second
     round relayed: :func:`_later_rounds`); the step stays where no trusted finding refuses it (a row that fails
@@ -248,14 +258,14 @@ def confirm(opt, final: bool = True) -> None:
         own = agreement.finding(transport, agreement.settling_words(read, u.step), 0)
         words = _later_rounds(opt, transport, u, own)
     except DeMoSyncError as exc:
-        undo(opt)
+        undo(opt.settled())
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
     finally:
         opt.comm_stats.add(transport.traffic, "settle")
     if any(words):
-        undo(opt)
+        undo(opt.settled())
         raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
-    opt.unsettled = None
+    opt.settled()
 
 
 def _later_rounds(opt, transport, u: Unsettled, own: int) -> list[int]:
@@ -287,12 +297,12 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
-        opt.unsettled = None
+        opt.settled()
         if u.earlier is not None:
             u.earlier()
         what = f", and undid optimizer step {u.step - 1}, whose verdict it could not read" if u.earlier else ""
         raise DeMoSyncError(f"{exc}. This rank refused optimizer step {u.step} ({u.refusal}){what}") from exc
-    opt.unsettled = None  # every rank that answered received the step before whole: it stays, unless one is behind
+    opt.settled()  # every rank that answered received the step before whole: it stays, unless one is behind
     read = agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
     words, what = agreement.settling_words(read, u.step), ""
     behind = [transport.global_rank(r) for r in agreement.behind(read, u.step)]
@@ -308,25 +318,24 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     raise agreement.refused_everywhere(transport, u.step, words, u.refusal, what)
 
 
-def undo(opt) -> None:
-    """Put the optimizer back as it was before the step committed tentatively (nothing where none is)."""
-    u, opt.unsettled = opt.unsettled, None
+def undo(u: Unsettled | None) -> None:
+    """Put the optimizer back as it was before the step ``u`` (dropped by ``DeMo.settled()``) committed
+    tentatively (nothing where there is none)."""
     if u is not None and u.undo is not None:
         u.undo()
 
 
-def deferred(opt, exc: Deferred) -> None:
-    """``DeMo.step``'s answer to :class:`Deferred`: the refused step is kept unsettled (and the step before's undo
-    where this rank did not trust every header, so did not read every verdict on it)."""
-    earlier = opt.unsettled.undo if opt.unsettled is not None else None
-    opt.unsettled = replace(exc.unsettled, earlier=earlier)
+def deferred(unsettled: Unsettled | None, exc: Deferred) -> Unsettled:
+    """``DeMo.prepare_step``'s answer to :class:`Deferred`: the refused step, to keep unsettled (with the step
+    before's undo where this rank did not trust every header, so did not read every verdict on it)."""
+    earlier = unsettled.undo if unsettled is not None else None
+    return replace(exc.unsettled, earlier=earlier)
 
 
-def state_check(opt, what: str = "saved") -> None:
+def state_check(u: Unsettled | None, what: str = "saved") -> None:
     """``state_dict()`` (or ``load_state_dict()``) of a rank that refused a step still unsettled: no state is saved
     from there (the step is refused on every rank at the next step or confirm), and none is loaded while its
     settling row travels (the next collectives would pair with it)."""
-    u = opt.unsettled
     if u is not None and u.posted is not None:
         raise DeMoPayloadError(
             f"{u.refusal}; this rank refused optimizer step {u.step}, which every rank refuses at its next step() "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_demo.optim.groups import group_of
 from hf_demo.optim.update_rules import FACTS
 from hf_demo.refusals import refuse
 from hf_demo.topology.dtensor import is_sharded, local, local_shape, pieces_over, placed_like, shard_shapes
@@ -56,7 +57,7 @@ def to_checkpoint(opt, sd: dict, world_mesh, shards: int, holds_own: bool) -> di
     by_id = params_by_id(sd, opt)
     for pid, entry in sd["state"].items():
         p = by_id[pid]
-        chunk = opt.group_of(p)["compression_chunk"]
+        chunk = group_of(opt.param_groups, p)["compression_chunk"]
         if "momentum" not in entry and 0 not in local_shape(p):  # none yet (a local phase's first steps) is zero
             # momentum, saved so that a fresh optimizer's state (the template a load fills) always asks for it
             entry["momentum"] = torch.zeros(entry_shape(local_shape(p), "momentum", chunk), device=p.device)
@@ -66,7 +67,7 @@ def to_checkpoint(opt, sd: dict, world_mesh, shards: int, holds_own: bool) -> di
     for pid, p in by_id.items():  # a shard with no rows here: zeros in this rank's piece, so the pieces fill
         if p.requires_grad and 0 in local_shape(p) and opt.steps:
             keys = _own_keys_of_group(opt, p, sd, by_id)
-            chunk = opt.group_of(p)["compression_chunk"]
+            chunk = group_of(opt.param_groups, p)["compression_chunk"]
             sd["state"][pid] = {
                 k: _placed(p, k, torch.zeros(0, device=p.device), shards, chunk, world_mesh) for k in keys
             }
@@ -78,7 +79,7 @@ def to_checkpoint(opt, sd: dict, world_mesh, shards: int, holds_own: bool) -> di
 def _own_keys_of_group(opt, p, sd, by_id) -> list[str]:
     """The rank-owned keys a parameter of ``p``'s group holds on this rank (the group's rules and tiers make them
     the same for every parameter of the group); momentum alone when no other parameter of it has a shard here."""
-    group = opt.group_of(p)
+    group = group_of(opt.param_groups, p)
     for pid, entry in sd["state"].items():
         q = by_id[pid]
         if q is not p and 0 not in local_shape(q) and any(q is r for r in group["params"]):
@@ -116,7 +117,7 @@ def from_checkpoint(opt, sd: dict) -> dict:
             if key in SAME_ON_REPLICAS:
                 entry[key] = mine
                 continue
-            shape = entry_shape(local_shape(p), key, chunks[pid] or opt.group_of(p)["compression_chunk"])
+            shape = entry_shape(local_shape(p), key, chunks[pid] or group_of(opt.param_groups, p)["compression_chunk"])
             entry[key] = mine[: torch.Size(shape).numel()].view(shape)
         state[pid] = entry
     sd["state"] = state

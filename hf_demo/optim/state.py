@@ -17,8 +17,42 @@ from hf_demo.compression.blocks import BlockLayout
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange.exchanges import InFlight
 from hf_demo.exchange.transport import Traffic
+from hf_demo.optim.policy import Clock
 
 STATE_VERSION = 3
+
+
+def fresh() -> dict:
+    """What a new :class:`hf_demo.DeMo` keeps between steps besides its settings, counters, policy and traffic:
+    each attribute's first value, and what it holds. Only DeMo's own methods change them
+    (``tests/test_state_ownership.py``)."""
+    return dict(
+        clock=Clock(),  # the policy's figures of the last exchange (hf_demo.optim.policy)
+        context="loop",  # where DeMo runs, for the fixes its errors name: "trainer" (DeMoTrainer) or "loop"
+        pending=None,  # overlap: the exchange started by the last step (PendingExchange)
+        saved_world=None,  # (rank, world, scope) of a loaded state, until checked against this run's
+        run_id=None,  # this run's identity, saved with the state (checkpointing.agreed_run_id)
+        saved_identity=(None, None, None),  # (run, optimizer step, parameter fingerprint) of a loaded state
+        first_checked=False,  # this process's first exchange compared the replicas and the gradients
+        unsettled=None,  # the last step, its verdict not read yet (hf_demo.optim.settle.Unsettled)
+        _undo_spare={},  # the copies of the last undo log no longer needed, for the next one
+        wire_agreed={},  # {(world, tier): payload bytes on the wire} of the last committed exchange there
+        ddp_checked=False,  # the first-step DDP guard ran (again if False)
+        _ddp_wrappers=[],  # weak references to live DDP wrappers of its parameters (guards.ddp.watched)
+        _topology=None,  # the topology built over the process group (DeMo.topology)
+        _peers=None,  # the topology a wrapper gave (DeMo.reset_peers: an elastic quorum's), which then steps DeMo
+    )
+
+
+def forgotten_peers() -> dict:
+    """What :meth:`hf_demo.DeMo.reset_peers` sets when the peers change: what DeMo learnt of the last ones goes."""
+    return dict(
+        clock=Clock(),  # every rank decides its next tier from the same (no) figures
+        first_checked=False,  # the first exchange compares every rank again (a joiner's recovered state)
+        ddp_checked=False,  # the first-step DDP guard runs again
+        wire_agreed={},  # no payload rides with the headers until the new peers agreed its size
+        pending=None,  # overlap: the exchange in flight ran over the last group; nobody applies it
+    )
 
 
 @dataclass

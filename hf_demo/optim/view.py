@@ -1,5 +1,5 @@
 """What a step's phases read of the optimizer: :class:`OptimizerView`, taken once per step by
-:meth:`hf_demo.DeMo.view`, instead of the optimizer itself.
+:func:`of_optimizer` (``DeMo.step_view``), instead of the optimizer itself.
 
 The view holds the settings, the secret and sealer, the topology, the policy's figures, the counters, the exchange
 in flight and the per-parameter state (read; a phase writes it only through the step's transaction). It has no
@@ -116,3 +116,33 @@ class OptimizerView:
                 "momentum is re-planned); nothing was changed"
             )
         return state["momentum"]
+
+
+def of_optimizer(opt, elastic: bool = False) -> OptimizerView:
+    """What the step's phases read of ``opt`` (a :class:`hf_demo.DeMo`), taken now (``DeMo.step_view``);
+    ``elastic``: a wrapper decides the commit (``DeMo.prepare_step``)."""
+    return OptimizerView(
+        settings=opt.settings,
+        secret=opt.secret,
+        sealer=opt.sealer,
+        transform=opt.transform,
+        topology=opt.topology,
+        tiers=opt.tiers,
+        policy=opt.policy,
+        clock=opt.clock,
+        counters=opt.counters,
+        wire_agreed=opt.wire_agreed,
+        first_checked=opt.first_checked,
+        pending=opt.pending,
+        context=opt.context,
+        param_groups=opt.param_groups,
+        state=opt.state,
+        rule=opt.rule,
+        inner_rule=opt.inner_rule,
+        header_timings=opt.header_timings,
+        ddp_suspects=opt.ddp_suspects,
+        rescan_ddp=opt._rescan_ddp,
+        elastic=elastic,
+        unsettled=opt.unsettled,
+        settle_prior=opt._settle_prior,
+    )
