@@ -286,15 +286,9 @@ class DeMo(torch.optim.Optimizer):
         self.pending = pending
 
     def reset_peers(self, topology=None) -> None:
-        """The peers DeMo exchanges with changed (hf_demo.elastic: a new torchft quorum, on every replica of it at
-        the same step): what it learnt of the last ones is forgotten (:func:`hf_demo.optim.state.forgotten_peers`:
-        the first exchange compares every rank again, the first-step DDP guard runs again, no payload rides with the
-        headers until the new peers agree its size, an exchange in flight over the last group is dropped, the
-        budget policy's last figures go; the tier is kept). ``topology``: the new peers' group
-        (:mod:`hf_demo.topology`), which DeMo exchanges over from now on (steps, :meth:`flush`, :meth:`confirm`,
-        :meth:`end_local_phase`, the identity a state is saved with) in place of its own; the wrapper that gave it
-        steps DeMo (:meth:`prepare_step` with ``elastic=True``) and a plain :meth:`step` is refused. None: DeMo's
-        own group again."""
+        """The peers changed (an elastic quorum): what DeMo learnt of the last ones goes (``state.forgotten_peers``),
+        and it exchanges over ``topology`` (:mod:`hf_demo.topology`) from now on, stepped by the wrapper that gave
+        it (:meth:`prepare_step` with ``elastic=True``; a plain :meth:`step` is refused). None: its own group."""
         _set(self, **forgotten_peers(), _peers=topology)
 
     # ------------------------------------------------------------------ after the last step; local phases
