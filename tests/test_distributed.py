@@ -81,7 +81,7 @@ def _mismatch(rank, world, what):
     if what == "step":
         opt.step()
         if rank == 1:
-            opt.steps -= 1  # as if rank 1 resumed from an older checkpoint
+            opt.counters.steps -= 1  # as if rank 1 resumed from an older checkpoint
         loss_and_backward(model, rank, 1)
     opt.step()
     return "no error"

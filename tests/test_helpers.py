@@ -23,24 +23,6 @@ def test_spawned_ranks_report_results_and_errors(gloo):  # the benchmarks' way: 
     assert isinstance(failed, RankError) and failed.type == "ValueError" and "on purpose" in failed.message
 
 
-def _late_group(rank, world):
-    """Rank 0 returns at once; the others build a group of their own afterwards, through rank 0's store."""
-    import time
-
-    if rank == 0:
-        return "left"
-    time.sleep(0.5)
-    group = dist.new_group([rank], use_local_synchronization=True)
-    dist.barrier(group)
-    return "built"
-
-
-def test_rank_0_keeps_the_store_up_until_every_rank_has_returned(gloo):
-    """Rank 0 hosts the TCPStore: leaving as soon as its own function returned tore the store down under a rank
-    still building groups (its set-up failed on the lost store instead of finishing)."""
-    assert gloo(_late_group, 3, timeout=60, collective_timeout=20) == ["left", "built", "built"]
-
-
 def test_stdlib_corpus_is_the_library_without_tests():
     files = stdlib_files()
     assert len(files) > 500 and files == sorted(files)

@@ -55,31 +55,10 @@ def _worker(fn, rank, world, port, results, args, collective_timeout, backend="g
     buf = io.BytesIO()
     torch.save(out, buf)  # plain bytes: tensors must not travel as shared-memory handles of a dead process
     results.put((rank, buf.getvalue()))
-    _leave(rank, world, timeout=collective_timeout)
-
-
-LEFT = "benchlib.ranks/left/{}"  # a rank's mark in the store: its fn returned (or raised)
-
-
-def _leave(rank: int, world: int, timeout: float) -> None:
-    """Tear this rank's process group down. Rank 0 hosts the TCPStore, and a rank still building groups needs
-    it: rank 0 holds the store past its group's teardown until every rank has marked that its fn ended (up to
-    ``timeout``). Its gloo links close at once, so a rank waiting for it in a collective fails now."""
-    store = None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(LEFT.format(rank), "1")
-    except Exception:  # noqa: BLE001 - no group (its set-up failed) or the store already gone: nothing to hold
-        store = None
     try:
         dist.destroy_process_group()
     except Exception:
         pass
-    if rank == 0 and store is not None:
-        try:
-            store.wait([LEFT.format(r) for r in range(world)], datetime.timedelta(seconds=timeout))
-        except Exception:  # noqa: BLE001 - a rank that never marked (it died): leave all the same
-            pass
 
 
 def run_ranks(
