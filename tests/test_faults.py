@@ -169,6 +169,40 @@ def _flip(rank, world, kw, header_byte=None, secret=None):
     return error, unchanged, secs, [p.detach().clone() for p in model.parameters()]
 
 
+def _two_refuse_then_confirm(rank, world):
+    """Rank 0's payload of step 1 reaches ranks 1 and 2 corrupted (rank 0 received every payload whole and commits
+    the steady step tentatively); every rank calls confirm(), then runs the step again with the link whole."""
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=60.0)  # a wait for it outlasts run_ranks' timeout: a failure
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    whole = flip_received_payload_bit() if rank in (1, 2) else None
+    loss_and_backward(model, rank, 1)
+    try:
+        opt.step()
+        opt.confirm()
+        error = None
+    except Exception as exc:  # noqa: BLE001
+        error = RankError(exc)
+    if whole is not None:
+        whole()
+    opt.step()
+    opt.confirm()
+    return error, opt.steps, [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_ranks_refusing_a_steady_step_confirm_with_the_rank_that_kept_it_and_the_retry_commits():
+    """Ranks 1 and 2 refuse rank 0's payload, rank 0 keeps the step tentatively; in confirm() each refusing rank
+    reads the other's refusal (a settling row without FLAG_CONFIRM) beside rank 0's confirm row, and every rank
+    runs confirm's later rounds alike (were the refusers to leave them to rank 0, rank 0's later rounds would pair
+    with their retry). Every rank raises the same refusal and the retry commits with identical parameters."""
+    results = expect_ok(run_ranks(_two_refuse_then_confirm, 3, timeout=45))
+    for rank, (error, steps, params) in enumerate(results):
+        assert isinstance(error, RankError) and error.type == "DeMoPayloadError", (rank, error)
+        assert "every rank refused optimizer step 1 because rank(s) [1, 2]" in error.message, error.message
+        assert steps == results[0][1] and all(torch.equal(a, b) for a, b in zip(params, results[0][2])), rank
+
+
 @pytest.mark.parametrize("kw", [{}, {"exchange": "all_reduce"}], ids=["payload", "all_reduce nominations"])
 def test_a_byte_flipped_on_the_way_to_one_rank_stops_that_step_on_every_rank_and_the_retry_commits(kw):
     """Rank 1 refuses rank 0's payload (CRC32); rank 0 received everything intact. The vote makes both refuse
@@ -251,6 +285,58 @@ def test_a_refused_header_that_said_skip_stops_every_rank_at_once(at, exchange):
         assert "rank 1 refused the header from rank 0" in error.message, error.message
         assert seconds < 5.0, (rank, seconds)
         assert unchanged or not at, rank  # (a process's first step creates its state before the step)
+
+
+def _retry_a_refused_skip(rank, world, settings, confirm_each):
+    """A loop that stays alive and runs a refused step again, as its error invites: rank 0's gradient of the first
+    step after step 0 is NaN once (its header says skip), and rank 0's headers reach rank 1 corrupted until rank 1
+    raises (the settling rows too). ``confirm_each``: the loop confirms every step (as one that saves a checkpoint
+    at each). Returns (every error as (loop iteration, class, message), the step counter, the parameters)."""
+
+    model = tiny_mlp()
+    opt = small_demo(model, comm_timeout=60.0, **settings)  # a wait for it outlasts run_ranks' timeout: a failure
+    loss_and_backward(model, rank, 0)
+    opt.step()
+    whole = flip_received_header_bit(9 * 8) if rank == 1 else None
+    errors, iteration, nan = [], 1, rank == 0
+    while iteration < 4 and len(errors) < 3:
+        loss_and_backward(model, rank, iteration)
+        if nan:
+            next(model.parameters()).grad[0, 0] = float("nan")
+            nan = False
+        try:
+            opt.step()
+            if confirm_each:
+                opt.confirm()
+            iteration += 1
+        except Exception as exc:  # noqa: BLE001 - the same iteration runs again
+            errors.append((iteration, type(exc).__name__, str(exc)))
+            if whole is not None:
+                whole = whole()  # the link is whole again
+    opt.confirm()
+    return errors, opt.steps, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "exchange,confirm_each",
+    [("all_gather", False), ("all_gather", True), ("all_reduce_union", False)],
+    ids=["all_gather", "all_gather-confirm_each", "all_reduce_union"],
+)
+def test_a_refused_skip_raises_in_the_same_call_on_every_live_rank_and_the_retry_commits(exchange, confirm_each, world):
+    """Rank 0 skips its step (NaN), rank 1 cannot read the header that says so: every rank stays alive and runs
+    the step again when it raises. Every rank raises the same error in the same call (rank 1, which cannot tell
+    the step is a skip, returns from step() and raises at its next call: the ranks that settle the skip at once
+    read that in its row and do the same), nobody waits for comm_timeout (60 s, beyond run_ranks' timeout), and
+    the retry commits with identical parameters everywhere."""
+    results = expect_ok(run_ranks(_retry_a_refused_skip, world, SKIP_EXCHANGES[exchange], confirm_each, timeout=45))
+    errors, steps, params = results[0]
+    assert len(errors) == 1 and errors[0][1] == "DeMoPayloadError", errors
+    assert "rank 1 refused the header from rank 0" in errors[0][2], errors[0][2]
+    for rank, (errors_r, steps_r, params_r) in enumerate(results):
+        assert [e[:2] for e in errors_r] == [e[:2] for e in errors], (rank, errors_r, errors)
+        assert steps_r == steps, (rank, steps_r, steps)
+        assert all(torch.equal(a, b) for a, b in zip(params, params_r)), rank
 
 
 def _flip_header_overlap(rank, world):

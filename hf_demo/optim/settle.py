@@ -26,7 +26,9 @@ Any refusal: every rank raises the same :class:`~hf_demo.errors.DeMoPayloadError
 ranks, and a rank that committed step t tentatively undoes it first (bitwise back to before step t; nothing of
 step t+1 was applied). A rank that refused step t returns from ``step()`` without applying it (so that it takes
 part in whatever the training loop does between steps, Trainer's own collectives included) and raises at its next
-``step()``/``confirm()``, where the others raise too. Non-steady steps keep two round trips (the second of the
+``step()``/``confirm()``, where the others raise too (where the others settle step t at once, a refusing rank
+that could not tell so, having refused the header that said it, marks its row :data:`~hf_demo.wire.agreement.DEFERS`
+and they return from ``step()`` as it does). Non-steady steps keep two round trips (the second of the
 row's size); a refusal of step t is never seen later than at step t+1's all-gather.
 
 Where the verdict waits instead in a round trip of its own (``agreement.vote``, and why): ``commit_vote=
@@ -131,18 +133,23 @@ def vote(step, chosen, found, agreed, refusal) -> Settled:
     commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`),
     unless every other rank settles it now too (:func:`settles_now`: this rank then waits for that all-gather with
     them and raises at once, as they do); any other step runs the settling all-gather now and raises on every rank
-    where any rank refused."""
+    where any rank refused, or, where a refusing rank deferred (:data:`agreement.DEFERS` in its word: it could not
+    tell the step was not steady), defers too, so that every rank raises in the same call, its next."""
     transport, row_bytes = step.transport, agreed.row_bytes
     if refusal is None and steady(step, chosen, found, agreed):
         return Settled(tentative=True, row_bytes=row_bytes)
-    posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device)
-    if refusal is not None and not settles_now(step, found, agreed):
+    later = refusal is not None and not settles_now(step, found, agreed)
+    word = agreement.verdict(refusal) | (agreement.DEFERS if later else 0)
+    posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device, word=word)
+    if later:
         raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
     try:
         rows = posted.wait(transport.traffic)
     except DeMoSyncError as exc:
         raise DeMoSyncError(f"{exc} (settling optimizer step {transport.step}: no state was changed)") from exc
     words = agreement.read_settling(transport, rows, transport.step, step.view.secret, step.view.sealer)
+    if any(w > 0 and w & agreement.DEFERS for w in words):  # a rank raises at its next call: every rank does
+        raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
     if refusal is not None or any(w > 0 for w in words):  # a refusal, read here as by every rank that could trust it
         raise _refused_now(transport, words, refusal, found.first)
     if any(words):  # a verdict this rank could not trust: the step settles with that finding in the next exchange
@@ -292,8 +299,9 @@ def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
 def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
     whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
-    its undo log (``u.earlier``). Where the others confirm (``final``: every row it trusts has
-    :data:`codec.FLAG_CONFIRM`), this rank takes part in their later rounds."""
+    its undo log (``u.earlier``). In confirm() (``final``), where every other row it trusts is a settling row
+    (the others confirm, or hold a refused step unsettled as it does, :data:`agreement.DEFERS`; not a next step's
+    header), this rank takes part in the later rounds, which every such rank runs alike."""
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
@@ -310,9 +318,10 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
         u.earlier()
         what = f", and undid optimizer step {u.step - 1}, which rank(s) {behind} did not keep"
     others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
-    if final and all(h.flags & codec.FLAG_CONFIRM for h in others):  # (a row it cannot trust: they may confirm)
+    if final and all(codec.settles(h) is not None for h in others):  # (a row it cannot trust: they may confirm)
         try:
-            words = _later_rounds(opt, transport, u, agreement.verdict(u.refusal))
+            later = _later_rounds(opt, transport, u, agreement.verdict(u.refusal))
+            words = later if any(later) else words
         except DeMoSyncError:
             pass  # this rank refuses the step whatever the others said
     raise agreement.refused_everywhere(transport, u.step, words, u.refusal, what)
@@ -337,7 +346,8 @@ def state_check(u: Unsettled | None, what: str = "saved") -> None:
     from there (the step is refused on every rank at the next step or confirm), and none is loaded while its
     settling row travels (the next collectives would pair with it)."""
     if u is not None and u.posted is not None:
+        why = f"{u.refusal}; this rank refused" if u.refusal is not None else "a rank refused"
         raise DeMoPayloadError(
-            f"{u.refusal}; this rank refused optimizer step {u.step}, which every rank refuses at its next step() "
+            f"{why} optimizer step {u.step}, which every rank refuses at its next step() "
             f"or confirm(): no state is {what} from here (call optimizer.confirm() on every rank first)"
         )

@@ -282,6 +282,7 @@ UNREAD = -1  # a settling row this rank could not trust (or of another kind than
 UNTRUSTED = 4  # a verdict word: this rank could not trust the verdict of the rank in the bits above the eighth
 RELAYED = 8  # a later round's word: this rank read another rank's refusal in a round before
 UNAUTHENTIC = 16  # with HEADER_REFUSED: the header failed its HMAC, did not open or claimed another signing
+DEFERS = 32  # a refusal whose sender returned from step() and raises at its next step() or confirm() (settle)
 
 
 def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> list:
