@@ -260,7 +260,7 @@ def _flip_header_of_a_skip(rank, world, at, settings=None):
     started = time.monotonic()
     try:
         opt.step()
-        opt.confirm()  # rank 1, which refused, raises here with rank 0 (which settled the skipped step at once)
+        opt.confirm()  # rank 1, which refused, raises here, and so does rank 0 (it read rank 1's row: DEFERS)
         return "no error", True, 0.0
     except Exception as exc:  # noqa: BLE001
         return RankError(exc), _same(before, _snapshot(model, opt)), time.monotonic() - started
@@ -317,7 +317,7 @@ def _retry_a_refused_skip(rank, world, settings, confirm_each):
     return errors, opt.steps, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: two ranks read rank 0 intact
 @pytest.mark.parametrize(
     "exchange,confirm_each",
     [("all_gather", False), ("all_gather", True), ("all_reduce_union", False)],
