@@ -64,8 +64,9 @@ def _huge_values_on_second_step(rank, world, kw):
         {"update_rule": "adam", "value_format": "2bit"},
         {"update_rule": "raw", "value_format": "fp32", "exchange": "all_reduce"},
         {"update_rule": "raw", "value_format": "fp32", "commit_vote": "separate"},
+        {"inner_rule": "adamw", "value_format": "fp32", "sync_every": 2},  # a synchronisation's outer step
     ],
-    ids=["raw-fp32", "raw-bf16", "sign-sign", "adam-2bit", "raw-all_reduce", "raw-separate_vote"],
+    ids=["raw-fp32", "raw-bf16", "sign-sign", "adam-2bit", "raw-all_reduce", "raw-separate_vote", "sync_every-adamw"],
 )
 def test_finite_coefficients_too_large_to_average_are_refused_on_every_rank(gloo, kw):
     """Finite values near the fp32 maximum in a well-formed row overflowed the inverse DCT, and with
