@@ -598,12 +598,12 @@ def test_warns_after_patience_consecutive_skipped_steps():
         opt.step()
 
 
-def _inf_param(rank, world, policy):
+def _inf_param(rank, world, policy, at_rank=1):
     model = tiny_mlp()
     opt = small_demo(model, drift=policy)
     for step in range(4):
         loss_and_backward(model, rank, step)
-        if step == 1 and rank == 1:
+        if step == 1 and rank == at_rank:
             with torch.no_grad():
                 model[2].weight[0, 0] = float("inf")
         opt.step()
@@ -616,3 +616,10 @@ def test_a_non_finite_parameter_on_one_rank_is_named_or_repaired():
     assert (skipped0, resyncs0, resyncs1) == (1, 1, 1)
     for r in run_ranks(_inf_param, 2, "raise"):
         assert isinstance(r, RankError) and "non-finite parameters on rank(s) [1]" in r.message, r
+
+
+def test_a_non_finite_parameter_on_rank_0_stops_every_rank_even_with_resync():
+    """Rank 0 is the source of a resync: its Inf cannot be repaired from it, so every rank raises, naming it."""
+    for r in run_ranks(_inf_param, 2, "resync", 0):
+        assert isinstance(r, RankError) and r.type == "DeMoSyncError", r
+        assert "non-finite parameters on rank(s) [0] (drift='resync'); no state was changed" in r.message, r
