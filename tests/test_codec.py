@@ -1,6 +1,7 @@
 """The wire protocol: header, indices, every value format and the payload round-trip exactly and are checked."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -293,6 +294,9 @@ def test_check_headers_names_every_disagreement():
     with pytest.raises(DeMoSyncError, match="HF_DEMO_SECRET"):
         codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_AUTH)], 0)
     codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_NONFINITE)], 0)  # flags may differ
+    older = f"rank 1 speaks wire format {codec.MAGIC:#x}/v{codec.FORMAT_VERSION - 1}, expected "
+    with pytest.raises(DeMoSyncError, match=re.escape(older) + r".*\(different hf_demo versions\?\)"):
+        codec.check_headers([ref, codec._replace(ref, version=codec.FORMAT_VERSION - 1)], 0)
 
 
 def test_format_2_and_3_headers_still_parse():
