@@ -248,3 +248,69 @@ def test_each_ranks_share_of_a_dcp_checkpoint_is_its_pieces(tmp_path):
     results = expect_ok(run_ranks(_through_dcp, 4, str(tmp_path / "dcp")))
     assert all(same and back for same, back, _ in results)
     assert all(r[2] == results[0][2] for r in results)  # one DTensor over every rank: the same width everywhere
+
+
+def _flat_through_dcp(rank, world, where):
+    """Flat DeMo on 2 ranks: DCP (``hf_demo.fsdp.save_checkpoint``) holds each rank's own state as its pieces of a
+    DTensor over every rank, the pieces its rank file and its snapshot hold; a fresh model and optimizer load it
+    (``load_checkpoint``) and go on bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_demo import fsdp
+    from hf_demo.topology.dtensor import local
+
+    model, opt = _trained({}, rank=rank)
+    pieces = own_state(_live(opt))
+    fsdp.save_checkpoint(where, model, opt)
+    saved = _rank_file(opt)
+    path = own_momentum.snapshot_path(where + "-snapshots", f"rank{rank}")
+    own_momentum.save(path, opt, 3, f"rank{rank}")
+    blob = torch.load(path, weights_only=True)
+    held = fsdp.flat_template(where)
+    dcp.load({"optimizer": held}, checkpoint_id=where)
+    in_dcp = {int(pid): {k: local(v) for k, v in e.items()} for pid, e in held[fsdp.OWN].items()}
+    same = _same(in_dcp, pieces) and _same(own_state(saved["state"]), pieces) and _same(blob["own"], pieces)
+    for step in range(3, 6):
+        loss_and_backward(model, rank, step)
+        opt.step()
+    opt.flush()
+    after = [p.detach().clone() for p in model.parameters()]
+    model_b, opt_b = _trained({}, steps=0, seed=1)
+    fsdp.load_checkpoint(where, model_b, opt_b)
+    for step in range(3, 6):
+        loss_and_backward(model_b, rank, step)
+        opt_b.step()
+    opt_b.flush()
+    resumed = all(torch.equal(a, b) for a, b in zip(model_b.parameters(), after))
+    return same, resumed, pieces[0]["momentum"].clone()
+
+
+@pytest.mark.ranks
+def test_flat_demo_through_dcp_holds_each_ranks_pieces_and_resumes_bit_for_bit(tmp_path):
+    results = expect_ok(run_ranks(_flat_through_dcp, 2, str(tmp_path / "flat")))
+    assert all(same for same, _, _ in results) and all(resumed for _, resumed, _ in results)
+    assert not torch.equal(results[0][2], results[1][2])  # each rank's own momentum came back, not rank 0's
+
+
+def _flat_saved(rank, world, where):
+    from hf_demo import fsdp
+
+    model, opt = _trained({}, rank=rank)
+    fsdp.save_checkpoint(where, model, opt)
+
+
+def _flat_loaded(rank, world, where):
+    from hf_demo import fsdp
+
+    model, opt = _trained({}, steps=0)
+    try:
+        fsdp.load_checkpoint(where, model, opt)
+    except DeMoStateError as exc:
+        return str(exc)
+
+
+@pytest.mark.ranks
+def test_a_flat_dcp_checkpoint_on_another_number_of_ranks_is_refused(tmp_path):
+    expect_ok(run_ranks(_flat_saved, 2, str(tmp_path / "flat")))
+    (error,) = expect_ok(run_ranks(_flat_loaded, 1, str(tmp_path / "flat")))
+    assert "saved with 2 process(es) but this run has 1" in error, error
