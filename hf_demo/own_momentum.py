@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hf_demo.errors import DeMoStateError
 from hf_demo.optim.own_state import OWN_KEYS, OWN_PREFIX, entry_shape, load_own_state, own_key, own_state
 
 __all__ = ["OWN_KEYS", "OWN_PREFIX", "own_key", "save", "restore", "unfit", "checksum", "snapshot_path"]
@@ -129,7 +130,14 @@ def restore(path: Path, opt, step: int, replica_id: str) -> int | None:
     params = _params(opt)
     chunk = [g["compression_chunk"] for g in opt.param_groups for _ in g["params"]]
     shape = lambda i, key: entry_shape(params[i].shape, key, chunk[i])  # noqa: E731 - the flat topology's shapes
-    for i, own in load_own_state(_by_position(blob["own"]), shape).items():
+    try:
+        loaded = load_own_state(_by_position(blob["own"]), shape)
+    except DeMoStateError as exc:  # pieces of another length: not this model's, said aloud like any unfit one
+        warnings.warn(
+            f"hf_demo.elastic: {path} not loaded: {exc}; this replica's momentum starts at zero", stacklevel=3
+        )
+        return None
+    for i, own in loaded.items():
         opt.state[params[i]].update({k: v.to(params[i].device) if torch.is_tensor(v) else v for k, v in own.items()})
     return int(blob["step"])
 

@@ -171,6 +171,20 @@ def test_pieces_of_another_length_are_refused_naming_the_parameter():
         hf_demo.DeMo(small.parameters(), **KW).load_state_dict(saved)
 
 
+def test_a_snapshot_whose_pieces_have_another_length_is_not_loaded_and_a_warning_says_why(tmp_path):
+    _, opt = _trained({})
+    blob = _snapshot(opt, tmp_path)
+    _, fresh = _trained({}, steps=0)
+    blob["own"][0]["momentum"] = blob["own"][0]["momentum"][:-1]  # whole and checksummed, but not this model's
+    blob["run_id"] = fresh.run_id  # the run's identity (a fresh optimizer's: none yet)
+    blob["sha256"] = own_momentum.checksum(blob)
+    path = own_momentum.snapshot_path(tmp_path, "short")
+    torch.save(blob, path)
+    with pytest.warns(UserWarning, match=r"not loaded: saved 'momentum' of parameter 0 has 511 values"):
+        assert own_momentum.restore(path, fresh, 3, "r0") is None
+    assert not fresh.state
+
+
 # ---------------------------------------------------------------- every rank, through Accelerate and DCP
 def _through_accelerate(rank, world, folder):
     """Two ranks of a custom Accelerate loop: ``accelerator.save_state`` writes each rank's file; each rank's pieces
