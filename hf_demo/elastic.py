@@ -780,7 +780,7 @@ def placed_optimizer_state(opt, optim: dict) -> dict:
     computed from the averaged update and placed like its parameter."""
     from hf_demo.optim.sharded_checkpoint import SAME_ON_REPLICAS, params_by_id
 
-    by_id = params_by_id(optim, opt)
+    by_id = params_by_id(optim, opt.param_groups)
     state = {}
     for pid, entry in optim["state"].items():
         placed = dict(entry)

@@ -14,7 +14,8 @@ Layouts (``docs/guides/large-models.md``):
 
 Checkpoints go through ``torch.distributed.checkpoint`` (:func:`save_checkpoint`, :func:`load_checkpoint`, or
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` directly): each rank's momentum is saved as its
-piece of a DTensor, so every rank resumes its own, bit for bit, on the same mesh.
+piece of a DTensor, so every rank resumes its own, bit for bit, on the same mesh. :func:`save_checkpoint` and
+:func:`load_checkpoint` take a flat DeMo too (the pieces of :mod:`hf_demo.optim.own_state`, as its rank files).
 """
 
 from __future__ import annotations
@@ -132,12 +133,17 @@ def layout_of(optimizer) -> str:
 
 def save_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
     """The model's and DeMo's sharded state through ``torch.distributed.checkpoint`` (every rank calls it):
-    ``get_state_dict`` of both, and the mesh DeMo's state is placed on."""
+    ``get_state_dict`` of both, and the mesh DeMo's state is placed on. A flat DeMo (each rank a whole replica) is
+    saved too: each rank's own state as its pieces over every rank (:func:`flat_to_dcp`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+        return
+    if layout_of(optimizer) == "flat":
+        state = {"model": get_model_state_dict(model), "optimizer": flat_to_dcp(optimizer.state_dict())}
+        dcp.save({**state, LAYOUT_KEY: "flat"}, checkpoint_id=path)
         return
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd, LAYOUT_KEY: layout_of(optimizer)}, checkpoint_id=path)
@@ -162,6 +168,12 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> None:
     now = layout_of(optimizer)
     if saved[LAYOUT_KEY] != now:
         refuse("resume_dcp_other_mesh", saved=saved[LAYOUT_KEY], now=now)
+    if now == "flat":
+        state = {"model": get_model_state_dict(model), "optimizer": flat_template(path)}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        optimizer.load_state_dict(flat_from_dcp(state["optimizer"]))
+        return
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     unasked = _unasked(path, model, optim_sd)
@@ -184,3 +196,71 @@ def _unasked(path, model, optim_sd: dict) -> list[str]:
     prefixes = tuple(f"optimizer.state.{fqn}." for fqn in held)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return sorted(k for k in saved if k.startswith(prefixes) and k not in wanted)
+
+
+# flat DeMo (each rank a whole replica) through DCP: each rank's own state as its pieces of DTensors over every rank
+# (hf_demo.optim.own_state, the pieces its rank file holds), the rest of its state_dict() (the same on every rank
+# but for its identity) as one object under its own rank's key
+OWN, RANK = "own", "rank{}"
+
+
+def _world_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return DeviceMesh.from_group(dist.group.WORLD, device)
+
+
+def flat_to_dcp(sd: dict) -> dict:
+    """A flat DeMo's ``state_dict()`` as DCP saves it: ``own`` (each rank's pieces placed over every rank, one
+    DTensor per parameter and entry) and this rank's remaining state, serialised under ``rank<r>``."""
+    import io
+
+    from hf_demo.optim.own_state import own_key, own_state
+    from hf_demo.topology.dtensor import pieces_over
+
+    mesh, pieces = _world_mesh(), own_state(sd["state"])
+    own = {
+        str(pid): {k: pieces_over(mesh, v) for k, v in entry.items() if v.dim() > 0} for pid, entry in pieces.items()
+    }
+    kept = lambda k, v: not (own_key(k) and v.dim() > 0)  # noqa: E731 - what is not a piece
+    rest = {**sd, "state": {pid: {k: v for k, v in e.items() if kept(k, v)} for pid, e in sd["state"].items()}}
+    blob = io.BytesIO()
+    torch.save(rest, blob)
+    blob.seek(0)
+    return {OWN: own, RANK.format(dist.get_rank()): blob}
+
+
+def flat_template(path) -> dict:
+    """What :func:`flat_to_dcp` saved, as the template ``dcp.load`` fills on this rank: its own pieces (zeros of the
+    saved width) and its own object."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from hf_demo.refusals import refuse
+    from hf_demo.topology.dtensor import pieces_over
+
+    mesh, own = _world_mesh(), {}
+    prefix, saved = f"optimizer.{OWN}.", dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ranks = sum(1 for fqn in saved if fqn.startswith("optimizer." + RANK.format("")))
+    if ranks != mesh.size():
+        refuse("resume_other_world", saved_world=ranks, world=mesh.size())
+    for fqn, meta in saved.items():
+        if fqn.startswith(prefix):
+            pid, key = fqn[len(prefix) :].split(".", 1)
+            width = meta.size[0] // mesh.size()
+            own.setdefault(pid, {})[key] = pieces_over(mesh, torch.zeros(width, dtype=meta.properties.dtype))
+    return {OWN: own, RANK.format(dist.get_rank()): io.BytesIO()}
+
+
+def flat_from_dcp(saved: dict) -> dict:
+    """The inverse of :func:`flat_to_dcp` once loaded: this rank's ``state_dict()``, its own entries the pieces."""
+    from hf_demo.topology.dtensor import local
+
+    blob = saved[RANK.format(dist.get_rank())]
+    blob.seek(0)
+    sd = torch.load(blob, map_location="cpu", weights_only=True)
+    for pid, entry in saved[OWN].items():
+        sd["state"].setdefault(int(pid), {}).update({k: local(v).clone() for k, v in entry.items()})
+    return sd

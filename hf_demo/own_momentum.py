@@ -2,18 +2,20 @@
 
 DeMo's momentum is each rank's residual of what it has not yet sent; it is never averaged, so no live peer holds
 it and a replica that dies loses it. :class:`hf_demo.elastic.Elastic` with ``momentum_dir`` writes this replica's
-own state entries (:data:`OWN_KEYS`: its momenta and its inner rule's state) after every ``momentum_every``-th
-committed step to ``momentum_dir/<replica id>.pt``; the process that takes the replica id back (torchrun's restart,
-a warm standby told that id) loads them after the agreed state it receives from a live peer. The snapshot is the
-state the replica had after that committed step: what it had not yet sent then is still unsent (a dead replica
-sends nothing), so the restarted replica goes on as if it had paused, its residual a few steps older than the
-parameters, like any replica that lags.
+own state entries (:data:`OWN_KEYS`: its momenta and its inner rule's state), in the one format of a rank's own
+state (:func:`hf_demo.optim.own_state.own_state`: the pieces its rank file and a DCP checkpoint hold too), after
+every ``momentum_every``-th committed step to ``momentum_dir/<replica id>.pt``; the process that takes the replica
+id back (torchrun's restart, a warm standby told that id) loads them after the agreed state it receives from a
+live peer. The snapshot is the state the replica had after that committed step: what it had not yet sent then is
+still unsent (a dead replica sends nothing), so the restarted replica goes on as if it had paused, its residual a
+few steps older than the parameters, like any replica that lags.
 
 Each snapshot carries the run's identity, the replica's id and a SHA-256 of the whole. It is loaded only if it
 fits: whole (its checksum matches: not torn or altered), the same run (the run identity the agreed state carries),
 this replica's (not another replica's file copied or renamed), the same parameter shapes, a step no later than the
 agreed one, and a finite momentum. Anything else is not loaded, and a warning names the file and why (the momentum
-then starts at zero, as without ``momentum_dir``).
+then starts at zero, as without ``momentum_dir``). A snapshot of format 2 (each entry in the optimizer's shape, one
+dict per parameter) is read too.
 """
 
 from __future__ import annotations
@@ -25,15 +27,12 @@ from pathlib import Path
 
 import torch
 
-OWN_KEYS = ("momentum", "signal_momentum", "inner_momentum")  # each rank's own: never sent, kept by a healed one
-OWN_PREFIX = "inner_"  # the inner rule's state of local steps (sync_every > 1): each rank's own too
-FORMAT = 2  # 2: the replica's id and a SHA-256 of the whole
+from hf_demo.errors import DeMoStateError
+from hf_demo.optim.own_state import OWN_KEYS, OWN_PREFIX, entry_shape, load_own_state, own_key, own_state
 
-
-def own_key(key: str) -> bool:
-    """Whether a per-parameter state entry is this rank's own (its momenta, its inner rule's state) rather than
-    agreed by every replica (the anchor, an update rule's state driven by the mean update)."""
-    return key in OWN_KEYS or key.startswith(OWN_PREFIX)
+__all__ = ["OWN_KEYS", "OWN_PREFIX", "own_key", "save", "restore", "unfit", "checksum", "snapshot_path"]
+FORMAT = 3  # 3: the pieces of hf_demo.optim.own_state by parameter position; 2: a list of shaped entries
+READ = (2, 3)
 
 
 def snapshot_path(folder: str | os.PathLike, replica_id: str) -> Path:
@@ -57,7 +56,7 @@ def save(path: Path, opt, step: int, replica_id: str) -> None:
         "replica_id": str(replica_id),
         "step": int(step),
         "shapes": [list(p.shape) for p in params],
-        "own": [{k: v for k, v in opt.state.get(p, {}).items() if own_key(k)} for p in params],
+        "own": own_state({i: opt.state.get(p, {}) for i, p in enumerate(params)}),
     }
     blob["sha256"] = checksum(blob)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +69,8 @@ def checksum(blob: dict) -> str:
     """The SHA-256 of a snapshot's identity, step, shapes and every own entry's name, dtype, shape and bytes."""
     h = hashlib.sha256()
     h.update(repr([blob["format"], blob["run_id"], blob["replica_id"], blob["step"], blob["shapes"]]).encode())
-    for i, entries in enumerate(blob["own"]):
+    own = blob["own"]
+    for i, entries in sorted(own.items()) if isinstance(own, dict) else enumerate(own):
         for key in sorted(entries):
             value = entries[key]
             if torch.is_tensor(value):
@@ -84,9 +84,9 @@ def checksum(blob: dict) -> str:
 def unfit(blob: dict, opt, step: int, replica_id: str) -> str | None:
     """Why snapshot ``blob`` cannot be replica ``replica_id``'s momentum at agreed step ``step`` (None: it can):
     its format, checksum, run, replica, parameter shapes, step, or a momentum that is not finite."""
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+    if not isinstance(blob, dict) or blob.get("format") not in READ:
         got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
-        return f"format {got!r}, not {FORMAT}"
+        return f"format {got!r}, not one of {READ}"
     try:
         intact = blob.get("sha256") == checksum(blob)
     except (KeyError, TypeError, AttributeError, RuntimeError) as exc:
@@ -101,7 +101,8 @@ def unfit(blob: dict, opt, step: int, replica_id: str) -> str | None:
         return "saved for parameters of other shapes (another model)"
     if blob["step"] > step:
         return f"saved at step {blob['step']}, after the agreed step {step} (a later attempt of the run's)"
-    bad = [f"{k} of parameter {i}" for i, own in enumerate(blob["own"]) for k, v in sorted(own.items())
+    own = sorted(_by_position(blob["own"]).items())
+    bad = [f"{k} of parameter {i}" for i, entries in own for k, v in sorted(entries.items())
            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]  # fmt: skip
     if bad:
         return f"it holds NaN or Inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
@@ -126,6 +127,21 @@ def restore(path: Path, opt, step: int, replica_id: str) -> int | None:
             f"hf_demo.elastic: {path} not loaded: {why}; this replica's momentum starts at zero", stacklevel=3
         )
         return None
-    for p, own in zip(_params(opt), blob["own"]):
-        opt.state[p].update({k: v.to(p.device) if torch.is_tensor(v) else v for k, v in own.items()})
+    params = _params(opt)
+    chunk = [g["compression_chunk"] for g in opt.param_groups for _ in g["params"]]
+    shape = lambda i, key: entry_shape(params[i].shape, key, chunk[i])  # noqa: E731 - the flat topology's shapes
+    try:
+        loaded = load_own_state(_by_position(blob["own"]), shape)
+    except DeMoStateError as exc:  # pieces of another length: not this model's, said aloud like any unfit one
+        warnings.warn(
+            f"hf_demo.elastic: {path} not loaded: {exc}; this replica's momentum starts at zero", stacklevel=3
+        )
+        return None
+    for i, own in loaded.items():
+        opt.state[params[i]].update({k: v.to(params[i].device) if torch.is_tensor(v) else v for k, v in own.items()})
     return int(blob["step"])
+
+
+def _by_position(own) -> dict:
+    """A snapshot's own entries by parameter position (format 2 kept a list, with an empty dict for none)."""
+    return dict(own) if isinstance(own, dict) else {i: entries for i, entries in enumerate(own) if entries}

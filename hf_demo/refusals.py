@@ -346,7 +346,7 @@ _TABLE = (
     Refusal(
         "sharded_save_own_state", "resume",
         "saving FSDP2-sharded DeMo × an exchange in flight (`overlap=True`) or inside a local phase",
-        "hf_demo.optim.sharded_checkpoint.to_checkpoint",
+        "hf_demo.optim.sharded_checkpoint.check_saveable",
         "a checkpoint of FSDP2-sharded DeMo holds no exchange in flight (overlap=True: call optimizer.flush() first) "
         "and no parameter of a rank's own (inside a local phase of sync_every > 1: save at a synchronisation, after "
         "a step that is a multiple of sync_every); optimizer step {step}",

@@ -1,9 +1,11 @@
 """``DeMo.state_dict()`` and ``load_state_dict()``: what each rank saves of its own state, and how it is restored.
 
 Each rank's momentum, error feedback and (inside a local phase) parameters are its own, so every rank saves and
-loads its own state (``DeMoTrainer`` writes ``optimizer.rank<r>.pt``); a sharded state is placed as DTensors for
-``torch.distributed.checkpoint`` (:mod:`hf_demo.optim.sharded_checkpoint`). Settings given to the new optimizer win
-over the checkpoint's (a warning names the differences; the momentum is re-planned when the chunk changed).
+loads its own state (``DeMoTrainer`` writes ``optimizer.rank<r>.pt``), its own entries in the one format of
+:mod:`hf_demo.optim.own_state` (read back by its one reader, which takes older rank files too); a sharded state
+places the same pieces as DTensors for ``torch.distributed.checkpoint`` (:mod:`hf_demo.optim.sharded_checkpoint`).
+Settings given to the new optimizer win over the checkpoint's (a warning names the differences; the momentum is
+re-planned when the chunk changed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hf_demo.guards.checks import fingerprint
 from hf_demo.optim import overlap, sharded_checkpoint
 from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum
+from hf_demo.optim.own_state import entry_shape, load_own_state, own_state
 from hf_demo.optim.state import PendingExchange, SavedState, saved_tensors
 from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings
@@ -48,9 +51,17 @@ def save(opt, sd: dict) -> dict:
     )
     sd["demo"] = saved.to_dict()
     topology = opt.topology
-    if topology.name != "sharded":
-        return sd  # each rank saves its own (torch.save)
-    return sharded_checkpoint.to_checkpoint(opt, sd, topology.world_mesh(), topology.shards.world, bool(own))
+    if topology.name != "sharded":  # each rank saves its own (torch.save): its own entries as pieces
+        return with_pieces(sd, own_state(sd["state"]))
+    sharded_checkpoint.check_saveable(opt.pending is not None, bool(own), opt.steps)
+    return sharded_checkpoint.to_checkpoint(sd, opt.param_groups, topology.world_mesh(), topology.shards.world)
+
+
+def with_pieces(sd: dict, pieces: dict) -> dict:
+    """``sd`` with each parameter's own entries replaced by their pieces (torch's entries are the optimizer's own
+    dicts: copied, never changed)."""
+    sd["state"] = {pid: {**entry, **pieces.get(pid, {})} for pid, entry in sd["state"].items()}
+    return sd
 
 
 def unpacked(opt, state_dict: dict, resume: bool = True) -> tuple[dict, SavedState, list[dict]]:
@@ -59,7 +70,7 @@ def unpacked(opt, state_dict: dict, resume: bool = True) -> tuple[dict, SavedSta
     at once; ``False``: a live peer's agreed state (elastic recovery)."""
     state_dict = dict(state_dict)
     if opt.topology.name == "sharded":
-        state_dict = sharded_checkpoint.from_checkpoint(opt, state_dict)
+        state_dict = sharded_checkpoint.from_checkpoint(state_dict, opt.param_groups)
     try:
         saved = SavedState.from_dict(state_dict.pop("demo", None))
         refuse_unfit(opt, saved)
@@ -81,6 +92,7 @@ def restored(opt, state_dict: dict, saved: SavedState, requested: list[dict], re
     changed = _requested_win(opt, requested, saved_groups) + _changed_settings(opt, saved.settings)
     tensors, ids = saved_tensors(state_dict), [pid for g in saved_groups for pid in g["params"]]
     pairs = [(p, g, saved_g) for g, saved_g in zip(opt.param_groups, saved_groups) for p in g["params"]]
+    tensors = load_own_state(tensors, *own_shapes(ids, pairs, opt.topology))
     for pid, (p, group, saved_g) in zip(ids, pairs):
         _restore_tensors(opt, p, tensors.get(pid, {}), saved_g.get("compression_chunk"), group, pid)
     if changed:
@@ -158,6 +170,25 @@ def loaded_policy(opt, saved: SavedState) -> policies.BudgetPolicy:
         stacklevel=4,
     )
     return dataclasses.replace(policy, tier=tier)
+
+
+def own_shapes(ids: list[int], pairs: list[tuple], topology) -> tuple:
+    """(shape, width) of each own entry a saved state's pieces are read into: this rank's part of the parameter at
+    that position (its momentum blocked by the saved chunk, re-planned after), and the length of its piece (under
+    FSDP2 the widest shard's; None: as many values as the shape holds)."""
+    by_id = dict(zip(ids, pairs))
+
+    def chunk(pid: int) -> int:
+        _, group, saved_g = by_id[pid]
+        return saved_g.get("compression_chunk") or group["compression_chunk"]
+
+    def shape(pid: int, key: str) -> tuple[int, ...]:
+        return entry_shape(local(by_id[pid][0]).shape, key, chunk(pid))
+
+    if topology.name != "sharded":
+        return shape, None
+    shards = topology.shards.world
+    return shape, lambda pid, key: max(sharded_checkpoint.own_numel(by_id[pid][0], key, shards, chunk(pid)))
 
 
 def _requested_win(opt, requested, saved_groups) -> list[str]:
