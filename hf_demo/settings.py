@@ -168,16 +168,17 @@ class DeMoSettings:
         1.0,
         "each synchronisation of local steps (sync_every > 1, the policy's local-step tiers) moves every rank's "
         "anchor by the ranks' mean change times this (DiLoCo's outer learning rate, without momentum); with "
-        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too (end_local_phase's dense average is not scaled). Refused "
+        "outer_lr_scaling times sqrt(W/2) or (W/2)^(1/4) too (end_local_phase's dense average is not scaled). Refused "
         "without local steps (sync_every=1, no comm_budget): no synchronisation applies a mean change there, scale "
         "lr instead",
     )
     outer_lr_scaling: str = _setting(
         "none",
-        "none (outer_lr as given) or sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
-        "read at each synchronisation: 1 at W=2, 2 at W=8). The mean of W ranks' local changes is about sqrt(W) "
-        "shorter than one rank's, since each is mostly its own noise; sqrt_world gives the applied change the "
-        "same size at every W (the from_scratch presets: docs/guides/choosing-settings.md)",
+        "none (outer_lr as given), sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
+        "read at each synchronisation: 1 at W=2, 2 at W=8) or fourth_root_world (outer_lr x (W/2)^(1/4): 1 at W=2, "
+        "1.41 at W=8). The mean of W ranks' local changes is about sqrt(W) shorter than one rank's, since each is "
+        "mostly its own noise; sqrt_world gives the applied change the same size at every W, fourth_root_world "
+        "half of that growth in log scale (the from_scratch presets: docs/guides/choosing-settings.md)",
         local_steps.OUTER_LR_SCALINGS,
     )
     comm_budget: float = _setting(
