@@ -370,7 +370,8 @@ PRESETS: dict[str, dict] = {
     # the from_scratch recipe at Psyche's bytes: synchronising every 4 steps with top-16 of 64x64 (0.0020
     # B/param/step on the 0.46M Llama, 0.0019 on the 3.3M one, 0.0015 on SmolLM2-135M): 1.05x and 1.03x the
     # from_scratch preset's held-out loss after 1000 steps for 7x and 10x fewer bytes, 1.01x after 3000 steps on
-    # the 0.46M Llama (at 2 ranks; the mean change x sqrt(W/2) as from_scratch's). 64-wide blocks cut both
+    # the 0.46M Llama (at 2 ranks, the mean change x 1; it is now applied x sqrt(W): outer_lr sqrt(2) on
+    # sqrt_world, better than x sqrt(W/2) at W = 2, 4 and 8 on every seed measured). 64-wide blocks cut both
     # Llamas' MLP dimensions (344, 688) into 43-wide blocks, the same share sent on each, where 32-wide ones pad 344
     # and cut 688 into 16s (twice the share); a shorter interval with fewer coefficients beat a longer one with more
     # at equal bytes (docs/results.md)
@@ -380,6 +381,7 @@ PRESETS: dict[str, dict] = {
         "value_format": "sign",
         "compression_chunk": 64,
         "compression_topk": 16,
+        "outer_lr": math.sqrt(2),
         "outer_lr_scaling": "sqrt_world",
     },
 }

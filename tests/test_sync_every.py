@@ -183,10 +183,14 @@ def test_the_from_scratch_presets_scale_the_outer_lr_with_the_number_of_ranks():
     from hf_demo.optim.local_steps import outer_factor
     from hf_demo.settings import DeMoSettings
 
-    for preset in ("from_scratch", "from_scratch_few_bytes"):
+    # from_scratch: the mean change x sqrt(W/2); from_scratch_few_bytes (4 local steps' change): x sqrt(W)
+    for preset, expected in (
+        ("from_scratch", [0.5**0.5, 1, 2**0.5, 2, 8**0.5]),
+        ("from_scratch_few_bytes", [1, 2**0.5, 2, 8**0.5, 4]),
+    ):
         s = DeMoSettings.resolve(preset)
         factors = [outer_factor(s.outer_lr, s.outer_lr_scaling, w) for w in (1, 2, 4, 8, 16)]
-        assert factors == [0.5**0.5, 1.0, 2**0.5, 2.0, 8**0.5]
+        assert factors == pytest.approx(expected, rel=1e-15, abs=0)
     assert outer_factor(1.5, "none", 8) == 1.5 and outer_factor(1.5, "sqrt_world", 8) == 3.0
     # fourth_root_world: outer_lr x (W/2)^(1/4), 1 at 2 ranks
     assert [outer_factor(1.5, "fourth_root_world", w) for w in (2, 32)] == [1.5, 3.0]
