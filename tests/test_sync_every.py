@@ -183,9 +183,9 @@ def test_the_from_scratch_presets_scale_the_outer_lr_with_the_number_of_ranks():
     from hf_demo.optim.local_steps import outer_factor
     from hf_demo.settings import DeMoSettings
 
-    # from_scratch: the mean change x sqrt(W/2); from_scratch_few_bytes (4 local steps' change): x sqrt(W)
+    # from_scratch: the mean change x sqrt(2) (W/2)^(1/4); from_scratch_few_bytes (4 local steps' change): x sqrt(W)
     for preset, expected in (
-        ("from_scratch", [0.5**0.5, 1, 2**0.5, 2, 8**0.5]),
+        ("from_scratch", [2**0.25, 2**0.5, 8**0.25, 2, 32**0.25]),
         ("from_scratch_few_bytes", [1, 2**0.5, 2, 8**0.5, 4]),
     ):
         s = DeMoSettings.resolve(preset)
