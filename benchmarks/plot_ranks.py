@@ -127,9 +127,9 @@ for _preset, _cfg in (("from_scratch", _F), ("from_scratch_few_bytes", _FB)):
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,{_SQRT2}", None, _preset, 2**0.5)
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,outer_lr=2", None, _preset, 2.0)
     _counts(f"DeMo {_cfg},outer_momentum=0,outer_lr=2", 8, _preset, 1.0)
-    _counts(f"DeMo {_cfg},outer_lr_scaling={FOURTH},{_SQRT2}", None, _preset, (FOURTH, 2**0.5))
-    _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,{_SQRT2}", 2, _preset, (FOURTH, 2**0.5))
 _counts("from_scratch:outer_momentum=0,outer_lr=2", 8, "from_scratch", 1.0)  # diagnose_levers.json
+_counts(f"DeMo {_F},outer_lr_scaling={FOURTH},{_SQRT2}", None, "from_scratch", (FOURTH, 2**0.5))
+_counts(f"DeMo {_F},outer_lr_scaling=sqrt_world,{_SQRT2}", 2, "from_scratch", (FOURTH, 2**0.5))
 for _name in ("DDP-Muon", "DDP-AdamW", "DeMo"):
     _counts(_name, None, NAMES[_name], None)
 
@@ -152,7 +152,8 @@ def outer_series(preset: str, c: float | tuple | None) -> str:
 
 def _outer_colors(figures: dict) -> dict:
     """One colour per configuration in both plots."""
-    return {name: f"C{i}" for i, name in enumerate(sorted({s for s, _ in figures}))}
+    names = sorted({s for s, _ in figures})
+    return {name: f"C{i}" if len(names) <= 10 else plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}
 
 
 def _outer_records(results: Path):
