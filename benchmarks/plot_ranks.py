@@ -9,9 +9,9 @@ different data" runs (``convergence_ranks300_w{W}_{split}.json``, see docs/resul
 and from the "outer step scales with W" runs (IID; ``convergence_outerlr_*.json``,
 ``convergence_fewbytes_*.json``, the ``ranks300`` files and the prototype's bit-identical runs):
 
-- ``outer_lr_ratio_vs_w.png``: the presets as they are (the factor outer_lr x sqrt(W/2)), the other outer lr
-  measured and the mean change as it is, with the DDP baselines and the defaults, as a ratio to DDP-Muon's held-out
-  loss on the same seeds against W (2 to 16), mean and sd of the per-seed ratios;
+- ``outer_lr_ratio_vs_w.png``: the presets as they are (their outer_lr and outer_lr_scaling), the other outer lr
+  and scalings measured and the mean change as it is, with the DDP baselines and the defaults, as a ratio to
+  DDP-Muon's held-out loss on the same seeds against W (2 to 16), mean and sd of the per-seed ratios;
 - ``outer_lr_loss_vs_bytes.png``: held-out loss against bytes per parameter and step at W = 2, 4, 8, the same
   configurations.
 
@@ -99,14 +99,23 @@ _SQRT2 = "outer_lr=1.4142135623730951"
 OUTER_WORLDS = (2, 4, 8, 16)
 OUTER_FILES = [f"ranks300_w{w}_interleaved" for w in WORLDS] + [f"outerlr_w{w}" for w in OUTER_WORLDS]
 OUTER_FILES += ["outerlr_w16m", "outerlr_c2_w4", "outerlr_c2_w8", "diag_outerlr_w8", "fewbytes_c2_w2", "fewbytes_c2_w8"]
-OUTER_FILES += ["fewbytes_sqrt2_w8", "fewbytes_w4", "fewbytes_c2_w4"]
-# (the runs' method name, the worlds it counts at or None for all) -> (preset, outer lr c, or None: "as it is");
-# c = 1 at W = 2 is the mean change as it is (sqrt(2/2) = 1), and the prototype's outer_lr=2 at W = 8 is c = 1 bit
-# for bit (benchmarks/reports/2026-12-07-outer-lr.md)
+OUTER_FILES += [
+    "fewbytes_sqrt2_w8",
+    "fewbytes_w4",
+    "fewbytes_c2_w4",
+    "outerfourth_w4",
+    "outerfourth_w8",
+    "outerfourth_w16",
+]
+FOURTH = "fourth_root_world"
+# (the runs' method name, the worlds it counts at or None for all) -> (preset, outer lr c on sqrt_world, or
+# (FOURTH, outer lr) on fourth_root_world, or None: "as it is"); c = 1 at W = 2 is the mean change as it is
+# (sqrt(2/2) = 1), the prototype's outer_lr=2 at W = 8 is c = 1 bit for bit (benchmarks/reports/2026-12-07-outer-lr.md),
+# and c = sqrt(2) at W = 2 is fourth_root_world's outer_lr sqrt(2) bit for bit (the factor sqrt(2) x 1.0)
 OUTER_RUNS: dict = {}
 
 
-def _counts(name: str, world: int | None, preset: str, c: float | None) -> None:
+def _counts(name: str, world: int | None, preset: str, c: float | tuple | None) -> None:
     OUTER_RUNS.setdefault((name, world), []).append((preset, c))
 
 
@@ -119,24 +128,32 @@ for _preset, _cfg in (("from_scratch", _F), ("from_scratch_few_bytes", _FB)):
     _counts(f"DeMo {_cfg},outer_lr_scaling=sqrt_world,outer_lr=2", None, _preset, 2.0)
     _counts(f"DeMo {_cfg},outer_momentum=0,outer_lr=2", 8, _preset, 1.0)
 _counts("from_scratch:outer_momentum=0,outer_lr=2", 8, "from_scratch", 1.0)  # diagnose_levers.json
+_counts(f"DeMo {_F},outer_lr_scaling={FOURTH},{_SQRT2}", None, "from_scratch", (FOURTH, 2**0.5))
+_counts(f"DeMo {_F},outer_lr_scaling=sqrt_world,{_SQRT2}", 2, "from_scratch", (FOURTH, 2**0.5))
 for _name in ("DDP-Muon", "DDP-AdamW", "DeMo"):
     _counts(_name, None, NAMES[_name], None)
 
 
-def outer_series(preset: str, c: float | None) -> str:
-    """The legend's name: the preset as it is now (its own outer_lr), another c, or the mean change as it is."""
+def outer_series(preset: str, c: float | tuple | None) -> str:
+    """The legend's name: the preset as it is now (its own outer_lr and outer_lr_scaling), another c or scaling,
+    or the mean change as it is."""
     if preset not in PRESETS:
         return preset
     if c is None:
         return f"{preset}, mean change as it is"
-    own = PRESETS[preset].get("outer_lr", 1.0)
-    factor = "√(W/2)" if c == 1 else f"{c:.3g}√(W/2)"
-    return f"{preset}, the preset (× {factor})" if c == own else f"{preset}, outer_lr={c:.3g} (× {factor})"
+    scaling, c = c if isinstance(c, tuple) else ("sqrt_world", c)
+    root = "√(W/2)" if scaling == "sqrt_world" else "(W/2)^¼"
+    factor = root if c == 1 else f"{c:.3g}·{root}"
+    own = (PRESETS[preset].get("outer_lr_scaling", "none"), PRESETS[preset].get("outer_lr", 1.0))
+    if own == (scaling, c):
+        return f"{preset}, the preset (× {factor})"
+    return f"{preset}, outer_lr={c:.3g}{'' if scaling == 'sqrt_world' else ', ' + scaling} (× {factor})"
 
 
 def _outer_colors(figures: dict) -> dict:
     """One colour per configuration in both plots."""
-    return {name: f"C{i}" for i, name in enumerate(sorted({s for s, _ in figures}))}
+    names = sorted({s for s, _ in figures})
+    return {name: f"C{i}" if len(names) <= 10 else plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}
 
 
 def _outer_records(results: Path):

@@ -71,7 +71,7 @@ _TABLE = (
     ),
     Refusal(
         "outer_lr_without_local_steps", "construction",
-        "`outer_lr ≠ 1` or `outer_lr_scaling=\"sqrt_world\"` without local steps (`sync_every=1`, and no "
+        "`outer_lr ≠ 1` or an `outer_lr_scaling` other than `\"none\"` without local steps (`sync_every=1`, and no "
         "`comm_budget` tier with `policy_sync_every > 1`)",
         "hf_demo.settings.refusals",
         "DeMo: outer_lr={outer_lr!r}, outer_lr_scaling={scaling!r} without local steps (sync_every=1{why}): no "

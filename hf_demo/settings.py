@@ -168,16 +168,17 @@ class DeMoSettings:
         1.0,
         "each synchronisation of local steps (sync_every > 1, the policy's local-step tiers) moves every rank's "
         "anchor by the ranks' mean change times this (DiLoCo's outer learning rate, without momentum); with "
-        "outer_lr_scaling='sqrt_world' times sqrt(W/2) too (end_local_phase's dense average is not scaled). Refused "
+        "outer_lr_scaling times sqrt(W/2) or (W/2)^(1/4) too (end_local_phase's dense average is not scaled). Refused "
         "without local steps (sync_every=1, no comm_budget): no synchronisation applies a mean change there, scale "
         "lr instead",
     )
     outer_lr_scaling: str = _setting(
         "none",
-        "none (outer_lr as given) or sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
-        "read at each synchronisation: 1 at W=2, 2 at W=8). The mean of W ranks' local changes is about sqrt(W) "
-        "shorter than one rank's, since each is mostly its own noise; sqrt_world gives the applied change the "
-        "same size at every W (the from_scratch presets: docs/guides/choosing-settings.md)",
+        "none (outer_lr as given), sqrt_world (outer_lr x sqrt(W/2), W the ranks the change is averaged over, "
+        "read at each synchronisation: 1 at W=2, 2 at W=8) or fourth_root_world (outer_lr x (W/2)^(1/4): 1 at W=2, "
+        "1.41 at W=8). The mean of W ranks' local changes is about sqrt(W) shorter than one rank's, since each is "
+        "mostly its own noise; sqrt_world gives the applied change the same size at every W, fourth_root_world "
+        "half of that growth in log scale (the from_scratch presets: docs/guides/choosing-settings.md)",
         local_steps.OUTER_LR_SCALINGS,
     )
     comm_budget: float = _setting(
@@ -356,20 +357,24 @@ PRESETS: dict[str, dict] = {
     # the rest: the Muon-style groups that create_optimizer and DeMoTrainer build) between synchronisations every
     # 2 steps, each sending 1-bit values, top-24 of 32x32, of the change since the last one (0.014 B/param/step
     # on the 0.46M Llama, 0.020 on the 3.3M one). Its best lr was 2e-2 on both (20x AdamW's) at 2 ranks; the
-    # mean change is applied x sqrt(W/2) (outer_lr_scaling, 1 at 2 ranks), so that its size does not fall as
-    # 1/sqrt(W) with more ranks. Its figures against DDP-AdamW and DDP-Muon: docs/results.md
+    # mean change is applied x sqrt(2) (W/2)^(1/4) (outer_lr sqrt(2) on fourth_root_world: 1.41 at 2 ranks, 1.68 at
+    # 4, 2 at 8), so that its size does not fall as 1/sqrt(W) with more ranks: of the factors measured, the best
+    # grew more slowly than sqrt(W). Its figures against DDP-AdamW and DDP-Muon: docs/results.md
     "from_scratch": {
         "sync_every": 2,
         "inner_rule": "orthogonal",
         "value_format": "sign",
         "compression_chunk": 32,
         "compression_topk": 24,
-        "outer_lr_scaling": "sqrt_world",
+        "outer_lr": math.sqrt(2),
+        "outer_lr_scaling": "fourth_root_world",
     },
     # the from_scratch recipe at Psyche's bytes: synchronising every 4 steps with top-16 of 64x64 (0.0020
     # B/param/step on the 0.46M Llama, 0.0019 on the 3.3M one, 0.0015 on SmolLM2-135M): 1.05x and 1.03x the
-    # from_scratch preset's held-out loss after 1000 steps for 7x and 10x fewer bytes, 1.01x after 3000 steps on
-    # the 0.46M Llama (at 2 ranks; the mean change x sqrt(W/2) as from_scratch's). 64-wide blocks cut both
+    # from_scratch recipe's held-out loss after 1000 steps for 7x and 10x fewer bytes, 1.01x after 3000 steps on
+    # the 0.46M Llama (2 ranks, each applying the mean change x 1). It applies the mean change x sqrt(W) (outer_lr
+    # sqrt(2) on sqrt_world: its change carries 4 local steps), better than x sqrt(W/2) at W = 2, 4 and 8 on every
+    # seed measured over 300 steps and level with x 1 after 1000 steps at 2 ranks. 64-wide blocks cut both
     # Llamas' MLP dimensions (344, 688) into 43-wide blocks, the same share sent on each, where 32-wide ones pad 344
     # and cut 688 into 16s (twice the share); a shorter interval with fewer coefficients beat a longer one with more
     # at equal bytes (docs/results.md)
@@ -379,6 +384,7 @@ PRESETS: dict[str, dict] = {
         "value_format": "sign",
         "compression_chunk": 64,
         "compression_topk": 16,
+        "outer_lr": math.sqrt(2),
         "outer_lr_scaling": "sqrt_world",
     },
 }

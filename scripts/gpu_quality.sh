@@ -29,11 +29,13 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 if [ -z "${HF_DEMO_TOKENIZER:-}" ] && [ -d .gpuq/tokenizer ]; then export HF_DEMO_TOKENIZER=$PWD/.gpuq/tokenizer; fi
 export HF_DEMO_BENCH_CACHE=${HF_DEMO_BENCH_CACHE:-/tmp/hf-demo-bench}
-P="decay=0.999,format=sign,inner_rule=orthogonal,outer_lr_scaling=sqrt_world"  # the presets: the mean change x sqrt(W/2)
+P="decay=0.999,format=sign,inner_rule=orthogonal,outer_lr=1.4142135623730951"  # the presets' outer lr sqrt(2), on
+F="outer_lr_scaling=fourth_root_world"  # from_scratch's scaling: the mean change x sqrt(2) (W/2)^(1/4)
+S="outer_lr_scaling=sqrt_world"  # from_scratch_few_bytes': x sqrt(W)
 exec "$PY" benchmarks/convergence.py --tag gpu_quality --results-dir "${GPU_QUALITY_OUT:-benchmarks/results}" \
   --device cuda --corpus site-packages --corpus-tokens "${GPU_QUALITY_TOKENS:-8e6}" --shards interleaved \
   --hidden 640 --intermediate 1728 --layers 8 --heads 10 --seq-len 256 --batch-size 8 --eval-batches 8 \
   --steps "${GPU_QUALITY_STEPS:-150}" --warmup 15 --eval-every 25 --world "${GPU_QUALITY_WORLD:-4}" --threads 2 \
   --max-minutes "${GPU_QUALITY_MINUTES:-6}" --seeds 0 \
   --methods muon demo adamw --lrs muon=8e-3 demo=2e-2 adamw=1e-3 \
-  --demo-configs "sync_every=2,topk=24,chunk=32,$P;sync_every=4,topk=16,chunk=64,$P"
+  --demo-configs "sync_every=2,topk=24,chunk=32,$P,$F;sync_every=4,topk=16,chunk=64,$P,$S"

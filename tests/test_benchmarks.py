@@ -149,7 +149,8 @@ def test_plot_ranks_draws_its_plots_from_the_result_files_and_refuses_two_losses
     """The four plots from the result files; the outer-step figures the docs quote (docs/results.md, "The outer
     step scales with W") are what its loader computes; a seed found twice with different losses stops it."""
     results = ROOT / "benchmarks" / "results"
-    for pattern in ("convergence_ranks300_w*_*.json", "convergence_outerlr_*.json", "convergence_fewbytes_*.json"):
+    patterns = ("convergence_ranks300_w*_*.json", "convergence_outerlr_*.json", "convergence_fewbytes_*.json")
+    for pattern in (*patterns, "convergence_outerfourth_w*.json"):
         for path in results.glob(pattern):
             (tmp_path / path.name).write_bytes(path.read_bytes())
     for name in ("convergence_diag_outerlr_w8.json", "diagnose_levers.json"):
@@ -164,10 +165,21 @@ def test_plot_ranks_draws_its_plots_from_the_result_files_and_refuses_two_losses
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     figures = plot_ranks.load_outer(tmp_path)
-    preset, sqrt2 = plot_ranks.outer_series("from_scratch", 1.0), plot_ranks.outer_series("from_scratch", 2**0.5)
-    ratios = {w: round(plot_ranks.outer_ratio(figures, preset, w)[0], 3) for w in (2, 4, 8)}
+    c1, sqrt2 = plot_ranks.outer_series("from_scratch", 1.0), plot_ranks.outer_series("from_scratch", 2**0.5)
+    ratios = {w: round(plot_ranks.outer_ratio(figures, c1, w)[0], 3) for w in (2, 4, 8)}
     assert ratios == {2: 1.059, 4: 1.045, 8: 1.040}
     assert [round(plot_ranks.outer_ratio(figures, sqrt2, w)[0], 3) for w in (2, 4, 8)] == [1.020, 1.037, 1.049]
+    preset = plot_ranks.outer_series("from_scratch", ("fourth_root_world", 2**0.5))  # the same bits as sqrt2 at W=2
+    assert preset == "from_scratch, the preset (× 1.41·(W/2)^¼)"
+    assert [round(plot_ranks.outer_ratio(figures, preset, w)[0], 3) for w in (2, 4, 8, 16)] == [
+        1.020,
+        1.036,
+        1.052,
+        1.055,
+    ]
+    few = plot_ranks.outer_series("from_scratch_few_bytes", 2**0.5)
+    assert few == "from_scratch_few_bytes, the preset (× 1.41·√(W/2))"  # the legend follows the preset's outer_lr
+    assert [round(plot_ranks.outer_ratio(figures, few, w)[0], 3) for w in (2, 4, 8)] == [1.257, 1.242, 1.241]
     runs = json.loads((tmp_path / "convergence_outerlr_w8.json").read_text())
     runs[0]["final_loss"] += 0.01  # the same run (seed 2 of the preset at W = 8), another loss than convergence_...
     (tmp_path / "convergence_outerlr_c2_w4.json").write_text(json.dumps(runs))  # ...outerlr_w8.json's

@@ -118,6 +118,7 @@ def _hf_demo(rank, world, inner_rule, outer=None):
         (2, "sign", {}, 1.0),
         (2, "adam", {"outer_lr": 1.7}, 1.7),  # the anchor moves by 1.7 x the mean change
         (3, "sign", {"outer_lr": 0.8, "outer_lr_scaling": "sqrt_world"}, 0.8 * (3 / 2) ** 0.5),
+        (3, "adam", {"outer_lr": 1.3, "outer_lr_scaling": "fourth_root_world"}, 1.3 * (3 / 2) ** 0.25),
     ],
 )
 def test_sync_every_matches_the_slow_reference(world, inner_rule, outer, factor):
@@ -172,7 +173,9 @@ def test_the_outer_lr_is_refused_where_no_synchronisation_applies_a_mean_change(
     for value in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="invalid outer_lr"):
             hf_demo.DeMo(tiny_mlp().parameters(), sync_every=2, outer_lr=value)
-    with pytest.raises(ValueError, match="invalid outer_lr_scaling='linear'; expected one of none, sqrt_world"):
+    with pytest.raises(
+        ValueError, match="invalid outer_lr_scaling='linear'; expected one of none, sqrt_world, fourth_root_world$"
+    ):
         hf_demo.DeMo(tiny_mlp().parameters(), sync_every=2, outer_lr_scaling="linear")
 
 
@@ -180,11 +183,17 @@ def test_the_from_scratch_presets_scale_the_outer_lr_with_the_number_of_ranks():
     from hf_demo.optim.local_steps import outer_factor
     from hf_demo.settings import DeMoSettings
 
-    for preset in ("from_scratch", "from_scratch_few_bytes"):
+    # from_scratch: the mean change x sqrt(2) (W/2)^(1/4); from_scratch_few_bytes (4 local steps' change): x sqrt(W)
+    for preset, expected in (
+        ("from_scratch", [2**0.25, 2**0.5, 8**0.25, 2, 32**0.25]),
+        ("from_scratch_few_bytes", [1, 2**0.5, 2, 8**0.5, 4]),
+    ):
         s = DeMoSettings.resolve(preset)
         factors = [outer_factor(s.outer_lr, s.outer_lr_scaling, w) for w in (1, 2, 4, 8, 16)]
-        assert factors == [0.5**0.5, 1.0, 2**0.5, 2.0, 8**0.5]
+        assert factors == pytest.approx(expected, rel=1e-15, abs=0)
     assert outer_factor(1.5, "none", 8) == 1.5 and outer_factor(1.5, "sqrt_world", 8) == 3.0
+    # fourth_root_world: outer_lr x (W/2)^(1/4), 1 at 2 ranks
+    assert [outer_factor(1.5, "fourth_root_world", w) for w in (2, 32)] == [1.5, 3.0]
 
 
 def _sync_resume(rank, world, resume_at):

@@ -294,8 +294,8 @@ LOSS_COST = {  # method -> (its loss against DDP-AdamW or every-step DeMo as mea
         "training-from-scratch-against-ddp-muon",
     ),
     "demo-from_scratch_few_bytes": (
-        "1.008x the from_scratch preset's held-out loss after 3000 steps (0.46M Llama from scratch, 3 seeds) for 6.9x "
-        "fewer bytes; 1.045x and 1.032x after 1000 steps (0.46M and 3.3M Llamas)",
+        "1.057x the from_scratch preset's held-out loss after 1000 steps (0.46M Llama from scratch, 2 ranks, 3 seeds) "
+        "for 6.9x fewer bytes; with the mean change x 1, 1.008x after 3000 steps and 1.032x on the 3.3M Llama",
         "fewer-bytes-with-local-muon-steps",
     ),
 }

@@ -29,19 +29,23 @@ from hf_demo.optim.update_rules import STATE_KEYS
 INNER_BETA = 0.9
 
 
-OUTER_LR_SCALINGS = ("none", "sqrt_world")  # the outer_lr_scaling setting's values (see outer_factor)
+OUTER_LR_SCALINGS = ("none", "sqrt_world", "fourth_root_world")  # the outer_lr_scaling setting's values (outer_factor)
 
 
 def outer_factor(outer_lr: float, scaling: str, world: int) -> float:
     """What a synchronisation multiplies the ranks' mean change by: ``outer_lr``, times ``sqrt(world / 2)`` with
-    ``scaling="sqrt_world"`` (1 at 2 ranks, 2 at 8; ``world`` is the number of ranks the change is averaged over).
+    ``scaling="sqrt_world"`` (1 at 2 ranks, 2 at 8) or ``(world / 2) ** 0.25`` with ``"fourth_root_world"`` (1 at
+    2 ranks, 1.41 at 8); ``world`` is the number of ranks the change is averaged over.
 
     Each rank's local change is mostly its own noise (the ranks' changes are nearly orthogonal), so the mean of
-    ``world`` of them is about ``sqrt(world)`` times shorter than one: the factor gives the applied change the
-    size it has at 2 ranks, where the presets' learning rate was chosen."""
+    ``world`` of them is about ``sqrt(world)`` times shorter than one: ``sqrt_world`` gives the applied change the
+    size it has at 2 ranks, where the presets' learning rate was chosen; ``fourth_root_world`` makes up half of that
+    shrinking (in log scale), for a mean whose direction is less sure the more ranks' noise it holds."""
     if scaling not in OUTER_LR_SCALINGS:
         raise ValueError(f"DeMo: invalid outer_lr_scaling={scaling!r}; expected one of {', '.join(OUTER_LR_SCALINGS)}")
-    return outer_lr * (math.sqrt(world / 2) if scaling == "sqrt_world" else 1.0)
+    if scaling == "none":
+        return outer_lr
+    return outer_lr * (math.sqrt(world / 2) if scaling == "sqrt_world" else (world / 2) ** 0.25)
 
 
 def feedback_decay(sync_decay: float, layout) -> float:
