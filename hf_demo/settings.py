@@ -12,8 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hf_demo.compression import transforms
-from hf_demo.compression.blocks import MAX_BLOCK_SIZE
+from hf_demo import compression
+from hf_demo.compression import MAX_BLOCK_SIZE
 from hf_demo.exchange import exchanges
 from hf_demo.optim import local_steps, update_rules
 from hf_demo.refusals import REFUSALS, refuse
@@ -90,7 +90,7 @@ class DeMoSettings:
     transform: str = _setting(
         "dct",
         "what top-k selects from: dct (the blockwise DCT-II, DeMo's) or identity (the raw blocks: an ablation)",
-        transforms.TRANSFORM_NAMES,
+        compression.TRANSFORM_NAMES,
     )
     value_format: str = _setting(
         "bf16",

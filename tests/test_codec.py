@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from codec_helpers import decode_params, decode_values, encode_params, encode_values
-from hf_demo.compression import functional as F
-from hf_demo.compression.blocks import plan
+from hf_demo import compression as F
+from hf_demo.compression import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
 

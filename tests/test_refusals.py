@@ -342,8 +342,8 @@ STATE = "a saved state that is damaged, another run's or another model's"
 RUNTIME = "a finding at run time (ranks disagree, a wrapper averages, a call out of order)"
 ARGUMENT = "an argument that is missing or wrong (names the fix)"
 NOT_REFUSALS: dict[str, tuple[int, str]] = {
-    "hf_demo/compression/blocks.py::plan": (1, VALUE + ": an empty parameter"),
-    "hf_demo/compression/buckets.py::stacked_blocks": (1, INVARIANT),
+    "hf_demo/compression.py::plan": (1, VALUE + ": an empty parameter"),
+    "hf_demo/compression.py::stacked_blocks": (1, INVARIANT),
     "hf_demo/elastic.py::Elastic.__init__": (1, VALUE + ": batch_size"),
     "hf_demo/elastic.py::Elastic._manager": (1, ARGUMENT + ": no Lighthouse address"),
     "hf_demo/elastic.py::Elastic._snapshot_path": (2, VALUE + ": momentum_every; " + ARGUMENT + ": no replica id"),

@@ -42,9 +42,9 @@ import functools
 
 import torch
 
-from hf_demo.compression import buckets
-from hf_demo.compression import functional as F
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo import compression
+from hf_demo import compression as F
+from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoStateError, lookup
 from hf_demo.exchange.collectives import REPLICAS, CollectiveSpec
 from hf_demo.exchange.transport import Pending, Traffic
@@ -144,16 +144,16 @@ class AllGatherExchange:
 
     def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
         """Top-k, the payload and error feedback, once per bucket (``working``: the per-parameter momenta, best
-        :class:`~hf_demo.compression.buckets.Bucketed` over this exchange's buckets: the feedback then lands in
+        :class:`~hf_demo.compression.Bucketed` over this exchange's buckets: the feedback then lands in
         their rows directly)."""
         bucketing = self.codec.bucketing
-        rows = buckets.rows(working, bucketing)
+        rows = compression.bucket_rows(working, bucketing)
         selections = [F.select(m, bucket.k) for m, bucket in zip(rows, bucketing.buckets)]
         device = working[0].device if working else torch.device("cpu")
         payload, sent = self.codec.encode_buckets(selections, device)
         for m, (idx, _), values in zip(rows, selections, sent):
             F.feedback(m, idx, values)
-        buckets.write_back(working, rows, bucketing)
+        compression.write_back(working, rows, bucketing)
         return payload
 
     def start(
@@ -192,7 +192,7 @@ class AllGatherExchange:
             F.densify(*self.weights(idx, values, bucket), bucket)
             for (idx, values), bucket in zip(self.codec.decode_buckets(received), bucketing.buckets)
         ]
-        return buckets.Bucketed.of(dense, bucketing)
+        return compression.Bucketed.of(dense, bucketing)
 
 
 class AllReduceExchange:
@@ -208,7 +208,7 @@ class AllReduceExchange:
         self.dtype = self.VALUE_DTYPES[spec.value_format]
         self.secret = spec.secret
         self.union = spec.positions == "union"
-        self.bucketing = buckets.plan(tuple(spec.layouts))
+        self.bucketing = compression.plan_buckets(tuple(spec.layouts))
         # union: each rank nominates k // W positions per block; leader: one rank picks all k
         world = spec.world
         self.picked = self.bucketing.with_k(lambda k: max(1, k // world)) if self.union else self.bucketing
@@ -225,7 +225,7 @@ class AllReduceExchange:
         """This rank's nominated positions, index-coded: one buffer for every parameter."""
         streams = [
             self.indices.pack_rows(F.select(m, b.k)[0], b.bsize, b.k).reshape(-1)
-            for m, b in zip(buckets.rows(working, self.bucketing), self.picked.buckets)
+            for m, b in zip(compression.bucket_rows(working, self.bucketing), self.picked.buckets)
         ]
         return self.map.assemble(streams, device)
 
@@ -325,14 +325,14 @@ class AllReduceExchange:
             return in_flight
         # every rank contributes its own values at the agreed positions (once each), exactly as they travel
         device = working[0].device if working else torch.device("cpu")
-        momenta = buckets.rows(working, self.bucketing)
+        momenta = compression.bucket_rows(working, self.bucketing)
         contributions = []
         for m, (idx, first) in zip(momenta, chosen):
             mine = m.gather(1, idx)
             mine = (mine if first is None else mine * first).to(self.dtype)
             F.feedback(m, idx, mine.float())
             contributions.append(mine.reshape(-1))
-        buckets.write_back(working, momenta, self.bucketing)
+        compression.write_back(working, momenta, self.bucketing)
         # nothing to send (every parameter frozen, or a hierarchy shard without one): the same on every rank of
         # the group, whose layouts the headers proved equal
         if not contributions:
@@ -377,7 +377,7 @@ class AllReduceExchange:
             for (idx, _), bucket, part in zip(chosen, self.picked.buckets, parts):
                 mean = part.float().view_as(idx) / in_flight.world
                 out.append(F.densify(idx, mean, bucket))  # runs of one rank's nominations: no repeats within
-        return buckets.Bucketed.of(out, self.bucketing)
+        return compression.Bucketed.of(out, self.bucketing)
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """(senders, index_nbytes) -> per bucket (senders, rows, k_nominated) positions."""
@@ -387,7 +387,7 @@ class AllReduceExchange:
 
 
 @functools.lru_cache(maxsize=64)
-def _sum_order_cpu(picked: buckets.Bucketing, world: int) -> torch.Tensor:
+def _sum_order_cpu(picked: compression.Bucketing, world: int) -> torch.Tensor:
     firsts, base = [], 0
     for bucket in picked.buckets:
         firsts.append(base)
@@ -402,7 +402,7 @@ def _sum_order_cpu(picked: buckets.Bucketing, world: int) -> torch.Tensor:
 _SUM_ORDERS: dict = {}
 
 
-def _sum_order(picked: buckets.Bucketing, world: int, device: torch.device) -> torch.Tensor:
+def _sum_order(picked: compression.Bucketing, world: int, device: torch.device) -> torch.Tensor:
     key = (picked, world, device)
     if key not in _SUM_ORDERS:
         _SUM_ORDERS[key] = _sum_order_cpu(picked, world).to(device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_demo.compression import functional as F
+from hf_demo import compression as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic

@@ -25,7 +25,7 @@ SAME_ON_REPLICAS = (
 def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
     """The shape of a state entry of a parameter shard: the momentum is blocked (nblocks, block size), the rest has
     the shard's shape."""
-    from hf_demo.compression.blocks import plan
+    from hf_demo.compression import plan
 
     if key != "momentum":
         return shard

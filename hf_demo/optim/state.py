@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, field
 
 import torch
 
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange.exchanges import InFlight
 from hf_demo.exchange.transport import Traffic

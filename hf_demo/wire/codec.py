@@ -38,8 +38,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from hf_demo.compression import buckets
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo import compression
+from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
@@ -357,7 +357,7 @@ class EliasFanoIndices:
     per position instead of 16), top-4 is 10*4 + 7 = 47 bits, 6 bytes (12). Blocks of the same (size,
     k) in all parameters are coded at once, with integer arithmetic on (blocks, k) arrays (a handful of
     tensor operations per step, not per parameter, and no array of single bits for the low parts).
-    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.compression.functional.select` returns them),
+    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.compression.select` returns them),
     so training is bitwise what the 16-bit code gives. A corrupted record (an upper vector without exactly
     k ones, or positions not strictly increasing) decodes to an out-of-range position, which the payload
     check reports.
@@ -523,13 +523,13 @@ def wire_map(bucketing, fmt: str, coding: str) -> WireMap:
 
 class PayloadCodec:
     """Packs every parameter's selected coefficients into one payload, and unpacks and validates it; the work
-    is done per bucket (:mod:`hf_demo.compression.buckets`): ``encode_buckets``/``decode_buckets``."""
+    is done per bucket (:mod:`hf_demo.compression`): ``encode_buckets``/``decode_buckets``."""
 
     def __init__(self, layouts: list[BlockLayout], fmt: str, coding: str):
         self.layouts = layouts
         self.format = value_format(fmt)
         self.indices = index_coding(coding)
-        self.bucketing = buckets.plan(tuple(layouts))
+        self.bucketing = compression.plan_buckets(tuple(layouts))
         self.map = wire_map(self.bucketing, fmt, coding)
         self.offsets, self.nbytes = self.map.offsets, self.map.nbytes
 
