@@ -214,7 +214,7 @@ _TABLE = (
     Refusal(
         "sparse_gradients", "layout",
         "sparse gradients",
-        "hf_demo.guards.checks.nonfinite_or_zero",
+        "hf_demo.guards.nonfinite_or_zero",
         "DeMo does not support sparse gradients",
     ),
     # ------------------------------------------------------------------------------------------------- elastic

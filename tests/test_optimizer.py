@@ -286,7 +286,7 @@ def _slow_fingerprint(params):
 def test_parameter_fingerprint_matches_its_slow_spelling():
     """Column sums give the same words as the weighted sum over every element: shorter than one period, an
     exact multiple, a remainder, every element size; a change of one bit or of the order changes the word."""
-    from hf_demo.guards.checks import fingerprint as _fingerprint
+    from hf_demo.guards import fingerprint as _fingerprint
 
     torch.manual_seed(0)
     params = [

@@ -34,9 +34,9 @@ import warnings
 import torch
 
 from hf_demo import compression as F
+from hf_demo import guards as verdicts
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange import exchanges
-from hf_demo.guards import verdicts
 from hf_demo.optim import overlap, settle, signals
 from hf_demo.optim.records import (
     Agreed,
