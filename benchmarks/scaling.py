@@ -36,7 +36,7 @@ from pathlib import Path
 from benchlib.baselines import powersgd_bytes
 from benchlib.ranks import expect_ok, run_ranks
 from benchlib.toy import byte_llama
-from hf_demo.exchange.exchanges import REDUCE_POSITIONS
+from hf_demo.exchange.transport import REDUCE_POSITIONS
 from hf_demo.settings import DeMoSettings
 from hf_demo.wire.codec import INDEX_CODINGS
 

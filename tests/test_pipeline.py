@@ -12,7 +12,7 @@ import torch
 
 import hf_demo
 from hf_demo import compression
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import phases, records, signals, update_rules, view
 from hf_demo.topology import TOPOLOGIES
 from hf_demo.wire import agreement

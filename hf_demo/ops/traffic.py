@@ -1,7 +1,7 @@
 """What one training step sends, collective by collective, for DDP, PowerSGD and DeMo in every layout.
 
 DeMo's bytes are the library's own: the block layouts of :func:`hf_demo.compression.plan`, the
-payload sizes of the exchange classes of :mod:`hf_demo.exchange.exchanges` (which size their buffers with
+payload sizes of the exchange classes of :mod:`hf_demo.exchange.transport` (which size their buffers with
 :mod:`hf_demo.wire.codec`), and :data:`hf_demo.wire.codec.HEADER_BYTES` for each header, exactly as the
 optimizer builds them. DDP all-reduces every gradient (fp32 by default) in buckets; PowerSGD (torch's
 ``powerSGD_hook``) all-reduces the factors ``P`` (n x r) and ``Q`` (m x r) of each matrix it compresses and
@@ -20,7 +20,8 @@ import torch
 
 from hf_demo import compression
 from hf_demo.compression import plan
-from hf_demo.exchange import collectives, exchanges
+from hf_demo.exchange import collectives
+from hf_demo.exchange import transport as exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
 from hf_demo.topology import owners

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from hf_demo import compression
 from hf_demo import guards as ddp
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import transport as exchanges
 from hf_demo.exchange.transport import CommStats
 from hf_demo.hf.launch_env import refuse_fsdp_on_cpu
 from hf_demo.optim import checkpointing, groups, local_phase, overlap, phases, settle

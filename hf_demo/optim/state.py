@@ -15,8 +15,7 @@ import torch
 
 from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoStateError
-from hf_demo.exchange.exchanges import InFlight
-from hf_demo.exchange.transport import Traffic
+from hf_demo.exchange.transport import InFlight, Traffic
 from hf_demo.optim.policy import Clock
 
 STATE_VERSION = 3

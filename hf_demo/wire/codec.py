@@ -606,6 +606,13 @@ class PayloadCodec:
         raise AssertionError("refusal() called with no flag set")
 
 
+@functools.lru_cache(maxsize=64)
+def payload_codec(layouts: tuple[BlockLayout, ...], fmt: str, coding: str) -> PayloadCodec:
+    """The :class:`PayloadCodec` of ``layouts`` (cached: built once, the same object every step; it holds no state
+    a step changes)."""
+    return PayloadCodec(list(layouts), fmt, coding)
+
+
 def too_large_refusal(i: int, layout: BlockLayout, source: str) -> str:
     """The message for finite coefficients beyond :func:`coefficient_bound` for parameter ``i``."""
     return (
