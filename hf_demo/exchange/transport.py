@@ -139,13 +139,6 @@ class CommStats:
     total_intra_bytes_sent: int = 0
     total_intra_bytes_received: int = 0
 
-    def start_step(self, dense_bytes: int) -> None:
-        self.bytes_sent = self.bytes_received = self.collectives = 0
-        self.intra_bytes_sent = self.intra_bytes_received = 0
-        self.seconds = 0.0
-        self.dense_bytes = dense_bytes
-        self.steps += 1
-
     def record(self, sent: int, received: int, seconds: float) -> None:
         self.bytes_sent += sent
         self.bytes_received += received
@@ -168,7 +161,11 @@ class CommStats:
 
     def commit_step(self, dense_bytes: int, traffic: Traffic) -> None:
         """A committed step: its own figures become the last step's, and count in the totals."""
-        self.start_step(dense_bytes)
+        self.bytes_sent = self.bytes_received = self.collectives = 0
+        self.intra_bytes_sent = self.intra_bytes_received = 0
+        self.seconds = 0.0
+        self.dense_bytes = dense_bytes
+        self.steps += 1
         self.add(traffic)
 
     def add(self, traffic: Traffic, kind: str = "step") -> None:
@@ -360,6 +357,7 @@ class Transport:
         self.collectives = backend if backend is not None else DistBackend(group, timeout)
         self.world, self.rank = self.collectives.world, self.collectives.rank
         self.backend = self.collectives.name  # its name: where a buffer must be for it (wire_device)
+        self._wire_devices: dict[torch.device, torch.device] = {}  # a buffer's device -> where the backend needs it
 
     @classmethod
     def alone(cls) -> Transport:
@@ -375,8 +373,11 @@ class Transport:
         return self.collectives.global_rank(group_rank)
 
     def _to_wire(self, buf: torch.Tensor) -> torch.Tensor:
-        """``buf`` on the device the backend needs (itself when it is there already)."""
-        device = wire_device(self.backend, buf.device)
+        """``buf`` on the device the backend needs (itself when it is there already; :func:`wire_device`, once per
+        device)."""
+        device = self._wire_devices.get(buf.device)
+        if device is None:
+            device = self._wire_devices[buf.device] = wire_device(self.backend, buf.device)
         return buf if device == buf.device else buf.to(device)
 
     # ------------------------------------------------------------ collectives
@@ -387,7 +388,7 @@ class Transport:
         wire = self._to_wire(buf)
         out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
         sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        op = lambda: self._gather(out, wire)  # noqa: E731
+        op = functools.partial(self.collectives.gather, out, wire)
         self._run(name, sent, received, op, wire.device, step, traffic)
         return out.view(self.world, -1).to(buf.device)
 
@@ -475,11 +476,14 @@ class Transport:
     def _run(self, name: str, sent: int, received: int, op: Callable[[], object], device, step, traffic) -> None:
         for hook in list(_HOOKS.values()):
             hook(name, sent)
-        _synchronize(device)  # work queued before the collective is not counted as communication
+        cuda = device is not None and device.type == "cuda"  # its queued work waited for (_synchronize), in place
+        if cuda:
+            torch.cuda.synchronize(device)  # work queued before the collective is not counted as communication
         t0 = time.perf_counter()
         try:
             op()
-            _synchronize(device)  # a CUDA collective returns once queued: count it until it is done
+            if cuda:
+                torch.cuda.synchronize(device)  # a CUDA collective returns once queued: count it until it is done
         except (RuntimeError, dist.DistError) as exc:
             raise self._failure(name, time.perf_counter() - t0, exc, step) from exc
         if traffic is not None:
