@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hf_demo.compression import functional as F
+from hf_demo import compression as F
 from hf_demo.wire import codec
 
 EF = codec.index_coding("elias_fano")

@@ -352,7 +352,7 @@ def _shared_positions() -> None:
     from the seed would send only the values."""
     import torch
 
-    from hf_demo.compression import functional
+    from hf_demo import compression as functional
 
     calls = [0]
 

@@ -111,7 +111,7 @@ class Recorder:
     what a synchronisation compresses: each bucket's buffer and chosen positions, each parameter's change."""
 
     def __init__(self):
-        from hf_demo.compression import functional
+        from hf_demo import compression as functional
         from hf_demo.optim import local_steps
 
         self.selects, self.changes = [], {}

@@ -15,7 +15,7 @@ bytes, not time), every setting in ``--settings`` builds ``hf_demo.DeMo`` on the
 ranks' payloads). The launcher checks that every rank reports the same and tabulates rank 0.
 
 Part 2 (exact, no tensors): the payload a setting produces for bigger models is a function of the parameter
-shapes only (``hf_demo.compression.blocks.plan`` + ``hf_demo.wire.codec.segment_bytes``, the functions DeMo
+shapes only (``hf_demo.compression.plan`` + ``hf_demo.wire.codec.segment_bytes``, the functions DeMo
 itself sizes its
 payload with), so s and W* are also computed for a 1.2B Llama (Llama-3.2-1B shapes) and the measured model
 (which checks the computation against Part 1).
@@ -36,7 +36,7 @@ from pathlib import Path
 from benchlib.baselines import powersgd_bytes
 from benchlib.ranks import expect_ok, run_ranks
 from benchlib.toy import byte_llama
-from hf_demo.exchange.exchanges import REDUCE_POSITIONS
+from hf_demo.exchange.transport import REDUCE_POSITIONS
 from hf_demo.settings import DeMoSettings
 from hf_demo.wire.codec import INDEX_CODINGS
 
@@ -291,7 +291,7 @@ def llama_shapes(vocab, hidden, layers, intermediate, heads, kv_heads, tied):
 
 
 def payload_bytes(shapes, fmt, k, c, coding) -> int:
-    from hf_demo.compression.blocks import plan
+    from hf_demo.compression import plan
     from hf_demo.wire import codec
 
     return sum(codec.segment_bytes(plan(tuple(s), c, k), fmt, coding) for s in shapes)

@@ -1,10 +1,11 @@
 """How much code one steady DeMo step walks through: the distinct hf_demo functions and files that one
 ``optimizer.step()`` enters, with the default settings on 2 gloo ranks (a 4-tensor MLP), after 3 warm-up steps.
 
-    python benchmarks/step_trace.py [--settings key=value,...] [--world 2] [--json]
+    python benchmarks/step_trace.py [--settings key=value,...] [--world 2] [--functions] [--json]
 
-Prints a table of files (functions entered in each) and a summary line; ``--json`` prints one JSON object
-instead: {"functions", "files", "calls", "by_file"}. The design goal for a default steady step: at most 90
+Prints a table of files (functions entered in each) and a summary line; ``--functions`` also lists every function
+entered under its file; ``--json`` prints one JSON object instead: {"functions", "files", "calls", "by_file",
+"names"} (names: file -> sorted function names). The design goal for a default steady step: at most 90
 functions in at most 12 files (docs/DESIGN.md).
 """
 
@@ -60,7 +61,14 @@ def trace_rank(rank: int, world: int, settings: dict, warmup: int) -> dict:
     opt.flush()
     hf_demo.shutdown()
     by_file = Counter(f.split(":", 1)[0] for f in funcs)
-    return {"functions": len(funcs), "files": len(files), "calls": calls[0], "by_file": dict(by_file.most_common())}
+    names = {path: sorted(f.split(":", 1)[1] for f in funcs if f.split(":", 1)[0] == path) for path in by_file}
+    return {
+        "functions": len(funcs),
+        "files": len(files),
+        "calls": calls[0],
+        "by_file": dict(by_file.most_common()),
+        "names": names,
+    }
 
 
 def main(argv=None) -> int:
@@ -68,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="", help="DeMo settings as key=value,... (default: the defaults)")
     ap.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before the traced one (default 3)")
+    ap.add_argument("--functions", action="store_true", help="list every function entered, under its file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     settings = parse_overrides(args.settings) if args.settings else {}
@@ -77,6 +86,9 @@ def main(argv=None) -> int:
         return 0
     for path, n in out["by_file"].items():
         print(f"{n:4d}  hf_demo/{path}")
+        if args.functions:
+            for name in out["names"][path]:
+                print(f"          {name}")
     print(f"one steady step on {args.world} ranks enters {out['functions']} functions in {out['files']} files")
     return 0
 

@@ -32,7 +32,7 @@ SMOLLM2 = dict(vocab=49152, hidden=576, intermediate=1536, layers=30, kv=192)  #
 
 def smollm2_payload_bytes(chunk: int = 64, topk: int = 32, fmt: str = "bf16", coding: str = "elias_fano") -> int:
     """The bytes of DeMo's payload per step for SmolLM2-135M's parameter shapes (from the shapes alone)."""
-    from hf_demo.compression.blocks import plan
+    from hf_demo.compression import plan
     from hf_demo.wire import codec
 
     h, i, kv = SMOLLM2["hidden"], SMOLLM2["intermediate"], SMOLLM2["kv"]

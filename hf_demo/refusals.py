@@ -127,7 +127,7 @@ _TABLE = (
     Refusal(
         "all_reduce_scaled_values", "construction",
         "`exchange=\"all_reduce\"` × `value_format` `sign` or `2bit`",
-        "hf_demo.exchange.exchanges.AllReduceExchange",
+        "hf_demo.exchange.transport.AllReduceExchange",
         "exchange='all_reduce' sums values, so value_format must be one of {allowed} (got {value_format!r}: each "
         "rank's values carry their own scales, which a sum cannot add); use exchange='all_gather' for {value_format}",
         involves=("exchange", "value_format"),
@@ -214,7 +214,7 @@ _TABLE = (
     Refusal(
         "sparse_gradients", "layout",
         "sparse gradients",
-        "hf_demo.guards.checks.nonfinite_or_zero",
+        "hf_demo.guards.nonfinite_or_zero",
         "DeMo does not support sparse gradients",
     ),
     # ------------------------------------------------------------------------------------------------- elastic

@@ -3,7 +3,7 @@
 ``DeMo(**settings)``, ``--optim_args``, the ``--demo_*`` fields of ``DeMoTrainingArguments`` and the
 settings checksum that ranks compare all read :class:`DeMoSettings`. Allowed values come from the
 registries of the modules that implement them (value formats in :mod:`hf_demo.wire.codec`, exchanges in
-:mod:`hf_demo.exchange.exchanges`, update rules in :mod:`hf_demo.optim.update_rules`), so adding one touches one module.
+:mod:`hf_demo.exchange.transport`, update rules in :mod:`hf_demo.optim.update_rules`), so adding one touches one module.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hf_demo.compression import transforms
-from hf_demo.compression.blocks import MAX_BLOCK_SIZE
-from hf_demo.exchange import exchanges
+from hf_demo import compression
+from hf_demo.compression import MAX_BLOCK_SIZE
+from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import local_steps, update_rules
 from hf_demo.refusals import REFUSALS, refuse
 from hf_demo.wire import codec
@@ -90,7 +90,7 @@ class DeMoSettings:
     transform: str = _setting(
         "dct",
         "what top-k selects from: dct (the blockwise DCT-II, DeMo's) or identity (the raw blocks: an ablation)",
-        transforms.TRANSFORM_NAMES,
+        compression.TRANSFORM_NAMES,
     )
     value_format: str = _setting(
         "bf16",

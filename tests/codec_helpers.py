@@ -9,15 +9,15 @@ of the codec.
 import torch
 import torch.nn.functional as F
 
-from hf_demo.compression import buckets
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo import compression
+from hf_demo.compression import BlockLayout
 from hf_demo.wire import codec
 
 
-def one_bucket(nblocks: int, k: int) -> buckets.Bucket:
+def one_bucket(nblocks: int, k: int) -> compression.Bucket:
     """The bucket of one parameter of ``nblocks`` blocks of ``k`` positions (a vector in blocks of ``k``)."""
     layout = BlockLayout((nblocks * k,), 1, nblocks * k, 1, k, k)
-    return buckets.plan((layout,)).buckets[0]
+    return compression.plan_buckets((layout,)).buckets[0]
 
 
 def encode_values(fmt: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,10 +42,10 @@ def decode_values(fmt: str, wire: torch.Tensor, nblocks: int, k: int) -> torch.T
 
 def encode_params(pc: codec.PayloadCodec, selections: list, device) -> tuple[torch.Tensor, list]:
     """[(positions, values)] per parameter -> (payload uint8, [values as receivers decode them] per parameter)."""
-    idxs = buckets.rows([idx for idx, _ in selections], pc.bucketing)
-    values = buckets.rows([v for _, v in selections], pc.bucketing)
+    idxs = compression.bucket_rows([idx for idx, _ in selections], pc.bucketing)
+    values = compression.bucket_rows([v for _, v in selections], pc.bucketing)
     payload, sent = pc.encode_buckets(list(zip(idxs, values)), device)
-    return payload, list(buckets.Bucketed.of(sent, pc.bucketing))
+    return payload, list(compression.Bucketed.of(sent, pc.bucketing))
 
 
 def decode_params(pc: codec.PayloadCodec, received: torch.Tensor) -> list:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_demo.compression.blocks import dct_matrix, decode, encode, from_blocks, plan, to_blocks
+from hf_demo.compression import dct_matrix, decode, encode, from_blocks, plan, to_blocks
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 29, 64, 256])

@@ -1,21 +1,21 @@
-"""The batched math (hf_demo.compression.buckets): buckets by block shape, and bitwise the per-parameter results."""
+"""The batched math (hf_demo.compression): buckets by block shape, and bitwise the per-parameter results."""
 
 import pytest
 import torch
 
-from hf_demo.compression import blocks, buckets, transforms
-from hf_demo.compression import functional as F
+from hf_demo import compression
+from hf_demo import compression as F
 from hf_demo.optim import update_rules
 
 SHAPES = [(16, 16), (16,), (16, 24), (24, 16), (20, 13), (16, 16), (16,), ()]
 
 
 def _layouts(shapes=SHAPES, chunk=8, k=3):
-    return [blocks.plan(s, chunk, k) for s in shapes]
+    return [compression.plan(s, chunk, k) for s in shapes]
 
 
 def test_parameters_of_the_same_block_shape_share_a_bucket_and_each_shape_is_one_run():
-    bucketing = buckets.plan(tuple(_layouts()))
+    bucketing = compression.plan_buckets(tuple(_layouts()))
     keys = [(b.b0, b.b1, b.k) for b in bucketing.buckets]
     assert len(keys) == len(set(keys))  # one bucket per block shape (none is over the cap here)
     square = next(b for b in bucketing.buckets if (b.b0, b.b1) == (8, 8))
@@ -28,13 +28,13 @@ def test_parameters_of_the_same_block_shape_share_a_bucket_and_each_shape_is_one
 
 
 def test_a_bucket_over_the_cap_is_cut_into_buckets_of_whole_parameters(monkeypatch):
-    monkeypatch.setattr(buckets, "MAX_BUCKET_ELEMENTS", 3 * 64)
+    monkeypatch.setattr(compression, "MAX_BUCKET_ELEMENTS", 3 * 64)
     layouts = tuple(_layouts([(16, 16)] * 5 + [(8, 8)]))  # 4 blocks each, then 1; a bucket holds 3 blocks
-    buckets.plan.cache_clear()
+    compression.plan_buckets.cache_clear()
     try:
-        bucketing = buckets.plan(layouts)
+        bucketing = compression.plan_buckets(layouts)
     finally:
-        buckets.plan.cache_clear()
+        compression.plan_buckets.cache_clear()
     # a parameter larger than the cap is a bucket of its own; the next one does not fit beside it
     assert [b.members for b in bucketing.buckets] == [(0,), (1,), (2,), (3,), (4,), (5,)]
     assert [bucketing.where[i] for i in range(6)] == [(i, 0) for i in range(6)]
@@ -43,7 +43,7 @@ def test_a_bucket_over_the_cap_is_cut_into_buckets_of_whole_parameters(monkeypat
 @pytest.mark.parametrize("transform", ["dct", "identity"])
 def test_the_batched_momentum_and_inverse_transform_are_bitwise_the_per_parameter_ones(transform):
     torch.manual_seed(0)
-    t = transforms.get(transform)
+    t = compression.get_transform(transform)
     layouts = _layouts()
     momenta = [torch.randn(lay.nblocks, lay.bsize) for lay in layouts]
     grads = [torch.randn(lay.shape) for lay in layouts]
@@ -60,10 +60,10 @@ def test_the_batched_momentum_and_inverse_transform_are_bitwise_the_per_paramete
 
 def test_a_bucketed_list_is_views_of_its_buckets():
     layouts = _layouts()
-    bucketing = buckets.plan(tuple(layouts))
+    bucketing = compression.plan_buckets(tuple(layouts))
     rows = [torch.zeros(b.rows, b.bsize) for b in bucketing.buckets]
-    items = buckets.Bucketed.of(rows, bucketing)
-    assert buckets.rows(items, bucketing) is items.buckets
+    items = compression.Bucketed.of(rows, bucketing)
+    assert compression.bucket_rows(items, bucketing) is items.buckets
     items[0].add_(1.0)
     b, row = bucketing.where[0]
     assert rows[b][row : row + layouts[0].nblocks].eq(1).all() and rows[b].sum() == items[0].numel()

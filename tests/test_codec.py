@@ -1,5 +1,6 @@
 """The wire protocol: header, indices, every value format and the payload round-trip exactly and are checked."""
 
+import dataclasses
 import math
 import re
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from codec_helpers import decode_params, decode_values, encode_params, encode_values
-from hf_demo.compression import functional as F
-from hf_demo.compression.blocks import plan
+from hf_demo import compression as F
+from hf_demo.compression import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.wire import codec
 
@@ -280,7 +281,7 @@ def test_hmac_refuses_a_payload_signed_with_another_secret_or_unsigned():
     with pytest.raises(DeMoSyncError, match="HMAC"):
         codec.verify_rows([unsigned], payload[None], b"s3cret", rank=0, step=0)
     # a tag alone does not pass a changed header either (the step is covered)
-    replayed = codec._replace(good, step=good.step + 1)
+    replayed = dataclasses.replace(good, step=good.step + 1)
     with pytest.raises(DeMoSyncError, match="HMAC"):
         codec.verify_rows([replayed], payload[None], b"s3cret", rank=0, step=0)
 
@@ -288,15 +289,15 @@ def test_hmac_refuses_a_payload_signed_with_another_secret_or_unsigned():
 def test_check_headers_names_every_disagreement():
     ref = _header(flags=0)
     with pytest.raises(DeMoSyncError, match="rank 1 is at optimizer step 12346"):
-        codec.check_headers([ref, codec._replace(ref, step=12346)], 0)
+        codec.check_headers([ref, dataclasses.replace(ref, step=12346)], 0)
     with pytest.raises(DeMoSyncError, match="different optimizer settings"):
-        codec.check_headers([ref, codec._replace(ref, settings_checksum=8)], 0)
+        codec.check_headers([ref, dataclasses.replace(ref, settings_checksum=8)], 0)
     with pytest.raises(DeMoSyncError, match="HF_DEMO_SECRET"):
-        codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_AUTH)], 0)
-    codec.check_headers([ref, codec._replace(ref, flags=codec.FLAG_NONFINITE)], 0)  # flags may differ
+        codec.check_headers([ref, dataclasses.replace(ref, flags=codec.FLAG_AUTH)], 0)
+    codec.check_headers([ref, dataclasses.replace(ref, flags=codec.FLAG_NONFINITE)], 0)  # flags may differ
     older = f"rank 1 speaks wire format {codec.MAGIC:#x}/v{codec.FORMAT_VERSION - 1}, expected "
     with pytest.raises(DeMoSyncError, match=re.escape(older) + r".*\(different hf_demo versions\?\)"):
-        codec.check_headers([ref, codec._replace(ref, version=codec.FORMAT_VERSION - 1)], 0)
+        codec.check_headers([ref, dataclasses.replace(ref, version=codec.FORMAT_VERSION - 1)], 0)
 
 
 def test_format_2_and_3_headers_still_parse():

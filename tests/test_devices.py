@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 import hf_demo
 from dist_utils import expect_ok
-from hf_demo.compression import functional as F
-from hf_demo.compression.blocks import plan
+from hf_demo import compression as F
+from hf_demo.compression import plan
 from hf_demo.exchange.transport import wire_device
 from hf_demo.wire import codec
 from models import awkward_mlp, loss_and_backward

@@ -7,7 +7,7 @@ zero-padded blocks where there is none).
 import pytest
 
 from dist_utils import expect_ok
-from hf_demo.compression.blocks import plan
+from hf_demo.compression import plan
 from hf_demo.optim.reference import ReferenceDeMo
 from models import REFERENCE_SETTINGS, awkward_mlp, demo_as_reference, loss_and_backward, tiny_mlp
 

@@ -575,7 +575,7 @@ def test_a_huge_finite_gradient_is_not_non_finite():
 def test_nonfinite_check_is_element_wise_where_a_sum_overflows(dtype):
     """The check reads a tensor's sum first; finite values whose sum overflows must still count as finite,
     and one NaN/Inf anywhere (also beside values that overflow the sum) as non-finite."""
-    from hf_demo.guards.checks import any_nonfinite as _nonfinite
+    from hf_demo.guards import any_nonfinite as _nonfinite
 
     big = torch.finfo(dtype).max
     overflowing = torch.full((64, 64), big, dtype=dtype)

@@ -226,7 +226,7 @@ def test_the_step_guard_knows_every_class_derived_from_ddp():
     """The guard picks DDP wrappers out by class, from DDP's class tree: a subclass of a subclass counts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_demo.guards.ddp import subclasses
+    from hf_demo.guards import subclasses
 
     class Wrapped(DistributedDataParallel):
         pass

@@ -96,8 +96,8 @@ def test_all_reduce_traffic_is_flat_in_the_number_of_ranks(positions, growth):
 def _agreed_positions(rank, world, positions):
     """With all_reduce, every rank's update is the mean over all ranks at the agreed positions: the step's
     leader's top-k (``leader``), or the union of every rank's top-(k // W) (``union``), each counted once."""
-    from hf_demo.compression import functional as F
-    from hf_demo.compression.blocks import decode, plan
+    from hf_demo import compression as F
+    from hf_demo.compression import decode, plan
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(8, 8))
@@ -118,7 +118,7 @@ def _agreed_positions(rank, world, positions):
     p.grad = grads[rank].clone()
     opt.step()
     layout = plan((8, 8), 8, k)
-    coeffs = [hf_demo.compression.blocks.encode(g, layout) for g in grads]
+    coeffs = [hf_demo.compression.encode(g, layout) for g in grads]
     if positions == "leader":  # step 0: rank 0 leads
         idx = F.select(coeffs[0].clone(), k)[0]
     else:  # the slow way: a Python set of every rank's top-2

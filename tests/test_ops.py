@@ -850,7 +850,7 @@ def test_promtool_checks_the_rules_and_they_fire_on_the_first_alert(tmp_path):
 def test_the_planned_payload_sizes_are_the_built_exchanges(exchange, value_format, index_coding, positions):
     import dataclasses
 
-    from hf_demo.exchange import exchanges
+    from hf_demo.exchange import transport as exchanges
     from hf_demo.ops.traffic import demo_layouts, demo_payload
 
     shapes_ = [(96, 40), (7, 130), (33,), (64, 64), (5, 3, 8)]
@@ -1145,7 +1145,8 @@ def test_plan_check_compares_the_kept_runs_and_says_what_latency_would_add(tmp_p
 def test_the_plan_reads_each_exchanges_own_description_of_its_collectives(monkeypatch):
     """ops.traffic keeps no list of DeMo's collectives: a collective an exchange (or the sharded topology) adds
     to its description is in the plan, on the group it names, and one it drops is gone."""
-    from hf_demo.exchange import collectives, exchanges
+    from hf_demo.exchange import collectives
+    from hf_demo.exchange import transport as exchanges
     from hf_demo.topology.sharded import ShardedTopology
 
     shape_list, settings = [(256, 64), (64,)], DeMoSettings(compression_chunk=16, compression_topk=4)

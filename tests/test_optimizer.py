@@ -8,8 +8,8 @@ import torch
 
 import hf_demo
 from codec_helpers import encode_values
-from hf_demo.compression import functional as F
-from hf_demo.compression.blocks import encode, plan
+from hf_demo import compression as F
+from hf_demo.compression import encode, plan
 from hf_demo.wire import codec
 from models import loss_and_backward, small_demo, tiny_mlp
 
@@ -219,7 +219,7 @@ def test_stochastic_rounding_moves_bf16_weights_that_nearest_rounding_freezes():
 
 
 def test_stochastic_rounding_is_unbiased(device):
-    from hf_demo.compression.functional import stochastic_round
+    from hf_demo.compression import stochastic_round
 
     x = torch.full((200_000,), 1.0 + 2**-10, device=device)  # 1/8 of the way from 1.0 to the next bf16, 1 + 2**-7
     rounded = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0))
@@ -286,7 +286,7 @@ def _slow_fingerprint(params):
 def test_parameter_fingerprint_matches_its_slow_spelling():
     """Column sums give the same words as the weighted sum over every element: shorter than one period, an
     exact multiple, a remainder, every element size; a change of one bit or of the order changes the word."""
-    from hf_demo.guards.checks import fingerprint as _fingerprint
+    from hf_demo.guards import fingerprint as _fingerprint
 
     torch.manual_seed(0)
     params = [

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from codec_helpers import decode_params, encode_params
-from hf_demo.compression.blocks import plan
+from hf_demo.compression import plan
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import transport as exchanges
 from hf_demo.wire import codec
 
 hypothesis = pytest.importorskip("hypothesis")

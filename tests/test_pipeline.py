@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import hf_demo
-from hf_demo.compression import transforms
-from hf_demo.exchange import exchanges
+from hf_demo import compression
+from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import phases, records, signals, update_rules, view
 from hf_demo.topology import TOPOLOGIES
 from hf_demo.wire import agreement
@@ -26,7 +26,7 @@ def test_the_design_page_lists_the_steps_phases_in_order():
 
 
 def test_every_registry_the_design_page_names_holds_what_it_documents():
-    for name, cls in transforms.TRANSFORMS.items():
+    for name, cls in compression.TRANSFORMS.items():
         assert callable(cls.encode) and callable(cls.decode) and f"`{name}`" in DESIGN
     for name, cls in exchanges.EXCHANGES_BY_NAME.items():
         assert all(callable(getattr(cls, m)) for m in ("prepare", "start", "finish")) and f"`{name}`" in DESIGN

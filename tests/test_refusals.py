@@ -342,8 +342,8 @@ STATE = "a saved state that is damaged, another run's or another model's"
 RUNTIME = "a finding at run time (ranks disagree, a wrapper averages, a call out of order)"
 ARGUMENT = "an argument that is missing or wrong (names the fix)"
 NOT_REFUSALS: dict[str, tuple[int, str]] = {
-    "hf_demo/compression/blocks.py::plan": (1, VALUE + ": an empty parameter"),
-    "hf_demo/compression/buckets.py::stacked_blocks": (1, INVARIANT),
+    "hf_demo/compression.py::plan": (1, VALUE + ": an empty parameter"),
+    "hf_demo/compression.py::stacked_blocks": (1, INVARIANT),
     "hf_demo/elastic.py::Elastic.__init__": (1, VALUE + ": batch_size"),
     "hf_demo/elastic.py::Elastic._manager": (1, ARGUMENT + ": no Lighthouse address"),
     "hf_demo/elastic.py::Elastic._snapshot_path": (2, VALUE + ": momentum_every; " + ARGUMENT + ": no replica id"),
@@ -351,12 +351,12 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/elastic.py::placed_optimizer_state": (1, INVARIANT),
     "hf_demo/errors.py::lookup": (1, VALUE + ": a name no registry holds"),
     "hf_demo/exchange/collectives.py::CollectiveSpec.__post_init__": (1, INVARIANT),
-    "hf_demo/exchange/exchanges.py::AllGatherExchange.finish": (1, STATE + ": sealed traffic in flight without a key"),
-    "hf_demo/exchange/exchanges.py::AllReduceExchange.__init__": (1, INVARIANT + ": the all-reduce's average"),
+    "hf_demo/exchange/transport.py::AllGatherExchange.finish": (1, STATE + ": sealed traffic in flight without a key"),
+    "hf_demo/exchange/transport.py::AllReduceExchange.__init__": (1, INVARIANT + ": the all-reduce's average"),
     "hf_demo/exchange/transport.py::CommStats.add": (1, INVARIANT),
     "hf_demo/fsdp.py::hsdp_mesh": (3, ARGUMENT),
-    "hf_demo/guards/ddp.py::check_gradients_differ": (2, RUNTIME),
-    "hf_demo/guards/ddp.py::first_step_check": (2, RUNTIME),
+    "hf_demo/guards.py::check_gradients_differ": (2, RUNTIME),
+    "hf_demo/guards.py::first_step_check": (2, RUNTIME),
     "hf_demo/hf/data_parallel.py::log_metrics": (1, ARGUMENT),
     "hf_demo/hf/elastic.py::data_shard": (2, VALUE + ": replica_id, replicas"),
     "hf_demo/hf/elastic.py::options": (1, VALUE + ": demo_elastic"),

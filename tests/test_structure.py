@@ -36,6 +36,8 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {resolve(a.name) for a in node.names if a.name.startswith("hf_demo.")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "hf_demo":
+                found |= {f"hf_demo.{a.name}" for a in node.names if f"hf_demo.{a.name}" in mods}  # a module
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("hf_demo."):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"

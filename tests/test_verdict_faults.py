@@ -8,6 +8,7 @@ Every rank runs the same schedule of calls (:func:`_run`: steps, a refused step 
 then ``confirm()``, one more step, ``confirm()``), so the ranks meet in every collective whatever each one raised;
 at the end every rank's parameters and step count must be the same, and where any rank raised, every rank did."""
 
+import dataclasses
 import os
 import zlib
 
@@ -101,8 +102,8 @@ def _forge(r: int, verdict: int):
     def change(out, n):
         row = out[r * n : r * n + codec.HEADER_BYTES]
         h = codec.Header.from_bytes(row.clone())
-        forged = codec._replace(h, flags=codec.FLAG_SETTLES | (verdict << codec.VERDICT_SHIFT), tag=bytes(32))
-        forged = codec._replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
+        forged = dataclasses.replace(h, flags=codec.FLAG_SETTLES | (verdict << codec.VERDICT_SHIFT), tag=bytes(32))
+        forged = dataclasses.replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
         row.copy_(forged.to_bytes())
 
     return change
@@ -128,8 +129,8 @@ def _resign(r: int, signed: bool):
         row = out[r * n : r * n + codec.HEADER_BYTES]
         h = codec.Header.from_bytes(row.clone())
         flags = h.flags | codec.FLAG_AUTH if signed else h.flags & ~codec.FLAG_AUTH
-        forged = codec._replace(h, flags=flags, tag=bytes(range(32)) if signed else bytes(32))
-        forged = codec._replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
+        forged = dataclasses.replace(h, flags=flags, tag=bytes(range(32)) if signed else bytes(32))
+        forged = dataclasses.replace(forged, header_crc=zlib.crc32(forged.body_bytes()))
         row.copy_(forged.to_bytes())
 
     return change
@@ -142,7 +143,7 @@ def _clear_in_place(r: int):
 
     def change(out, n):
         h = codec.Header(step=0, layout_checksum=0, settings_checksum=0, flags=0, world_size=2, payload_bytes=0)
-        h = codec._replace(h, header_crc=zlib.crc32(h.body_bytes()))
+        h = dataclasses.replace(h, header_crc=zlib.crc32(h.body_bytes()))
         out[r * n : r * n + codec.HEADER_BYTES] = h.to_bytes()
 
     return change

@@ -1,7 +1,7 @@
 """How a part of DeMo's step describes the collectives it runs, for the traffic model and the monitor to read.
 
 Each part that calls the :class:`~hf_demo.exchange.transport.Transport` lists its collectives next to its code:
-the exchanges (``collectives`` of :mod:`hf_demo.exchange.exchanges`), the agreement of a step
+the exchanges (``collectives`` of :mod:`hf_demo.exchange.transport`), the agreement of a step
 (:data:`hf_demo.wire.agreement.COLLECTIVES`) and the sharded topology's agreement over the shard group
 (``ShardedTopology.COLLECTIVES``). :mod:`hf_demo.ops.traffic` turns the descriptions into byte counts for
 ``hf-demo plan``; :mod:`hf_demo.ops.monitor` tells the bytes of the shard group (inside a node) from the rest by

@@ -5,7 +5,7 @@ does the same through :func:`disable_gradient_allreduce` and :func:`check_suppor
 
 A loop that forgets (a plain ``Trainer``/``SFTTrainer`` given ``optimizers=(DeMo(...), None)``, or
 ``accelerator.prepare`` instead of ``hf_demo.prepare``) is stopped at DeMo's first step by DeMo's own guard
-(:func:`hf_demo.guards.ddp.first_step_check`).
+(:func:`hf_demo.guards.first_step_check`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_demo import guards as ddp_wrappers
 from hf_demo.exchange import liveness
 from hf_demo.exchange.teardown import install_exit_handler
-from hf_demo.guards import ddp as ddp_wrappers
 from hf_demo.hf.launch_env import fsdp_requested
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.refusals import refuse

@@ -1,7 +1,7 @@
 """What one training step sends, collective by collective, for DDP, PowerSGD and DeMo in every layout.
 
-DeMo's bytes are the library's own: the block layouts of :func:`hf_demo.compression.blocks.plan`, the
-payload sizes of the exchange classes of :mod:`hf_demo.exchange.exchanges` (which size their buffers with
+DeMo's bytes are the library's own: the block layouts of :func:`hf_demo.compression.plan`, the
+payload sizes of the exchange classes of :mod:`hf_demo.exchange.transport` (which size their buffers with
 :mod:`hf_demo.wire.codec`), and :data:`hf_demo.wire.codec.HEADER_BYTES` for each header, exactly as the
 optimizer builds them. DDP all-reduces every gradient (fp32 by default) in buckets; PowerSGD (torch's
 ``powerSGD_hook``) all-reduces the factors ``P`` (n x r) and ``Q`` (m x r) of each matrix it compresses and
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_demo.compression import buckets
-from hf_demo.compression.blocks import plan
-from hf_demo.exchange import collectives, exchanges
+from hf_demo import compression
+from hf_demo.compression import plan
+from hf_demo.exchange import collectives
+from hf_demo.exchange import transport as exchanges
 from hf_demo.ops.shapes import Shape
 from hf_demo.settings import DeMoSettings
 from hf_demo.topology import owners
@@ -110,7 +111,7 @@ def demo_payload(shapes, settings: DeMoSettings, world: int, value_format: str |
         nbytes = _map_nbytes(layouts, spec.value_format, spec.index_coding)
         return PayloadSize(layouts, nbytes, 0, None, False, [], built.collectives)
     union = built.union
-    picked = buckets.plan(tuple(layouts))
+    picked = compression.plan_buckets(tuple(layouts))
     if union:
         picked = picked.with_k(lambda k: max(1, k // spec.world))
     index_nbytes = _map_nbytes(picked.layouts, None, spec.index_coding)

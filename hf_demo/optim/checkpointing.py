@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.errors import DeMoStateError
-from hf_demo.guards.checks import fingerprint
+from hf_demo.guards import fingerprint
 from hf_demo.optim import overlap, sharded_checkpoint
 from hf_demo.optim import policy as policies
 from hf_demo.optim.groups import replan_momentum

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from hf_demo.compression.blocks import plan
+from hf_demo.compression import plan
 from hf_demo.errors import DeMoStateError
 from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings, check_blocks

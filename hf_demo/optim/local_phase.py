@@ -11,7 +11,7 @@ import torch
 
 from hf_demo.errors import DeMoNonFiniteError
 from hf_demo.exchange.transport import Traffic
-from hf_demo.guards.checks import any_nonfinite
+from hf_demo.guards import any_nonfinite
 from hf_demo.optim import overlap, settle
 from hf_demo.topology.dtensor import local
 

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from hf_demo.compression import functional as F
+from hf_demo import compression as F
 from hf_demo.optim.update_rules import STATE_KEYS
 
 INNER_BETA = 0.9

@@ -25,10 +25,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from hf_demo.compression import transforms
-from hf_demo.exchange import exchanges
+from hf_demo import compression
+from hf_demo import guards as ddp
+from hf_demo.exchange import transport as exchanges
 from hf_demo.exchange.transport import CommStats
-from hf_demo.guards import ddp
 from hf_demo.hf.launch_env import refuse_fsdp_on_cpu
 from hf_demo.optim import checkpointing, groups, local_phase, overlap, phases, settle
 from hf_demo.optim import policy as policies
@@ -125,7 +125,7 @@ class DeMo(torch.optim.Optimizer):
         if process_group is not None and device_mesh is not None:
             refuse("mesh_and_group")
         self.process_group, self.device_mesh = process_group, device_mesh  # given here only
-        self.transform = transforms.get(self.settings.transform)
+        self.transform = compression.get_transform(self.settings.transform)
         self.secret = os.environ.get(SECRET_ENV, "").encode() or None
         self.sealer = sealing.from_env(self.secret, self.settings)  # HF_DEMO_ENCRYPT=1: encrypted traffic
         self.comm_stats, self.counters = CommStats(), Counters()

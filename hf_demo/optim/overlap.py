@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_demo.compression import functional as F
+from hf_demo import compression as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import transport as exchanges
 from hf_demo.exchange.transport import Traffic
 from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange

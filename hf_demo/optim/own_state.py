@@ -43,7 +43,7 @@ def own_key(key: str) -> bool:
 def entry_shape(shard: tuple[int, ...], key: str, chunk: int) -> tuple[int, ...]:
     """The shape of a state entry of a parameter (shard) of shape ``shard``: the momentum is blocked (nblocks, block
     size) by ``chunk``, the rest has the shard's shape."""
-    from hf_demo.compression.blocks import plan
+    from hf_demo.compression import plan
 
     if key != "momentum":
         return tuple(shard)

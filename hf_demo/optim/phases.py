@@ -14,7 +14,7 @@ whole step has succeeded on every rank. Two branches are taken in the open in :f
 
 What plugs in where is chosen from a registry: the topology by the parameters (:mod:`hf_demo.topology`), the
 signal by the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the transform by ``transform``
-(:mod:`hf_demo.compression.transforms`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.exchanges`), the
+(:mod:`hf_demo.compression`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.transport`), the
 update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIGN.md`` shows how to add one.
 
 Traces: the step is a ``torch.profiler.record_function`` range ``DeMo.step``, each phase one named ``DeMo.<phase>``
@@ -33,10 +33,10 @@ import warnings
 
 import torch
 
-from hf_demo.compression import functional as F
+from hf_demo import compression as F
+from hf_demo import guards as verdicts
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
-from hf_demo.exchange import exchanges
-from hf_demo.guards import verdicts
+from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import overlap, settle, signals
 from hf_demo.optim.records import (
     Agreed,
@@ -196,7 +196,7 @@ def inspect(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled) -> Fi
 def momentum(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, found: Findings) -> Momenta:
     """``working = decay * momentum + scale * T(signal)`` (the signal as the update rule lets it in), on copies
     (the momenta are committed with the step), once per bucket of parameters with the same block shape
-    (:mod:`hf_demo.compression.buckets`)."""
+    (:mod:`hf_demo.compression`)."""
     if found.skipping:
         return Momenta([])
     view = step.view

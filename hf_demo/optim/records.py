@@ -170,7 +170,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Verdict:
-    """``judge`` (read by :func:`hf_demo.guards.verdicts.decide`): skip the step, whether rank 0's replicas are
+    """``judge`` (read by :func:`hf_demo.guards.decide`): skip the step, whether rank 0's replicas are
     copied (staged) and why, and whether the step is steady (its verdict may settle in the next exchange)."""
 
     skip: bool

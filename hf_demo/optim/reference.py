@@ -5,7 +5,7 @@ loop over blocks, int64 indices and float64 values gathered per tensor, and the 
 picked a coefficient computed with a dictionary.
 
 A dimension the chunk does not divide is zero-padded up to a multiple of the block side (the side is
-``min(chunk, dim)``), as ``hf_demo.compression.blocks`` does. The momentum lives on that padded matrix: error feedback
+``min(chunk, dim)``), as ``hf_demo.compression`` does. The momentum lives on that padded matrix: error feedback
 subtracts the inverse transform of the sent coefficients on the whole padded matrix, so a residual can remain
 in the padding (as it does in the optimizer's DCT-domain momentum). Only the parameter's own positions of the
 averaged update are applied.

@@ -45,9 +45,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hf_demo import guards as verdicts
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError
 from hf_demo.exchange.transport import Pending
-from hf_demo.guards import verdicts
 from hf_demo.optim.records import Settled
 from hf_demo.optim.transaction import Undo
 from hf_demo.wire import agreement, codec
@@ -93,7 +93,7 @@ def defers(step, plan) -> bool:
 
 def steady(step, chosen, found, agreed) -> bool:
     """The same on every rank that trusted every header: the headers read as steady by the judge's own reading
-    (:func:`unsteady_everywhere`, :func:`hf_demo.guards.verdicts.decide`) and the policy stays in its tier."""
+    (:func:`unsteady_everywhere`, :func:`hf_demo.guards.decide`) and the policy stays in its tier."""
     if unsteady_everywhere(step, found, agreed):
         return False
     return not step.settings.comm_budget or (

@@ -12,8 +12,8 @@ Chosen per step by the tier's ``sync_every`` (the budget policy's tiers switch b
 
 from __future__ import annotations
 
-from hf_demo.compression import functional as F
-from hf_demo.guards.checks import any_nonfinite
+from hf_demo import compression as F
+from hf_demo.guards import any_nonfinite
 from hf_demo.optim import local_steps
 from hf_demo.optim.records import Chosen, Signalled, Step, StepPlan
 from hf_demo.optim.transaction import keep_mapping

@@ -13,10 +13,9 @@ from dataclasses import astuple, dataclass, field
 
 import torch
 
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoStateError
-from hf_demo.exchange.exchanges import InFlight
-from hf_demo.exchange.transport import Traffic
+from hf_demo.exchange.transport import InFlight, Traffic
 from hf_demo.optim.policy import Clock
 
 STATE_VERSION = 3
@@ -38,7 +37,7 @@ def fresh() -> dict:
         _undo_spare={},  # the copies of the last undo log no longer needed, for the next one
         wire_agreed={},  # {(world, tier): payload bytes on the wire} of the last committed exchange there
         ddp_checked=False,  # the first-step DDP guard ran (again if False)
-        _ddp_wrappers=[],  # weak references to live DDP wrappers of its parameters (guards.ddp.watched)
+        _ddp_wrappers=[],  # weak references to live DDP wrappers of its parameters (guards.watched)
         _topology=None,  # the topology built over the process group (DeMo.topology)
         _peers=None,  # the topology a wrapper gave (DeMo.reset_peers: an elastic quorum's), which then steps DeMo
     )
@@ -136,7 +135,7 @@ class SavedState:
     local_params: dict = field(default_factory=dict)  # inside a local phase: this rank's own parameters
     shards: str | None = None
     run_id: str | None = None  # the run that saved it (inherited on resume): every rank's file must share it
-    params_print: int | None = None  # this rank's parameters when saved (guards.checks.fingerprint): the model's
+    params_print: int | None = None  # this rank's parameters when saved (guards.fingerprint): the model's
 
     FIELDS = ("steps", "skipped_steps", "consecutive_skips", "resyncs", "unsynced", "rank", "world_size")
     FIELDS += ("rank_scope", "settings", "policy", "pending", "comm", "local_params")

@@ -6,7 +6,7 @@ parameter group; :mod:`hf_demo.optim.param_groups` makes Muon-style groups). A r
 :class:`Rule`): ``signal(grad, state)`` returns what of this rank's gradient enters DeMo's momentum (the gradient
 as it is, but for ``orthogonal_signal`` and ``muon_signal``) and the rank's own state entries it changes
 (:data:`SIGNAL_KEYS`, committed with the step); ``direction(param, update, state)`` returns the step direction
-(``param <- param - lr * direction``, applied by :func:`hf_demo.compression.functional.apply_step`); its
+(``param <- param - lr * direction``, applied by :func:`hf_demo.compression.apply_step`); its
 per-parameter state (if any) lives in the optimizer's ``state[param]`` and is saved and resumed with it. Add a
 rule by writing one class here, with its :class:`RuleFacts`, and listing it in :data:`RULES`: what the rest of
 hf_demo knows of a rule (its state keys, which rules are Muon-style, which may be inner rules, which cannot step

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_demo.errors import DeMoStateError
-from hf_demo.exchange import exchanges
+from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import groups, update_rules
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def exchange_spec(settings, secret, sealer, layouts, value_format: str, world: int = 1, average=None,
                   index_coding=None, positions=None) -> exchanges.ExchangeSpec:  # fmt: skip
-    """A step's :class:`~hf_demo.exchange.exchanges.ExchangeSpec` from the settings (the tier's value format)."""
+    """A step's :class:`~hf_demo.exchange.transport.ExchangeSpec` from the settings (the tier's value format)."""
     coding, positions = index_coding or settings.index_coding, positions or settings.reduce_positions
     secret = None if sealer is not None else secret  # sealed: the AEAD tag replaces the HMAC
     return exchanges.ExchangeSpec(layouts, value_format, coding, secret, average, world, positions, sealer)

@@ -106,9 +106,11 @@ def gather_headers(
     payload as it travels when it has that size, zeros otherwise. The payloads rode when every header names
     this rank's payload size and it is the agreed one (the headers checked equal, so every rank finds the same);
     else the exchange sends them in its own collective, and this step's size becomes the agreed one."""
-    me = transport.global_rank(transport.rank)
     signed = codec.sign(header, payload, None if sealer is not None else secret)
-    own_row = sealer.seal_header(signed, transport.step, me) if sealer is not None else signed.to_bytes()
+    if sealer is not None:
+        own_row = sealer.seal_header(signed, transport.step, transport.global_rank(transport.rank))
+    else:
+        own_row = signed.to_bytes()
     wire_bytes = None if riding is None else riding.payload.numel() + (sealing.TAG_BYTES if sealer else 0)
     fits = riding is not None and riding.agreed > 0 and wire_bytes == riding.agreed
     row = to_device(own_row, device)

@@ -38,8 +38,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from hf_demo.compression import buckets
-from hf_demo.compression.blocks import BlockLayout
+from hf_demo import compression
+from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoPayloadError, DeMoSyncError, lookup
 
 MAGIC = 0x44654D6F  # "DeMo"
@@ -357,7 +357,7 @@ class EliasFanoIndices:
     per position instead of 16), top-4 is 10*4 + 7 = 47 bits, 6 bytes (12). Blocks of the same (size,
     k) in all parameters are coded at once, with integer arithmetic on (blocks, k) arrays (a handful of
     tensor operations per step, not per parameter, and no array of single bits for the low parts).
-    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.compression.functional.select` returns them),
+    Lossless: receivers get the same positions (sorted, as :func:`hf_demo.compression.select` returns them),
     so training is bitwise what the 16-bit code gives. A corrupted record (an upper vector without exactly
     k ones, or positions not strictly increasing) decodes to an out-of-range position, which the payload
     check reports.
@@ -366,8 +366,9 @@ class EliasFanoIndices:
     name = "elias_fano"
 
     @staticmethod
+    @functools.cache
     def split(bsize: int, k: int) -> tuple[int, int]:
-        """(low bits per position, upper-vector bits per block)."""
+        """(low bits per position, upper-vector bits per block) (cached: a handful of block shapes)."""
         low = max(0, (bsize // k).bit_length() - 1)
         return low, k + ((bsize - 1) >> low)
 
@@ -376,16 +377,14 @@ class EliasFanoIndices:
         positions (flagged by the range check)."""
         return torch.zeros(idx.shape[:-1], dtype=torch.bool, device=idx.device)
 
-    def record_bytes(self, bsize: int, k: int) -> int:
-        low, upper = self.split(bsize, k)
+    @staticmethod
+    @functools.cache
+    def record_bytes(bsize: int, k: int) -> int:
+        low, upper = EliasFanoIndices.split(bsize, k)
         return (k * low + upper + 7) // 8
 
     def nbytes(self, layout: BlockLayout) -> int:
         return _align(layout.nblocks * self.record_bytes(layout.bsize, layout.k))
-
-    def pack_rows(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
-        """Sorted positions (rows, k) -> records (rows, record_bytes)."""
-        return self.pack(idx, bsize, k)
 
     def unpack_rows(self, stream: torch.Tensor, rows: int, bsize: int, k: int) -> torch.Tensor:
         """Every sender's records (world, rows * record_bytes) -> positions (world, rows, k) int64."""
@@ -405,6 +404,8 @@ class EliasFanoIndices:
         ones = k * low + (idx >> low) + torch.arange(k, device=device)  # the upper vector's bits
         record.scatter_add_(1, ones // 8, 1 << (ones % 8))
         return record[:, :r].to(torch.uint8)
+
+    pack_rows = pack  # sorted positions (rows, k) -> records (rows, record_bytes): the blocks are the rows
 
     def unpack(self, records: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
         """Records (world, nblocks, record_bytes) -> positions (world, nblocks, k) int64; ``bsize`` (out of
@@ -498,13 +499,13 @@ class WireMap:
         """Every bucket's streams (flat uint8, in order) -> the payload."""
         if not streams:
             return torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
-        source, _ = self._device(device)
+        source, _ = self._on.get(device) or self._device(device)
         flat = torch.cat([*streams, streams[0].new_zeros(1)])
         return flat.index_select(0, source)
 
     def extract(self, received: torch.Tensor) -> list[torch.Tensor]:
         """Rows of every sender (world, nbytes) -> every bucket's streams, (world, bytes) each."""
-        _, positions = self._device(received.device)
+        _, positions = self._on.get(received.device) or self._device(received.device)
         return [received.index_select(1, where) for where in positions]
 
 
@@ -523,15 +524,17 @@ def wire_map(bucketing, fmt: str, coding: str) -> WireMap:
 
 class PayloadCodec:
     """Packs every parameter's selected coefficients into one payload, and unpacks and validates it; the work
-    is done per bucket (:mod:`hf_demo.compression.buckets`): ``encode_buckets``/``decode_buckets``."""
+    is done per bucket (:mod:`hf_demo.compression`): ``encode_buckets``/``decode_buckets``."""
 
     def __init__(self, layouts: list[BlockLayout], fmt: str, coding: str):
         self.layouts = layouts
         self.format = value_format(fmt)
         self.indices = index_coding(coding)
-        self.bucketing = buckets.plan(tuple(layouts))
+        self.bucketing = compression.plan_buckets(tuple(layouts))
         self.map = wire_map(self.bucketing, fmt, coding)
         self.offsets, self.nbytes = self.map.offsets, self.map.nbytes
+        self.value_streams = len(self.format.segments(1, 1))  # streams of values per bucket
+        self.bounds = [coefficient_bound(bucket.bsize) for bucket in self.bucketing.buckets]
 
     def encode_buckets(self, selections: list[tuple[torch.Tensor, torch.Tensor]], device) -> tuple[torch.Tensor, list]:
         """[(positions, values)] per bucket, (rows, k) each -> (payload, [values as receivers decode them])."""
@@ -554,12 +557,12 @@ class PayloadCodec:
         check_rows(received, self.nbytes, "payload")
         streams = iter(self.map.extract(received))
         out, flags = [], []
-        for bucket in self.bucketing.buckets:
+        for bucket, bound in zip(self.bucketing.buckets, self.bounds):
             idx = self.indices.unpack_rows(next(streams), bucket.rows, bucket.bsize, bucket.k)
-            values = self.format.decode_rows([next(streams) for _ in self.format.segments(1, 1)], bucket)
+            values = self.format.decode_rows([next(streams) for _ in range(self.value_streams)], bucket)
             in_range = (idx >= bucket.bsize).any(-1)
             finite = values.isfinite()
-            too_large = (finite & (values.abs() > coefficient_bound(bucket.bsize))).any(-1)
+            too_large = (finite & (values.abs() > bound)).any(-1)
             flags.append(torch.stack([in_range, self.indices.repeated(idx), (~finite).any(-1), too_large]))
             out.append((idx, values))
         if flags:
@@ -604,6 +607,13 @@ class PayloadCodec:
             if too_large and any(too_large[0]):
                 return DeMoPayloadError(too_large_refusal(i, layout, f"from rank(s) {_senders(too_large[0])}"))
         raise AssertionError("refusal() called with no flag set")
+
+
+@functools.lru_cache(maxsize=64)
+def payload_codec(layouts: tuple[BlockLayout, ...], fmt: str, coding: str) -> PayloadCodec:
+    """The :class:`PayloadCodec` of ``layouts`` (cached: built once, the same object every step; it holds no state
+    a step changes)."""
+    return PayloadCodec(list(layouts), fmt, coding)
 
 
 def too_large_refusal(i: int, layout: BlockLayout, source: str) -> str:
@@ -654,7 +664,8 @@ class Header:
         return self.body_bytes() + torch.tensor([self.header_crc], dtype=torch.int64, device="cpu").numpy().tobytes()
 
     def to_bytes(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.words_bytes() + self.tag), dtype=torch.uint8)
+        crc = torch.tensor([self.header_crc], dtype=torch.int64, device="cpu").numpy().tobytes()
+        return torch.frombuffer(bytearray(self.body_bytes() + crc + self.tag), dtype=torch.uint8)
 
     def intact(self) -> bool:
         """The header's own CRC32 matches its words (False: corrupted on the way)."""
@@ -690,20 +701,16 @@ assert len(Header._WORDS) == HEADER_WORDS and {f.name for f in fields(Header)} >
 def sign(header: Header, payload: torch.Tensor, secret: bytes | None) -> Header:
     """The header with its payload CRC32 and, with a secret, its tag: 16 bytes of HMAC-SHA256 over the header
     (checked before any header field is acted on) and 16 over header and payload (checked on receipt)."""
-    header = _replace(header, payload_crc=crc32(payload))
+    header = replace(header, payload_crc=crc32(payload))
     if secret is not None:
-        header = _replace(header, flags=header.flags | FLAG_AUTH)
-        header = _replace(header, tag=_tag(header, None, secret) + _tag(header, payload, secret))
-    return _replace(header, header_crc=zlib.crc32(header.body_bytes()))
+        header = replace(header, flags=header.flags | FLAG_AUTH)
+        header = replace(header, tag=_tag(header, None, secret) + _tag(header, payload, secret))
+    return replace(header, header_crc=zlib.crc32(header.body_bytes()))
 
 
 def _tag(header: Header, payload: torch.Tensor | None, secret: bytes) -> bytes:
     body = b"" if payload is None else b"payload" + payload.detach().cpu().contiguous().numpy().tobytes()
     return hmac.new(secret, header.body_bytes() + body, hashlib.sha256).digest()[: TAG_BYTES // 2]
-
-
-def _replace(header: Header, **changes) -> Header:
-    return Header(**{**{f.name: getattr(header, f.name) for f in fields(Header)}, **changes})
 
 
 UNSIGNED = (
@@ -764,7 +771,7 @@ def stand_in(own: Header) -> Header:
     """What stands in for a header this rank refused: its own, deciding nothing the others would not (same step,
     layout, settings and fingerprint; no flags of its own), its payload CRC32 never matching."""
     neutral = own.flags & ~(FLAG_GRAD_FINGERPRINT | FLAG_DDP_SUSPECT)
-    return _replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
+    return replace(own, flags=neutral, payload_crc=~own.payload_crc & 0xFFFFFFFF)
 
 
 def header_refused(rank: int, sender: int, step: int, why: str, unauthentic: bool | None = None) -> DeMoPayloadError:

@@ -1,1 +1,0 @@
-"""The per-parameter math: blocks and transforms (DCT), momentum, top-k, error feedback, averaging."""
