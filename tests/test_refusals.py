@@ -5,6 +5,7 @@ refusal raised outside it), and the docs' lists are generated from it."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import string
 from pathlib import Path
@@ -79,8 +80,8 @@ def _resume_local_phase():
 
 def _saved_world(rank: int, world: int, scope: str | None):
     opt = _demo()
-    opt.saved_world = (rank, world, scope or opt.identity()[2])
-    opt.saved_identity = (None, None, None)
+    saved_world = (rank, world, scope or opt.identity()[2])
+    opt.run_state = dataclasses.replace(opt.run_state, saved_world=saved_world, saved_identity=(None, None, None))
     opt.check_saved_world()
 
 

@@ -180,39 +180,36 @@ def untrusted(transport, words: list[int]) -> DeMoPayloadError:
     return exc
 
 
-def next_row_bytes(opt, outcome, world: int) -> int | None:
+def next_row_bytes(policy, wire_agreed: dict, tiers, outcome, world: int) -> int | None:
     """The row size of the next exchange's first all-gather after a step that concluded ``outcome``, where the
-    next step exchanges in the same way (None where a local phase starts: no exchange follows at once)."""
-    policy = outcome.policy if outcome.policy is not None else opt.policy
-    if not outcome.exchanged or opt.tiers[policy.tier].sync_every != 1:
+    next step exchanges in the same way (None where a local phase starts: no exchange follows at once);
+    ``policy``, ``wire_agreed``: the optimizer's before the step, ``tiers`` its tiers."""
+    policy = outcome.policy if outcome.policy is not None else policy
+    if not outcome.exchanged or tiers[policy.tier].sync_every != 1:
         return None
-    wire = outcome.wire_agreed if outcome.wire_agreed is not None else opt.wire_agreed
+    wire = outcome.wire_agreed if outcome.wire_agreed is not None else wire_agreed
     return codec.HEADER_BYTES + (wire.get((world, policy.tier), 0) if agreement.RIDE else 0)
 
 
-def keeps_undo(opt, tx, settled, outcome, world: int) -> tuple[bool, int]:
-    """(whether the step commits tentatively, the row size of the collective its verdict settles in): a steady
-    step's (:func:`vote`), and a non-steady step that every verdict read whole, where its transaction keeps
-    pre-images and the next step exchanges alike (its verdict settles again in the next exchange: a rank that
-    could not trust one of its verdicts says so there)."""
-    if settled is None or not (settled.tentative or settled.again):
-        return False, 0
-    if settled.tentative:
-        return True, settled.row_bytes
-    row_bytes = next_row_bytes(opt, outcome, world)
+def keeps_undo(policy, wire_agreed: dict, tiers, tx, outcome, world: int) -> tuple[bool, int]:
+    """(whether the step commits tentatively, the row size of the collective its verdict settles in) for a
+    non-steady step whose every verdict was read whole (``Settled.again``; a steady step's: :func:`vote`): where
+    its transaction keeps pre-images and the next step exchanges alike (its verdict settles again in the next
+    exchange: a rank that could not trust one of its verdicts says so there)."""
+    row_bytes = next_row_bytes(policy, wire_agreed, tiers, outcome, world)
     return (row_bytes is not None and tx.undoable), row_bytes or 0
 
 
-def owe(opt, transport, refusal: DeMoPayloadError, outcome) -> Unsettled:
+def owe(view, transport, refusal: DeMoPayloadError, outcome, device) -> Unsettled:
     """A non-steady step this rank keeps nothing of, for a verdict it could not trust: its settling row goes out
     at once in the next exchange's all-gather (where every other rank committed it tentatively, or refused it
     too); this rank raises at its next step or confirm, with every rank (:func:`_refused_here`). Where no
     exchange follows at once (a local phase starts), it raises now. Returns the step kept unsettled (the optimizer
-    keeps it)."""
-    row_bytes = next_row_bytes(opt, outcome, transport.world)
+    keeps it). ``view``: the step's view of the optimizer (:class:`~hf_demo.optim.view.OptimizerView`)."""
+    row_bytes = next_row_bytes(view.policy, view.wire_agreed, view.tiers, outcome, transport.world)
     if row_bytes is None:
         raise refusal
-    posted = post(transport, transport.step, refusal, row_bytes, opt, opt.device())
+    posted = post(transport, transport.step, refusal, row_bytes, view, device)
     return Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
 
 

@@ -85,21 +85,6 @@ def keep_mapping(mapping: dict) -> Callable[[], Restore]:
     return before
 
 
-def keep_attributes(obj, *names: str) -> Callable[[], Restore]:
-    """A ``before`` for a write that replaces the attributes ``names`` of ``obj``."""
-
-    def before() -> Restore:
-        old = {n: getattr(obj, n) for n in names}
-
-        def restore() -> None:
-            for n, v in old.items():
-                setattr(obj, n, v)
-
-        return restore
-
-    return before
-
-
 def keep_fields(obj) -> Callable[[], Restore]:
     """A ``before`` for a write that changes ``obj``'s fields in place (plain values: kept as they are)."""
 
