@@ -155,11 +155,10 @@ class DeMo(torch.optim.Optimizer):
         """The topology part (:mod:`hf_demo.topology`), built with its groups once the process group exists."""
         if self.run_state.peers is not None:  # given by reset_peers (hf_demo.elastic: this quorum's torchft group)
             return self.run_state.peers
-        built = self.run_state.topology
-        if built is not None and (built.transport.world > 1 or built.name != "flat") == _initialised():
+        built, ready = self.run_state.topology, dist.is_available() and dist.is_initialized()
+        if built is not None and (built.transport.world > 1 or built.name != "flat") == ready:
             return built
-        timeout = self.settings.comm_timeout if _initialised() else 0
-        self._put(topology=choose_topology(self).build(self, _initialised(), timeout))
+        self._put(topology=choose_topology(self).build(self, ready, self.settings.comm_timeout if ready else 0))
         return self.run_state.topology
 
     transport = property(lambda self: self.topology.transport, doc="What DeMo exchanges over (the replicate group).")
@@ -228,22 +227,23 @@ class DeMo(torch.optim.Optimizer):
         return StagedStep(self, transport, stepped.tx, settled, outcome)
 
     def _commit(self, staged: StagedStep) -> None:
-        """:meth:`StagedStep.commit`: the step's outcome staged last (:meth:`_land`), and its transaction committed;
-        tentatively, with an undo log, where its verdict settles later."""
+        """:meth:`StagedStep.commit`: the step's outcome staged last (its traffic counted, the record replaced by
+        what the step changed: :func:`_landed`), and its transaction committed; tentatively, with an undo log (which
+        puts the record and the traffic totals back), where its verdict settles later."""
         tx, outcome, settled = staged.close("committed"), staged.outcome, staged.settled
         if tx is None:
             return
         if outcome.warn_skips:
             tx.stage(lambda: phases.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
-        stats = self.comm_stats  # (the commit's transition: the step's traffic counted, the record replaced)
+        spare = self.run_state.undo_spare  # the last undo log's copies, reused
+        self._put(undo_spare={})
+        stats, state, totals = self.comm_stats, self.run_state, dict(vars(self.comm_stats))  # (the undo's pre-image)
         tx.stage(lambda: (stats.commit_step(outcome.dense, outcome.traffic), self._put(**_landed(outcome, stats))),
-                 before=self._kept)  # fmt: skip
+                 before=lambda: lambda: (setattr(self, "run_state", state), vars(stats).update(totals)))  # fmt: skip
         tentative, row_bytes = settled is not None and settled.tentative, getattr(settled, "row_bytes", 0)
         if settled is not None and settled.again:  # a non-steady step every verdict of which was read whole
             s, world = self.run_state, staged.transport.world
             tentative, row_bytes = settle.keeps_undo(s.policy, s.wire_agreed, self.tiers, tx, outcome, world)
-        spare = self.run_state.undo_spare  # the last undo log's copies, reused
-        self._put(undo_spare={})
         undo = tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
         if tentative:
             self._put(unsettled=settle.Unsettled(staged.transport.step, row_bytes, undo=undo))
@@ -252,11 +252,6 @@ class DeMo(torch.optim.Optimizer):
         """:meth:`StagedStep.discard`: nothing of the step is applied; what happened on the wire stays counted."""
         if staged.close("discarded") is not None:
             overlap.count_arrived(self.pending, self.comm_stats)
-
-    def _kept(self):
-        """What puts back the record and the traffic totals that the commit replaces (a tentative commit's undo)."""
-        state, stats, totals = self.run_state, self.comm_stats, dict(vars(self.comm_stats))
-        return lambda: (setattr(self, "run_state", state), vars(stats).update(totals))
 
     # ------------------------------------------------------------------ transitions outside a step's transaction
     def settled(self) -> settle.Unsettled | None:
@@ -267,8 +262,8 @@ class DeMo(torch.optim.Optimizer):
 
     def _settle_prior(self) -> None:
         """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
-        if self.unsettled is not None and self.unsettled.posted is None:
-            self._put(undo_spare=self.settled().undo.spare())  # its copies take the next step's pre-images
+        if self.unsettled is not None and self.unsettled.posted is None:  # its copies take the next pre-images:
+            self._put(unsettled=None, undo_spare=self.unsettled.undo.spare())  # (as settled() would, and the spare)
 
     confirm = settle.confirm  # the last step's verdict read on every rank (three all-gathers), where it is not
 

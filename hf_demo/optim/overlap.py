@@ -14,7 +14,6 @@ from hf_demo.compression import functional as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import exchanges
 from hf_demo.exchange.transport import Traffic
-from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.dtensor import local, local_shape
@@ -84,7 +83,7 @@ def stage_late(view, tx: Transaction, updates, stepping) -> None:
     params = [p for p, _ in targets(view, pending)]
     groups = [view.group_of(p) for p in params]
     matrices = view.topology.matrices(params, view.whole_matrix_params(view.rule), stepping)
-    directions, rule_states = rule_directions(view, params, groups, updates, pending.layouts, matrices)
+    directions, rule_states = view.directions(params, groups, updates, pending.layouts, matrices)
     for p, rule_state in zip(params, rule_states):
         tx.update(view.state[p], rule_state)
     lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]

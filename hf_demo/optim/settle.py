@@ -89,22 +89,12 @@ def defers(step, plan) -> bool:
     )
 
 
-def steady(step, chosen, found, agreed) -> bool:
-    """The same on every rank that trusted every header: the headers read as steady by the judge's own reading
-    (:func:`unsteady_everywhere`, :func:`hf_demo.guards.verdicts.decide`) and the policy stays in its tier."""
-    if unsteady_everywhere(step, found, agreed):
-        return False
-    return not step.settings.comm_budget or (
-        verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
-    )
-
-
 def unsteady_everywhere(step, found, agreed) -> bool:
     """Whether the step is not steady by what every rank that trusted every header knows too, so that every rank
     runs its settling all-gather now (:func:`vote`): what the ranks hold alike (a process's first exchange, a
     payload that did not ride, a policy's second try, a resync due) or a header this rank read intact says (a flag
     asking for more, fingerprints apart). A rank that refused a header (its stand-in decides nothing) can tell
-    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`steady`."""
+    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`vote`."""
     if agreed.arrived is None or step.decided is not None:
         return True
     return not verdicts.decide(step.settings, step.transport.step, step.transport.world, found, agreed.headers).steady
@@ -128,13 +118,19 @@ def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: 
 
 def vote(step, chosen, found, agreed, refusal) -> Settled:
     """The vote part where the step's verdict may settle later: a steady step that this rank received whole
-    commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`),
+    commits tentatively (no collective). Steady: the same on every rank that trusted every header, the headers
+    read as steady by the judge's own reading (:func:`unsteady_everywhere`, :func:`hf_demo.guards.verdicts.decide`)
+    and the policy staying in its tier; a refusal posts this rank's settling row and defers (:class:`Deferred`),
     unless every other rank settles it now too (:func:`settles_now`: this rank then waits for that all-gather with
     them and raises at once, as they do); any other step runs the settling all-gather now and raises on every rank
     where any rank refused."""
     transport, row_bytes = step.transport, agreed.row_bytes
-    if refusal is None and steady(step, chosen, found, agreed):
-        return Settled(tentative=True, row_bytes=row_bytes)
+    if refusal is None and not unsteady_everywhere(step, found, agreed):
+        stays = not step.settings.comm_budget or (
+            verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
+        )
+        if stays:
+            return Settled(tentative=True, row_bytes=row_bytes)
     posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device)
     if refusal is not None and not settles_now(step, found, agreed):
         raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
