@@ -11,9 +11,10 @@ right tag are refused; with ``HF_DEMO_ENCRYPT=1`` beside it, every header and pa
 to its sender instead (AES-256-GCM, :mod:`hf_demo.wire.sealing`; see SECURITY.md).
 
 DeMo owns its state: one frozen record (:class:`~hf_demo.optim.state.RunState`, ``run_state``), replaced whole by
-one of its methods, a transition named for what happened (the commit's ``_land``, ``loaded`` at a load, ``settled``,
-``reset_peers``, ``run_by``, ...); no other module assigns an attribute of a DeMo (``tests/test_state_ownership.py``).
-A tentative commit's undo puts back the record the commit replaced.
+one of its methods, a transition named for what happened (the commit, with what the step changed: :func:`_landed`;
+``loaded`` at a load; ``settled``, ``land_in_flight``, ``reset_peers``, ``run_by``, ...); no other module assigns
+an attribute of a DeMo (``tests/test_state_ownership.py``). A tentative commit's undo puts back the record the
+commit replaced.
 """
 
 from __future__ import annotations
@@ -158,14 +159,14 @@ class DeMo(torch.optim.Optimizer):
         built, ready = self.run_state.topology, dist.is_available() and dist.is_initialized()
         if built is not None and (built.transport.world > 1 or built.name != "flat") == ready:
             return built
-        self._put(topology=choose_topology(self).build(self, ready, self.settings.comm_timeout if ready else 0))
+        kind, timeout = choose_topology(self.param_groups), self.settings.comm_timeout if ready else 0
+        self._put(topology=kind.build(self.param_groups, self.process_group, self.device_mesh, ready, timeout))
         return self.run_state.topology
 
     transport = property(lambda self: self.topology.transport, doc="What DeMo exchanges over (the replicate group).")
     rule = staticmethod(views.rule)  # a parameter group's update rule (``update_rule`` is a per-group setting)
     inner_rule = staticmethod(views.inner_rule)  # its local steps' rule (``inner_rule``, per group)
     step_view = views.of_optimizer  # what the step's phases read of this optimizer, taken now
-
     header_timings = _header_timings  # this rank's figures for the policy, as its header carries them
 
     def identity(self) -> tuple[int, int, str]:
@@ -209,7 +210,7 @@ class DeMo(torch.optim.Optimizer):
         if not self.run_state.ddp_checked and _initialised():  # DeMo's first step in a process group: the guards
             self._put(ddp_wrappers=ddp.first_step_guard(self, _params(self), transport), ddp_checked=True)
         if self.settling:
-            settle.confirm(self, final=False)  # this rank refused the last step: it raises now, with every rank
+            self.confirm(final=False)  # this rank refused the last step: it raises now, with every rank
         try:
             on_cuda, view = any(p.is_cuda for g in self.param_groups for p in g["params"][:1]), self.step_view(elastic)
             stepped, settled, outcome = run_step(view, transport, on_cuda)
@@ -265,7 +266,11 @@ class DeMo(torch.optim.Optimizer):
         if self.unsettled is not None and self.unsettled.posted is None:  # its copies take the next pre-images:
             self._put(unsettled=None, undo_spare=self.unsettled.undo.spare())  # (as settled() would, and the spare)
 
-    confirm = settle.confirm  # the last step's verdict read on every rank (three all-gathers), where it is not
+    def confirm(self, final: bool = True) -> None:
+        """The last step's verdict read on every rank (three all-gathers), where it is not (:func:`settle.confirm`)."""
+        if self.unsettled is not None:  # (else no collective)
+            keys = (self.secret, self.sealer, self.device())
+            settle.confirm(self.unsettled, self.transport, *keys, self.comm_stats, self.settled, final)
 
     def _rescan_ddp(self) -> None:
         """The first-step DDP guard runs again at the next step (a write outside the transaction: docs/DESIGN.md)."""
@@ -294,7 +299,7 @@ class DeMo(torch.optim.Optimizer):
         becomes the ranks' mean). Returns the number of parameters averaged."""
         if not self.in_local_phase():
             return 0
-        averaged = local_phase.end(self)
+        averaged = local_phase.end(self.topology, self.steps, self.param_groups, self.state, self.comm_stats)
         self._put(counters=dataclasses.replace(self.counters, unsynced=False))
         return averaged
 

@@ -100,22 +100,24 @@ def count_arrived(pending, stats) -> None:
         pending.counted = True
 
 
-def flush(opt) -> None:
-    """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied."""
-    view, transport = opt.step_view(), opt.transport.at(opt.steps)
+def flush(view, transport, device, stats, landed) -> None:
+    """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied. ``view``:
+    the optimizer's (``DeMo.step_view()``), ``transport`` its transport at its step, ``device`` where its buffers
+    live, ``stats`` its traffic totals; ``landed``: its transition once the exchange in flight is applied
+    (``DeMo.land_in_flight``)."""
     try:
         updates, refusal = finish(view, transport.traffic), None
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
-    if transport.world > 1 and opt.settings.commit_vote != "off":
-        agreement.vote(transport, refusal, opt.device(), opt.sealer, opt.secret)
+    if transport.world > 1 and view.settings.commit_vote != "off":
+        agreement.vote(transport, refusal, device, view.sealer, view.secret)
     elif refusal is not None:
         raise refusal
     tx = Transaction()
     stage_late(view, tx, updates, transport)
-    tx.stage(lambda: opt.land_in_flight(None))
+    tx.stage(lambda: landed(None))
     tx.commit()
-    opt.comm_stats.add(transport.traffic)
+    stats.add(transport.traffic)
 
 
 def to_state(opt) -> dict | None:

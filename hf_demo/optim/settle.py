@@ -108,11 +108,13 @@ def settles_now(step, found, agreed) -> bool:
     return step.view.unsettled is None and unsteady_everywhere(step, found, agreed)
 
 
-def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: int = 0, word=None) -> Pending:
-    """This rank's settling row for step ``settled`` (its verdict ``word``, by default ``refusal``'s), all-gathered
-    in the background (``view``: what holds the secret and the sealer)."""
+def post(
+    transport, settled: int, refusal, row_bytes: int, secret, sealer, device, flags: int = 0, word=None
+) -> Pending:
+    """This rank's settling row for step ``settled`` (its verdict ``word``, by default ``refusal``'s), signed with
+    ``secret`` or sealed by ``sealer``, all-gathered in the background."""
     word = agreement.verdict(refusal) if word is None else word
-    row = agreement.settling_row(transport, settled, word, row_bytes, view.secret, view.sealer, flags)
+    row = agreement.settling_row(transport, settled, word, row_bytes, secret, sealer, flags)
     return transport.start_all_gather(agreement.to_device(row, device), "settle")
 
 
@@ -131,7 +133,7 @@ def vote(step, chosen, found, agreed, refusal) -> Settled:
         )
         if stays:
             return Settled(tentative=True, row_bytes=row_bytes)
-    posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device)
+    posted = post(transport, transport.step, refusal, row_bytes, step.view.secret, step.view.sealer, chosen.device)
     if refusal is not None and not settles_now(step, found, agreed):
         raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
     try:
@@ -205,7 +207,7 @@ def owe(view, transport, refusal: DeMoPayloadError, outcome, device) -> Unsettle
     row_bytes = next_row_bytes(view.policy, view.wire_agreed, view.tiers, outcome, transport.world)
     if row_bytes is None:
         raise refusal
-    posted = post(transport, transport.step, refusal, row_bytes, view, device)
+    posted = post(transport, transport.step, refusal, row_bytes, view.secret, view.sealer, device)
     return Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
 
 
@@ -226,77 +228,93 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
     return exc
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """What :func:`confirm`'s settling all-gathers take: the step ``u`` still unsettled, the transport at its step,
+    what signs (``secret``) or seals (``sealer``) a row, and where a row is built (``device``)."""
+
+    u: Unsettled
+    transport: object
+    secret: bytes | None
+    sealer: object
+    device: torch.device
+
+
 @torch.no_grad()
-def confirm(opt, final: bool = True) -> None:
+def confirm(u: Unsettled, transport, secret, sealer, device, stats, settled, final: bool = True) -> None:
     """``DeMo.confirm()``: read every rank's verdict on the last step where it has not been read (three
     all-gathers: the verdicts, then every rank's finding on them, twice; nothing where it has). With
     ``commit_vote="on"`` a steady step commits tentatively and its verdict travels with the next step; after the
     last step, and before saving a checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where
     any rank refused the step, or could not trust a verdict on it, every rank undoes it and raises the same
     :class:`~hf_demo.errors.DeMoPayloadError`. (``final``: not from the next step, which only raises a refusal of
-    this rank's.)
+    this rank's.) ``u``: the optimizer's unsettled step (``DeMo.unsettled``), ``transport`` its transport,
+    ``stats`` its traffic totals; ``settled``: its transition that drops ``u`` (``DeMo.settled``).
 
     Three rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round, a
     verdict it could not trust included, then every rank's finding once more (a refusal it read in the second
     round relayed: :func:`_later_rounds`); the step stays where no trusted finding refuses it (a row that fails
     its checks in the later rounds is left out: the first round was whole then, or its finding travels twice)."""
-    u = opt.unsettled
     if u is None:
         return
-    transport = opt.transport.at(u.step)
+    transport = transport.at(u.step)
+    r = Rounds(u, transport, secret, sealer, device)
     if u.posted is not None:
-        return _refused_here(opt, u, transport, final)
+        return _refused_here(r, settled, final)
     try:
-        read = _round(opt, transport, u, 0, codec.FLAG_CONFIRM)
+        read = _round(r, 0, codec.FLAG_CONFIRM)
         own = agreement.finding(transport, agreement.settling_words(read, u.step), 0)
-        words = _later_rounds(opt, transport, u, own)
+        words = _later_rounds(r, own)
     except DeMoSyncError as exc:
-        undo(opt.settled())
+        undo(settled())
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
     finally:
-        opt.comm_stats.add(transport.traffic, "settle")
+        stats.add(transport.traffic, "settle")
     if any(words):
-        undo(opt.settled())
+        undo(settled())
         raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
-    opt.settled()
+    settled()
 
 
-def _later_rounds(opt, transport, u: Unsettled, own: int) -> list[int]:
+def _later_rounds(r: Rounds, own: int) -> list[int]:
     """confirm()'s second and third rounds after this rank's finding ``own`` on the first: every rank's finding
     (:data:`agreement.RELAY_ROUND`), then every rank's finding with a refusal read in the second relayed
     (:data:`agreement.FINAL_ROUND`); every rank's word of the third (or of the second, where the third's was left
     out). A row that fails its checks is left out in both, so a finding whose row of one round is corrupted still
     reaches every rank in the other: two corrupted messages (a verdict a rank could not trust, then that rank's
     row of a later round) leave every rank deciding alike."""
-    relay = agreement.RELAY_ROUND
-    relayed = agreement.final_words(transport, _round(opt, transport, u, own, relay), u.step, own, relay)
+    relay, transport, step = agreement.RELAY_ROUND, r.transport, r.u.step
+    relayed = agreement.final_words(transport, _round(r, own, relay), step, own, relay)
     own = own or (agreement.RELAYED if any(relayed) else 0)
-    final = agreement.final_words(transport, _round(opt, transport, u, own, agreement.FINAL_ROUND), u.step, own)
+    final = agreement.final_words(transport, _round(r, own, agreement.FINAL_ROUND), step, own)
     return [f or r for f, r in zip(final, relayed)]  # a finding read in either round, to name who found what
 
 
-def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
+def _round(r: Rounds, word: int, flags: int) -> list:
     """One settling all-gather of confirm's: this rank's ``word``; every rank's row (:func:`agreement.read_rows`)."""
-    posted = post(transport, u.step, None, u.row_bytes, opt, opt.device(), flags, word)
+    transport, u = r.transport, r.u
+    posted = post(transport, u.step, None, u.row_bytes, r.secret, r.sealer, r.device, flags, word)
     rows = posted.wait(transport.traffic)
-    return agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+    return agreement.read_rows(transport, rows, u.step, r.secret, r.sealer)
 
 
-def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
+def _refused_here(r: Rounds, settled, final: bool) -> None:
     """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
     whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
     its undo log (``u.earlier``). Where the others confirm (``final``: every row it trusts has
-    :data:`codec.FLAG_CONFIRM`), this rank takes part in their later rounds."""
+    :data:`codec.FLAG_CONFIRM`), this rank takes part in their later rounds. ``settled``: the optimizer's
+    transition that drops the step."""
+    u, transport = r.u, r.transport
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
-        opt.settled()
+        settled()
         if u.earlier is not None:
             u.earlier()
         what = f", and undid optimizer step {u.step - 1}, whose verdict it could not read" if u.earlier else ""
         raise DeMoSyncError(f"{exc}. This rank refused optimizer step {u.step} ({u.refusal}){what}") from exc
-    opt.settled()  # every rank that answered received the step before whole: it stays, unless one is behind
-    read = agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+    settled()  # every rank that answered received the step before whole: it stays, unless one is behind
+    read = agreement.read_rows(transport, rows, u.step, r.secret, r.sealer)
     words, what = agreement.settling_words(read, u.step), ""
     behind = [transport.global_rank(r) for r in agreement.behind(read, u.step)]
     if behind and u.earlier is not None:
@@ -305,7 +323,7 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
     if final and all(h.flags & codec.FLAG_CONFIRM for h in others):  # (a row it cannot trust: they may confirm)
         try:
-            words = _later_rounds(opt, transport, u, agreement.verdict(u.refusal))
+            words = _later_rounds(r, agreement.verdict(u.refusal))
         except DeMoSyncError:
             pass  # this rank refuses the step whatever the others said
     raise agreement.refused_everywhere(transport, u.step, words, u.refusal, what)
