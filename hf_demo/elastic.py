@@ -702,7 +702,7 @@ def node_shards(opt, timeout: float) -> NodeShards | None:
         return None
     if not (dist.is_available() and dist.is_initialized()) or len(spec.ranks) != dist.get_world_size():
         refusals.refuse("elastic_hsdp_partial", ranks=list(spec.ranks))
-    refuse_unshardable(opt)
+    refuse_unshardable(opt.param_groups)
     return NodeShards(spec, Transport(None, 2 * timeout + 10))
 
 

@@ -316,7 +316,7 @@ def inspect(step, signal, late_refused: bool) -> Findings:
 
 def decide(settings, number: int, world: int, found: Findings, headers: list) -> Verdict:
     """What every rank's header says about step ``number``, read alike on every rank that trusted them all, by the
-    vote (:func:`hf_demo.optim.settle.steady`) and the judge (:func:`judge`): skip (non-finite gradients or
+    vote (:func:`hf_demo.optim.settle.vote`) and the judge (:func:`judge`): skip (non-finite gradients or
     parameters somewhere), drift (the replicas' fingerprints differ), resync (due by ``full_sync_every``, or for
     drift or non-finite parameters), and steady (no header flag beyond :data:`STEADY_FLAGS`, no resync, not a
     process's first exchange; where the policy may move, the vote asks :func:`policy_after` too). It raises

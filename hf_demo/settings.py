@@ -54,7 +54,7 @@ def with_sign_update(sign_update, settings: dict) -> dict:
 
 def check_blocks(chunk, topk) -> None:
     """Refuse a block side or a top-k DeMo cannot run (ValueError): the one check of both, for the optimizer's
-    settings (:class:`DeMoSettings`) and for every parameter group (:func:`hf_demo.optim.groups.validate_group`)."""
+    settings (:class:`DeMoSettings`) and for every parameter group (:func:`hf_demo.optim.view.validate_group`)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk * chunk <= MAX_BLOCK_SIZE:
         raise ValueError(
             f"DeMo: invalid compression_chunk={chunk!r}: must be an integer in [1, 256] (positions inside a block "

@@ -1,5 +1,6 @@
 """hf_demo.DeMo on real gloo process groups: agreement across ranks and clear errors on every rank."""
 
+import dataclasses
 import io
 import os
 import time
@@ -81,7 +82,8 @@ def _mismatch(rank, world, what):
     if what == "step":
         opt.step()
         if rank == 1:
-            opt.counters.steps -= 1  # as if rank 1 resumed from an older checkpoint
+            older = dataclasses.replace(opt.counters, steps=opt.steps - 1)  # as if rank 1 resumed an older checkpoint
+            opt.run_state = dataclasses.replace(opt.run_state, counters=older)
         loss_and_backward(model, rank, 1)
     opt.step()
     return "no error"

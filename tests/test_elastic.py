@@ -1,6 +1,7 @@
 """hf_demo.elastic: the missing extra is named, and the modes it does not run are refused with the reason."""
 
 import builtins
+import dataclasses
 import json
 
 import pytest
@@ -117,7 +118,7 @@ def test_a_loss_and_a_join_are_events_with_the_time_and_samples_lost():
     assert elastic.decide(None) and elastic.batch_index == 3  # step 1 reads the batches after step 0's three
     elastic.start_step()
     assert not elastic.decide(DeMoSyncError("a peer died")) and elastic.samples_lost == 3 * 4
-    elastic.opt.first_checked, elastic.opt.wire_agreed = True, {(3, 0): 100}
+    elastic.opt.run_state = dataclasses.replace(elastic.opt.run_state, first_checked=True, wire_agreed={(3, 0): 100})
     manager.quorum, manager.world = 2, 2
     elastic.start_step()
     (loss,) = elastic.events
@@ -265,7 +266,8 @@ def test_a_new_quorum_gives_the_budget_policy_the_same_figures_on_every_replica(
     survivor, _ = replica(_Manager())
     survivor.start_step()
     survivor.decide(None)
-    survivor.opt.policy.tier, survivor.opt.clock = 5, Clock(40.0, 12.5, 4)  # moved up after an exchange in tier 4
+    survivor.opt.policy.tier = 5  # moved up after an exchange in tier 4
+    survivor.opt.run_state = dataclasses.replace(survivor.opt.run_state, clock=Clock(40.0, 12.5, 4))
     state = survivor.agreed_state()
     manager = _Manager()
     joiner, _ = replica(manager)

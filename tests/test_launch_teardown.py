@@ -18,10 +18,10 @@ def _exit_handler(rank, world):
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # the first step installs the handler and remembers the optimizer
     installed_again = teardown.install_exit_handler()
-    opt.pending = object()  # an overlapped exchange still in flight: the handler keeps its hands off
+    opt.land_in_flight(object())  # an overlapped exchange still in flight: the handler keeps its hands off
     teardown._at_exit()
     kept_while_in_flight = dist.is_initialized()
-    opt.pending = None
+    opt.land_in_flight(None)
     teardown._at_exit()  # as atexit would
     return installed_again, kept_while_in_flight, dist.is_initialized(), hf_demo.shutdown()
 

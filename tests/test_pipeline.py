@@ -133,7 +133,7 @@ def test_phases_get_a_view_of_the_optimizer_and_not_the_optimizer():
     assert isinstance(seen, view.OptimizerView)
     fields = {f.name: getattr(seen, f.name) for f in dataclasses.fields(seen)}
     assert not any(isinstance(v, torch.optim.Optimizer) for v in fields.values())
-    assert {f.name for f in dataclasses.fields(records.Step)} == {"view", "transport", "tx", "decided"}
+    assert {f.name for f in dataclasses.fields(records.Step)} == {"view", "transport", "tx", "decided", "settings"}
     for name in phases.PHASES:
         assert not {"opt", "ctx", "optimizer"} & set(_reads(getattr(phases, name))), name
 

@@ -5,6 +5,7 @@ refusal raised outside it), and the docs' lists are generated from it."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import string
 from pathlib import Path
@@ -79,8 +80,8 @@ def _resume_local_phase():
 
 def _saved_world(rank: int, world: int, scope: str | None):
     opt = _demo()
-    opt.saved_world = (rank, world, scope or opt.identity()[2])
-    opt.saved_identity = (None, None, None)
+    saved_world = (rank, world, scope or opt.identity()[2])
+    opt.run_state = dataclasses.replace(opt.run_state, saved_world=saved_world, saved_identity=(None, None, None))
     opt.check_saved_world()
 
 
@@ -401,7 +402,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/optim/factory.py::parse_optim_args": (2, VALUE + ": --optim_args"),
     "hf_demo/optim/groups.py::check_param": (1, VALUE + ": an empty parameter"),
     "hf_demo/optim/groups.py::replan_momentum": (1, STATE),
-    "hf_demo/optim/groups.py::validate_group.bad": (1, VALUE),
+    "hf_demo/optim/view.py::validate_group.bad": (1, VALUE),
     "hf_demo/optim/checkpointing.py::check_saved_world": (1, STATE + ": another rank's file"),
     "hf_demo/settings.py::with_sign_update": (2, VALUE + ": sign_update; an unknown setting"),
     "hf_demo/optim/overlap.py::targets": (1, STATE),
@@ -409,7 +410,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/optim/state.py::SavedState.from_dict": (3, STATE),
     "hf_demo/optim/state.py::_check_types": (4, STATE),
     "hf_demo/optim/state.py::_require": (1, STATE),
-    "hf_demo/optim/view.py::OptimizerView.momentum": (1, RUNTIME + ": compression_chunk changed during training"),
+    "hf_demo/optim/phases.py::momentum": (1, RUNTIME + ": compression_chunk changed during training"),
     "hf_demo/settings.py::DeMoSettings.__post_init__": (11, VALUE),
     "hf_demo/optim/local_steps.py::outer_factor": (1, VALUE + ": an unknown outer_lr_scaling"),
     "hf_demo/settings.py::DeMoSettings.check_group": (1, VALUE + ": a rule no registry holds"),

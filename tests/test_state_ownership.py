@@ -7,12 +7,15 @@ What changes the optimizer's state is a named transition of :class:`hf_demo.DeMo
   ``__dict__``/``vars()`` write whose target is a DeMo (or an attribute of one: ``opt.policy.tier = ...``) fails;
 * at run time, ``DeMo.__setattr__`` records the nearest hf_demo module on the stack of every write while 1- and
   2-rank runs step, save, load, confirm and flush: it must be ``optim/optimizer.py`` (torch's ``Optimizer`` base
-  class, which DeMo's own methods call, is not an hf_demo module).
+  class, which DeMo's own methods call, is not an hf_demo module). After its constructor, DeMo changes what it
+  keeps only by replacing its one frozen record (``run_state``, :class:`hf_demo.optim.state.RunState`) whole: each
+  replacement is recorded with the fields it changed (``run_state.unsettled``).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import hf_demo
 from hf_demo.optim.optimizer import DeMo
 
 PACKAGE = Path(hf_demo.__file__).parent
+TORCH = Path(torch.__file__).parent
 OWNER = PACKAGE / "optim" / "optimizer.py"
 
 # No module is allowed: the elastic wrapper changes DeMo through ``DeMo.reset_peers()``.
@@ -144,27 +148,47 @@ del opt.t
 
 
 # ---------------------------------------------------------------------------------------------- at run time
-def _writer() -> str:
-    """The nearest module of hf_demo on the stack of the write (torch's and Python's own frames skipped)."""
+def _writer() -> tuple[str, str]:
+    """The nearest module of hf_demo on the stack of the write (torch's and Python's own frames skipped), and the
+    function there that writes."""
     frame = sys._getframe(2)
     while frame is not None:
         path = Path(frame.f_code.co_filename)
         if PACKAGE in path.parents:
-            return path.relative_to(PACKAGE).as_posix()
+            return path.relative_to(PACKAGE).as_posix(), frame.f_code.co_name
         frame = frame.f_back
-    return "<outside hf_demo>"
+    return "<outside hf_demo>", ""
+
+
+def _recorder(seen: dict[str, set[str]]):
+    """A ``DeMo.__setattr__`` that records each write in ``seen``: {writer: names}. A replacement of the record
+    adds each field it changed (``run_state.<field>``); a write after the constructor of anything but the record
+    adds ``"<after construction> <name>"`` to its writer's names."""
+    original = torch.optim.Optimizer.__setattr__
+
+    def record(self, name, value):
+        writer, function = _writer()
+        names = seen.setdefault(writer, set())
+        names.add(name)
+        old = vars(self).get("run_state")
+        if name == "run_state" and old is not None:
+            assert dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen, value
+            names.update(
+                f"run_state.{f.name}"
+                for f in dataclasses.fields(value)
+                if getattr(old, f.name) is not getattr(value, f.name)
+            )
+        elif function != "__init__" and TORCH not in Path(sys._getframe(1).f_code.co_filename).parents:
+            names.add(f"<after construction> {name}")  # (torch's own bookkeeping, __setstate__'s, is not DeMo's)
+        original(self, name, value)
+
+    return record
 
 
 @pytest.fixture
 def writers(monkeypatch):
     seen: dict[str, set[str]] = {}
-    original = torch.optim.Optimizer.__setattr__
-
-    def record(self, name, value):
-        seen.setdefault(_writer(), set()).add(name)
-        original(self, name, value)
-
-    monkeypatch.setattr(DeMo, "__setattr__", record, raising=False)
+    monkeypatch.setattr(DeMo, "__setattr__", _recorder(seen), raising=False)
     return seen
 
 
@@ -193,18 +217,28 @@ def test_only_the_optimizer_writes_its_attributes_while_one_rank_runs(tmp_path, 
     _run(tmp_path, **settings)
     assert "optim/optimizer.py" in writers
     assert set(writers) == {"optim/optimizer.py"}, writers
+    assert not [n for n in writers["optim/optimizer.py"] if n.startswith("<after")], writers  # only the record
+    assert {"run_state.counters", "run_state.policy"} <= writers["optim/optimizer.py"], writers  # by the commit
+
+
+def test_the_record_is_frozen_and_a_write_elsewhere_is_seen(writers):
+    """The runtime check itself: a field of the record cannot be assigned, and a module of hf_demo other than the
+    optimizer that replaced the record (as ``optim/settle.py`` would) is recorded as a writer."""
+    opt = DeMo([torch.nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.run_state.pending = None
+    namespace = {"opt": opt, "dataclasses": dataclasses}
+    exec(
+        compile("opt.run_state = dataclasses.replace(opt.run_state)", str(PACKAGE / "optim" / "settle.py"), "exec"),
+        namespace,
+    )
+    assert "optim/settle.py" in writers, writers
 
 
 def _recorded() -> dict[str, set[str]]:
     """In a forked rank: record every write of a DeMo's attribute from now on (the process ends with the run)."""
     seen: dict[str, set[str]] = {}
-    original = torch.optim.Optimizer.__setattr__
-
-    def record(self, name, value):
-        seen.setdefault(_writer(), set()).add(name)
-        original(self, name, value)
-
-    DeMo.__setattr__ = record
+    DeMo.__setattr__ = _recorder(seen)
     return seen
 
 
@@ -236,8 +270,9 @@ def test_only_the_optimizer_writes_its_attributes_while_two_ranks_run(tmp_path):
     from dist_utils import expect_ok, run_ranks
 
     for seen in expect_ok(run_ranks(_two_ranks, 2, str(tmp_path), timeout=180)):
-        assert "unsettled" in seen.get("optim/optimizer.py", ()), seen  # the refused step was kept, then settled
+        assert "run_state.unsettled" in seen.get("optim/optimizer.py", ()), seen  # the refused step kept, settled
         assert set(seen) == {"optim/optimizer.py"}, seen
+        assert not [n for n in seen["optim/optimizer.py"] if n.startswith("<after")], seen
 
 
 # ---------------------------------------------------------------------------------------------- device_mesh

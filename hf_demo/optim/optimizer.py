@@ -1,7 +1,7 @@
 """``hf_demo.DeMo``: Decoupled Momentum Optimization as a ``torch.optim.Optimizer``.
 
 A thin class over the step's phases: :meth:`DeMo.prepare_step` runs them (:func:`hf_demo.optim.phases.run_step`)
-and hands back a :class:`~hf_demo.optim.staged.StagedStep`, whose ``commit()`` applies the step's transaction and
+and hands back a :class:`StagedStep`, whose ``commit()`` applies the step's transaction and
 ``discard()`` drops it; :meth:`DeMo.step` is the two together. An error raised anywhere in a step (a bad payload, a
 timeout, a disagreeing rank) leaves the optimizer, the parameters and the counters exactly as they were: the step
 can be retried or the run resumed.
@@ -10,9 +10,11 @@ With ``HF_DEMO_SECRET`` set in the environment, every payload carries an HMAC-SH
 right tag are refused; with ``HF_DEMO_ENCRYPT=1`` beside it, every header and payload travels encrypted and bound
 to its sender instead (AES-256-GCM, :mod:`hf_demo.wire.sealing`; see SECURITY.md).
 
-DeMo owns its state: no other module assigns its attributes (``tests/test_state_ownership.py``). What changes it
-is one of its methods, a transition named for what happened (``settled``, ``unsettle``, ``run_by``, the load, the
-commit), which assigns what the module functions it calls return.
+DeMo owns its state: one frozen record (:class:`~hf_demo.optim.state.RunState`, ``run_state``), replaced whole by
+one of its methods, a transition named for what happened (the commit, with what the step changed: :func:`_landed`;
+``loaded`` at a load; ``settled``, ``land_in_flight``, ``reset_peers``, ``run_by``, ...); no other module assigns
+an attribute of a DeMo (``tests/test_state_ownership.py``). A tentative commit's undo puts back the record the
+commit replaced.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,7 @@ from hf_demo.optim import checkpointing, groups, local_phase, overlap, phases, s
 from hf_demo.optim import policy as policies
 from hf_demo.optim import view as views
 from hf_demo.optim.phases import run_step
-from hf_demo.optim.staged import StagedStep
-from hf_demo.optim.state import Counters, forgotten_peers, fresh
-from hf_demo.optim.transaction import keep_fields
+from hf_demo.optim.state import RunState, forgotten_peers
 from hf_demo.refusals import refuse
 from hf_demo.settings import DeMoSettings, with_sign_update
 from hf_demo.topology import choose as choose_topology
@@ -49,25 +50,21 @@ __all__ = ["DeMo", "StagedStep"]
 
 def _counter(name: str) -> property:
     """One of :class:`~hf_demo.optim.state.Counters` as an attribute of the optimizer (read only)."""
-    return property(lambda self: getattr(self.counters, name))
+    return property(lambda self: getattr(self.run_state.counters, name))
 
 
-def _kept(opt, *names: str):
-    """A ``before`` for the step's transaction: what puts these attributes of ``opt`` back (its undo log's)."""
-
-    def before():
-        old = {n: getattr(opt, n) for n in names}
-        return lambda: [setattr(opt, n, v) for n, v in old.items()]
-
-    return before
+def _field(name: str, of: str = "run_state") -> property:
+    """A field of the optimizer's :class:`~hf_demo.optim.state.RunState` (or of ``of``) as its attribute (read only)."""
+    return property(lambda self: getattr(getattr(self, of), name))
 
 
-_OUTCOME = ("pending", "first_checked", "policy", "clock", "wire_agreed", "counters")  # what a step's outcome sets
+_READ = ("counters", "policy", "clock", "pending", "unsettled", "first_checked", "wire_agreed", "context", "run_id")
+_READ += ("saved_world", "saved_identity")
 
 
-def _taken(outcome, stats) -> dict:
-    """What the optimizer keeps of a step's :class:`~hf_demo.optim.records.Outcome` (at the commit, after the
-    step's traffic is counted in ``stats``): each of :data:`_OUTCOME` the step changed."""
+def _landed(outcome, stats) -> dict:
+    """What a step that concluded ``outcome`` (:class:`~hf_demo.optim.records.Outcome`) changes of the optimizer's
+    record at its commit (after the step's traffic is counted in ``stats``), by field."""
     took = {"counters": outcome.counters}
     if outcome.landed is not None:  # overlap: the exchange this step started
         took["pending"] = outcome.landed.pending
@@ -81,10 +78,12 @@ def _taken(outcome, stats) -> dict:
     return took
 
 
-def _set(opt, **values) -> None:
-    """Assign ``values`` to ``opt``'s attributes (what a :class:`DeMo` method took from a module function)."""
-    for name, value in values.items():
-        setattr(opt, name, value)
+def _header_timings(opt, started: float) -> dict:
+    """``DeMo.header_timings``: this rank's figures for the policy, as its header carries them (exchange_ms,
+    elapsed_ms), from the policy's :class:`~hf_demo.optim.policy.Clock` of the last exchange."""
+    clock = opt.run_state.clock
+    elapsed = (started - clock.last_comm_start) * 1000.0 if clock.last_comm_start is not None else 0.0
+    return {"exchange_ms": round(clock.last_exchange_ms), "elapsed_ms": round(elapsed)}
 
 
 def _params(opt) -> list[torch.Tensor]:
@@ -128,29 +127,26 @@ class DeMo(torch.optim.Optimizer):
         self.transform = compression.get_transform(self.settings.transform)
         self.secret = os.environ.get(SECRET_ENV, "").encode() or None
         self.sealer = sealing.from_env(self.secret, self.settings)  # HF_DEMO_ENCRYPT=1: encrypted traffic
-        self.comm_stats, self.counters = CommStats(), Counters()
-        self.policy = policies.BudgetPolicy(self.settings.comm_budget, self.settings.policy_patience)
-        s = self.settings
+        self.comm_stats, s = CommStats(), self.settings  # (traffic totals, counted in place)
+        self.run_state = RunState(policies.BudgetPolicy(s.comm_budget, s.policy_patience))  # what it keeps
         self.tiers = policies.tiers(s.value_format, s.exchange, s.sync_every, s.policy_sync_every)
-        _set(self, **fresh())  # the rest of what it keeps between steps, each described there
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
         spec = views.exchange_spec(self.settings, self.secret, self.sealer, [], self.settings.value_format)
         exchanges.build(self.settings.exchange, spec)  # its refusals now
 
-    # ------------------------------------------------------------------ counters, as they always were named
     steps, skipped_steps, resyncs = _counter("steps"), _counter("skipped_steps"), _counter("resyncs")
     consecutive_skips, unsynced = _counter("consecutive_skips"), _counter("unsynced")
-    value_format = property(lambda self: self.settings.value_format)
-    nonfinite = property(lambda self: self.settings.nonfinite)
+    counters, policy, clock, pending, unsettled, first_checked, wire_agreed, context, run_id, *_ = map(_field, _READ)
+    saved_world, saved_identity = map(_field, _READ[-2:])
+    value_format, nonfinite = (_field(k, "settings") for k in ("value_format", "nonfinite"))
     tier = property(lambda self: self.policy.tier, doc="The communication tier in use (0: the settings; policy.py).")
     in_flight = property(lambda self: self.pending is not None, doc="An overlapped exchange still runs (flush()).")
     unconfirmed = property(lambda self: self.unsettled is not None, doc="The last step's verdict is not read yet.")
     settling = property(lambda self: self.unsettled is not None and self.unsettled.posted is not None,
                         doc="Its settling row still travels: this rank refused the last step.")  # fmt: skip
 
-    # ------------------------------------------------------------------ configuration
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         groups.check_added(self.param_groups[-1], self.settings)
@@ -158,23 +154,20 @@ class DeMo(torch.optim.Optimizer):
     @property
     def topology(self):
         """The topology part (:mod:`hf_demo.topology`), built with its groups once the process group exists."""
-        if self._peers is not None:  # given by reset_peers (hf_demo.elastic: this quorum's torchft group)
-            return self._peers
-        built = self._topology
-        if built is not None and (built.transport.world > 1 or built.name != "flat") == _initialised():
+        if self.run_state.peers is not None:  # given by reset_peers (hf_demo.elastic: this quorum's torchft group)
+            return self.run_state.peers
+        built, ready = self.run_state.topology, dist.is_available() and dist.is_initialized()
+        if built is not None and (built.transport.world > 1 or built.name != "flat") == ready:
             return built
-        timeout = self.settings.comm_timeout if _initialised() else 0
-        self._topology = choose_topology(self).build(self, _initialised(), timeout)
-        return self._topology
+        kind, timeout = choose_topology(self.param_groups), self.settings.comm_timeout if ready else 0
+        self._put(topology=kind.build(self.param_groups, self.process_group, self.device_mesh, ready, timeout))
+        return self.run_state.topology
 
     transport = property(lambda self: self.topology.transport, doc="What DeMo exchanges over (the replicate group).")
     rule = staticmethod(views.rule)  # a parameter group's update rule (``update_rule`` is a per-group setting)
     inner_rule = staticmethod(views.inner_rule)  # its local steps' rule (``inner_rule``, per group)
     step_view = views.of_optimizer  # what the step's phases read of this optimizer, taken now
-
-    def header_timings(self, started: float) -> dict:
-        """This rank's figures for the policy, as its header carries them (exchange_ms, elapsed_ms)."""
-        return self.clock.header_fields(started)
+    header_timings = _header_timings  # this rank's figures for the policy, as its header carries them
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) that a saved state belongs to."""
@@ -187,7 +180,11 @@ class DeMo(torch.optim.Optimizer):
 
     def run_by(self, context: str) -> None:
         """Where DeMo runs, for the fixes its errors name: ``"trainer"`` (DeMoTrainer) or ``"loop"``."""
-        self.context = context
+        self._put(context=context)
+
+    def _put(self, **fields) -> None:
+        """The record replaced by one with ``fields`` changed (what every transition of DeMo's does)."""
+        self.run_state = dataclasses.replace(self.run_state, **fields)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -201,26 +198,24 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def prepare_step(self, *, elastic: bool = False) -> StagedStep:
-        """Every phase of a step (:func:`hf_demo.optim.phases.run_step`: its collectives, checks and verdicts, on
-        every rank) with nothing applied: the parameters, the optimizer state and the counters are as they were
-        until :meth:`StagedStep.commit`; :meth:`StagedStep.discard` drops the step. Call it, and then the same one of
-        the two, on every rank. An error raised here changes nothing (as a failed :meth:`step`). ``elastic``: a
-        wrapper decides whether the step commits (:class:`hf_demo.elastic.Elastic`, torchft's ``should_commit``), so
-        its verdict is read within the step, never settled later; required where a wrapper gave DeMo its peers."""
-        if self._peers is not None and not elastic:
+        """Every phase of a step (:func:`hf_demo.optim.phases.run_step`), nothing applied until
+        :meth:`StagedStep.commit` (or :meth:`StagedStep.discard`): call one of the two, on every rank alike. An error
+        raised here changes nothing. ``elastic``: a wrapper decides whether the step commits (its verdict is read
+        within the step: :class:`hf_demo.elastic.Elastic`); required where a wrapper gave DeMo its peers."""
+        if self.run_state.peers is not None and not elastic:
             refuse("wrapped_step")
         transport = self.transport.at(self.steps)
-        self.check_saved_world()
-        self.establish_run_id()  # once: the store hands rank 0's to every rank (no collective)
-        if not self.ddp_checked and _initialised():  # DeMo's first step in a process group: the guards
-            self._ddp_wrappers, self.ddp_checked = ddp.first_step_guard(self, _params(self), transport), True
+        if self.saved_world is not None or not self.run_id:  # a loaded state checked, this run's identity: once
+            self.check_saved_world(), self.establish_run_id()  # (the store hands rank 0's to every rank)
+        if not self.run_state.ddp_checked and _initialised():  # DeMo's first step in a process group: the guards
+            self._put(ddp_wrappers=ddp.first_step_guard(self, _params(self), transport), ddp_checked=True)
         if self.settling:
-            settle.confirm(self, final=False)  # this rank refused the last step: it raises now, with every rank
+            self.confirm(final=False)  # this rank refused the last step: it raises now, with every rank
         try:
-            on_cuda = any(p.is_cuda for g in self.param_groups for p in g["params"][:1])
-            stepped, settled, outcome = run_step(self.step_view(elastic), transport, on_cuda)
+            on_cuda, view = any(p.is_cuda for g in self.param_groups for p in g["params"][:1]), self.step_view(elastic)
+            stepped, settled, outcome = run_step(view, transport, on_cuda)
         except settle.Deferred as exc:  # refused here; raised at the next step or confirm, with every rank
-            self.unsettled = settle.deferred(self.unsettled, exc)
+            self._put(unsettled=settle.deferred(self.unsettled, exc))
             return StagedStep(self, transport)
         except BaseException as exc:
             if getattr(exc, "undo_unsettled", False):
@@ -228,68 +223,70 @@ class DeMo(torch.optim.Optimizer):
             overlap.count_arrived(self.pending, self.comm_stats)
             raise
         if settled is not None and settled.owes is not None:  # a verdict this rank could not trust: settled later
-            self.unsettled = settle.owe(self, transport, settled.owes, outcome)
+            self._put(unsettled=settle.owe(view, transport, settled.owes, outcome, self.device()))
             return StagedStep(self, transport)
         return StagedStep(self, transport, stepped.tx, settled, outcome)
 
     def _commit(self, staged: StagedStep) -> None:
-        """:meth:`StagedStep.commit`: the step's outcome staged last, and its transaction committed; tentatively,
-        with an undo log, where its verdict settles later."""
-        tx = staged.close("committed")
+        """:meth:`StagedStep.commit`: the step's outcome staged last (its traffic counted, the record replaced by
+        what the step changed: :func:`_landed`), and its transaction committed; tentatively, with an undo log (which
+        puts the record and the traffic totals back), where its verdict settles later."""
+        tx, outcome, settled = staged.close("committed"), staged.outcome, staged.settled
         if tx is None:
             return
-        outcome, transport = staged.outcome, staged.transport
-        self._stage_outcome(tx, outcome)
-        tentative, row_bytes = settle.keeps_undo(self, tx, staged.settled, outcome, transport.world)  # an undo log
-        spare, self._undo_spare = self._undo_spare, {}  # the last undo log's copies, reused
-        undo = tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
-        if tentative:
-            self.unsettled = settle.Unsettled(transport.step, row_bytes, undo=undo)
-
-    def _discard(self, staged: StagedStep) -> None:
-        """:meth:`StagedStep.discard`: nothing of the step is applied; what happened on the wire stays counted
-        (an exchange in flight that arrived)."""
-        if staged.close("discarded") is None:
-            return
-        overlap.count_arrived(self.pending, self.comm_stats)
-
-    def _stage_outcome(self, tx, outcome) -> None:
-        """What the step concluded (:class:`~hf_demo.optim.records.Outcome`), staged after every other write."""
-        stats = self.comm_stats
-        tx.stage(lambda: stats.commit_step(outcome.dense, outcome.traffic), before=keep_fields(stats))
         if outcome.warn_skips:
             tx.stage(lambda: phases.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
-        tx.stage(lambda: _set(self, **_taken(outcome, stats)), before=_kept(self, *_OUTCOME))
+        spare = self.run_state.undo_spare  # the last undo log's copies, reused
+        self._put(undo_spare={})
+        stats, state, totals = self.comm_stats, self.run_state, dict(vars(self.comm_stats))  # (the undo's pre-image)
+        tx.stage(lambda: (stats.commit_step(outcome.dense, outcome.traffic), self._put(**_landed(outcome, stats))),
+                 before=lambda: lambda: (setattr(self, "run_state", state), vars(stats).update(totals)))  # fmt: skip
+        tentative, row_bytes = settled is not None and settled.tentative, getattr(settled, "row_bytes", 0)
+        if settled is not None and settled.again:  # a non-steady step every verdict of which was read whole
+            s, world = self.run_state, staged.transport.world
+            tentative, row_bytes = settle.keeps_undo(s.policy, s.wire_agreed, self.tiers, tx, outcome, world)
+        undo = tx.commit(undo=tentative, spare=spare)  # (here: the warnings it stages name the caller)
+        if tentative:
+            self._put(unsettled=settle.Unsettled(staged.transport.step, row_bytes, undo=undo))
+
+    def _discard(self, staged: StagedStep) -> None:
+        """:meth:`StagedStep.discard`: nothing of the step is applied; what happened on the wire stays counted."""
+        if staged.close("discarded") is not None:
+            overlap.count_arrived(self.pending, self.comm_stats)
 
     # ------------------------------------------------------------------ transitions outside a step's transaction
     def settled(self) -> settle.Unsettled | None:
         """The last step's verdict is read (or it is undone): it is no longer unsettled. Returns it."""
-        u, self.unsettled = self.unsettled, None
+        u = self.run_state.unsettled
+        self._put(unsettled=None)
         return u
 
     def _settle_prior(self) -> None:
         """Every rank received the step committed tentatively whole (its verdicts read): its undo log goes."""
-        if self.unsettled is not None and self.unsettled.posted is None:
-            self._undo_spare = self.settled().undo.spare()  # its copies take the next step's pre-images
+        if self.unsettled is not None and self.unsettled.posted is None:  # its copies take the next pre-images:
+            self._put(unsettled=None, undo_spare=self.unsettled.undo.spare())  # (as settled() would, and the spare)
 
-    confirm = settle.confirm  # the last step's verdict read on every rank (three all-gathers), where it is not
+    def confirm(self, final: bool = True) -> None:
+        """The last step's verdict read on every rank (three all-gathers), where it is not (:func:`settle.confirm`)."""
+        if self.unsettled is not None:  # (else no collective)
+            keys = (self.secret, self.sealer, self.device())
+            settle.confirm(self.unsettled, self.transport, *keys, self.comm_stats, self.settled, final)
 
     def _rescan_ddp(self) -> None:
         """The first-step DDP guard runs again at the next step (a write outside the transaction: docs/DESIGN.md)."""
-        self.ddp_checked = False
+        self._put(ddp_checked=False)
 
     def ddp_suspects(self) -> list[torch.Tensor]:
         """The parameters that the watched wrappers (alive and still all-reducing) hold."""
-        return ddp.suspects(self._ddp_wrappers, _params(self))
+        return ddp.suspects(self.run_state.ddp_wrappers, _params(self))
 
     def land_in_flight(self, pending) -> None:
-        self.pending = pending
+        self._put(pending=pending)
 
     def reset_peers(self, topology=None) -> None:
-        """The peers changed (an elastic quorum): what DeMo learnt of the last ones goes (``state.forgotten_peers``),
-        and it exchanges over ``topology`` (:mod:`hf_demo.topology`) from now on, stepped by the wrapper that gave
-        it (:meth:`prepare_step` with ``elastic=True``; a plain :meth:`step` is refused). None: its own group."""
-        _set(self, **forgotten_peers(), _peers=topology)
+        """The peers changed (an elastic quorum): what DeMo learnt of the last ones goes (``state.forgotten_peers``); it
+        exchanges over ``topology`` from now on, stepped by the wrapper that gave it (None: its own group)."""
+        self._put(**forgotten_peers(), peers=topology)
 
     # ------------------------------------------------------------------ after the last step; local phases
     flush = local_phase.flush  # the last step's verdict read, the exchange in flight landed, a local phase ended
@@ -302,8 +299,8 @@ class DeMo(torch.optim.Optimizer):
         becomes the ranks' mean). Returns the number of parameters averaged."""
         if not self.in_local_phase():
             return 0
-        averaged = local_phase.end(self)
-        self.counters = dataclasses.replace(self.counters, unsynced=False)
+        averaged = local_phase.end(self.topology, self.steps, self.param_groups, self.state, self.comm_stats)
+        self._put(counters=dataclasses.replace(self.counters, unsynced=False))
         return averaged
 
     # ------------------------------------------------------------------ state
@@ -314,33 +311,71 @@ class DeMo(torch.optim.Optimizer):
         return checkpointing.save(self, super().state_dict())
 
     def load_peer_state(self, state_dict: dict) -> None:
-        """A live peer's agreed state (an elastic replica's recovery, :mod:`hf_demo.elastic`): loaded as
-        :meth:`load_state_dict` loads a checkpoint, but the rank, the world and the step it was saved at are the
-        peer's and are not checked against this replica's (it joins the peer's quorum at the peer's step)."""
+        """A live peer's agreed state (an elastic replica's recovery): loaded as :meth:`load_state_dict` loads a
+        checkpoint, but the rank, world and step it was saved at are the peer's, not checked against this one's."""
         self.load_state_dict(state_dict, resume=False)
 
     def load_state_dict(self, state_dict: dict, *, resume: bool = True) -> None:
         """The saved state replaces this one (and the step whose verdict was pending, on every rank); ``resume``: a
-        checkpoint of this run, checked to be this rank's, of this world, at every rank's step (now where the group
-        exists, else at the first step)."""
+        checkpoint of this run, checked to be this rank's, of this world, at every rank's step (with the group)."""
         settle.state_check(self.unsettled, "loaded")  # its settling row still travels: collectives would not pair
         state_dict, saved, requested = checkpointing.unpacked(self, state_dict, resume)
         super().load_state_dict(state_dict)
-        _set(self, **checkpointing.restored(self, state_dict, saved, requested, resume))
+        self.loaded(checkpointing.restored(self, state_dict, saved, requested, resume))
         self.comm_stats.load(saved.comm)
         if resume and _initialised():  # else at the first step, once the group exists
             self.check_saved_world()
         checkpointing.restore_own_parameters(self, state_dict, saved)
-        self.unsettled = None
+        self.settled()  # the step whose verdict was pending is gone with the state it followed
+
+    def loaded(self, saved: dict) -> None:
+        """The load's transition: the record takes what a loaded state holds (``checkpointing.restored``)."""
+        self._put(**saved)
 
     def establish_run_id(self) -> str:
         """This run's identity, the same on every rank (a resumed run keeps the one it resumed)."""
-        self.run_id = self.run_id or checkpointing.agreed_run_id()
+        if not self.run_id:
+            self._put(run_id=checkpointing.agreed_run_id())
         return self.run_id
 
     def check_saved_world(self) -> None:
-        """A loaded state must be this rank's, saved with this many ranks, by the run and at the step of every
-        other rank's (checked once the group exists)."""
+        """A loaded state must be this rank's, of this world, run and step as every rank's (once the group exists)."""
         if self.saved_world is not None:
             checkpointing.check_saved_world(self, self.saved_world)
-            self.saved_world = None
+            self._put(saved_world=None)
+
+
+@dataclass(eq=False)
+class StagedStep:
+    """A step that :meth:`DeMo.prepare_step` ran to its end, with its writes staged (its transaction) and nothing
+    applied. ``commit()`` applies it (as :meth:`DeMo.step` does), ``discard()`` drops it: the parameters, the
+    optimizer state and the counters stay bitwise as they were (what happened on the wire stays counted). One of
+    the two, once, on every rank alike. A step this rank refused to keep (its verdict settles later) has
+    nothing staged: both do nothing then (:attr:`empty`)."""
+
+    _opt: DeMo
+    transport: object
+    _tx: object = None
+    settled: object = None  # the vote's record (hf_demo.optim.records.Settled)
+    outcome: object = None  # what the step concluded (hf_demo.optim.records.Outcome)
+    closed: str | None = None  # "committed" or "discarded", once
+
+    @property
+    def empty(self) -> bool:
+        """Nothing staged to apply: this rank keeps nothing of the step (refused here, settled later)."""
+        return self._tx is None
+
+    def commit(self) -> None:
+        """Apply the step (its transaction, then its outcome: counters, policy, traffic)."""
+        self._opt._commit(self)
+
+    def discard(self) -> None:
+        """Drop the step: nothing of it is applied."""
+        self._opt._discard(self)
+
+    def close(self, how: str):
+        """Mark the step ``how`` (committed, discarded) and hand over its transaction (None: nothing staged)."""
+        if self.closed is not None:
+            raise RuntimeError(f"DeMo: this prepared step was already {self.closed}: commit() or discard() it once")
+        self.closed = how
+        return self._tx

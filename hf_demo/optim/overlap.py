@@ -14,7 +14,6 @@ from hf_demo import compression as F
 from hf_demo.errors import DeMoPayloadError, DeMoStateError
 from hf_demo.exchange import transport as exchanges
 from hf_demo.exchange.transport import Traffic
-from hf_demo.optim.signals import rule_directions
 from hf_demo.optim.state import PendingExchange
 from hf_demo.optim.transaction import Transaction
 from hf_demo.topology.dtensor import local, local_shape
@@ -84,7 +83,7 @@ def stage_late(view, tx: Transaction, updates, stepping) -> None:
     params = [p for p, _ in targets(view, pending)]
     groups = [view.group_of(p) for p in params]
     matrices = view.topology.matrices(params, view.whole_matrix_params(view.rule), stepping)
-    directions, rule_states = rule_directions(view, params, groups, updates, pending.layouts, matrices)
+    directions, rule_states = view.directions(params, groups, updates, pending.layouts, matrices)
     for p, rule_state in zip(params, rule_states):
         tx.update(view.state[p], rule_state)
     lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]
@@ -101,22 +100,24 @@ def count_arrived(pending, stats) -> None:
         pending.counted = True
 
 
-def flush(opt) -> None:
-    """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied."""
-    view, transport = opt.step_view(), opt.transport.at(opt.steps)
+def flush(view, transport, device, stats, landed) -> None:
+    """Land the exchange in flight now (after the last step, on every rank): validated, voted, applied. ``view``:
+    the optimizer's (``DeMo.step_view()``), ``transport`` its transport at its step, ``device`` where its buffers
+    live, ``stats`` its traffic totals; ``landed``: its transition once the exchange in flight is applied
+    (``DeMo.land_in_flight``)."""
     try:
         updates, refusal = finish(view, transport.traffic), None
     except DeMoPayloadError as exc:
         updates, refusal = None, exc
-    if transport.world > 1 and opt.settings.commit_vote != "off":
-        agreement.vote(transport, refusal, opt.device(), opt.sealer, opt.secret)
+    if transport.world > 1 and view.settings.commit_vote != "off":
+        agreement.vote(transport, refusal, device, view.sealer, view.secret)
     elif refusal is not None:
         raise refusal
     tx = Transaction()
     stage_late(view, tx, updates, transport)
-    tx.stage(lambda: opt.land_in_flight(None))
+    tx.stage(lambda: landed(None))
     tx.commit()
-    opt.comm_stats.add(transport.traffic)
+    stats.add(transport.traffic)
 
 
 def to_state(opt) -> dict | None:

@@ -10,12 +10,15 @@ its arguments say. No phase writes to the optimizer, the parameters or the count
 ``step.tx`` (:mod:`hf_demo.optim.transaction`), and the optimizer stages the outcome last and commits once the
 whole step has succeeded on every rank. Two branches are taken in the open in :func:`run_step`: a local step (its
 ``signal`` does not communicate) leaves out every phase from ``inspect`` to ``update``; a policy's move down
-(``Decision.retry``) ends the try after ``policy`` and runs the step again in the lower tier.
+(``Decision.retry``) ends the try after ``policy`` and runs the step again in the lower tier. Two phases act only
+where their setting asks: ``policy`` under a ``comm_budget`` (else the tier stays), ``land`` with an exchange to land
+or start in the background (``overlap``); their trace ranges open on every step alike.
 
 What plugs in where is chosen from a registry: the topology by the parameters (:mod:`hf_demo.topology`), the
-signal by the tier's ``sync_every`` (:mod:`hf_demo.optim.signals`), the transform by ``transform``
-(:mod:`hf_demo.compression`), the exchange by ``exchange`` (:mod:`hf_demo.exchange.transport`), the
-update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`). ``docs/DESIGN.md`` shows how to add one.
+signal by the tier's ``sync_every`` (the gradient here, local steps' in :mod:`hf_demo.optim.signals`), the
+transform by ``transform`` (:mod:`hf_demo.compression`), the exchange by ``exchange``
+(:mod:`hf_demo.exchange.transport`), the update rule by ``update_rule`` (:mod:`hf_demo.optim.update_rules`).
+``docs/DESIGN.md`` shows how to add one.
 
 Traces: the step is a ``torch.profiler.record_function`` range ``DeMo.step``, each phase one named ``DeMo.<phase>``
 (:data:`PHASES`), and ``DeMo.exchange`` spans ``agreement`` (whose all-gather carries the payload in steady state)
@@ -35,10 +38,12 @@ import torch
 
 from hf_demo import compression as F
 from hf_demo import guards as verdicts
-from hf_demo.errors import DeMoPayloadError, DeMoSyncError
+from hf_demo.errors import DeMoPayloadError, DeMoStateError, DeMoSyncError
 from hf_demo.exchange import transport as exchanges
-from hf_demo.optim import overlap, settle, signals
+from hf_demo.optim import local_steps, overlap, settle, signals, update_rules
+from hf_demo.optim import view as views
 from hf_demo.optim.records import (
+    SKIPPING_FLAGS,
     Agreed,
     Chosen,
     Decision,
@@ -54,7 +59,8 @@ from hf_demo.optim.records import (
     StepPlan,
     Verdict,
 )
-from hf_demo.optim.transaction import Transaction
+from hf_demo.optim.transaction import Transaction, keep_mapping
+from hf_demo.topology.dtensor import local
 from hf_demo.wire import agreement as wire_agreement
 from hf_demo.wire import codec
 
@@ -93,58 +99,53 @@ def traced(name: str, cuda: bool):
 
 
 def run_step(view, transport, cuda: bool = False) -> tuple[Step, Settled | None, Outcome]:
-    """The step, again in a lower tier as long as the policy moves down at its headers (a loop, not recursion):
-    every try's traffic is counted (the step's one transport), nothing else of a try that moved down is kept (a
-    fresh transaction). Returns the last try's step (its transaction holds the step's writes), its vote's record
-    (None for a local step) and its outcome."""
+    """The step, phase after phase; again in a lower tier as long as the policy moves down at its headers (a loop,
+    not recursion): every try's traffic is counted (the step's one transport), nothing else of a try that moved
+    down is kept (a fresh transaction). Returns the last try's step (its transaction holds the step's writes), its
+    vote's record (None for a local step) and its outcome. The policy decides only under a budget (else the tier
+    stays), and ``land`` runs only where an exchange lands late or starts in the background (overlap)."""
     with traced("DeMo.step", cuda):
         decided = None
         while True:
-            step = Step(view, transport, Transaction(), decided=decided)
-            settled, decision, outcome = one_try(step, cuda)
-            if outcome is not None:
-                return step, settled, outcome
-            decided = decision.retry
-
-
-def one_try(step: Step, cuda: bool) -> tuple[Settled | None, Decision | None, Outcome | None]:
-    """One try of the step, phase after phase: (the vote's record, the policy's decision, the outcome; None where
-    the policy moves down: the step goes again)."""
-    with traced("DeMo.plan", cuda):
-        planned = plan(step)
-    with traced("DeMo.topology", cuda):
-        chosen = topology(step, planned)
-    with traced("DeMo.signal", cuda):
-        signalled = signal(step, planned, chosen)
-    if not signalled.communicates:  # a local step: no exchange this time
-        with traced("DeMo.commit", cuda):
-            return None, None, commit(step, planned, chosen, signalled)
-    with traced("DeMo.inspect", cuda):
-        found = inspect(step, planned, chosen, signalled)
-    with traced("DeMo.momentum", cuda):
-        momenta = momentum(step, planned, chosen, signalled, found)
-    with traced("DeMo.compress", cuda):
-        prepared = compress(step, planned, chosen, signalled, found, momenta)
-    with traced("DeMo.exchange", cuda):
-        with traced("DeMo.agreement", cuda):
-            agreed = agreement(step, planned, chosen, found, prepared)
-        with traced("DeMo.communicate", cuda):
-            exchanged = communicate(step, momenta, prepared, agreed)
-    with traced("DeMo.vote", cuda):
-        settled = vote(step, planned, chosen, found, agreed, exchanged)
-    with traced("DeMo.policy", cuda):
-        decision = policy(step, chosen, agreed)
-    if decision.retry is not None:  # the policy moves down: this try ends, the step goes again in the lower tier
-        return settled, decision, None
-    with traced("DeMo.judge", cuda):
-        verdict = judge(step, chosen, signalled, found, agreed)
-    with traced("DeMo.land", cuda):
-        landed = land(step, planned, chosen, found, momenta, prepared, agreed, verdict)
-    with traced("DeMo.update", cuda):
-        update(step, planned, chosen, signalled, momenta, exchanged, verdict)
-    with traced("DeMo.commit", cuda):
-        outcome = commit(step, planned, chosen, signalled, found, agreed, decision, verdict, landed)
-    return settled, decision, outcome
+            step = Step(view, transport, Transaction(), decided, view.settings)
+            with traced("DeMo.plan", cuda):
+                planned = plan(step)
+            with traced("DeMo.topology", cuda):
+                chosen = topology(step, planned)
+            with traced("DeMo.signal", cuda):
+                signalled = signal(step, planned, chosen)
+            if not signalled.communicates:  # a local step: no exchange this time
+                with traced("DeMo.commit", cuda):
+                    return step, None, commit(step, planned, chosen, signalled)
+            with traced("DeMo.inspect", cuda):
+                found = inspect(step, planned, chosen, signalled)
+            with traced("DeMo.momentum", cuda):
+                momenta = momentum(step, planned, chosen, signalled, found)
+            with traced("DeMo.compress", cuda):
+                prepared = compress(step, planned, chosen, signalled, found, momenta)
+            with traced("DeMo.exchange", cuda):
+                with traced("DeMo.agreement", cuda):
+                    agreed = agreement(step, planned, chosen, found, prepared)
+                with traced("DeMo.communicate", cuda):
+                    exchanged = communicate(step, momenta, prepared, agreed)
+            with traced("DeMo.vote", cuda):
+                settled = vote(step, planned, chosen, found, agreed, exchanged)
+            with traced("DeMo.policy", cuda):
+                budget = step.settings.comm_budget and decided is None
+                decision = policy(step, chosen, agreed) if budget else Decision(decided or view.policy)
+            if decision.retry is not None:  # the policy moves down: this try ends, the step goes again lower
+                decided = decision.retry
+                continue
+            with traced("DeMo.judge", cuda):
+                verdict = judge(step, chosen, signalled, found, agreed)
+            with traced("DeMo.land", cuda):
+                lands = step.settings.overlap or found.late is not None
+                landed = land(step, planned, chosen, found, momenta, prepared, agreed, verdict) if lands else None
+            with traced("DeMo.update", cuda):
+                update(step, planned, chosen, signalled, momenta, exchanged, verdict)
+            with traced("DeMo.commit", cuda):
+                outcome = commit(step, planned, chosen, signalled, found, agreed, decision, verdict, landed)
+            return step, settled, outcome
 
 
 def plan(step: Step) -> StepPlan:
@@ -152,9 +153,9 @@ def plan(step: Step) -> StepPlan:
     view = step.view
     tier_index = (step.decided or view.policy).tier
     tier = view.tiers[tier_index]
-    items, layout_ck, settings_ck = view.plan(tier)
+    items, layout_ck, settings_ck, whole = views.plan_items(view.param_groups, step.settings, view.secret, tier)
     generator = F.rounding_noise(step.settings.param_rounding, step.transport.step)
-    return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator)
+    return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator, whole)
 
 
 def topology(step: Step, plan: StepPlan) -> Chosen:
@@ -164,8 +165,15 @@ def topology(step: Step, plan: StepPlan) -> Chosen:
 
 def signal(step: Step, plan: StepPlan, chosen: Chosen) -> Signalled:
     """What enters the momentum: the gradient, or at a synchronisation the change since the last one (local
-    steps). A local step that does not synchronise ends the exchange here (``communicates`` False)."""
-    return signals.for_tier(plan.tier).select(step, plan, chosen)
+    steps: :class:`~hf_demo.optim.signals.LocalSignal`). A local step that does not synchronise ends the exchange
+    here (``communicates`` False)."""
+    if plan.tier.sync_every > 1:
+        return signals.LocalSignal().select(step, plan, chosen)
+    state = step.view.state
+    for p in chosen.params:  # a tier without local steps: a later local phase starts afresh
+        if any(k in state[p] for k in local_steps.LOCAL_KEYS):
+            step.tx.stage(lambda state=state[p]: local_steps.forget(state), before=keep_mapping(state[p]))
+    return Signalled(local=False, signals=list(chosen.grads), replicas=[local(p) for p in chosen.params])
 
 
 def inspect(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled) -> Findings:
@@ -197,13 +205,28 @@ def momentum(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, foun
     """``working = decay * momentum + scale * T(signal)`` (the signal as the update rule lets it in), on copies
     (the momenta are committed with the step), once per bucket of parameters with the same block shape
     (:mod:`hf_demo.compression`)."""
-    if found.skipping:
+    if found.flags & SKIPPING_FLAGS:
         return Momenta([])
     view = step.view
-    source = signals.for_tier(plan.tier)
-    factors = [source.decay_and_scale(step.settings, g, layout) for _, g, layout in chosen.items]
-    entering = [source.entering(step, p, g, s) for (p, g, _), s in zip(chosen.items, signal.signals)]
-    momenta = [view.momentum(p, layout) for p, _, layout in chosen.items]
+    if plan.tier.sync_every > 1:  # the pseudo-gradient as it is, into an error feedback (signals.LocalSignal)
+        factors = [signals.LocalSignal.decay_and_scale(step.settings, g, layout) for _, g, layout in chosen.items]
+        entering = list(signal.signals)
+    else:  # the gradient, scaled by the learning rate, as the group's update rule lets it in (its state staged)
+        factors, entering = [(g["compression_decay"], g["lr"]) for g in chosen.groups], []
+        for (p, g, _), grad in zip(chosen.items, signal.signals):
+            entered, changed = update_rules.get(g["update_rule"]).signal(grad, view.state[p])
+            if changed:
+                step.tx.update(view.state[p], changed)
+            entering.append(entered)
+    momenta = []
+    for p, _, layout in chosen.items:  # each one's momentum (zeros before its first step), its blocks checked
+        state, blocked = view.state[p], (layout.nblocks, layout.bsize)
+        if "momentum" not in state:
+            momenta.append(torch.zeros(blocked, dtype=torch.float32, device=p.device))
+        elif state["momentum"].shape != blocked:
+            raise DeMoStateError(_rechunked(p, state["momentum"], blocked))
+        else:
+            momenta.append(state["momentum"])
     return Momenta(F.accumulate_many(momenta, entering, chosen.layouts, factors, view.transform))
 
 
@@ -212,9 +235,12 @@ def compress(
 ) -> Prepared:
     """The exchange's local part: top-k, encoding and error feedback on the working momenta; the payload."""
     average = "world" if signal.local else None  # a synchronisation averages over every rank
-    spec = step.view.exchange_spec(chosen.layouts, plan.tier.value_format, step.transport.world, average)
+    view = step.view
+    spec = views.exchange_spec(
+        step.settings, view.secret, view.sealer, chosen.layouts, plan.tier.value_format, step.transport.world, average
+    )
     exchange = exchanges.build(step.settings.exchange, spec)
-    if found.skipping:  # every rank will skip: zeros travel
+    if found.flags & SKIPPING_FLAGS:  # every rank will skip: zeros travel
         return Prepared(exchange, torch.zeros(exchange.payload_nbytes, dtype=torch.uint8, device=chosen.device))
     return Prepared(exchange, exchange.prepare(momenta.working))
 
@@ -322,9 +348,8 @@ def vote(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, agreed: Ag
 
 
 def policy(step: Step, chosen: Chosen, agreed: Agreed) -> Decision:
-    """The budget policy's decision from the headers: a move down makes this step go again in the lower tier."""
-    if not step.settings.comm_budget or step.decided is not None:
-        return Decision(step.decided or step.view.policy)
+    """The budget policy's decision from the headers: a move down makes this step go again in the lower tier
+    (under a budget, at a step's first try: :func:`run_step`)."""
     after = verdicts.policy_after(step, chosen, agreed.headers)
     return Decision(after, after if after.tier > step.view.policy.tier else None)
 
@@ -355,9 +380,10 @@ def land(
     prepared: Prepared,
     agreed: Agreed,
     verdict: Verdict,
-) -> Landed | None:
-    """Overlap: the update of the exchange the last step started lands (after a resync's copies, before this
-    step's own writes), and this step's exchange starts in the background: it becomes the one in flight. A
+) -> Landed:
+    """Overlap (or an exchange in flight to land: :func:`run_step` calls it then): the update of the exchange the
+    last step started lands (after a resync's copies, before this step's own writes), and this step's exchange
+    starts in the background: it becomes the one in flight. A
     skipped step's exchange runs too, with zeros, and lands nothing: so a rank that refused the header saying
     skip meets every other rank in it, and its refusal rides in the next step's header."""
     in_flight = None
@@ -365,8 +391,6 @@ def land(
         exchange, transport, working = prepared.exchange, step.transport, momenta.working
         in_flight = exchange.start(transport, agreed.headers, prepared.payload, working, True, skipped=verdict.skip)
         in_flight.refused = in_flight.refused or agreed.header_refusal  # raised when it is finished
-    if not step.settings.overlap and found.late is None:
-        return None
     overlap.stage_late(step.view, step.tx, found.late, step.transport)
     return Landed(overlap.pending_from(step.view, plan.tier, chosen, in_flight))
 
@@ -384,11 +408,23 @@ def update(
     its state computed on copies now, the parameters written in place at the commit."""
     if verdict.skip:
         return
+    view, tx, params, working = step.view, step.tx, chosen.params, momenta.working
     if step.settings.overlap:
-        for p, m in zip(chosen.params, momenta.working):
-            step.tx.set(step.view.state[p], "momentum", m)
+        for p, m in zip(params, working):
+            tx.update(view.state[p], {"momentum": m})
         return
-    signals.for_tier(plan.tier).update(step, plan, chosen, signal, momenta.working, exchanged.updates)
+    if plan.tier.sync_every > 1:  # param = anchor - outer_lr * mean change (signals.LocalSignal)
+        return signals.LocalSignal().update(step, plan, chosen, signal, working, exchanged.updates)
+    for p, m in zip(params, working):  # the rule's direction for every item, on copies of its state, once per
+        tx.update(view.state[p], {"momentum": m})  # bucket and rule (the commit cannot fail in a rule): staged in place
+    matrices = view.topology.matrices(params, plan.whole, step.transport)
+    directions, rule_states = view.directions(params, chosen.groups, exchanged.updates, chosen.layouts, matrices)
+    for p, rule_state in zip(params, rule_states):
+        tx.update(view.state[p], rule_state)
+    lrs, wds = [g["lr"] for g in chosen.groups], [g["weight_decay"] for g in chosen.groups]
+    views_ = [local(p) for p in params]
+    generator = plan.generator
+    tx.stage(lambda: F.apply_steps(views_, directions, lrs, wds, generator), touches=views_)
 
 
 def commit(
@@ -431,6 +467,15 @@ def commit(
         if signal.communicates:  # a synchronisation: the replicas agree
             counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
     return dataclasses.replace(outcome, counters=counters)
+
+
+def _rechunked(p, momentum, blocked) -> str:
+    """Why a momentum whose blocks no longer match the plan's is refused (``compression_chunk`` changed)."""
+    return (
+        f"the momentum of a parameter of shape {tuple(p.shape)} is blocked as {tuple(momentum.shape)} but "
+        f"compression_chunk now asks for {blocked}: compression_chunk was changed during training. Change it across "
+        "a checkpoint instead (save, then resume with the new chunk: the momentum is re-planned); nothing was changed"
+    )
 
 
 def _parted(agreed: Agreed, exc: DeMoSyncError) -> DeMoSyncError:

@@ -130,7 +130,3 @@ class Clock:
     last_exchange_ms: float = 0.0
     last_comm_start: float | None = None
     last_exchange_tier: int | None = None
-
-    def header_fields(self, started: float) -> dict:
-        elapsed = (started - self.last_comm_start) * 1000.0 if self.last_comm_start is not None else 0.0
-        return {"exchange_ms": round(self.last_exchange_ms), "elapsed_ms": round(elapsed)}

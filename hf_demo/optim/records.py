@@ -7,7 +7,7 @@ writes a phase computes are staged in ``step.tx`` and the optimizer takes the :c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,22 +27,19 @@ SKIPPING_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS  # every ran
 class Step:
     """What every phase is given: the optimizer's narrow view (:class:`~hf_demo.optim.view.OptimizerView`), this
     step's transport (its collectives and their traffic), its transaction, and the policy's move down when this
-    is the step again in a lower tier."""
+    is the step again in a lower tier; ``settings``: the view's, at hand."""
 
     view: object  # hf_demo.optim.view.OptimizerView (not imported here: the view's modules import these records)
     transport: StepTransport
     tx: Transaction
     decided: BudgetPolicy | None = None
-
-    @property
-    def settings(self):
-        return self.view.settings
+    settings: object = None  # hf_demo.settings.DeMoSettings: view.settings
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """``plan``: the tier, every trainable (param, group, layout) in order, the checksums the ranks compare, and
-    the step's rounding noise."""
+    """``plan``: the tier, every trainable (param, group, layout) in order, the checksums the ranks compare, the
+    step's rounding noise, and the parameters whose rule needs whole matrices."""
 
     tier_index: int
     tier: Tier
@@ -50,30 +47,26 @@ class StepPlan:
     layout_ck: int
     settings_ck: int
     generator: torch.Generator | None
+    whole: list = ()  # the trainable parameters whose update rule needs the whole matrix (a topology's matrices)
 
 
 @dataclass(frozen=True)
 class Chosen:
-    """``topology``: the (param, group, layout) this rank steps and the gradient of each it uses."""
+    """``topology``: the (param, group, layout) this rank steps and the gradient of each it uses; its params,
+    groups and layouts apart, and the device of its buffers (taken once, when it is made)."""
 
     items: list
     grads: list
+    params: list = field(init=False)
+    groups: list = field(init=False)
+    layouts: list = field(init=False)
+    device: torch.device = field(init=False)
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for p, _, _ in self.items]
-
-    @property
-    def groups(self) -> list[dict]:
-        return [g for _, g, _ in self.items]
-
-    @property
-    def layouts(self) -> list:
-        return [layout for _, _, layout in self.items]
-
-    @property
-    def device(self) -> torch.device:
-        return self.items[0][0].device if self.items else torch.device("cpu")
+    def __post_init__(self):
+        apart = [list(x) for x in zip(*self.items)] if self.items else [[], [], []]
+        for name, value in zip(("params", "groups", "layouts"), apart):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "device", self.items[0][0].device if self.items else torch.device("cpu"))
 
 
 @dataclass(frozen=True)

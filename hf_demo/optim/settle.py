@@ -91,22 +91,12 @@ def defers(step, plan) -> bool:
     )
 
 
-def steady(step, chosen, found, agreed) -> bool:
-    """The same on every rank that trusted every header: the headers read as steady by the judge's own reading
-    (:func:`unsteady_everywhere`, :func:`hf_demo.guards.decide`) and the policy stays in its tier."""
-    if unsteady_everywhere(step, found, agreed):
-        return False
-    return not step.settings.comm_budget or (
-        verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
-    )
-
-
 def unsteady_everywhere(step, found, agreed) -> bool:
     """Whether the step is not steady by what every rank that trusted every header knows too, so that every rank
     runs its settling all-gather now (:func:`vote`): what the ranks hold alike (a process's first exchange, a
     payload that did not ride, a policy's second try, a resync due) or a header this rank read intact says (a flag
     asking for more, fingerprints apart). A rank that refused a header (its stand-in decides nothing) can tell
-    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`steady`."""
+    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`vote`."""
     if agreed.arrived is None or step.decided is not None:
         return True
     return not verdicts.decide(step.settings, step.transport.step, step.transport.world, found, agreed.headers).steady
@@ -120,27 +110,36 @@ def settles_now(step, found, agreed) -> bool:
     return step.view.unsettled is None and unsteady_everywhere(step, found, agreed)
 
 
-def post(transport, settled: int, refusal, row_bytes: int, view, device, flags: int = 0, word=None) -> Pending:
-    """This rank's settling row for step ``settled`` (its verdict ``word``, by default ``refusal``'s), all-gathered
-    in the background (``view``: what holds the secret and the sealer)."""
+def post(
+    transport, settled: int, refusal, row_bytes: int, secret, sealer, device, flags: int = 0, word=None
+) -> Pending:
+    """This rank's settling row for step ``settled`` (its verdict ``word``, by default ``refusal``'s), signed with
+    ``secret`` or sealed by ``sealer``, all-gathered in the background."""
     word = agreement.verdict(refusal) if word is None else word
-    row = agreement.settling_row(transport, settled, word, row_bytes, view.secret, view.sealer, flags)
+    row = agreement.settling_row(transport, settled, word, row_bytes, secret, sealer, flags)
     return transport.start_all_gather(agreement.to_device(row, device), "settle")
 
 
 def vote(step, chosen, found, agreed, refusal) -> Settled:
     """The vote part where the step's verdict may settle later: a steady step that this rank received whole
-    commits tentatively (no collective); a refusal posts this rank's settling row and defers (:class:`Deferred`),
+    commits tentatively (no collective). Steady: the same on every rank that trusted every header, the headers
+    read as steady by the judge's own reading (:func:`unsteady_everywhere`, :func:`hf_demo.guards.decide`)
+    and the policy staying in its tier; a refusal posts this rank's settling row and defers (:class:`Deferred`),
     unless every other rank settles it now too (:func:`settles_now`: this rank then waits for that all-gather with
     them and raises at once, as they do); any other step runs the settling all-gather now and raises on every rank
     where any rank refused, or, where a refusing rank deferred (:data:`agreement.DEFERS` in its word: it could not
     tell the step was not steady), defers too, so that every rank raises in the same call, its next."""
     transport, row_bytes = step.transport, agreed.row_bytes
-    if refusal is None and steady(step, chosen, found, agreed):
-        return Settled(tentative=True, row_bytes=row_bytes)
+    if refusal is None and not unsteady_everywhere(step, found, agreed):
+        stays = not step.settings.comm_budget or (
+            verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
+        )
+        if stays:
+            return Settled(tentative=True, row_bytes=row_bytes)
     later = refusal is not None and not settles_now(step, found, agreed)
     word = agreement.verdict(refusal) | (agreement.DEFERS if later else 0)
-    posted = post(transport, transport.step, refusal, row_bytes, step.view, chosen.device, word=word)
+    secret, sealer = step.view.secret, step.view.sealer
+    posted = post(transport, transport.step, refusal, row_bytes, secret, sealer, chosen.device, word=word)
     if later:
         raise Deferred(Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal))
     try:
@@ -187,39 +186,36 @@ def untrusted(transport, words: list[int]) -> DeMoPayloadError:
     return exc
 
 
-def next_row_bytes(opt, outcome, world: int) -> int | None:
+def next_row_bytes(policy, wire_agreed: dict, tiers, outcome, world: int) -> int | None:
     """The row size of the next exchange's first all-gather after a step that concluded ``outcome``, where the
-    next step exchanges in the same way (None where a local phase starts: no exchange follows at once)."""
-    policy = outcome.policy if outcome.policy is not None else opt.policy
-    if not outcome.exchanged or opt.tiers[policy.tier].sync_every != 1:
+    next step exchanges in the same way (None where a local phase starts: no exchange follows at once);
+    ``policy``, ``wire_agreed``: the optimizer's before the step, ``tiers`` its tiers."""
+    policy = outcome.policy if outcome.policy is not None else policy
+    if not outcome.exchanged or tiers[policy.tier].sync_every != 1:
         return None
-    wire = outcome.wire_agreed if outcome.wire_agreed is not None else opt.wire_agreed
+    wire = outcome.wire_agreed if outcome.wire_agreed is not None else wire_agreed
     return codec.HEADER_BYTES + (wire.get((world, policy.tier), 0) if agreement.RIDE else 0)
 
 
-def keeps_undo(opt, tx, settled, outcome, world: int) -> tuple[bool, int]:
-    """(whether the step commits tentatively, the row size of the collective its verdict settles in): a steady
-    step's (:func:`vote`), and a non-steady step that every verdict read whole, where its transaction keeps
-    pre-images and the next step exchanges alike (its verdict settles again in the next exchange: a rank that
-    could not trust one of its verdicts says so there)."""
-    if settled is None or not (settled.tentative or settled.again):
-        return False, 0
-    if settled.tentative:
-        return True, settled.row_bytes
-    row_bytes = next_row_bytes(opt, outcome, world)
+def keeps_undo(policy, wire_agreed: dict, tiers, tx, outcome, world: int) -> tuple[bool, int]:
+    """(whether the step commits tentatively, the row size of the collective its verdict settles in) for a
+    non-steady step whose every verdict was read whole (``Settled.again``; a steady step's: :func:`vote`): where
+    its transaction keeps pre-images and the next step exchanges alike (its verdict settles again in the next
+    exchange: a rank that could not trust one of its verdicts says so there)."""
+    row_bytes = next_row_bytes(policy, wire_agreed, tiers, outcome, world)
     return (row_bytes is not None and tx.undoable), row_bytes or 0
 
 
-def owe(opt, transport, refusal: DeMoPayloadError, outcome) -> Unsettled:
+def owe(view, transport, refusal: DeMoPayloadError, outcome, device) -> Unsettled:
     """A non-steady step this rank keeps nothing of, for a verdict it could not trust: its settling row goes out
     at once in the next exchange's all-gather (where every other rank committed it tentatively, or refused it
     too); this rank raises at its next step or confirm, with every rank (:func:`_refused_here`). Where no
     exchange follows at once (a local phase starts), it raises now. Returns the step kept unsettled (the optimizer
-    keeps it)."""
-    row_bytes = next_row_bytes(opt, outcome, transport.world)
+    keeps it). ``view``: the step's view of the optimizer (:class:`~hf_demo.optim.view.OptimizerView`)."""
+    row_bytes = next_row_bytes(view.policy, view.wire_agreed, view.tiers, outcome, transport.world)
     if row_bytes is None:
         raise refusal
-    posted = post(transport, transport.step, refusal, row_bytes, opt, opt.device())
+    posted = post(transport, transport.step, refusal, row_bytes, view.secret, view.sealer, device)
     return Unsettled(transport.step, row_bytes, posted=posted, refusal=refusal)
 
 
@@ -240,78 +236,94 @@ def refused_before(transport, settling: dict, unsettled) -> Exception:
     return exc
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """What :func:`confirm`'s settling all-gathers take: the step ``u`` still unsettled, the transport at its step,
+    what signs (``secret``) or seals (``sealer``) a row, and where a row is built (``device``)."""
+
+    u: Unsettled
+    transport: object
+    secret: bytes | None
+    sealer: object
+    device: torch.device
+
+
 @torch.no_grad()
-def confirm(opt, final: bool = True) -> None:
+def confirm(u: Unsettled, transport, secret, sealer, device, stats, settled, final: bool = True) -> None:
     """``DeMo.confirm()``: read every rank's verdict on the last step where it has not been read (three
     all-gathers: the verdicts, then every rank's finding on them, twice; nothing where it has). With
     ``commit_vote="on"`` a steady step commits tentatively and its verdict travels with the next step; after the
     last step, and before saving a checkpoint, call this on every rank (``flush()`` and ``DeMoTrainer`` do): where
     any rank refused the step, or could not trust a verdict on it, every rank undoes it and raises the same
     :class:`~hf_demo.errors.DeMoPayloadError`. (``final``: not from the next step, which only raises a refusal of
-    this rank's.)
+    this rank's.) ``u``: the optimizer's unsettled step (``DeMo.unsettled``), ``transport`` its transport,
+    ``stats`` its traffic totals; ``settled``: its transition that drops ``u`` (``DeMo.settled``).
 
     Three rounds: every rank's verdict (:data:`codec.FLAG_CONFIRM`), then every rank's finding on that round, a
     verdict it could not trust included, then every rank's finding once more (a refusal it read in the second
     round relayed: :func:`_later_rounds`); the step stays where no trusted finding refuses it (a row that fails
     its checks in the later rounds is left out: the first round was whole then, or its finding travels twice)."""
-    u = opt.unsettled
     if u is None:
         return
-    transport = opt.transport.at(u.step)
+    transport = transport.at(u.step)
+    r = Rounds(u, transport, secret, sealer, device)
     if u.posted is not None:
-        return _refused_here(opt, u, transport, final)
+        return _refused_here(r, settled, final)
     try:
-        read = _round(opt, transport, u, 0, codec.FLAG_CONFIRM)
+        read = _round(r, 0, codec.FLAG_CONFIRM)
         own = agreement.finding(transport, agreement.settling_words(read, u.step), 0)
-        words = _later_rounds(opt, transport, u, own)
+        words = _later_rounds(r, own)
     except DeMoSyncError as exc:
-        undo(opt.settled())
+        undo(settled())
         raise DeMoSyncError(f"{exc}. Optimizer step {u.step} could not be confirmed: this rank undid it") from exc
     finally:
-        opt.comm_stats.add(transport.traffic, "settle")
+        stats.add(transport.traffic, "settle")
     if any(words):
-        undo(opt.settled())
+        undo(settled())
         raise agreement.refused_everywhere(transport, u.step, words, None, ", this rank undid it")
-    opt.settled()
+    settled()
 
 
-def _later_rounds(opt, transport, u: Unsettled, own: int) -> list[int]:
+def _later_rounds(r: Rounds, own: int) -> list[int]:
     """confirm()'s second and third rounds after this rank's finding ``own`` on the first: every rank's finding
     (:data:`agreement.RELAY_ROUND`), then every rank's finding with a refusal read in the second relayed
     (:data:`agreement.FINAL_ROUND`); every rank's word of the third (or of the second, where the third's was left
     out). A row that fails its checks is left out in both, so a finding whose row of one round is corrupted still
     reaches every rank in the other: two corrupted messages (a verdict a rank could not trust, then that rank's
     row of a later round) leave every rank deciding alike."""
-    relay = agreement.RELAY_ROUND
-    relayed = agreement.final_words(transport, _round(opt, transport, u, own, relay), u.step, own, relay)
+    relay, transport, step = agreement.RELAY_ROUND, r.transport, r.u.step
+    relayed = agreement.final_words(transport, _round(r, own, relay), step, own, relay)
     own = own or (agreement.RELAYED if any(relayed) else 0)
-    final = agreement.final_words(transport, _round(opt, transport, u, own, agreement.FINAL_ROUND), u.step, own)
+    final = agreement.final_words(transport, _round(r, own, agreement.FINAL_ROUND), step, own)
     return [f or r for f, r in zip(final, relayed)]  # a finding read in either round, to name who found what
 
 
-def _round(opt, transport, u: Unsettled, word: int, flags: int) -> list:
+def _round(r: Rounds, word: int, flags: int) -> list:
     """One settling all-gather of confirm's: this rank's ``word``; every rank's row (:func:`agreement.read_rows`)."""
-    posted = post(transport, u.step, None, u.row_bytes, opt, opt.device(), flags, word)
+    transport, u = r.transport, r.u
+    posted = post(transport, u.step, None, u.row_bytes, r.secret, r.sealer, r.device, flags, word)
     rows = posted.wait(transport.traffic)
-    return agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+    return agreement.read_rows(transport, rows, u.step, r.secret, r.sealer)
 
 
-def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
+def _refused_here(r: Rounds, settled, final: bool) -> None:
     """This rank refused step ``u.step`` and posted its settling row: wait for the others' rows, and raise. A rank
     whose trusted row names an earlier step did not keep the step before: this rank undoes it too, where it kept
     its undo log (``u.earlier``). In confirm() (``final``), where every other row it trusts is a settling row
     (the others confirm, or hold a refused step unsettled as it does, :data:`agreement.DEFERS`; not a next step's
-    header), this rank takes part in the later rounds, which every such rank runs alike."""
+    header), this rank takes part in the later rounds, which every such rank runs alike. ``settled``: the optimizer's
+    transition that drops the step."""
+    u, transport = r.u, r.transport
     try:
         rows = u.posted.wait(transport.traffic)
     except DeMoSyncError as exc:
-        opt.settled()
+        settled()
         if u.earlier is not None:
             u.earlier()
         what = f", and undid optimizer step {u.step - 1}, whose verdict it could not read" if u.earlier else ""
         raise DeMoSyncError(f"{exc}. This rank refused optimizer step {u.step} ({u.refusal}){what}") from exc
-    opt.settled()  # every rank that answered received the step before whole: it stays, unless one is behind
-    read = agreement.read_rows(transport, rows, u.step, opt.secret, opt.sealer)
+    settled()  # every rank that answered received the step before whole: it stays, unless one is behind
+    read = agreement.read_rows(transport, rows, u.step, r.secret, r.sealer)
     words, what = agreement.settling_words(read, u.step), ""
     behind = [transport.global_rank(r) for r in agreement.behind(read, u.step)]
     if behind and u.earlier is not None:
@@ -320,7 +332,7 @@ def _refused_here(opt, u: Unsettled, transport, final: bool) -> None:
     others = [h for r, h in enumerate(read) if r != transport.rank and h is not None]
     if final and all(codec.settles(h) is not None for h in others):  # (a row it cannot trust: they may confirm)
         try:
-            later = _later_rounds(opt, transport, u, agreement.verdict(u.refusal))
+            later = _later_rounds(r, agreement.verdict(u.refusal))
             words = later if any(later) else words
         except DeMoSyncError:
             pass  # this rank refuses the step whatever the others said

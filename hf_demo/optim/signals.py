@@ -1,7 +1,8 @@
-"""What enters DeMo's momentum, and how the averaged result becomes the new parameters: the ``signal`` phase.
+"""What enters DeMo's momentum in a tier of local steps, and how the averaged result becomes the new parameters.
 
-- :class:`GradientSignal` (every-step DeMo): the gradient goes in, scaled by the learning rate, into a momentum
-  that decays by ``compression_decay``; the update rule turns the averaged update into a step.
+- every-step DeMo (a tier's ``sync_every`` 1): the gradient goes in, scaled by the learning rate, into a momentum
+  that decays by ``compression_decay``; the update rule turns the averaged update into a step. The phases do it
+  themselves (:func:`hf_demo.optim.phases.signal`, ``momentum``, ``update``).
 - :class:`LocalSignal` (``sync_every = H > 1``, :mod:`hf_demo.optim.local_steps`): every rank takes local steps
   on its own; every H-th step the change since the last synchronisation goes in, into an error feedback that
   decays with what top-k sends, and the mean change times the outer learning rate moves every rank's anchor (and
@@ -16,70 +17,7 @@ from hf_demo import compression as F
 from hf_demo.guards import any_nonfinite
 from hf_demo.optim import local_steps
 from hf_demo.optim.records import Chosen, Signalled, Step, StepPlan
-from hf_demo.optim.transaction import keep_mapping
 from hf_demo.topology.dtensor import local
-
-
-class GradientSignal:
-    name = "gradient"
-
-    def select(self, step: Step, plan: StepPlan, chosen: Chosen) -> Signalled:
-        state = step.view.state
-        for p in chosen.params:  # a tier without local steps: a later local phase starts afresh
-            if any(k in state[p] for k in local_steps.LOCAL_KEYS):
-                step.tx.stage(lambda state=state[p]: local_steps.forget(state), before=keep_mapping(state[p]))
-        return Signalled(local=False, signals=list(chosen.grads), replicas=[local(p) for p in chosen.params])
-
-    @staticmethod
-    def decay_and_scale(settings, group, layout) -> tuple[float, float]:
-        return group["compression_decay"], group["lr"]
-
-    @staticmethod
-    def entering(step: Step, param, group, signal):
-        """What of the gradient enters the momentum: the group's update rule says (``signal``); the rule's state of
-        this rank's gradients (``update_rules.SIGNAL_KEYS``) is staged to commit with the step."""
-        state = step.view.state[param]
-        entered, changed = step.view.rule(group).signal(signal, state)
-        if changed:
-            step.tx.update(state, changed)
-        return entered
-
-    def update(self, step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, working, updates) -> None:
-        """The rule's direction for every item, computed now on copies of its state (so the commit cannot fail
-        in a rule), once per bucket and rule; the step is staged in place."""
-        view, tx, params = step.view, step.tx, chosen.params
-        for p, m in zip(params, working):
-            tx.set(view.state[p], "momentum", m)
-        groups = chosen.groups
-        matrices = view.topology.matrices(params, view.whole_matrix_params(view.rule), step.transport)
-        directions, rule_states = rule_directions(view, params, groups, updates, chosen.layouts, matrices)
-        for p, rule_state in zip(params, rule_states):
-            tx.update(view.state[p], rule_state)
-        lrs, wds = [g["lr"] for g in groups], [g["weight_decay"] for g in groups]
-        views = [local(p) for p in params]
-        generator = plan.generator
-        tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator), touches=views)
-
-
-def rule_directions(view, params, groups, updates, layouts, matrices):
-    """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
-    transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
-    needs them: ``matrices``, the topology's view of ``params``). ``view``: the optimizer's
-    (:class:`~hf_demo.optim.view.OptimizerView`: its transform, rules and state)."""
-    decoded = F.decode_many(updates, layouts, view.transform)
-    by_rule: dict[str, list[int]] = {}
-    for i, g in enumerate(groups):
-        by_rule.setdefault(g["update_rule"], []).append(i)
-    directions: list = [None] * len(params)
-    states: list = [None] * len(params)
-    for members in by_rule.values():
-        rule = view.rule(groups[members[0]])
-        ps = [params[i] for i in members]
-        views, states_of = [local(p) for p in ps], [view.state[p] for p in ps]
-        found, new = matrices.directions(rule, members, views, [decoded[i] for i in members], states_of)
-        for i, direction, state in zip(members, found, new):
-            directions[i], states[i] = direction, state
-    return directions, states
 
 
 class LocalSignal:
@@ -143,8 +81,4 @@ class LocalSignal:
             )
 
 
-SIGNALS = {cls.name: cls for cls in (GradientSignal, LocalSignal)}
-
-
-def for_tier(tier):
-    return SIGNALS["local" if tier.sync_every > 1 else "gradient"]()
+SIGNALS = {cls.name: cls for cls in (LocalSignal,)}

@@ -16,35 +16,38 @@ import torch
 from hf_demo.compression import BlockLayout
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange.transport import InFlight, Traffic
-from hf_demo.optim.policy import Clock
+from hf_demo.optim.policy import BudgetPolicy, Clock
 
 STATE_VERSION = 3
 
 
-def fresh() -> dict:
-    """What a new :class:`hf_demo.DeMo` keeps between steps besides its settings, counters, policy and traffic:
-    each attribute's first value, and what it holds. Only DeMo's own methods change them
-    (``tests/test_state_ownership.py``)."""
-    return dict(
-        clock=Clock(),  # the policy's figures of the last exchange (hf_demo.optim.policy)
-        context="loop",  # where DeMo runs, for the fixes its errors name: "trainer" (DeMoTrainer) or "loop"
-        pending=None,  # overlap: the exchange started by the last step (PendingExchange)
-        saved_world=None,  # (rank, world, scope) of a loaded state, until checked against this run's
-        run_id=None,  # this run's identity, saved with the state (checkpointing.agreed_run_id)
-        saved_identity=(None, None, None),  # (run, optimizer step, parameter fingerprint) of a loaded state
-        first_checked=False,  # this process's first exchange compared the replicas and the gradients
-        unsettled=None,  # the last step, its verdict not read yet (hf_demo.optim.settle.Unsettled)
-        _undo_spare={},  # the copies of the last undo log no longer needed, for the next one
-        wire_agreed={},  # {(world, tier): payload bytes on the wire} of the last committed exchange there
-        ddp_checked=False,  # the first-step DDP guard ran (again if False)
-        _ddp_wrappers=[],  # weak references to live DDP wrappers of its parameters (guards.watched)
-        _topology=None,  # the topology built over the process group (DeMo.topology)
-        _peers=None,  # the topology a wrapper gave (DeMo.reset_peers: an elastic quorum's), which then steps DeMo
-    )
+@dataclass(frozen=True)
+class RunState:
+    """What a :class:`hf_demo.DeMo` keeps between steps besides its settings, its parameters' state and its traffic
+    totals: one frozen record, replaced whole by DeMo's transitions (the step's commit, the load, ``reset_peers``,
+    ``settled``, ``run_by``, ...) and by nothing else (``tests/test_state_ownership.py``). A tentative commit's undo
+    puts the record it replaced back."""
+
+    policy: BudgetPolicy  # the communication tier and its moves (hf_demo.optim.policy)
+    counters: Counters = field(default_factory=lambda: Counters())
+    clock: Clock = field(default_factory=Clock)  # the policy's figures of the last exchange
+    context: str = "loop"  # where DeMo runs, for the fixes its errors name: "trainer" (DeMoTrainer) or "loop"
+    pending: PendingExchange | None = None  # overlap: the exchange started by the last step
+    saved_world: tuple | None = None  # (rank, world, scope) of a loaded state, until checked against this run's
+    run_id: str | None = None  # this run's identity, saved with the state (checkpointing.agreed_run_id)
+    saved_identity: tuple = (None, None, None)  # (run, optimizer step, parameter fingerprint) of a loaded state
+    first_checked: bool = False  # this process's first exchange compared the replicas and the gradients
+    unsettled: object = None  # the last step, its verdict not read yet (hf_demo.optim.settle.Unsettled)
+    undo_spare: dict = field(default_factory=dict)  # the copies of the last undo log no longer needed, for the next
+    wire_agreed: dict = field(default_factory=dict)  # {(world, tier): payload bytes} of the last exchange there
+    ddp_checked: bool = False  # the first-step DDP guard ran (again if False)
+    ddp_wrappers: list = field(default_factory=list)  # weak references to live DDP wrappers (guards.watched)
+    topology: object = None  # the topology built over the process group (DeMo.topology)
+    peers: object = None  # the topology a wrapper gave (DeMo.reset_peers: an elastic quorum's), which then steps DeMo
 
 
 def forgotten_peers() -> dict:
-    """What :meth:`hf_demo.DeMo.reset_peers` sets when the peers change: what DeMo learnt of the last ones goes."""
+    """What :meth:`hf_demo.DeMo.reset_peers` replaces when the peers change: what DeMo learnt of the last ones goes."""
     return dict(
         clock=Clock(),  # every rank decides its next tier from the same (no) figures
         first_checked=False,  # the first exchange compares every rank again (a joiner's recovered state)
@@ -54,7 +57,7 @@ def forgotten_peers() -> dict:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Counters:
     """Optimizer steps taken in lockstep (skipped ones included) and what happened to them."""
 

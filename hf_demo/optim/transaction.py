@@ -6,7 +6,7 @@ checks, collectives and decisions all ran before); writes run in the order they 
 
 A step committed *tentatively* (its verdict travels with the next exchange: :mod:`hf_demo.optim.settle`) commits
 with an undo log, :meth:`Transaction.commit` ``(undo=True)``: just before each write the pre-image of what it
-changes is kept (the old value of a state entry, a clone of a tensor written in place, an attribute), and
+changes is kept (the old value of a state entry, a clone of a tensor written in place, the optimizer's record), and
 :meth:`Undo.__call__` puts every pre-image back, in reverse order, bitwise. A staged write says how its pre-image
 is taken: :meth:`Transaction.set`, :meth:`~Transaction.update` and :meth:`~Transaction.copy` know it;
 :meth:`~Transaction.stage` takes ``touches`` (tensors written in place), ``before`` (a callable that keeps the
@@ -15,6 +15,8 @@ pre-image and returns what restores it) or ``keeps_nothing`` (a write that chang
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -22,20 +24,15 @@ Restore = Callable[[], None]
 _MISSING = object()
 
 
+@dataclass(eq=False)
 class Undo:
-    """The pre-images of one committed transaction; calling it restores them (once). Its tensor copies can go to
-    the next transaction's log once it is no longer needed (:meth:`spare`): the copy then reuses their memory."""
+    """The pre-images of one committed transaction (kept by :meth:`Transaction.commit`); calling it restores them
+    (once). Its tensor copies can go to the next transaction's log once it is no longer needed (:meth:`spare`):
+    the copy then reuses their memory."""
 
-    def __init__(self):
-        self._restores: list[Restore] = []
-        self._copies: list[torch.Tensor] = []
-        self.nbytes = 0  # bytes held by the tensors copied for it
-
-    def keep(self, restore: Restore, copy: torch.Tensor | None = None) -> None:
-        self._restores.append(restore)
-        if copy is not None:
-            self._copies.append(copy)
-            self.nbytes += copy.numel() * copy.element_size()
+    _restores: list[Restore] = field(default_factory=list)
+    _copies: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0  # bytes held by the tensors copied for it
 
     def spare(self) -> dict:
         """Drop the log and hand over its tensor copies, by (shape, dtype, device), for the next log to fill."""
@@ -56,18 +53,13 @@ class Undo:
         self.nbytes = 0
 
 
-def keep_entries(mapping: dict, keys) -> Restore:
-    """What puts ``mapping``'s entries ``keys`` back as they are now (absent ones removed again)."""
-    old = [(k, mapping.get(k, _MISSING)) for k in keys]
-
-    def restore() -> None:
-        for k, v in old:
-            if v is _MISSING:
-                mapping.pop(k, None)
-            else:
-                mapping[k] = v
-
-    return restore
+def _put_back(mapping: dict, old: list) -> None:
+    """Put ``mapping``'s entries back as ``old`` holds them: (key, value), absent ones (``_MISSING``) removed again."""
+    for k, v in old:
+        if v is _MISSING:
+            mapping.pop(k, None)
+        else:
+            mapping[k] = v
 
 
 def keep_mapping(mapping: dict) -> Callable[[], Restore]:
@@ -85,21 +77,6 @@ def keep_mapping(mapping: dict) -> Callable[[], Restore]:
     return before
 
 
-def keep_attributes(obj, *names: str) -> Callable[[], Restore]:
-    """A ``before`` for a write that replaces the attributes ``names`` of ``obj``."""
-
-    def before() -> Restore:
-        old = {n: getattr(obj, n) for n in names}
-
-        def restore() -> None:
-            for n, v in old.items():
-                setattr(obj, n, v)
-
-        return restore
-
-    return before
-
-
 def keep_fields(obj) -> Callable[[], Restore]:
     """A ``before`` for a write that changes ``obj``'s fields in place (plain values: kept as they are)."""
 
@@ -110,11 +87,15 @@ def keep_fields(obj) -> Callable[[], Restore]:
     return before
 
 
+@dataclass(eq=False)
 class Transaction:
-    def __init__(self):
-        self._writes: list[tuple[Callable[[], None], Callable[[], Restore] | None, Sequence[torch.Tensor]]] = []
-        self.committed = False
-        self.undoable = True  # every staged write says how its pre-image is kept
+    """A step's staged writes (the module's docstring)."""
+
+    _writes: list[tuple[Callable[[], None], Callable[[], Restore] | None, Sequence[torch.Tensor]]] = field(
+        default_factory=list
+    )
+    committed: bool = False
+    undoable: bool = True  # every staged write says how its pre-image is kept
 
     def stage(
         self,
@@ -133,10 +114,14 @@ class Transaction:
 
     def set(self, mapping: dict, key, value) -> None:
         """``mapping[key] = value`` at commit (a state entry)."""
-        self._writes.append((lambda: mapping.__setitem__(key, value), lambda: keep_entries(mapping, [key]), ()))
+        self.update(mapping, {key: value})
 
     def update(self, mapping: dict, values: dict) -> None:
-        self._writes.append((lambda: mapping.update(values), lambda: keep_entries(mapping, list(values)), ()))
+        """``mapping.update(values)`` at commit (state entries); its pre-image: those entries as they are then
+        (absent ones removed again by the undo)."""
+        keys = list(values)
+        before = lambda: partial(_put_back, mapping, [(k, mapping.get(k, _MISSING)) for k in keys])  # noqa: E731
+        self._writes.append((lambda: mapping.update(values), before, ()))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` at commit (a parameter's new value)."""
@@ -150,20 +135,17 @@ class Transaction:
         if undo and not self.undoable:
             raise RuntimeError("a write of this transaction keeps no pre-image: it cannot commit with an undo log")
         self.committed = True
-        log = Undo() if undo else None
+        log, spare = (Undo() if undo else None), (spare if spare is not None else {})
         with torch.no_grad():
             for write, before, touches in self._writes:
-                if log is not None:
-                    _keep(log, before, touches, spare if spare is not None else {})
+                for t in touches if log is not None else ():  # a clone of each tensor written in place
+                    free = spare.get((t.shape, t.dtype, t.device))
+                    saved = free.pop().copy_(t.detach()) if free else t.detach().clone()
+                    log._restores.append(lambda t=t, saved=saved: t.copy_(saved))
+                    log._copies.append(saved)
+                    log.nbytes += saved.numel() * saved.element_size()
+                if log is not None and before is not None:
+                    log._restores.append(before())
                 write()
         self._writes.clear()
         return log
-
-
-def _keep(log: Undo, before, touches, spare: dict) -> None:
-    for t in touches:
-        free = spare.get((t.shape, t.dtype, t.device))
-        saved = free.pop().copy_(t.detach()) if free else t.detach().clone()
-        log.keep(lambda t=t, saved=saved: t.copy_(saved), saved)
-    if before is not None:
-        log.keep(before())

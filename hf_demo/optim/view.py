@@ -1,5 +1,7 @@
 """What a step's phases read of the optimizer: :class:`OptimizerView`, taken once per step by
-:func:`of_optimizer` (``DeMo.step_view``), instead of the optimizer itself.
+:func:`of_optimizer` (``DeMo.step_view``), instead of the optimizer itself; and what the step makes of its
+parameter groups: the plan (every trainable parameter's blocks, each group checked), the settings the ranks compare,
+and the update rules' directions.
 
 The view holds the settings, the secret and sealer, the topology, the policy's figures, the counters, the exchange
 in flight and the per-parameter state (read; a phase writes it only through the step's transaction). It has no
@@ -10,15 +12,19 @@ at the commit. The writes it allows outside the transaction are :attr:`Optimizer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_demo.errors import DeMoStateError
+from hf_demo import compression as F
 from hf_demo.exchange import transport as exchanges
-from hf_demo.optim import groups, update_rules
+from hf_demo.optim import update_rules
+from hf_demo.settings import DeMoSettings, check_blocks
+from hf_demo.topology.dtensor import local, local_shape
+from hf_demo.wire import codec
 
 if TYPE_CHECKING:
     from hf_demo.optim.policy import BudgetPolicy, Clock
@@ -43,6 +49,75 @@ def rule(group: dict):
 def inner_rule(group: dict):
     """The local steps' rule of a parameter group (``inner_rule``, per group)."""
     return update_rules.get(group["inner_rule"])
+
+
+GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
+
+
+def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier):
+    """([(param, group, layout)] of every trainable parameter, layout checksum, settings checksum, the trainable
+    parameters whose update rule needs the whole matrix: :meth:`OptimizerView.whole_matrix_params`) for a tier."""
+    items, layout_key, whole = [], [], []
+    for group in param_groups:
+        validate_group(group)
+        if update_rules.get(group["update_rule"]).whole_matrix:
+            whole += [p for p in group["params"] if p.requires_grad]
+        for p in group["params"]:
+            if not p.requires_grad or 0 in local_shape(p):  # an FSDP2 shard may hold no rows of a small tensor
+                continue
+            layout = F.plan(
+                local_shape(p), group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor)
+            )
+            items.append((p, group, layout))
+            layout_key.append((layout, str(p.dtype)))
+    view = settings_view(param_groups, settings, secret, tier)
+    return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(view.items())), whole
+
+
+def settings_view(param_groups, settings: DeMoSettings, secret: bytes | None, tier) -> dict[str, str]:
+    """Every setting the ranks must share, by name, with its value (what the settings checksum covers): DeMo's
+    settings, whether payloads are signed, the tier, and each group's learning rate, weight decay and per-group
+    settings. Ranks whose checksums differ compare these to name what differs."""
+    view = {k: repr(v) for k, v in sorted(settings.as_dict().items())}
+    view["signed payloads (HF_DEMO_SECRET)"] = repr(secret is not None)
+    view["tier"] = repr(tier)
+    for i, group in enumerate(param_groups):
+        for k in GROUP_KEYS:
+            view[f"param_groups[{i}].{k}"] = repr(group[k] if isinstance(group[k], str) else float(group[k]))
+    return view
+
+
+def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:
+    """Payload bytes per step of every tier (amortised over its sync_every), for the policy's predictions."""
+    return [
+        sum(
+            codec.segment_bytes(
+                F.plan(local_shape(p), g["compression_chunk"], max(1, g["compression_topk"] // t.topk_divisor)),
+                t.value_format,
+                index_coding,
+            )
+            for p, g, _ in items
+        )
+        / t.sync_every
+        for t in tiers
+    ]
+
+
+def validate_group(group: dict) -> None:
+    def bad(name, why):
+        raise ValueError(f"DeMo: invalid {name}={group[name]!r}: {why}")
+
+    lr, wd, decay = group["lr"], group["weight_decay"], group["compression_decay"]
+    chunk, topk = group["compression_chunk"], group["compression_topk"]
+    if isinstance(lr, torch.Tensor):
+        bad("lr", "a tensor learning rate is not supported; pass a float")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        bad("lr", "must be a finite number >= 0")
+    if not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
+        bad("weight_decay", "must be a finite number >= 0")
+    if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
+        bad("compression_decay", "must be in [0, 1]")
+    check_blocks(chunk, topk)
 
 
 @dataclass(frozen=True)
@@ -72,13 +147,13 @@ class OptimizerView:
     settle_prior: Callable[[], None] = lambda: None  # every rank received that step whole: its undo log goes
 
     def plan(self, tier):
-        return groups.plan_items(self.param_groups, self.settings, self.secret, tier)
+        return plan_items(self.param_groups, self.settings, self.secret, tier)
 
     def settings_view(self, tier) -> dict[str, str]:
-        return groups.settings_view(self.param_groups, self.settings, self.secret, tier)
+        return settings_view(self.param_groups, self.settings, self.secret, tier)
 
     def bytes_by_tier(self, items) -> list[float]:
-        return groups.bytes_by_tier(items, self.tiers, self.settings.index_coding)
+        return bytes_by_tier(items, self.tiers, self.settings.index_coding)
 
     def exchange_spec(self, layouts, value_format: str, world: int = 1, average=None, index_coding=None,
                       positions=None) -> exchanges.ExchangeSpec:  # fmt: skip
@@ -103,19 +178,25 @@ class OptimizerView:
         group: :func:`rule` or :func:`inner_rule`) needs the whole matrix."""
         return [p for g in self.param_groups if rule_of(g).whole_matrix for p in g["params"] if p.requires_grad]
 
-    def momentum(self, p: torch.Tensor, layout) -> torch.Tensor:
-        """``p``'s momentum (zeros before its first step); raises where its blocks no longer match ``layout``."""
-        state = self.state[p]
-        if "momentum" not in state:
-            return torch.zeros(layout.nblocks, layout.bsize, dtype=torch.float32, device=p.device)
-        if state["momentum"].shape != (layout.nblocks, layout.bsize):
-            raise DeMoStateError(
-                f"the momentum of a parameter of shape {tuple(p.shape)} is blocked as {tuple(state['momentum'].shape)} "
-                f"but compression_chunk now asks for {(layout.nblocks, layout.bsize)}: compression_chunk was changed "
-                "during training. Change it across a checkpoint instead (save, then resume with the new chunk: the "
-                "momentum is re-planned); nothing was changed"
+    def directions(self, params, groups, updates, layouts, matrices):
+        """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
+        transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
+        needs them: ``matrices``, the topology's view of ``params``)."""
+        decoded = F.decode_many(updates, layouts, self.transform)
+        by_rule: dict[str, list[int]] = {}
+        for i, g in enumerate(groups):
+            by_rule.setdefault(g["update_rule"], []).append(i)
+        directions: list = [None] * len(params)
+        states: list = [None] * len(params)
+        for name, members in by_rule.items():
+            ps = [params[i] for i in members]
+            views, states_of = [local(p) for p in ps], [self.state[p] for p in ps]
+            found, new = matrices.directions(
+                update_rules.get(name), members, views, [decoded[i] for i in members], states_of
             )
-        return state["momentum"]
+            for i, direction, state in zip(members, found, new):
+                directions[i], states[i] = direction, state
+        return directions, states
 
 
 def of_optimizer(opt, elastic: bool = False) -> OptimizerView:

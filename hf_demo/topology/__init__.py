@@ -14,7 +14,7 @@ from hf_demo.topology.sharded import ShardedTopology
 TOPOLOGIES = {cls.name: cls for cls in (FlatTopology, ShardedTopology)}
 
 
-def choose(opt):
-    """The topology class for ``opt``'s parameters."""
-    params = (p for g in opt.param_groups for p in g["params"] if p.requires_grad)
+def choose(param_groups):
+    """The topology class for an optimizer's parameters (its ``param_groups``)."""
+    params = (p for g in param_groups for p in g["params"] if p.requires_grad)
     return ShardedTopology if any(is_sharded(p) for p in params) else FlatTopology

@@ -15,8 +15,9 @@ class FlatTopology:
         self.transport = transport  # the optimizer's exchange group
 
     @classmethod
-    def build(cls, opt, initialised: bool, timeout: float) -> FlatTopology:
-        return cls(Transport(opt.process_group if initialised else None, timeout))
+    def build(cls, param_groups, process_group, device_mesh, initialised: bool, timeout: float) -> FlatTopology:
+        """Over the optimizer's ``process_group`` (the world group where None) once ``initialised``, else alone."""
+        return cls(Transport(process_group if initialised else None, timeout))
 
     def select(self, items: list) -> Chosen:
         """This rank steps every item (``plan.items``) with its own gradient."""

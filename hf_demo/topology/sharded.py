@@ -67,10 +67,10 @@ class ShardSpec:
         return cls(mesh, tuple(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
-def exchange_group(opt, spec: ShardSpec):
-    """The group DeMo exchanges over, checked to hold one rank per shard: ``process_group``, else the replicate
-    dimension of ``device_mesh``, else (pure FSDP over every rank) none: a world of one."""
-    mesh, group = opt.device_mesh, opt.process_group
+def exchange_group(group, mesh, spec: ShardSpec):
+    """The group DeMo exchanges over, checked to hold one rank per shard: the optimizer's ``process_group``
+    (``group``), else the replicate dimension of its ``device_mesh`` (``mesh``), else (pure FSDP over every rank)
+    none: a world of one."""
     if group is None and mesh is not None:
         if mesh.ndim != 2:
             raise ValueError(
@@ -96,10 +96,11 @@ def exchange_group(opt, spec: ShardSpec):
     return group
 
 
-def refuse_unshardable(opt) -> None:
-    """What cannot step a shard of a model on its own: a rule that needs the whole matrix of a state or of each
-    rank's gradient (``update_rules.WHOLE_STATE``; ``orthogonal`` gathers its averaged update)."""
-    for group in opt.param_groups:
+def refuse_unshardable(param_groups) -> None:
+    """What cannot step a shard of a model on its own, in an optimizer's ``param_groups``: a rule that needs the
+    whole matrix of a state or of each rank's gradient (``update_rules.WHOLE_STATE``; ``orthogonal`` gathers its
+    averaged update)."""
+    for group in param_groups:
         rules = {group["update_rule"], group["inner_rule"]} & set(update_rules.WHOLE_STATE)
         if rules and any(p.dim() >= 2 and p.requires_grad for p in group["params"]):
             refuse("unshardable_rule", rule=min(rules))
@@ -134,13 +135,14 @@ class ShardedTopology:
         return self._world_mesh
 
     @classmethod
-    def build(cls, opt, initialised: bool, timeout: float):
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    def build(cls, param_groups, process_group, device_mesh, initialised: bool, timeout: float):
+        """Over the optimizer's parameters' shard group and its replicate group (:func:`exchange_group`)."""
+        params = [p for g in param_groups for p in g["params"] if p.requires_grad]
         spec = ShardSpec.of(params)
         if not initialised:
             raise ValueError("DeMo got FSDP2-sharded parameters but torch.distributed is not initialised")
-        refuse_unshardable(opt)
-        group = exchange_group(opt, spec)
+        refuse_unshardable(param_groups)
+        group = exchange_group(process_group, device_mesh, spec)
         replicas = Transport(group, timeout) if group is not None else Transport.alone()
         return cls(replicas, Transport(spec.mesh.get_group(), timeout), spec)
 
