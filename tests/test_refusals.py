@@ -395,7 +395,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     "hf_demo/ops/shapes.py::from_model": (2, PARSE),
     "hf_demo/ops/shapes.py::parse_shapes": (4, PARSE),
     "hf_demo/optim/checkpointing.py::check_model": (1, STATE),
-    "hf_demo/optim/checkpointing.py::compare_resumed": (3, STATE),
+    "hf_demo/optim/checkpointing.py::compare_resumed": (2, STATE),
     "hf_demo/optim/own_state.py::unpadded": (1, STATE + ": another model's"),
     "hf_demo/optim/factory.py::_convert": (2, VALUE),
     "hf_demo/optim/factory.py::optimizer_cls_and_kwargs": (1, VALUE + ": an unknown setting"),

@@ -22,11 +22,17 @@ until the interpreter finalises.
   exception (a peer may then still be inside a collective with us; the launcher ends the job anyway).
   ``atexit`` runs before the interpreter finalises, and after everything the script did, so ``evaluate()``
   after ``train()`` keeps working (``DeMoTrainer`` does not tear down at the end of ``train()`` for that).
+
+A third end is an error every rank agreed to raise (a checkpoint refused on every rank): the error ends each
+process, and where the process group made the rendezvous store, global rank 0's process holds it. A rank 0 that
+raised first would take the store with it while a slower peer still reads the agreement from it, and that peer
+would see a raw ``DistNetworkError`` instead of the agreed error. :func:`leave_together` makes rank 0 leave last.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import gc
 import os
 import sys
@@ -142,6 +148,23 @@ def _at_exit() -> None:
         shutdown()
     except Exception as exc:  # noqa: BLE001 - never turn a finished run into a failure at exit
         print(f"hf_demo: could not destroy the process group at exit: {exc}", file=sys.stderr)
+
+
+def leave_together(tag: str, ranks: list[int], timeout_s: float) -> None:
+    """Called by every rank of ``ranks`` (global ranks) that read an agreement it is about to raise on, under one
+    ``tag`` per agreement: each other rank says so in the rendezvous store, and global rank 0 (the store's host,
+    unless a launcher's agent holds it) returns only once they all did, or after ``timeout_s`` (a peer that
+    vanished is not waited for longer). Its error, which may end its process and the store with it, then
+    reaches no peer still inside the agreement. Nothing is raised here: the caller raises the agreed error."""
+    me = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        if me != 0:
+            store.set(f"{tag}/left/{me}", "1")
+        elif len(ranks) > 1:
+            store.wait([f"{tag}/left/{r}" for r in ranks if r != 0], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a peer or the store already gone: the agreed error is raised all the same
+        pass
 
 
 def install_exit_handler() -> bool:

@@ -180,16 +180,19 @@ def read_state(path: str) -> dict:
         raise _damaged(path, exc) from None
 
 
+_AGREED = [0]  # agreements gathered in this process (the store keys of each one's leaving)
+
+
 def agree_on_every_rank(problem: str | None, error: type, hint: str) -> None:
     """Every rank's finding (None: fine) gathered over the default process group, so that every rank raises the
     same ``error`` (a rank raising alone would leave the others waiting in their next collective, and they would
-    see a raw gloo error); ``hint`` is added where the ranks found different problems."""
+    see a raw gloo error); ``hint`` is added where the ranks found different problems. Rank 0 raises last
+    (:func:`hf_demo.exchange.teardown.leave_together`); a peer gone during the gather is named in ``error``."""
     import torch.distributed as dist
 
     problems = [problem]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        problems = _gathered(problem, error)
     failed = [(rank, p) for rank, p in enumerate(problems) if p]
     if not failed:
         return
@@ -200,7 +203,34 @@ def agree_on_every_rank(problem: str | None, error: type, hint: str) -> None:
             f"{'' if message.startswith(prefix) else prefix}{message} (ranks {[r for r, _ in failed]} of "
             f"{len(problems)} found problems: {hint})"
         )
+    if len(problems) > 1:
+        from hf_demo.exchange import liveness, teardown
+
+        timeout = liveness._group_timeout(dist.distributed_c10d._get_default_group())
+        teardown.leave_together(f"hf_demo/agreed/{_AGREED[0]}", list(range(len(problems))), _seconds(timeout))
     raise error(message)
+
+
+def _gathered(problem: str | None, error: type) -> list:
+    """Every rank's ``problem``, in rank order (the default group's all-gather); a rank that could not take part
+    (gone, frozen) raises ``error`` naming it, not the backend's raw error."""
+    import torch.distributed as dist
+
+    problems = [None] * dist.get_world_size()
+    _AGREED[0] += 1
+    try:
+        dist.all_gather_object(problems, problem)
+    except Exception as exc:  # noqa: BLE001 - DistBackendError, RuntimeError: the backend's words, quoted
+        said = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise error(
+            f"rank {dist.get_rank()}: not every rank took part in the check every rank makes here (one stopped, "
+            f"froze or was killed){f': {problem}' if problem else ''}. Backend said: {type(exc).__name__}: {said}"
+        ) from None
+    return problems
+
+
+def _seconds(timeout) -> float:
+    return timeout.total_seconds() if timeout is not None else 300.0
 
 
 def checkpoints(output_dir: str) -> list[str]:

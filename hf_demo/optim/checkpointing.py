@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_demo.errors import DeMoStateError
+from hf_demo.exchange import teardown
 from hf_demo.guards import fingerprint
 from hf_demo.optim import overlap, sharded_checkpoint
 from hf_demo.optim import policy as policies
@@ -118,7 +119,7 @@ def check_saved_world(opt, saved_world: tuple[int, int, str]) -> None:
     """``DeMo.check_saved_world``: the loaded state (saved by ``saved_world``: rank, world, scope) must be this
     rank's, saved with this many ranks, by the run and at the step of every other rank's (compared first, through
     the store: a rank that refused its own state is heard before any group is built)."""
-    compare_resumed(opt, opt.settings.comm_timeout or 300.0)
+    compare_resumed(opt, _resume_timeout(opt))
     (saved_rank, saved_world_size, scope), (rank, world, here) = saved_world, opt.identity()
     if scope != here and "mesh" in (scope + here):
         refuse(
@@ -268,43 +269,59 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _resume_timeout(opt) -> float:
+    return opt.settings.comm_timeout or 300.0
+
+
 def _publish(opt, value: str) -> tuple:
     """This rank's ``value`` for the next comparison of resumed states (every rank publishes once per load, in
-    the same order); returns (store, the group's ranks, every rank's key)."""
+    the same order); returns (store, the group's ranks, the comparison's key prefix)."""
     store, ranks = dist.distributed_c10d._get_default_store(), participants(opt)
-    prefix = f"hf_demo/resumed/{_COMPARED[0]}/{ranks[0]}-{len(ranks)}/"
+    prefix = f"hf_demo/resumed/{_COMPARED[0]}/{ranks[0]}-{len(ranks)}"
     _COMPARED[0] += 1
-    store.set(prefix + str(dist.get_rank()), value)
-    return store, ranks, [prefix + str(r) for r in ranks]
+    store.set(f"{prefix}/{dist.get_rank()}", value)
+    return store, ranks, prefix
 
 
 def announce_refused(opt, exc: DeMoStateError) -> None:
     """A state this rank refused before loading it (malformed, unfit): published in its place, so every other rank
-    comparing its resumed state raises at once, naming this rank and why."""
+    comparing its resumed state raises at once, naming this rank and why (rank 0, which may hold the rendezvous
+    store, raises only once the others read it, or after comm_timeout: :func:`teardown.leave_together`)."""
     if _distributed():
-        _publish(opt, REFUSED + str(exc)[:500])
+        _, ranks, prefix = _publish(opt, REFUSED + str(exc)[:500])
+        teardown.leave_together(prefix, ranks, _resume_timeout(opt))
 
 
 def compare_resumed(opt, timeout_s: float) -> None:
     """Every rank's loaded state against every other's (run and optimizer step), through the rendezvous store:
     each rank publishes its own and reads them all, so every rank raises the same :class:`DeMoStateError`
     naming the ranks whose state differs from rank 0's and how (another run's file, another step's, an older
-    hf_demo's), or a rank that refused its own state."""
+    hf_demo's), or a rank that refused its own state. Rank 0 raises last (:func:`teardown.leave_together`): its
+    error must not take the store away from a peer still reading it."""
     run_id, step, _ = getattr(opt, "saved_identity", (None, None, None))
     if step is None or not _distributed():
         return  # (a state saved by an older hf_demo has no run identity: compared too, as "None")
-    store, ranks, keys = _publish(opt, f"{run_id}@{step}")
+    store, ranks, prefix = _publish(opt, f"{run_id}@{step}")
+    keys = [f"{prefix}/{r}" for r in ranks]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - a rank that never resumed (or froze): named, not a raw store error
+        values = [v.decode() for v in store.multi_get(keys)]
+    except Exception as exc:  # noqa: BLE001 - a rank that never resumed (or froze, or left): named, not a raw error
         raise DeMoStateError(
-            f"rank {dist.get_rank()}: not every rank loaded a DeMo optimizer state within {timeout_s:.0f} s "
-            f"({type(exc).__name__}): resume every rank from the same checkpoint"
+            f"rank {dist.get_rank()}: not every rank loaded a DeMo optimizer state within {timeout_s:.0f} s, or a "
+            f"rank left during the comparison ({type(exc).__name__}): resume every rank from the same checkpoint"
         ) from None
-    values = [store.get(k).decode() for k in keys]
+    problem = _resumed_problem(ranks, values)
+    if problem:
+        teardown.leave_together(prefix, ranks, timeout_s)
+        raise DeMoStateError(problem)
+
+
+def _resumed_problem(ranks: list[int], values: list[str]) -> str | None:
+    """What the ranks' published ``run@step`` values (or refusals) say is wrong, the same on every rank; or None."""
     refused = [f"rank {r} refused its own: {v[len(REFUSED) :]}" for r, v in zip(ranks, values) if v.startswith(REFUSED)]
     if refused:
-        raise DeMoStateError("not every rank could load its optimizer state: " + "; ".join(refused))
+        return "not every rank could load its optimizer state: " + "; ".join(refused)
     seen = [v.split("@", 1) for v in values]
     differ = []
     for r, (rid, st) in zip(ranks, seen):
@@ -313,12 +330,13 @@ def compare_resumed(opt, timeout_s: float) -> None:
             what = "an older hf_demo's, without a run identity" if rid == "None" else what
             differ.append(f"rank {r}'s state is {what} (run {rid} at optimizer step {st}; rank {ranks[0]}'s: run "
                           f"{seen[0][0]} at step {seen[0][1]})")  # fmt: skip
-    if differ:
-        raise DeMoStateError(
-            "the ranks resumed optimizer states that do not belong together: " + "; ".join(differ) + ". Resume "
-            "every rank from one checkpoint saved whole by one run (a checkpoint vouched for with write_manifest "
-            "may hold another run's file)"
-        )
+    if not differ:
+        return None
+    return (
+        "the ranks resumed optimizer states that do not belong together: " + "; ".join(differ) + ". Resume "
+        "every rank from one checkpoint saved whole by one run (a checkpoint vouched for with write_manifest "
+        "may hold another run's file)"
+    )
 
 
 def participants(opt) -> list[int]:
