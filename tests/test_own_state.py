@@ -167,8 +167,25 @@ def test_pieces_of_another_length_are_refused_naming_the_parameter():
     _, opt = _trained({})
     saved = _rank_file(opt)
     small = tiny_mlp(seed=1, hidden=16)
+    with pytest.raises(DeMoStateError, match=r"saved momentum of parameter 0 has shape \(\d+, \d+\), this model needs"):
+        hf_demo.DeMo(small.parameters(), **KW).load_state_dict(saved)  # (the rank file says the shape it was saved in)
+    del saved["demo"]["shapes"]  # a rank file without the shapes: the piece's length
     with pytest.raises(DeMoStateError, match=r"saved .momentum. of parameter 0 has 512 values, this model needs 256 "):
         hf_demo.DeMo(small.parameters(), **KW).load_state_dict(saved)
+
+
+def test_a_rank_file_for_a_parameter_of_another_shape_and_the_same_size_is_refused():
+    """The pieces are flat: a momentum saved for a 64x64 parameter has the length a 32x128 one needs. The rank file
+    says the shapes it was saved for, and loading it into the other shape is refused."""
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = hf_demo.DeMo([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["demo"]["shapes"] == {0: [64, 64]}
+    other = hf_demo.DeMo([torch.nn.Parameter(torch.randn(32, 128))], lr=1e-3)
+    with pytest.raises(DeMoStateError, match="saved momentum of parameter 0 has shape"):
+        other.load_state_dict(saved)
 
 
 def test_a_snapshot_whose_pieces_have_another_length_is_not_loaded_and_a_warning_says_why(tmp_path):

@@ -50,10 +50,13 @@ def save(opt, sd: dict) -> dict:
         run_id=opt.establish_run_id(),
         params_print=fingerprint(trainable(opt)),
     )
-    sd["demo"] = saved.to_dict()
     topology = opt.topology
     if topology.name != "sharded":  # each rank saves its own (torch.save): its own entries as pieces
+        params = [p for g in opt.param_groups for p in g["params"]]
+        saved = dataclasses.replace(saved, shapes={pid: list(p.shape) for pid, p in zip(ids, params)})
+        sd["demo"] = saved.to_dict()
         return with_pieces(sd, own_state(sd["state"]))
+    sd["demo"] = saved.to_dict()
     sharded_checkpoint.check_saveable(opt.pending is not None, bool(own), opt.steps)
     return sharded_checkpoint.to_checkpoint(sd, opt.param_groups, topology.world_mesh(), topology.shards.world)
 
@@ -93,7 +96,7 @@ def restored(opt, state_dict: dict, saved: SavedState, requested: list[dict], re
     changed = _requested_win(opt, requested, saved_groups) + _changed_settings(opt, saved.settings)
     tensors, ids = saved_tensors(state_dict), [pid for g in saved_groups for pid in g["params"]]
     pairs = [(p, g, saved_g) for g, saved_g in zip(opt.param_groups, saved_groups) for p in g["params"]]
-    tensors = load_own_state(tensors, *own_shapes(ids, pairs, opt.topology))
+    tensors = load_own_state(tensors, *own_shapes(ids, pairs, opt.topology, saved.shapes))
     for pid, (p, group, saved_g) in zip(ids, pairs):
         _restore_tensors(opt, p, tensors.get(pid, {}), saved_g.get("compression_chunk"), group, pid)
     if changed:
@@ -173,18 +176,20 @@ def loaded_policy(opt, saved: SavedState) -> policies.BudgetPolicy:
     return dataclasses.replace(policy, tier=tier)
 
 
-def own_shapes(ids: list[int], pairs: list[tuple], topology) -> tuple:
+def own_shapes(ids: list[int], pairs: list[tuple], topology, saved_shapes: dict | None = None) -> tuple:
     """(shape, width) of each own entry a saved state's pieces are read into: this rank's part of the parameter at
-    that position (its momentum blocked by the saved chunk, re-planned after), and the length of its piece (under
+    that position as it was saved (``saved_shapes``, where the state says; its momentum blocked by the saved chunk,
+    re-planned after, which refuses a momentum of another parameter's shape), and the length of its piece (under
     FSDP2 the widest shard's; None: as many values as the shape holds)."""
-    by_id = dict(zip(ids, pairs))
+    by_id, saved_shapes = dict(zip(ids, pairs)), saved_shapes or {}
 
     def chunk(pid: int) -> int:
         _, group, saved_g = by_id[pid]
         return saved_g.get("compression_chunk") or group["compression_chunk"]
 
     def shape(pid: int, key: str) -> tuple[int, ...]:
-        return entry_shape(local(by_id[pid][0]).shape, key, chunk(pid))
+        shape = saved_shapes.get(pid, saved_shapes.get(str(pid)))  # (a JSON round trip makes the ids strings)
+        return entry_shape(local(by_id[pid][0]).shape if shape is None else tuple(shape), key, chunk(pid))
 
     if topology.name != "sharded":
         return shape, None

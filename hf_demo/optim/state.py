@@ -139,6 +139,7 @@ class SavedState:
     shards: str | None = None
     run_id: str | None = None  # the run that saved it (inherited on resume): every rank's file must share it
     params_print: int | None = None  # this rank's parameters when saved (guards.fingerprint): the model's
+    shapes: dict | None = None  # {state-dict id: the parameter's shape} (not FSDP2): the pieces' shapes when saved
 
     FIELDS = ("steps", "skipped_steps", "consecutive_skips", "resyncs", "unsynced", "rank", "world_size")
     FIELDS += ("rank_scope", "settings", "policy", "pending", "comm", "local_params")
@@ -146,7 +147,7 @@ class SavedState:
     def to_dict(self) -> dict:
         out = {"format_version": STATE_VERSION, **dataclasses.asdict(self.counters)}
         out.update({k: getattr(self, k) for k in self.FIELDS if not hasattr(self.counters, k)})
-        for key in ("shards", "run_id", "params_print"):
+        for key in OPTIONAL:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -166,7 +167,7 @@ class SavedState:
         _check_types(saved)
         counters = Counters(*(type(getattr(Counters(), k))(saved[k]) for k in dataclasses.asdict(Counters())))
         rest = {k: saved[k] for k in cls.FIELDS if not hasattr(counters, k)}
-        identity = {k: saved.get(k) for k in ("shards", "run_id", "params_print")}  # absent in older states
+        identity = {k: saved.get(k) for k in OPTIONAL}  # absent in older states
         return cls(counters=counters, **identity, **rest)
 
     @property
@@ -188,7 +189,8 @@ INT, NUMBER = (int,), (int, float)
 TYPES = {"steps": INT, "skipped_steps": INT, "consecutive_skips": INT, "resyncs": INT, "unsynced": (bool, int),
          "rank": INT, "world_size": INT, "rank_scope": (str,), "settings": (dict,), "policy": (dict,),
          "pending": (dict, type(None)), "comm": (dict,), "local_params": (dict,), "shards": (str, type(None)),
-         "run_id": (str, type(None)), "params_print": (int, type(None))}  # fmt: skip
+         "run_id": (str, type(None)), "params_print": (int, type(None)), "shapes": (dict, type(None))}  # fmt: skip
+OPTIONAL = ("shards", "run_id", "params_print", "shapes")  # "demo" entries an older hf_demo did not write
 
 
 def _malformed(where: str, value, expected: str) -> str:
