@@ -55,8 +55,10 @@ def pairs() -> list[dict]:
 
 
 def _counting(role: str, get, calls: collections.Counter):
-    def rule_of(group):
-        rule = get(group)
+    """``get`` (a rule's name to a rule) whose rules count their ``directions`` calls under (role, rule name)."""
+
+    def rule_of(name):
+        rule = get(name)
         directions = rule.directions
 
         def counted(*args, **kwargs):
@@ -66,7 +68,7 @@ def _counting(role: str, get, calls: collections.Counter):
         rule.directions = counted
         return rule
 
-    return staticmethod(rule_of)
+    return rule_of
 
 
 def _run(config: dict, calls: collections.Counter):
@@ -92,13 +94,16 @@ def _run(config: dict, calls: collections.Counter):
 
 def _all(rank, world, configs):
     calls = collections.Counter()
-    saved = hf_demo.DeMo.rule, hf_demo.DeMo.inner_rule
-    hf_demo.DeMo.rule = _counting("update", saved[0], calls)
-    hf_demo.DeMo.inner_rule = _counting("inner", saved[1], calls)
+    from hf_demo.optim import update_rules
+
+    saved = update_rules.get, hf_demo.DeMo.inner_rule
+    inner = _counting("inner", saved[0], calls)
+    update_rules.get = _counting("update", saved[0], calls)  # the rules a synchronisation applies
+    hf_demo.DeMo.inner_rule = staticmethod(lambda group: inner(group["inner_rule"]))  # the rule of local steps
     try:
         return [_run(config, calls) for config in configs]
     finally:
-        hf_demo.DeMo.rule, hf_demo.DeMo.inner_rule = saved
+        update_rules.get, hf_demo.DeMo.inner_rule = saved[0], staticmethod(saved[1])
 
 
 def test_every_pair_of_settings_is_refused_with_its_reason_or_runs_the_rules_it_names():

@@ -17,7 +17,7 @@ def test_demo_step_counts_its_host_reads_by_call_site():
     assert count.total_ops > 8 * 10  # DeMo's math is per parameter: the DCT, top-k, coding, checks
     assert count.scalar_reads >= 1 and count.host_reads >= count.scalar_reads
     assert sum(count.sites.values()) == count.host_reads
-    assert any("checks.py" in site for site in count.sites)  # the non-finite check reads back once per device
+    assert any("guards.py" in site for site in count.sites)  # the non-finite check reads back once per device
 
 
 def test_demo_payload_checks_read_back_once_whatever_the_number_of_tensors():
