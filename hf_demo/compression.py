@@ -395,24 +395,6 @@ def stacked_blocks(tensors: list, run: Run) -> torch.Tensor:
     return m.permute(0, 1, 3, 2, 4)
 
 
-def unstacked(blocks: torch.Tensor, run: Run) -> list[torch.Tensor]:
-    """A run's rows ``(rows, bsize)`` -> its members' parameter-shaped tensors (padding cropped), in member
-    order: the inverse of :func:`stacked_blocks`, one ``unbind`` for the run."""
-    layout, n = run.layout, len(run.members)
-    m = blocks.reshape(n, layout.block_rows, layout.block_cols, layout.b0, layout.b1).permute(0, 1, 3, 2, 4)
-    m = m.reshape(n, layout.block_rows * layout.b0, layout.block_cols * layout.b1)
-    if layout.padded:
-        m = m[:, : layout.rows, : layout.cols]
-    return list(m.reshape(n, *layout.shape).unbind(0))
-
-
-def run_rows(bucket_tensor: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
-    """A bucket's tensor split into its runs' rows (one op)."""
-    if len(bucket.runs) == 1:
-        return [bucket_tensor]
-    return list(bucket_tensor.split([run.rows for run in bucket.runs]))
-
-
 def write_back(tensors: list[torch.Tensor], bucket_tensors: list[torch.Tensor], bucketing: Bucketing) -> None:
     """After an in-place change of ``bucket_tensors`` made by :func:`bucket_rows`: the same change in ``tensors``
     (nothing to do when they are the buckets' own views)."""
@@ -495,8 +477,15 @@ def decode_many(coeffs: list, layouts: list, transform) -> list[torch.Tensor]:
     out: list = [None] * len(layouts)
     for bucket, rows in zip(bucketing.buckets, bucket_rows(coeffs, bucketing)):
         blocks = transform.decode_blocks(rows.view(bucket.rows, bucket.b0, bucket.b1))
-        for run, part in zip(bucket.runs, run_rows(blocks.reshape(bucket.rows, bucket.bsize), bucket)):
-            for i, value in zip(run.members, unstacked(part, run)):
+        runs = blocks.reshape(bucket.rows, bucket.bsize)
+        parts = [runs] if len(bucket.runs) == 1 else runs.split([run.rows for run in bucket.runs])
+        for run, part in zip(bucket.runs, parts):  # each run's blocks -> its members' tensors (padding cropped),
+            layout, n = run.layout, len(run.members)  # the inverse of stacked_blocks: one unbind for the run
+            m = part.reshape(n, layout.block_rows, layout.block_cols, layout.b0, layout.b1).permute(0, 1, 3, 2, 4)
+            m = m.reshape(n, layout.block_rows * layout.b0, layout.block_cols * layout.b1)
+            if layout.padded:
+                m = m[:, : layout.rows, : layout.cols]
+            for i, value in zip(run.members, m.reshape(n, *layout.shape).unbind(0)):
                 out[i] = value
     return out
 
@@ -514,20 +503,14 @@ def feedback(momentum: torch.Tensor, idx: torch.Tensor, sent: torch.Tensor) -> N
     momentum.scatter_add_(1, idx, -sent)
 
 
-def _rank_runs(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(world, nblocks, k) -> per block the ranks' runs one after the other, (nblocks, world*k) each."""
-    world, nblocks, k = idx.shape
-    return idx.permute(1, 0, 2).reshape(nblocks, world * k), values.permute(1, 0, 2).reshape(nblocks, world * k)
-
-
 def mean_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Coefficients of all ranks (world, nblocks, k) -> per block (positions, values) of length world*k.
 
     Each value is divided by the number of ranks that selected its position, so that summing the
     duplicates gives the mean over the ranks that selected it (the reference's rule, every-step DeMo).
     """
-    world, nblocks = idx.shape[:2]
-    idx, values = _rank_runs(idx, values)
+    world, nblocks, k = idx.shape  # per block the ranks' runs one after the other, (nblocks, world*k) each:
+    idx, values = idx.permute(1, 0, 2).reshape(nblocks, world * k), values.permute(1, 0, 2).reshape(nblocks, world * k)
     if world == 1:
         return idx, values
     # a count is at most the world size: the payload check refuses a run that names one position twice
@@ -543,8 +526,8 @@ def world_weights(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) 
     over every rank, a rank that did not select it counting zero. This is the average of the ranks' sparse
     pseudo-gradients at a synchronisation (DiLoCo's and SparseLoCo's outer step): the mean over the ranks
     that selected a coefficient would apply one rank's change at full weight where the others sent nothing."""
-    world = idx.shape[0]
-    idx, values = _rank_runs(idx, values)
+    world, nblocks, k = idx.shape  # per block the ranks' runs one after the other, as mean_weights lays them
+    idx, values = idx.permute(1, 0, 2).reshape(nblocks, world * k), values.permute(1, 0, 2).reshape(nblocks, world * k)
     return idx, values / world
 
 

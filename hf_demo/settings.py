@@ -9,6 +9,7 @@ registries of the modules that implement them (value formats in :mod:`hf_demo.wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -315,6 +316,12 @@ class DeMoSettings:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @functools.cached_property
+    def reprs(self) -> dict[str, str]:
+        """Every setting's ``repr``, by name, sorted: what the ranks compare (:func:`hf_demo.optim.view.settings_view`);
+        taken once, the settings being frozen."""
+        return {k: repr(v) for k, v in sorted(self.as_dict().items())}
 
     @classmethod
     def resolve(cls, preset: str | None = None, **chosen) -> DeMoSettings:

@@ -83,11 +83,11 @@ def stage_late(view, tx: Transaction, updates, stepping) -> None:
     params = [p for p, _ in targets(view, pending)]
     groups = [view.group_of(p) for p in params]
     matrices = view.topology.matrices(params, view.whole_matrix_params(view.rule), stepping)
-    directions, rule_states = view.directions(params, groups, updates, pending.layouts, matrices)
+    views = [local(p) for p in params]
+    directions, rule_states = view.directions(params, groups, updates, pending.layouts, matrices, views)
     for p, rule_state in zip(params, rule_states):
         tx.update(view.state[p], rule_state)
     lrs, wds = [lr for lr, _ in pending.lr], [wd for _, wd in pending.lr]
-    views = [local(p) for p in params]
     tx.stage(lambda: F.apply_steps(views, directions, lrs, wds, generator))
 
 

@@ -60,7 +60,6 @@ from hf_demo.optim.records import (
     Verdict,
 )
 from hf_demo.optim.transaction import Transaction, keep_mapping
-from hf_demo.topology.dtensor import local
 from hf_demo.wire import agreement as wire_agreement
 from hf_demo.wire import codec
 
@@ -153,7 +152,9 @@ def plan(step: Step) -> StepPlan:
     view = step.view
     tier_index = (step.decided or view.policy).tier
     tier = view.tiers[tier_index]
-    items, layout_ck, settings_ck, whole = views.plan_items(view.param_groups, step.settings, view.secret, tier)
+    items, layout_ck, settings_ck, whole = views.plan_items(
+        view.param_groups, step.settings, view.secret, tier, view.topology.sharded
+    )
     generator = F.rounding_noise(step.settings.param_rounding, step.transport.step)
     return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator, whole)
 
@@ -173,7 +174,7 @@ def signal(step: Step, plan: StepPlan, chosen: Chosen) -> Signalled:
     for p in chosen.params:  # a tier without local steps: a later local phase starts afresh
         if any(k in state[p] for k in local_steps.LOCAL_KEYS):
             step.tx.stage(lambda state=state[p]: local_steps.forget(state), before=keep_mapping(state[p]))
-    return Signalled(local=False, signals=list(chosen.grads), replicas=[local(p) for p in chosen.params])
+    return Signalled(local=False, signals=list(chosen.grads), replicas=list(chosen.views))
 
 
 def inspect(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled) -> Findings:
@@ -418,11 +419,13 @@ def update(
     for p, m in zip(params, working):  # the rule's direction for every item, on copies of its state, once per
         tx.update(view.state[p], {"momentum": m})  # bucket and rule (the commit cannot fail in a rule): staged in place
     matrices = view.topology.matrices(params, plan.whole, step.transport)
-    directions, rule_states = view.directions(params, chosen.groups, exchanged.updates, chosen.layouts, matrices)
+    views_ = chosen.views
+    directions, rule_states = view.directions(
+        params, chosen.groups, exchanged.updates, chosen.layouts, matrices, views_
+    )
     for p, rule_state in zip(params, rule_states):
         tx.update(view.state[p], rule_state)
     lrs, wds = [g["lr"] for g in chosen.groups], [g["weight_decay"] for g in chosen.groups]
-    views_ = [local(p) for p in params]
     generator = plan.generator
     tx.stage(lambda: F.apply_steps(views_, directions, lrs, wds, generator), touches=views_)
 

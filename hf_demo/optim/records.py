@@ -7,7 +7,7 @@ writes a phase computes are staged in ``step.tx`` and the optimizer takes the :c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,20 +53,16 @@ class StepPlan:
 @dataclass(frozen=True)
 class Chosen:
     """``topology``: the (param, group, layout) this rank steps and the gradient of each it uses; its params,
-    groups and layouts apart, and the device of its buffers (taken once, when it is made)."""
+    groups and layouts apart, the local tensor of each param (a DTensor's shard, else the param), and the device of
+    its buffers (taken once, by the topology that makes it: :func:`hf_demo.topology.flat.chosen`)."""
 
     items: list
     grads: list
-    params: list = field(init=False)
-    groups: list = field(init=False)
-    layouts: list = field(init=False)
-    device: torch.device = field(init=False)
-
-    def __post_init__(self):
-        apart = [list(x) for x in zip(*self.items)] if self.items else [[], [], []]
-        for name, value in zip(("params", "groups", "layouts"), apart):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "device", self.items[0][0].device if self.items else torch.device("cpu"))
+    params: list
+    groups: list
+    layouts: list
+    views: list
+    device: torch.device
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from hf_demo import compression as F
 from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import update_rules
 from hf_demo.settings import DeMoSettings, check_blocks
-from hf_demo.topology.dtensor import local, local_shape
+from hf_demo.topology.dtensor import local_shape
 from hf_demo.wire import codec
 
 if TYPE_CHECKING:
@@ -54,20 +54,20 @@ def inner_rule(group: dict):
 GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
 
 
-def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier):
+def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier, sharded: bool = True):
     """([(param, group, layout)] of every trainable parameter, layout checksum, settings checksum, the trainable
-    parameters whose update rule needs the whole matrix: :meth:`OptimizerView.whole_matrix_params`) for a tier."""
+    parameters whose update rule needs the whole matrix: :meth:`OptimizerView.whole_matrix_params`) for a tier.
+    ``sharded`` False (the flat topology): every parameter is a plain tensor, its own local shard."""
     items, layout_key, whole = [], [], []
     for group in param_groups:
         validate_group(group)
         if update_rules.get(group["update_rule"]).whole_matrix:
             whole += [p for p in group["params"] if p.requires_grad]
         for p in group["params"]:
-            if not p.requires_grad or 0 in local_shape(p):  # an FSDP2 shard may hold no rows of a small tensor
+            shape = local_shape(p) if sharded else tuple(p.shape)
+            if not p.requires_grad or 0 in shape:  # an FSDP2 shard may hold no rows of a small tensor
                 continue
-            layout = F.plan(
-                local_shape(p), group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor)
-            )
+            layout = F.plan(shape, group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor))
             items.append((p, group, layout))
             layout_key.append((layout, str(p.dtype)))
     view = settings_view(param_groups, settings, secret, tier)
@@ -78,7 +78,7 @@ def settings_view(param_groups, settings: DeMoSettings, secret: bytes | None, ti
     """Every setting the ranks must share, by name, with its value (what the settings checksum covers): DeMo's
     settings, whether payloads are signed, the tier, and each group's learning rate, weight decay and per-group
     settings. Ranks whose checksums differ compare these to name what differs."""
-    view = {k: repr(v) for k, v in sorted(settings.as_dict().items())}
+    view = dict(settings.reprs)
     view["signed payloads (HF_DEMO_SECRET)"] = repr(secret is not None)
     view["tier"] = repr(tier)
     for i, group in enumerate(param_groups):
@@ -117,7 +117,12 @@ def validate_group(group: dict) -> None:
         bad("weight_decay", "must be a finite number >= 0")
     if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
         bad("compression_decay", "must be in [0, 1]")
-    check_blocks(chunk, topk)
+    if type(chunk) is not int or type(topk) is not int or (chunk, topk) not in _BLOCKS_CHECKED:
+        check_blocks(chunk, topk)  # (each pair once: a pair of ints that passed passes again)
+        _BLOCKS_CHECKED.add((chunk, topk))
+
+
+_BLOCKS_CHECKED: set[tuple[int, int]] = set()  # (compression_chunk, compression_topk) pairs check_blocks passed
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ class OptimizerView:
     settle_prior: Callable[[], None] = lambda: None  # every rank received that step whole: its undo log goes
 
     def plan(self, tier):
-        return plan_items(self.param_groups, self.settings, self.secret, tier)
+        return plan_items(self.param_groups, self.settings, self.secret, tier, self.topology.sharded)
 
     def settings_view(self, tier) -> dict[str, str]:
         return settings_view(self.param_groups, self.settings, self.secret, tier)
@@ -178,10 +183,10 @@ class OptimizerView:
         group: :func:`rule` or :func:`inner_rule`) needs the whole matrix."""
         return [p for g in self.param_groups if rule_of(g).whole_matrix for p in g["params"] if p.requires_grad]
 
-    def directions(self, params, groups, updates, layouts, matrices):
+    def directions(self, params, groups, updates, layouts, matrices, views):
         """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
         transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
-        needs them: ``matrices``, the topology's view of ``params``)."""
+        needs them: ``matrices``, the topology's view of ``params``; ``views``: each one's local tensor)."""
         decoded = F.decode_many(updates, layouts, self.transform)
         by_rule: dict[str, list[int]] = {}
         for i, g in enumerate(groups):
@@ -190,9 +195,9 @@ class OptimizerView:
         states: list = [None] * len(params)
         for name, members in by_rule.items():
             ps = [params[i] for i in members]
-            views, states_of = [local(p) for p in ps], [self.state[p] for p in ps]
+            own, states_of = [views[i] for i in members], [self.state[p] for p in ps]
             found, new = matrices.directions(
-                update_rules.get(name), members, views, [decoded[i] for i in members], states_of
+                update_rules.get(name), members, own, [decoded[i] for i in members], states_of
             )
             for i, direction, state in zip(members, found, new):
                 directions[i], states[i] = direction, state

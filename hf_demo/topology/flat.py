@@ -10,6 +10,7 @@ from hf_demo.optim.records import Chosen
 
 class FlatTopology:
     name = "flat"
+    sharded = False  # every parameter is a plain tensor: its own local view
 
     def __init__(self, transport: Transport):
         self.transport = transport  # the optimizer's exchange group
@@ -21,7 +22,7 @@ class FlatTopology:
 
     def select(self, items: list) -> Chosen:
         """This rank steps every item (``plan.items``) with its own gradient."""
-        return Chosen(items, [p.grad for p, _, _ in items])
+        return chosen(items, [p.grad for p, _, _ in items])
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
@@ -63,6 +64,14 @@ class WholeMatrices:
     def directions(self, rule, members: list[int], params: list, tensors: list, states: list) -> tuple[list, list]:
         """``rule.directions(params, tensors, states)`` (``members``: the parameters' positions, unused here)."""
         return rule.directions(params, tensors, states)
+
+
+def chosen(items: list, grads: list, views: list | None = None) -> Chosen:
+    """The :class:`~hf_demo.optim.records.Chosen` of ``items`` stepped with ``grads``; ``views``: each param's local
+    tensor (None: the params themselves, as on the flat topology)."""
+    params, groups, layouts = [list(x) for x in zip(*items)] if items else ([], [], [])
+    device = params[0].device if params else torch.device("cpu")
+    return Chosen(items, grads, params, groups, layouts, params if views is None else views, device)
 
 
 def dense_mean(params, transport, name: str) -> dict:

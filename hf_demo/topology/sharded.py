@@ -110,6 +110,7 @@ class ShardedTopology:
     """The topology for FSDP2 DTensor parameters (chosen by DeMo when its parameters are DTensors)."""
 
     name = "sharded"
+    sharded = True  # every parameter is a DTensor: the step computes on its local shard
     # what it runs over the shard group (hf_demo.exchange.collectives): agree_step, agree_refusal, agree (named by
     # its callers: the drift check's and the local steps' verdicts), ShardedMatrices.gather, agree_figures
     COLLECTIVES = (
@@ -148,7 +149,9 @@ class ShardedTopology:
 
     def select(self, items: list) -> Chosen:
         """This rank steps its shard of every item (``plan.items``) with the shard group's mean gradient."""
-        return Chosen(items, [local(p.grad) for p, _, _ in items])
+        from hf_demo.topology.flat import chosen
+
+        return chosen(items, [local(p.grad) for p, _, _ in items], [local(p) for p, _, _ in items])
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope): a sharded state is placed by its DTensors' meshes, not by a rank number."""
