@@ -146,14 +146,14 @@ def flip_at(spec: str | None, elastic) -> None:
     ``HF_DEMO_SECRET``) refuse it on every replica."""
     if not spec:
         return
-    from hf_demo.elastic import ManagedTransport
+    from hf_demo.elastic import ManagedGroup
     from hf_demo.wire import codec, sealing
 
     parts = spec.split(":")
     step, what, byte = int(parts[0]), parts[1], int(parts[2]) if len(parts) > 2 else 5 * 8
     if what not in ("header", "payload"):
         raise SystemExit(f"--flip-at {spec}: header or payload")
-    real, spent = ManagedTransport._gather, []
+    real, spent = ManagedGroup.gather, []  # the backend's call, which every all-gather of the transport makes
 
     def gather(transport, out, wire, async_op=False):
         work = real(transport, out, wire, async_op)
@@ -176,7 +176,7 @@ def flip_at(spec: str | None, elastic) -> None:
         spent.append(step)
         return work
 
-    ManagedTransport._gather = gather
+    ManagedGroup.gather = gather
 
 
 def slow_link(spec: str | None, elastic) -> None:

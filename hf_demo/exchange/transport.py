@@ -382,15 +382,9 @@ class Transport:
 
     # ------------------------------------------------------------ collectives
     def all_gather(self, buf: torch.Tensor, name: str, step: int, traffic: Traffic | None) -> torch.Tensor:
-        """Gather a uint8 buffer of equal length from every rank: returns (world, len)."""
-        if self.world == 1:
-            return buf.view(1, -1)
-        wire = self._to_wire(buf)
-        out = torch.empty(self.world * buf.numel(), dtype=torch.uint8, device=wire.device)
-        sent, received = buf.numel(), buf.numel() * (self.world - 1)
-        op = functools.partial(self.collectives.gather, out, wire)
-        self._run(name, sent, received, op, wire.device, step, traffic)
-        return out.view(self.world, -1).to(buf.device)
+        """Gather a uint8 buffer of equal length from every rank: returns (world, len) (:meth:`StepTransport.all_gather`
+        for step ``step``, counted into ``traffic`` unless None)."""
+        return self.at(step, traffic).all_gather(buf, name, count=traffic is not None)
 
     def start_all_gather(self, buf: torch.Tensor, name: str, step: int) -> Pending:
         """:meth:`all_gather` started in the background (overlap): :meth:`Pending.wait` returns the rows."""
@@ -551,7 +545,17 @@ class StepTransport:
         return self.transport.global_rank(group_rank)
 
     def all_gather(self, buf: torch.Tensor, name: str, count: bool = True) -> torch.Tensor:
-        return self.transport.all_gather(buf, name, self.step, self.traffic if count else None)
+        """Gather a uint8 buffer of equal length from every rank: returns (world, len); counted unless ``count`` is
+        False (a set-up check)."""
+        t = self.transport
+        if t.world == 1:
+            return buf.view(1, -1)
+        wire = t._to_wire(buf)
+        out = torch.empty(t.world * buf.numel(), dtype=torch.uint8, device=wire.device)
+        sent, received = buf.numel(), buf.numel() * (t.world - 1)
+        op = functools.partial(t.collectives.gather, out, wire)
+        t._run(name, sent, received, op, wire.device, self.step, self.traffic if count else None)
+        return out.view(t.world, -1).to(buf.device)
 
     def start_all_gather(self, buf: torch.Tensor, name: str) -> Pending:
         return self.transport.start_all_gather(buf, name, self.step)
