@@ -342,7 +342,7 @@ def install_link(state: dict, log: list) -> None:
     (kind, bytes handed over, seconds including the sleep) of each. Only the collective is clocked: the fence
     after it is not."""
     from benchlib.ring_link import ring_seconds
-    from hf_demo.exchange.transport import Transport
+    from hf_demo.exchange.transport import StepTransport, Transport
 
     def wrap(kind, orig):
         def timed(self, buf, *args, **kwargs):
@@ -356,8 +356,10 @@ def install_link(state: dict, log: list) -> None:
 
         return timed
 
-    for kind in ("all_gather", "all_reduce", "broadcast"):
-        setattr(Transport, kind, wrap(kind, getattr(Transport, kind)))
+    # every all-gather runs in StepTransport.all_gather (Transport.all_gather hands over to it); the others in
+    # Transport's own methods (StepTransport's hand over to them)
+    for owner, kind in ((StepTransport, "all_gather"), (Transport, "all_reduce"), (Transport, "broadcast")):
+        setattr(owner, kind, wrap(kind, getattr(owner, kind)))
 
 
 def ddp_hook(state: dict, log: list):
