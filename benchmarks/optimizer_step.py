@@ -315,6 +315,8 @@ def measure_rank(rank: int, world: int, name: str, args) -> dict:
             rec["reported"].append((opt.comm_stats.bytes_sent, opt.comm_stats.collectives))
         elif hasattr(opt, "data_transmit"):  # the peer's own byte count
             rec["reported"].append((opt.data_transmit, None))
+    if hasattr(opt, "flush"):  # hf_demo: read the last step's verdict on every rank (untimed)
+        opt.flush()
     n_params = sum(p.numel() for p in params)
     return dict(
         rec,

@@ -127,8 +127,9 @@ def test_a_wrong_typed_demo_entry_is_refused_with_the_library_error(path, value)
     assert not opt.state and opt.counters.steps == 0  # nothing was loaded
 
 
-def _one_rank_loads_a_malformed_state(rank, world, folder):
-    """Both ranks save after a step; rank 1's file then has a wrong-typed entry; every rank loads its own."""
+def _one_rank_loads_a_malformed_state(rank, world, folder, bad=1, slow=None):
+    """Every rank saves after a step; rank ``bad``'s file then has a wrong-typed entry; every rank loads its own.
+    Rank ``slow`` (if any) is slow reading the comparison. Returns (message, seconds) on every rank."""
     import os
     import time
 
@@ -139,8 +140,10 @@ def _one_rank_loads_a_malformed_state(rank, world, folder):
     loss_and_backward(model, rank, 0)
     opt.step()
     state = opt.state_dict()
-    if rank == 1:
+    if rank == bad:
         state["demo"]["policy"] = 5
+    if rank == slow:
+        _slow_after_each_store_wait(2.0)
     torch.save(state, os.path.join(folder, f"rank{rank}.pt"))
     started = time.monotonic()
     try:
@@ -240,34 +243,11 @@ def test_an_older_rank_file_is_named_on_a_slow_rank_too(gloo, tmp_path):
     assert results[0][1] == results[1][1]
 
 
-def _one_rank_loads_a_malformed_state_rank0(rank, world, folder):
-    """Rank 0's file is malformed (rank 0 refuses it before loading) and rank 1 is slow reading the comparison."""
-    import os
-
-    import hf_demo
-
-    model = tiny_mlp()
-    opt = small_demo(model, comm_timeout=60.0)
-    loss_and_backward(model, rank, 0)
-    opt.step()
-    state = opt.state_dict()
-    if rank == 0:
-        state["demo"]["policy"] = 5
-    else:
-        _slow_after_each_store_wait(2.0)
-    torch.save(state, os.path.join(folder, f"rank{rank}.pt"))
-    try:
-        small_demo(model, comm_timeout=60.0).load_state_dict(torch.load(os.path.join(folder, f"rank{rank}.pt")))
-    except hf_demo.DeMoStateError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_a_malformed_state_on_rank_0_is_named_on_a_slow_peer(gloo, tmp_path):
     """Rank 0 refused its malformed file, published why and raised at once; its process ended with the
     rendezvous store it holds, so rank 1, slow to read the comparison, got a raw ``DistNetworkError``. Rank 0 now
     raises once rank 1 read its refusal, and rank 1 names it."""
-    message0, message1 = expect_ok(gloo(_one_rank_loads_a_malformed_state_rank0, 2, str(tmp_path)))
+    (message0, _), (message1, _) = expect_ok(gloo(_one_rank_loads_a_malformed_state, 2, str(tmp_path), 0, 1))
     assert "malformed 'demo.policy' entry" in message0, message0
     assert "rank 0 refused its own: optimizer state has a malformed 'demo.policy' entry" in message1, message1
 

@@ -98,6 +98,17 @@ def _shape_of(opt, i: int, key: str) -> tuple[int, ...]:
     return entry_shape(p.shape, key, group["compression_chunk"])
 
 
+def _resumes_bit_for_bit(mode, model_state, state, after, snapshot=None) -> None:
+    """A fresh model and optimizer that load ``model_state`` and ``state`` (then restore ``snapshot``, a snapshot
+    path, if given) continue exactly as the trained pair did (``after``)."""
+    model, opt = _trained(MODES[mode], steps=0, seed=1)
+    model.load_state_dict(model_state)
+    opt.load_state_dict(state)
+    if snapshot is not None:
+        assert own_momentum.restore(snapshot, opt, 3, "r0") == 3
+    assert all(torch.equal(a, b) for a, b in zip(_continued(model, opt), after))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_file_and_a_snapshot_load_each_others_pieces(tmp_path, mode):
     model, opt = _trained(MODES[mode])
@@ -107,22 +118,15 @@ def test_a_rank_file_and_a_snapshot_load_each_others_pieces(tmp_path, mode):
 
     # the rank file, its own entries replaced by the snapshot's pieces, resumes bit for bit
     swapped = {**saved, "state": {pid: {**e, **blob["own"].get(pid, {})} for pid, e in saved["state"].items()}}
-    model_a, opt_a = _trained(MODES[mode], steps=0, seed=1)
-    model_a.load_state_dict(model_state)
-    opt_a.load_state_dict(swapped)
-    assert all(torch.equal(a, b) for a, b in zip(_continued(model_a, opt_a), after))
+    _resumes_bit_for_bit(mode, model_state, swapped, after)
 
     # a replica that receives the agreed state (the rank file without its own entries) and restores a snapshot
     # made of the rank file's pieces resumes bit for bit too
-    model_b, opt_b = _trained(MODES[mode], steps=0, seed=1)
-    model_b.load_state_dict(model_state)
-    opt_b.load_state_dict(_agreed(saved, saved["state"]))
     made = {**blob, "own": own_state(saved["state"])}
     made["sha256"] = own_momentum.checksum(made)
     path = own_momentum.snapshot_path(tmp_path, "made")
     torch.save(made, path)
-    assert own_momentum.restore(path, opt_b, 3, "r0") == 3
-    assert all(torch.equal(a, b) for a, b in zip(_continued(model_b, opt_b), after))
+    _resumes_bit_for_bit(mode, model_state, _agreed(saved, saved["state"]), after, snapshot=path)
 
 
 def _old_snapshot(opt, step: int, replica_id: str) -> dict:
@@ -151,16 +155,8 @@ def test_rank_files_and_snapshots_of_the_format_before_load_bit_for_bit(tmp_path
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     after = _continued(model, opt)
 
-    model_a, opt_a = _trained(MODES[mode], steps=0, seed=1)
-    model_a.load_state_dict(model_state)
-    opt_a.load_state_dict(old_file)
-    assert all(torch.equal(a, b) for a, b in zip(_continued(model_a, opt_a), after))
-
-    model_b, opt_b = _trained(MODES[mode], steps=0, seed=1)
-    model_b.load_state_dict(model_state)
-    opt_b.load_state_dict(_agreed(saved, live))
-    assert own_momentum.restore(path, opt_b, 3, "r0") == 3
-    assert all(torch.equal(a, b) for a, b in zip(_continued(model_b, opt_b), after))
+    _resumes_bit_for_bit(mode, model_state, old_file, after)
+    _resumes_bit_for_bit(mode, model_state, _agreed(saved, live), after, snapshot=path)
 
 
 def test_pieces_of_another_length_are_refused_naming_the_parameter():

@@ -188,7 +188,7 @@ def own_shapes(ids: list[int], pairs: list[tuple], topology, saved_shapes: dict 
         return saved_g.get("compression_chunk") or group["compression_chunk"]
 
     def shape(pid: int, key: str) -> tuple[int, ...]:
-        shape = saved_shapes.get(pid, saved_shapes.get(str(pid)))  # (a JSON round trip makes the ids strings)
+        shape = saved_shapes.get(pid)
         return entry_shape(local(by_id[pid][0]).shape if shape is None else tuple(shape), key, chunk(pid))
 
     if topology.name != "sharded":
