@@ -128,7 +128,7 @@ def gather_headers(
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
     if first:  # every rank's headers sealed or none, agreed before any payload-sized collective
         refusal = uniform.agree(transport, header_rows, secret, sealer, device, refusal)
-    settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
+    settling = {r: codec.settles(headers[r]) for r in codec.flagged(headers, codec.FLAG_SETTLES)}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)
     _check_naming_settings(transport, headers, settings, sealer)
@@ -297,11 +297,7 @@ def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> li
         own = codec.Header(step=settled, layout_checksum=0, settings_checksum=0, flags=0, world_size=0, payload_bytes=0)
         headers, _ = sealer.open_headers(header_rows, settled + 1, senders, transport.rank, own)
         return [h if e is not None else None for h, e in zip(headers, sealer.envelopes)]
-    headers = [codec.Header.from_bytes(row) for row in header_rows]
-    return [
-        h if r == transport.rank or codec.header_refusal(h, secret, transport.rank, r) is None else None
-        for r, h in enumerate(headers)
-    ]
+    return codec.receive_headers(header_rows, None, secret, transport.rank, settled + 1)[0]
 
 
 def settling_words(read: list, settled: int) -> list[int]:
