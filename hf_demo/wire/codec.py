@@ -61,7 +61,7 @@ FLAG_REFUSED = 64  # this rank refused the exchange the last step started (overl
 FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its ``step`` word names, in the flags'
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
 FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
-# settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
+# settings: every rank of every replica then names them (hf_demo.wire.agreement.gather_headers)
 FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the later rounds after it (hf_demo.optim.settle)
 FLAG_FINAL = 1024  # a settling row of confirm()'s later rounds (with FLAG_CONFIRM the second, alone the third): its
 # verdict is its sender's finding on the rounds before
