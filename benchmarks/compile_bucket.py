@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     records = torch.stack([prepare(m.clone(), bsize, k)[0]] * 2)  # two senders
 
     def decode(r):
-        return EF.unpack(r, bsize, k)
+        return EF.unpack_rows(r.flatten(1), r.shape[1], bsize, k)
 
     eager = (fastest(lambda: prepare(m.clone(), bsize, k)), fastest(decode, records))
     t0 = time.perf_counter()

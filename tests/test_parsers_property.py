@@ -59,7 +59,7 @@ def test_a_random_header_is_refused_by_its_crc_not_acted_on(raw, with_secret):
     rows = torch.stack([own.to_bytes(), _tensor(raw)])
     secret = b"s3cret" if with_secret else None
     headers, refusal = codec.receive_headers(rows, own, secret, rank=0, step=3)
-    if codec.Header.from_bytes(_tensor(raw)).intact():  # a 1 in 2**32 chance: then its fields are compared
+    if codec.Header.from_bytes(_tensor(raw)).intact:  # a 1 in 2**32 chance: then its fields are compared
         return
     assert isinstance(refusal, DeMoPayloadError) and "header from rank 1" in str(refusal), refusal
     assert refusal.header_sender == 1

@@ -425,7 +425,7 @@ NOT_REFUSALS: dict[str, tuple[int, str]] = {
     ),
     "hf_demo/topology/sharded.py::ShardedTopology.build": (1, ARGUMENT + ": torch.distributed not initialised"),
     "hf_demo/topology/sharded.py::exchange_group": (3, ARGUMENT + ": device_mesh or process_group"),
-    "hf_demo/wire/agreement.py::_check_naming_settings": (1, RUNTIME + ": the ranks' settings differ"),
+    "hf_demo/wire/agreement.py::_raise_disagreement": (1, RUNTIME + ": the ranks' settings differ"),
     "hf_demo/wire/sealing.py::from_env": (1, VALUE + ": HF_DEMO_ENCRYPT"),
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -53,7 +54,13 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class Riding:
     """A payload that asks to ride in the headers' all-gather: ``payload`` (clear; sealed on the way where the
     headers are), ``agreed`` the bytes it took on the wire at the last committed exchange in this world (0:
-    none yet), ``name`` the collective it stands for (the exchange's first, for the traffic accounts)."""
+    none yet), ``name`` the collective it stands for (the exchange's first, for the traffic accounts).
+
+    Each rank's row is then its header followed by ``agreed`` bytes, the size every rank derives from the last
+    committed exchange alone (so every row has the same size whatever this step holds): the payload as it travels
+    when it has that size, zeros otherwise. The payloads rode when every header names this rank's payload size and
+    it is the agreed one (the headers checked equal, so every rank finds the same); else the exchange sends them
+    in its own collective, and this step's size becomes the agreed one (:func:`gather_headers`)."""
 
     payload: torch.Tensor
     agreed: int
@@ -99,13 +106,8 @@ def gather_headers(
     first exchange (``first``) the ranks agree first, in a round of a few bytes, that every rank's headers are
     sealed or none (:func:`hf_demo.wire.uniform.agree`: the same error on every rank otherwise); there, a header refused
     for its HMAC, its signing or its seal (corruption or another secret alike) makes every rank raise the same
-    :class:`DeMoSyncError` naming both causes (:func:`hf_demo.optim.settle.vote`).
-
-    ``riding``: each rank's row is its header followed by ``riding.agreed`` bytes, the size every rank derives
-    from the last committed exchange alone (so every row has the same size whatever this step holds): the
-    payload as it travels when it has that size, zeros otherwise. The payloads rode when every header names
-    this rank's payload size and it is the agreed one (the headers checked equal, so every rank finds the same);
-    else the exchange sends them in its own collective, and this step's size becomes the agreed one."""
+    :class:`DeMoSyncError` naming both causes (:func:`hf_demo.optim.settle.vote`). ``riding``: the payload, where
+    it asks to ride in the same all-gather (:class:`Riding`)."""
     signed = codec.sign(header, payload, None if sealer is not None else secret)
     if sealer is not None:
         own_row = sealer.seal_header(signed, transport.step, transport.global_rank(transport.rank))
@@ -128,31 +130,31 @@ def gather_headers(
         headers, refusal = codec.receive_headers(header_rows, signed, secret, transport.rank, transport.step)
     if first:  # every rank's headers sealed or none, agreed before any payload-sized collective
         refusal = uniform.agree(transport, header_rows, secret, sealer, device, refusal)
-    settling = {r: v for r, h in enumerate(headers) if (v := codec.settles(h)) is not None}
+    settling = {r: codec.settles(headers[r]) for r in codec.flagged(headers, codec.FLAG_SETTLES)}
     if settling:  # the last step's verdicts, not this step's headers: hf_demo.optim.settle reads them
         return Gathered(headers, refusal, None, wire_bytes, settling)
-    _check_naming_settings(transport, headers, settings, sealer)
+    try:
+        codec.check_headers(headers, transport.rank)
+    except DeMoSyncError as exc:
+        _raise_disagreement(transport, headers, settings, sealer, exc)
+    if codec.flagged(headers, codec.FLAG_SETTINGS_APART):  # a replica's shard group holds different settings
+        _raise_disagreement(transport, headers, settings, sealer)
     arrived = rows[:, own_row.numel() :] if fits else None
     return Gathered(headers, refusal, arrived, wire_bytes)
 
 
-def _check_naming_settings(transport, headers: list[codec.Header], settings: Callable[[], list], sealer=None) -> None:
-    """:func:`codec.check_headers`; where the settings differ (the checksums here, or inside a replica's shard group:
-    ``codec.FLAG_SETTINGS_APART``, so every rank of every replica hears of it), a :class:`DeMoSettingsError` names
-    each differing setting with every rank's value (``settings``: this rank's shard group's labelled settings;
-    gathered sealed with a sealer)."""
-    apart, also = bool(codec.flagged(headers, codec.FLAG_SETTINGS_APART)), ""
-    try:
-        codec.check_headers(headers, transport.rank)
-    except DeMoSyncError as exc:
-        if not codec.settings_differ(headers):
-            raise
-        apart, also = True, "" if codec.settings_only(headers) else f"{exc}\n"
-    if apart:
-        raise DeMoSettingsError(
-            f"DeMo ranks disagree (seen by {rank_label(transport)}): they have different optimizer settings; give "
-            f"every rank the same settings.\n{also}{name_settings(transport, settings(), sealer)}"
-        ) from None
+def _raise_disagreement(transport, headers: list, settings: Callable[[], list], sealer=None, exc=None) -> NoReturn:
+    """Raise for headers that disagree (``exc``: :func:`codec.check_headers`'s error) or that say a replica's shard
+    group holds different settings (``codec.FLAG_SETTINGS_APART``, so every rank of every replica hears of it):
+    where the settings differ, a :class:`DeMoSettingsError` names each differing setting with every rank's value
+    (``settings``: this rank's shard group's labelled settings; gathered sealed with a sealer); else ``exc``."""
+    if exc is not None and not codec.settings_differ(headers):
+        raise exc
+    also = "" if exc is None or codec.settings_only(headers) else f"{exc}\n"
+    raise DeMoSettingsError(
+        f"DeMo ranks disagree (seen by {rank_label(transport)}): they have different optimizer settings; give "
+        f"every rank the same settings.\n{also}{name_settings(transport, settings(), sealer)}"
+    ) from None
 
 
 def rank_label(transport) -> str:
@@ -297,11 +299,7 @@ def read_rows(transport, rows: torch.Tensor, settled: int, secret, sealer) -> li
         own = codec.Header(step=settled, layout_checksum=0, settings_checksum=0, flags=0, world_size=0, payload_bytes=0)
         headers, _ = sealer.open_headers(header_rows, settled + 1, senders, transport.rank, own)
         return [h if e is not None else None for h, e in zip(headers, sealer.envelopes)]
-    headers = [codec.Header.from_bytes(row) for row in header_rows]
-    return [
-        h if r == transport.rank or codec.header_refusal(h, secret, transport.rank, r) is None else None
-        for r, h in enumerate(headers)
-    ]
+    return codec.receive_headers(header_rows, None, secret, transport.rank, settled + 1)[0]
 
 
 def settling_words(read: list, settled: int) -> list[int]:

@@ -34,7 +34,7 @@ import hashlib
 import hmac
 import math
 import zlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -61,7 +61,7 @@ FLAG_REFUSED = 64  # this rank refused the exchange the last step started (overl
 FLAG_SETTLES = 128  # not a step's header: the sender's verdict on the step its ``step`` word names, in the flags'
 # bits from VERDICT_SHIFT up (0: it received that step whole), sent in the all-gather after that step's headers
 FLAG_SETTINGS_APART = 256  # the ranks of this rank's shard group (HSDP: the shards of its replica) hold different
-# settings: every rank of every replica then names them (hf_demo.wire.agreement.check_naming_settings)
+# settings: every rank of every replica then names them (hf_demo.wire.agreement.gather_headers)
 FLAG_CONFIRM = 512  # a settling row sent by confirm(): its sender runs the later rounds after it (hf_demo.optim.settle)
 FLAG_FINAL = 1024  # a settling row of confirm()'s later rounds (with FLAG_CONFIRM the second, alone the third): its
 # verdict is its sender's finding on the rounds before
@@ -373,7 +373,7 @@ class EliasFanoIndices:
         return low, k + ((bsize - 1) >> low)
 
     def repeated(self, idx: torch.Tensor) -> torch.Tensor:
-        """Never: :meth:`unpack` turns a record whose positions are not strictly increasing into out-of-range
+        """Never: :meth:`unpack_rows` turns a record whose positions are not strictly increasing into out-of-range
         positions (flagged by the range check)."""
         return torch.zeros(idx.shape[:-1], dtype=torch.bool, device=idx.device)
 
@@ -385,10 +385,6 @@ class EliasFanoIndices:
 
     def nbytes(self, layout: BlockLayout) -> int:
         return _align(layout.nblocks * self.record_bytes(layout.bsize, layout.k))
-
-    def unpack_rows(self, stream: torch.Tensor, rows: int, bsize: int, k: int) -> torch.Tensor:
-        """Every sender's records (world, rows * record_bytes) -> positions (world, rows, k) int64."""
-        return self.unpack(stream.view(stream.shape[0], rows, self.record_bytes(bsize, k)), bsize, k)
 
     def pack(self, idx: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
         """Sorted positions (nblocks, k) -> records (nblocks, record_bytes) uint8."""
@@ -407,12 +403,12 @@ class EliasFanoIndices:
 
     pack_rows = pack  # sorted positions (rows, k) -> records (rows, record_bytes): the blocks are the rows
 
-    def unpack(self, records: torch.Tensor, bsize: int, k: int) -> torch.Tensor:
-        """Records (world, nblocks, record_bytes) -> positions (world, nblocks, k) int64; ``bsize`` (out of
-        range) for every position of a corrupted record."""
+    def unpack_rows(self, stream: torch.Tensor, rows: int, bsize: int, k: int) -> torch.Tensor:
+        """Every sender's records (world, rows * record_bytes) -> positions (world, rows, k) int64; ``bsize`` (out
+        of range) for every position of a corrupted record."""
         low, upper = self.split(bsize, k)
-        world, nblocks, r = records.shape
-        device = records.device
+        world, nblocks, device = stream.shape[0], rows, stream.device
+        records = stream.view(world, nblocks, self.record_bytes(bsize, k))
         low_part = 0
         if low:  # int32 throughout: a low part and its shift fit in 23 bits
             padded = torch.nn.functional.pad(records[:, :, : (k * low + 7) // 8], (0, 2)).int()
@@ -647,6 +643,8 @@ class Header:
     version: int = FORMAT_VERSION
     tag: bytes = bytes(TAG_BYTES)
     header_crc: int = 0  # CRC32 of the 13 words before it (set by :func:`sign`, checked by :func:`receive_headers`)
+    intact: bool = field(default=False, compare=False, repr=False)  # not a word: read (:meth:`from_bytes`) from
+    # bytes whose CRC32 word matches the 13 words before it (False: corrupted on the way, or not read from bytes)
 
     _WORDS = (
         "magic", "version", "step", "layout_checksum", "settings_checksum", "flags", "world_size",
@@ -667,10 +665,6 @@ class Header:
         crc = torch.tensor([self.header_crc], dtype=torch.int64, device="cpu").numpy().tobytes()
         return torch.frombuffer(bytearray(self.body_bytes() + crc + self.tag), dtype=torch.uint8)
 
-    def intact(self) -> bool:
-        """The header's own CRC32 matches its words (False: corrupted on the way)."""
-        return zlib.crc32(self.body_bytes()) == self.header_crc
-
     @classmethod
     def from_bytes(cls, buf: torch.Tensor) -> Header:
         """A header from its bytes (this format's, or format 2's or 3's in an older checkpoint); raises
@@ -686,7 +680,8 @@ class Header:
             )
         raw = buf.detach().cpu().contiguous().numpy().tobytes()
         w = torch.frombuffer(bytearray(raw[: words * 8]), dtype=torch.int64).tolist()
-        return cls(**dict(zip(cls._WORDS, w)), tag=raw[words * 8 : words * 8 + TAG_BYTES])
+        intact = words == HEADER_WORDS and zlib.crc32(raw[: BODY_WORDS * 8]) == w[BODY_WORDS]
+        return cls(**dict(zip(cls._WORDS, w)), tag=raw[words * 8 : words * 8 + TAG_BYTES], intact=intact)
 
 
 def _describe(buf) -> str:
@@ -727,39 +722,38 @@ BAD_TAG = "carries no valid HMAC-SHA256 tag for this HF_DEMO_SECRET (a different
 GARBLED = "fails its CRC32 check (corrupted on the way: a faulty link, NIC or memory)"
 
 
-def header_refusal(h: Header, secret: bytes | None, rank: int = 0, sender: int = 0) -> str | None:
-    """Why this rank (``rank``) cannot trust a header received from ``sender`` (None: it can): its CRC32 fails
-    (corrupted on the way); it claims to be signed where this rank does not sign, or not where this rank does (a
-    writer on the way, or a rank with another HF_DEMO_SECRET setting: refused, and so voted on, on the rank that
-    sees it, so that every rank decides alike, also where only one rank received it rewritten); its HMAC fails."""
-    if not h.intact():
-        return GARBLED
-    if secret is not None and not h.flags & FLAG_AUTH:
-        return UNSIGNED.format(rank=rank, sender=sender)
-    if secret is None and h.flags & FLAG_AUTH:
-        return SIGNED.format(rank=rank, sender=sender)
-    if secret is not None and not hmac.compare_digest(_tag(h, None, secret), h.tag[:16]):
-        return BAD_TAG
-    return None
-
-
-def receive_headers(rows: torch.Tensor, own: Header, secret: bytes | None, rank: int, step: int) -> tuple:
+def receive_headers(rows: torch.Tensor, own: Header | None, secret: bytes | None, rank: int, step: int) -> tuple:
     """Every rank's header row (world, HEADER_BYTES) -> (headers, refusal or None), checking each header's CRC32
-    (and HMAC) before any of its fields is acted on.
+    (and HMAC) before any of its fields is acted on. This rank (``rank``) cannot trust a header received from
+    another: its CRC32 fails (corrupted on the way); it claims to be signed where this rank does not sign, or not
+    where this rank does (a writer on the way, or a rank with another HF_DEMO_SECRET setting: refused, and so voted
+    on, on the rank that sees it, so that every rank decides alike, also where only one rank received it
+    rewritten); its HMAC fails. Its own row is always read.
 
     A refused header is not raised here: the other ranks received it intact and go on into the step's
     collectives, so this rank must too (raising alone would leave them waiting, and a retry on this rank alone
     would meet them in another collective). It stands in for the refused one a copy of this rank's own header
-    that changes no decision (same step, layout, settings and fingerprint; no flags of its own), and the refusal
-    (a :class:`DeMoPayloadError` naming the sender) travels in the commit vote: every rank then raises, nothing
-    is applied anywhere, and the step can be run again."""
+    (``own``) that changes no decision (same step, layout, settings and fingerprint; no flags of its own), and the
+    refusal (a :class:`DeMoPayloadError` naming the sender) travels in the commit vote: every rank then raises,
+    nothing is applied anywhere, and the step can be run again. With ``own`` None (the rows that settle a step:
+    :func:`hf_demo.wire.agreement.read_rows`), None stands in for a refused header."""
     headers, refused = [], []
     for r, row in enumerate(rows):
         h = Header.from_bytes(row)
-        why = header_refusal(h, secret, rank, r) if r != rank else None
+        signs = bool(h.flags & FLAG_AUTH)
+        if r == rank:
+            why = None
+        elif not h.intact:
+            why = GARBLED
+        elif signs != (secret is not None):
+            why = (SIGNED if signs else UNSIGNED).format(rank=rank, sender=r)
+        elif secret is not None and not hmac.compare_digest(_tag(h, None, secret), h.tag[: TAG_BYTES // 2]):
+            why = BAD_TAG
+        else:
+            why = None
         if why is not None:
             refused.append((r, why))
-            h = stand_in(own)
+            h = stand_in(own) if own is not None else None
         headers.append(h)
     if not refused:
         return headers, None

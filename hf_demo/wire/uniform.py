@@ -52,7 +52,7 @@ def mix(rows: torch.Tensor) -> tuple[list[int], list[int]] | None:
 
 def _clear_header(row: torch.Tensor) -> bool:
     h = codec.Header.from_bytes(row.contiguous())
-    return h.magic == codec.MAGIC and h.intact()
+    return h.magic == codec.MAGIC and h.intact
 
 
 def encode(step: int, sender: int, word: Word, secret: bytes | None) -> torch.Tensor:
