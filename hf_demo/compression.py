@@ -115,7 +115,10 @@ def _dct_matrix_cpu(n: int) -> torch.Tensor:
     return d.to(torch.float32)
 
 
-_DEVICE_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+@cache
+def _dct_matrix_on(n: int, device: torch.device) -> torch.Tensor:
+    # the CPU's matrix copied to ``device`` once; a steady step's transforms find it here (a cache hit)
+    return _dct_matrix_cpu(n).to(device)
 
 
 def dct_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -123,11 +126,7 @@ def dct_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
     Cached per (n, device): the same bits on every device (computed once on the CPU in float64, then copied),
     so a CUDA rank and a CPU rank transform with the same matrix. Everything DeMo transforms is fp32."""
-    device = torch.device(device)
-    key = (n, device)
-    if key not in _DEVICE_CACHE:
-        _DEVICE_CACHE[key] = _dct_matrix_cpu(n).to(device)
-    return _DEVICE_CACHE[key]
+    return _dct_matrix_on(n, torch.device(device))
 
 
 def to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -152,9 +151,9 @@ def transform_blocks(blocks: torch.Tensor) -> torch.Tensor:
     one block, a parameter's, a bucket's)."""
     b0, b1 = blocks.shape[-2:]
     if b0 > 1:
-        blocks = torch.matmul(dct_matrix(b0, blocks.device), blocks)
+        blocks = torch.matmul(_dct_matrix_on(b0, blocks.device), blocks)
     if b1 > 1:
-        blocks = torch.matmul(blocks, dct_matrix(b1, blocks.device).T)
+        blocks = torch.matmul(blocks, _dct_matrix_on(b1, blocks.device).T)
     return blocks
 
 
@@ -162,9 +161,9 @@ def inverse_blocks(coeffs: torch.Tensor) -> torch.Tensor:
     """DCT coefficients (..., b0, b1) -> blocks (the inverse of :func:`transform_blocks`)."""
     b0, b1 = coeffs.shape[-2:]
     if b0 > 1:
-        coeffs = torch.matmul(dct_matrix(b0, coeffs.device).T, coeffs)
+        coeffs = torch.matmul(_dct_matrix_on(b0, coeffs.device).T, coeffs)
     if b1 > 1:
-        coeffs = torch.matmul(coeffs, dct_matrix(b1, coeffs.device))
+        coeffs = torch.matmul(coeffs, _dct_matrix_on(b1, coeffs.device))
     return coeffs
 
 
@@ -437,7 +436,16 @@ def accumulate_many(momenta: list, signals: list, layouts: list, factors: list, 
     out = []
     for bucket in bucketing.buckets:
         m = torch.cat([momenta[i] for i in bucket.members])
-        coeffs = _transformed(signals, bucket, transform)
+        coeffs = None  # T of the members' signals, (rows, bsize), run by run: a missing signal is zero (None: all)
+        if not all(signals[i] is None for i in bucket.members):
+            parts = []
+            for run in bucket.runs:
+                if all(signals[i] is None for i in run.members):
+                    device = next(s for s in signals if s is not None).device
+                    parts.append(torch.zeros(run.rows, bucket.bsize, device=device))
+                else:
+                    parts.append(transform.encode_blocks(stacked_blocks(signals, run)).reshape(run.rows, bucket.bsize))
+            coeffs = parts[0] if len(parts) == 1 else torch.cat(parts)
         own = [factors[i] for i in bucket.members]
         if len(set(own)) == 1:  # one decay and scale for the bucket (one parameter group): one op each
             decay, scale = own[0]
@@ -453,20 +461,6 @@ def accumulate_many(momenta: list, signals: list, layouts: list, factors: list, 
                 start += n
         out.append(m)
     return Bucketed.of(out, bucketing)
-
-
-def _transformed(signals: list, bucket: Bucket, transform) -> torch.Tensor | None:
-    """``T`` of the bucket members' signals, (rows, bsize) (a missing signal is zero; None: all are missing)."""
-    if all(signals[i] is None for i in bucket.members):
-        return None
-    parts = []
-    for run in bucket.runs:
-        if all(signals[i] is None for i in run.members):
-            parts.append(torch.zeros(run.rows, bucket.bsize, device=next(s for s in signals if s is not None).device))
-            continue
-        coeffs = transform.encode_blocks(stacked_blocks(signals, run))
-        parts.append(coeffs.reshape(run.rows, bucket.bsize))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def decode_many(coeffs: list, layouts: list, transform) -> list[torch.Tensor]:

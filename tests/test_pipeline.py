@@ -44,6 +44,30 @@ def test_every_registry_the_design_page_names_holds_what_it_documents():
         assert callable(getattr(phases, name)) and f"`{name}`" in DESIGN
 
 
+def test_an_exchange_is_built_once_per_spec_and_a_refused_one_every_time():
+    """A steady step reuses the exchange its plan made (``build`` is cached per spec); a refusal is not cached."""
+    import pytest
+
+    layouts = [compression.plan((16, 16), 8, 4), compression.plan((33,), 8, 4)]
+    spec = exchanges.ExchangeSpec(layouts, "fp32", "uint16", world=2)
+    built = exchanges.build("all_gather", spec)
+    assert exchanges.build("all_gather", exchanges.ExchangeSpec(list(layouts), "fp32", "uint16", world=2)) is built
+    other = exchanges.build("all_gather", dataclasses.replace(spec, layouts=layouts[:1]))
+    assert other is not built and other.payload_nbytes < built.payload_nbytes
+    assert exchanges.build("all_gather", dataclasses.replace(spec, value_format="bf16")) is not built
+    for _ in range(2):
+        with pytest.raises(ValueError, match="averages over every rank"):
+            exchanges.build("all_reduce", dataclasses.replace(spec, average="pickers"))
+
+
+def test_a_step_transport_is_its_transport_bound_to_a_step():
+    transport = exchanges.Transport.alone()
+    stepping, traffic = transport.at(5), exchanges.Traffic()
+    assert (stepping.step, stepping.world, stepping.rank, stepping.backend) == (5, 1, 0, None)
+    assert stepping.traffic is not transport.at(5).traffic  # a new Traffic where none is given
+    assert transport.at(6, traffic).traffic is traffic
+
+
 def test_importing_hf_demo_hooks_no_other_optimizer():
     code = "import torch.optim.optimizer as o, hf_demo, hf_demo.trl; print(len(o._global_optimizer_pre_hooks))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -366,8 +366,10 @@ class Transport:
         return Transport(None, 0, _Alone())
 
     def at(self, step: int, traffic: Traffic | None = None) -> StepTransport:
-        """This transport for the collectives of optimizer step ``step``, counting into ``traffic``."""
-        return StepTransport(self, step, traffic)
+        """This transport for the collectives of optimizer step ``step``, counting into ``traffic`` (None: a new
+        :class:`Traffic`)."""
+        traffic = Traffic() if traffic is None else traffic
+        return StepTransport(self, step, traffic, self.world, self.rank, self.backend)
 
     def global_rank(self, group_rank: int) -> int:
         return self.collectives.global_rank(group_rank)
@@ -531,15 +533,19 @@ def _wrote_since(store, key: str, since: float) -> bool:
         return False
 
 
+@dataclass(eq=False)
 class StepTransport:
-    """A :class:`Transport` bound to one optimizer step: its collectives name that step (in messages, for the
-    all-reduce leader's rotation and the liveness probe) and count into that step's :class:`Traffic`, which the
-    optimizer commits with the step (or drops with it)."""
+    """A :class:`Transport` bound to one optimizer step (made by :meth:`Transport.at`): its collectives name that
+    step (in messages, for the all-reduce leader's rotation and the liveness probe) and count into that step's
+    :class:`Traffic`, which the optimizer commits with the step (or drops with it); ``world``, ``rank`` and
+    ``backend`` are the transport's."""
 
-    def __init__(self, transport: Transport, step: int, traffic: Traffic | None = None):
-        self.transport, self.step = transport, step
-        self.traffic = Traffic() if traffic is None else traffic
-        self.world, self.rank, self.backend = transport.world, transport.rank, transport.backend
+    transport: Transport
+    step: int
+    traffic: Traffic
+    world: int
+    rank: int
+    backend: str | None
 
     def global_rank(self, group_rank: int) -> int:
         return self.transport.global_rank(group_rank)
@@ -579,9 +585,11 @@ REDUCE_POSITIONS = ("union", "leader")  # how exchange="all_reduce" agrees on po
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeSpec:
-    """What one step's exchange needs to know, whichever exchange it is (the optimizer builds one per step)."""
+    """What one step's exchange needs to know, whichever exchange it is (the optimizer makes one per step; the
+    exchange of a spec equal to an earlier one is the one :func:`build` made then). ``layouts`` is compared, not
+    hashed (a step's list, never changed once made: hashing the other fields costs the same for any model)."""
 
-    layouts: list[BlockLayout]
+    layouts: list[BlockLayout] = dataclasses.field(hash=False)
     value_format: str
     index_coding: str
     secret: bytes | None = None
@@ -657,9 +665,9 @@ class AllGatherExchange:
     collectives = (CollectiveSpec("payload", "all_gather", REPLICAS, "payload", overlaps=True),)  # what start runs
 
     def __init__(self, spec: ExchangeSpec):
-        self.layouts = spec.layouts
+        self.layouts = tuple(spec.layouts)
         self.weights = F.WEIGHTS[spec.average or "pickers"]
-        self.codec = codec.payload_codec(tuple(spec.layouts), spec.value_format, spec.index_coding)
+        self.codec = codec.payload_codec(self.layouts, spec.value_format, spec.index_coding)
         self.payload_nbytes = self.codec.nbytes
         self.secret = spec.secret
         self.sealer = spec.sealer
@@ -726,11 +734,11 @@ class AllReduceExchange:
             raise ValueError(f"exchange='all_reduce' averages over every rank, not {spec.average!r}")
         if spec.value_format not in self.VALUE_DTYPES:
             refuse("all_reduce_scaled_values", allowed=", ".join(self.VALUE_DTYPES), value_format=spec.value_format)
-        self.layouts = spec.layouts
+        self.layouts = tuple(spec.layouts)
         self.dtype = self.VALUE_DTYPES[spec.value_format]
         self.secret = spec.secret
         self.union = spec.positions == "union"
-        self.bucketing = compression.plan_buckets(tuple(spec.layouts))
+        self.bucketing = compression.plan_buckets(self.layouts)
         # union: each rank nominates k // W positions per block; leader: one rank picks all k
         world = spec.world
         self.picked = self.bucketing.with_k(lambda k: max(1, k // world)) if self.union else self.bucketing
@@ -935,7 +943,10 @@ EXCHANGES_BY_NAME = {cls.name: cls for cls in (AllGatherExchange, AllReduceExcha
 EXCHANGES = tuple(EXCHANGES_BY_NAME)
 
 
+@functools.lru_cache(maxsize=64)
 def build(name: str, spec: ExchangeSpec):
     """The exchange ``name`` for one step (raises ValueError, naming the fix, on settings it refuses; ``name`` is
-    the ``exchange`` setting, checked against :data:`EXCHANGES` when the settings were made)."""
+    the ``exchange`` setting, checked against :data:`EXCHANGES` when the settings were made). Cached per (name,
+    spec): an exchange keeps nothing of a step (what a step's exchange carries is in its :class:`InFlight`), so
+    the steps of one plan share the one made at the first (a refusal is raised again each time: not cached)."""
     return EXCHANGES_BY_NAME[name](spec)

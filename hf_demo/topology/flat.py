@@ -8,6 +8,16 @@ from hf_demo.exchange.transport import Transport
 from hf_demo.optim.records import Chosen
 
 
+def chosen(items: list, grads: list | None = None, views: list | None = None) -> Chosen:
+    """The :class:`~hf_demo.optim.records.Chosen` of ``items`` stepped with ``grads`` (None: each param's own
+    gradient, the flat topology's choice: ``FlatTopology.select``); ``views``: each param's local tensor (None: the
+    params themselves, as on the flat topology)."""
+    params, groups, layouts = [list(x) for x in zip(*items)] if items else ([], [], [])
+    device = params[0].device if params else torch.device("cpu")
+    grads = [p.grad for p in params] if grads is None else grads
+    return Chosen(items, grads, params, groups, layouts, params if views is None else views, device)
+
+
 class FlatTopology:
     name = "flat"
     sharded = False  # every parameter is a plain tensor: its own local view
@@ -20,9 +30,7 @@ class FlatTopology:
         """Over the optimizer's ``process_group`` (the world group where None) once ``initialised``, else alone."""
         return cls(Transport(process_group if initialised else None, timeout))
 
-    def select(self, items: list) -> Chosen:
-        """This rank steps every item (``plan.items``) with its own gradient."""
-        return chosen(items, [p.grad for p, _, _ in items])
+    select = staticmethod(chosen)  # select(items): this rank steps every item (``plan.items``) with its own gradient
 
     def identity(self) -> tuple[int, int, str]:
         """(rank, world size, scope) a saved state belongs to: the rank in the optimizer's group."""
@@ -64,14 +72,6 @@ class WholeMatrices:
     def directions(self, rule, members: list[int], params: list, tensors: list, states: list) -> tuple[list, list]:
         """``rule.directions(params, tensors, states)`` (``members``: the parameters' positions, unused here)."""
         return rule.directions(params, tensors, states)
-
-
-def chosen(items: list, grads: list, views: list | None = None) -> Chosen:
-    """The :class:`~hf_demo.optim.records.Chosen` of ``items`` stepped with ``grads``; ``views``: each param's local
-    tensor (None: the params themselves, as on the flat topology)."""
-    params, groups, layouts = [list(x) for x in zip(*items)] if items else ([], [], [])
-    device = params[0].device if params else torch.device("cpu")
-    return Chosen(items, grads, params, groups, layouts, params if views is None else views, device)
 
 
 def dense_mean(params, transport, name: str) -> dict:
