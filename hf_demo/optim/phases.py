@@ -85,16 +85,15 @@ LOCAL_STEP = ("plan", "topology", "signal", "commit")  # a local step's phases: 
 
 
 @contextlib.contextmanager
-def traced(name: str, cuda: bool):
-    """A ``record_function`` range named ``name`` (and an NVTX range on CUDA)."""
+def traced(name: str):
+    """A ``record_function`` range named ``name`` and an NVTX range of the same name: a range of a step on CUDA
+    (elsewhere :func:`run_step` opens the ``record_function`` range itself, with no frame of ours)."""
     with torch.profiler.record_function(name):
-        if cuda:
-            torch.cuda.nvtx.range_push(name)
+        torch.cuda.nvtx.range_push(name)
         try:
             yield
         finally:
-            if cuda:
-                torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_pop()
 
 
 def run_step(view, transport, cuda: bool = False) -> tuple[Step, Settled | None, Outcome]:
@@ -103,46 +102,47 @@ def run_step(view, transport, cuda: bool = False) -> tuple[Step, Settled | None,
     down is kept (a fresh transaction). Returns the last try's step (its transaction holds the step's writes), its
     vote's record (None for a local step) and its outcome. The policy decides only under a budget (else the tier
     stays), and ``land`` runs only where an exchange lands late or starts in the background (overlap)."""
-    with traced("DeMo.step", cuda):
+    span = traced if cuda else torch.profiler.record_function  # a range (on CUDA with its NVTX range: traced)
+    with span("DeMo.step"):
         decided = None
         while True:
             step = Step(view, transport, Transaction(), decided, view.settings)
-            with traced("DeMo.plan", cuda):
+            with span("DeMo.plan"):
                 planned = plan(step)
-            with traced("DeMo.topology", cuda):
+            with span("DeMo.topology"):
                 chosen = topology(step, planned)
-            with traced("DeMo.signal", cuda):
+            with span("DeMo.signal"):
                 signalled = signal(step, planned, chosen)
             if not signalled.communicates:  # a local step: no exchange this time
-                with traced("DeMo.commit", cuda):
+                with span("DeMo.commit"):
                     return step, None, commit(step, planned, chosen, signalled)
-            with traced("DeMo.inspect", cuda):
+            with span("DeMo.inspect"):
                 found = inspect(step, planned, chosen, signalled)
-            with traced("DeMo.momentum", cuda):
+            with span("DeMo.momentum"):
                 momenta = momentum(step, planned, chosen, signalled, found)
-            with traced("DeMo.compress", cuda):
+            with span("DeMo.compress"):
                 prepared = compress(step, planned, chosen, signalled, found, momenta)
-            with traced("DeMo.exchange", cuda):
-                with traced("DeMo.agreement", cuda):
+            with span("DeMo.exchange"):
+                with span("DeMo.agreement"):
                     agreed = agreement(step, planned, chosen, found, prepared)
-                with traced("DeMo.communicate", cuda):
+                with span("DeMo.communicate"):
                     exchanged = communicate(step, momenta, prepared, agreed)
-            with traced("DeMo.vote", cuda):
+            with span("DeMo.vote"):
                 settled = vote(step, planned, chosen, found, agreed, exchanged)
-            with traced("DeMo.policy", cuda):
+            with span("DeMo.policy"):
                 budget = step.settings.comm_budget and decided is None
                 decision = policy(step, chosen, agreed) if budget else Decision(decided or view.policy)
             if decision.retry is not None:  # the policy moves down: this try ends, the step goes again lower
                 decided = decision.retry
                 continue
-            with traced("DeMo.judge", cuda):
+            with span("DeMo.judge"):
                 verdict = judge(step, chosen, signalled, found, agreed)
-            with traced("DeMo.land", cuda):
+            with span("DeMo.land"):
                 lands = step.settings.overlap or found.late is not None
                 landed = land(step, planned, chosen, found, momenta, prepared, agreed, verdict) if lands else None
-            with traced("DeMo.update", cuda):
+            with span("DeMo.update"):
                 update(step, planned, chosen, signalled, momenta, exchanged, verdict)
-            with traced("DeMo.commit", cuda):
+            with span("DeMo.commit"):
                 outcome = commit(step, planned, chosen, signalled, found, agreed, decision, verdict, landed)
             return step, settled, outcome
 
