@@ -321,28 +321,31 @@ def vote(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, agreed: Ag
     reaches every rank before any rank keeps the step, and a refusal anywhere raises the same error on every rank
     (``commit_vote``). It runs before the phases that act on the headers (policy, judge), on every rank alike.
 
-    With ``commit_vote="on"``, where the mode allows it (:func:`hf_demo.optim.settle.defers`: the defaults), a
-    steady step's verdict settles in the next exchange's all-gather: the step commits tentatively with an undo
-    log, no collective here (one round trip per step); a refusal posts a settling row and waits for the next
-    step; a step that is not steady runs the settling all-gather now (:mod:`hf_demo.optim.settle`).
+    With ``commit_vote="on"``, where the mode allows it (``defers``: the defaults), a steady step's verdict settles
+    in the next exchange's all-gather: the step commits tentatively with an undo log, no collective here (one round
+    trip per step); a refusal posts a settling row and waits for the next step; a step that is not steady runs the
+    settling all-gather now (:func:`hf_demo.optim.settle.vote`).
 
     Elsewhere (``commit_vote="separate"``, overlap, ``exchange="all_reduce"``, local steps, sharded parameters,
     elastic runs: why, in :mod:`hf_demo.optim.settle`) the verdict is a small all-gather of its own here
     (:func:`hf_demo.wire.agreement.vote`): two round trips per step; ``commit_vote="off"`` leaves it out (one
     round trip, and a refusal raises on the refusing rank only)."""
-    if step.settings.commit_vote == "on" and settle.defers(step, plan):
+    s, view, refusal, transport = step.settings, step.view, exchanged.refusal, step.transport
+    defers = (  # the modes where the verdict may settle in the next exchange (the others: hf_demo.optim.settle)
+        s.commit_vote == "on" and not s.overlap and s.exchange == "all_gather" and wire_agreement.RIDE
+        and transport.world > 1 and plan.tier.sync_every == 1 and view.topology.name == "flat" and not view.elastic
+    )  # fmt: skip
+    if defers:
         return settle.vote(step, chosen, found, agreed, exchanged.refusal)
-    refusal, transport = exchanged.refusal, step.transport
-    alone = step.settings.overlap or transport.world == 1  # overlap votes in the next header
-    if not alone and step.settings.commit_vote != "off":
+    alone = s.overlap or transport.world == 1  # overlap votes in the next header
+    if not alone and s.commit_vote != "off":
         try:
-            view = step.view
             wire_agreement.vote(transport, exchanged.refusal, chosen.device, view.sealer, view.secret, agreed.headers)
         except DeMoPayloadError as exc:
             refusal = exc
         except DeMoSyncError as exc:
             raise _parted(agreed, exc) from exc
-    refusal = step.view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
+    refusal = view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
     if refusal is not None:
         raise refusal
     return Settled(row_bytes=agreed.row_bytes)
