@@ -215,10 +215,11 @@ def momentum(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, foun
     else:  # the gradient, scaled by the learning rate, as the group's update rule lets it in (its state staged)
         factors, entering = [(g["compression_decay"], g["lr"]) for g in chosen.groups], []
         for (p, g, _), grad in zip(chosen.items, signal.signals):
-            entered, changed = update_rules.get(g["update_rule"]).signal(grad, view.state[p])
-            if changed:
-                step.tx.update(view.state[p], changed)
-            entering.append(entered)
+            if g["update_rule"] in update_rules.OWN_SIGNAL:  # (the plan resolved every group's rule: a known name)
+                grad, changed = update_rules.get(g["update_rule"]).signal(grad, view.state[p])
+                if changed:
+                    step.tx.update(view.state[p], changed)
+            entering.append(grad)
     momenta = []
     for p, _, layout in chosen.items:  # each one's momentum (zeros before its first step), its blocks checked
         state, blocked = view.state[p], (layout.nblocks, layout.bsize)
