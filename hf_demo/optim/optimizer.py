@@ -117,8 +117,9 @@ class DeMo(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay)
         defaults.update({k: getattr(self.settings, k) for k in DeMoSettings.per_group_names()})
         super().__init__(params, defaults)
-        spec = views.exchange_spec(self.settings, self.secret, self.sealer, [], self.settings.value_format)
-        exchanges.build(self.settings.exchange, spec)  # its refusals now
+        # the exchange's settings, from which every step's spec is made (views.exchange_spec): its refusals now
+        self.spec = views.exchange_spec(self.settings, self.secret, self.sealer, [], self.settings.value_format)
+        exchanges.build(self.settings.exchange, self.spec)
 
     steps, skipped_steps, resyncs = _counter("steps"), _counter("skipped_steps"), _counter("resyncs")
     consecutive_skips, unsynced = _counter("consecutive_skips"), _counter("unsynced")

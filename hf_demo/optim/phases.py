@@ -237,10 +237,8 @@ def compress(
 ) -> Prepared:
     """The exchange's local part: top-k, encoding and error feedback on the working momenta; the payload."""
     average = "world" if signal.local else None  # a synchronisation averages over every rank
-    view = step.view
-    spec = views.exchange_spec(
-        step.settings, view.secret, view.sealer, chosen.layouts, plan.tier.value_format, step.transport.world, average
-    )
+    layouts, value_format, world = chosen.layouts, plan.tier.value_format, step.transport.world
+    spec = dataclasses.replace(step.view.spec, layouts=layouts, value_format=value_format, world=world, average=average)
     exchange = exchanges.build(step.settings.exchange, spec)
     if found.flags & SKIPPING_FLAGS:  # every rank will skip: zeros travel
         return Prepared(exchange, torch.zeros(exchange.payload_nbytes, dtype=torch.uint8, device=chosen.device))

@@ -131,6 +131,7 @@ class OptimizerView:
     secret: bytes | None
     sealer: Sealer | None
     transform: object
+    spec: exchanges.ExchangeSpec  # the exchange's settings (exchange_spec, once): a step's spec is made from it
     topology: object  # hf_demo.topology: flat or sharded
     tiers: list
     policy: BudgetPolicy
@@ -212,6 +213,7 @@ def of_optimizer(opt, elastic: bool = False) -> OptimizerView:
         secret=opt.secret,
         sealer=opt.sealer,
         transform=opt.transform,
+        spec=opt.spec,
         topology=opt.topology,
         tiers=opt.tiers,
         policy=opt.policy,
