@@ -152,11 +152,11 @@ def plan(step: Step) -> StepPlan:
     view = step.view
     tier_index = (step.decided or view.policy).tier
     tier = view.tiers[tier_index]
-    items, layout_ck, settings_ck, whole = views.plan_items(
+    items, layout_ck, shared, settings_ck, whole = views.plan_items(
         view.param_groups, step.settings, view.secret, tier, view.topology.sharded
     )
     generator = F.rounding_noise(step.settings.param_rounding, step.transport.step)
-    return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator, whole)
+    return StepPlan(tier_index, tier, items, layout_ck, shared, settings_ck, generator, whole)
 
 
 def topology(step: Step, plan: StepPlan) -> Chosen:
@@ -271,7 +271,7 @@ def agreement(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, prepa
         prepared.payload,
         view.secret,
         chosen.device,
-        lambda: view.topology.node_settings(transport, view.settings_view(plan.tier)),
+        lambda: view.topology.node_settings(transport, plan.settings_view),
         view.sealer,
         riding,
         first=found.first,
