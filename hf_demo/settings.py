@@ -319,7 +319,7 @@ class DeMoSettings:
 
     @functools.cached_property
     def reprs(self) -> dict[str, str]:
-        """Every setting's ``repr``, by name, sorted: what the ranks compare (:func:`hf_demo.optim.view.settings_view`);
+        """Every setting's ``repr``, by name, sorted: what the ranks compare (:func:`hf_demo.optim.view.plan_items`);
         taken once, the settings being frozen."""
         return {k: repr(v) for k, v in sorted(self.as_dict().items())}
 

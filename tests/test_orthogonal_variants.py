@@ -59,6 +59,8 @@ def test_the_signal_rule_lets_orthogonalised_matrices_and_plain_vectors_in():
         assert update_rules.get(name).signal(None, {}) == (None, {})
     plain = [name for name in update_rules.RULES if name not in ("orthogonal_signal", "muon_signal")]
     assert all(update_rules.get(name).signal(g, {}) == (g, {}) for name in plain)
+    # the momentum phase asks only these rules for their signal: the others let every gradient in as it is
+    assert sorted(update_rules.OWN_SIGNAL) == ["muon_signal", "orthogonal_signal"]
 
 
 def test_muon_signal_lets_in_what_torch_muon_would_orthogonalise(monkeypatch):

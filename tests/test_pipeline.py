@@ -127,10 +127,10 @@ def test_every_phase_says_what_it_reads_and_what_it_makes():
 def test_run_step_calls_every_phase_in_order_each_in_its_range(monkeypatch):
     """The ranges one steady step opens, in order: ``DeMo.step``, then each phase of :data:`PHASES` (``compress``:
     top-k and coding), ``DeMo.exchange`` opened just before ``agreement`` (it holds ``communicate`` too); a local
-    step runs plan, topology, signal and commit only."""
+    step runs plan, topology, signal and commit only (on the CPU every range is a plain ``record_function``)."""
     opened = []
-    real = phases.traced
-    monkeypatch.setattr(phases, "traced", lambda name, cuda: (opened.append(name), real(name, cuda))[1])
+    real = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: (opened.append(name), real(name))[1])
 
     def ranges(**settings) -> list[str]:
         p = torch.nn.Parameter(torch.randn(8, 8))
@@ -146,6 +146,20 @@ def test_run_step_calls_every_phase_in_order_each_in_its_range(monkeypatch):
     assert steady[0] == "step" and [n for n in steady[1:] if n != "exchange"] == list(phases.PHASES), steady
     assert steady.index("exchange") == steady.index("agreement") - 1
     assert ranges(sync_every=4) == ["step", *phases.LOCAL_STEP]
+
+
+def test_a_step_on_cuda_opens_an_nvtx_range_with_each_range(monkeypatch):
+    """On CUDA each range of the step is an NVTX range of the same name too (traced), pushed and popped in order."""
+    nvtx = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: nvtx.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: nvtx.append(("pop", None)))
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = hf_demo.DeMo([p], lr=1e-2, compression_topk=4, compression_chunk=8)
+    p.grad = torch.randn(8, 8)
+    phases.run_step(opt.step_view(), opt.transport.at(opt.steps), cuda=True)  # (nothing committed)
+    pushed = [name.removeprefix("DeMo.") for what, name in nvtx if what == "push"]
+    assert pushed[0] == "step" and [n for n in pushed[1:] if n != "exchange"] == list(phases.PHASES), pushed
+    assert [what for what, _ in nvtx].count("pop") == len(pushed) and nvtx[-1] == ("pop", None)
 
 
 def test_phases_get_a_view_of_the_optimizer_and_not_the_optimizer():

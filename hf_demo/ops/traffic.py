@@ -157,7 +157,7 @@ def described(specs, sizes: dict, settings: DeMoSettings, every: int, world: int
 
 def _often(when: str, settings: DeMoSettings, every: int, world: int, sharded: bool = False) -> float | None:
     """Once per how many steps a collective described as running ``when`` runs (None: never, here). The vote is
-    not counted where a steady step's verdict settles in the next exchange (hf_demo.optim.settle.defers)."""
+    not counted where a steady step's verdict settles in the next exchange (hf_demo.optim.phases.vote)."""
     from hf_demo.optim import update_rules
 
     rules = update_rules.RULES

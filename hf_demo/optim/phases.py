@@ -85,16 +85,15 @@ LOCAL_STEP = ("plan", "topology", "signal", "commit")  # a local step's phases: 
 
 
 @contextlib.contextmanager
-def traced(name: str, cuda: bool):
-    """A ``record_function`` range named ``name`` (and an NVTX range on CUDA)."""
+def traced(name: str):
+    """A ``record_function`` range named ``name`` and an NVTX range of the same name: a range of a step on CUDA
+    (elsewhere :func:`run_step` opens the ``record_function`` range itself, with no frame of ours)."""
     with torch.profiler.record_function(name):
-        if cuda:
-            torch.cuda.nvtx.range_push(name)
+        torch.cuda.nvtx.range_push(name)
         try:
             yield
         finally:
-            if cuda:
-                torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_pop()
 
 
 def run_step(view, transport, cuda: bool = False) -> tuple[Step, Settled | None, Outcome]:
@@ -103,46 +102,47 @@ def run_step(view, transport, cuda: bool = False) -> tuple[Step, Settled | None,
     down is kept (a fresh transaction). Returns the last try's step (its transaction holds the step's writes), its
     vote's record (None for a local step) and its outcome. The policy decides only under a budget (else the tier
     stays), and ``land`` runs only where an exchange lands late or starts in the background (overlap)."""
-    with traced("DeMo.step", cuda):
+    span = traced if cuda else torch.profiler.record_function  # a range (on CUDA with its NVTX range: traced)
+    with span("DeMo.step"):
         decided = None
         while True:
             step = Step(view, transport, Transaction(), decided, view.settings)
-            with traced("DeMo.plan", cuda):
+            with span("DeMo.plan"):
                 planned = plan(step)
-            with traced("DeMo.topology", cuda):
+            with span("DeMo.topology"):
                 chosen = topology(step, planned)
-            with traced("DeMo.signal", cuda):
+            with span("DeMo.signal"):
                 signalled = signal(step, planned, chosen)
             if not signalled.communicates:  # a local step: no exchange this time
-                with traced("DeMo.commit", cuda):
+                with span("DeMo.commit"):
                     return step, None, commit(step, planned, chosen, signalled)
-            with traced("DeMo.inspect", cuda):
+            with span("DeMo.inspect"):
                 found = inspect(step, planned, chosen, signalled)
-            with traced("DeMo.momentum", cuda):
+            with span("DeMo.momentum"):
                 momenta = momentum(step, planned, chosen, signalled, found)
-            with traced("DeMo.compress", cuda):
+            with span("DeMo.compress"):
                 prepared = compress(step, planned, chosen, signalled, found, momenta)
-            with traced("DeMo.exchange", cuda):
-                with traced("DeMo.agreement", cuda):
+            with span("DeMo.exchange"):
+                with span("DeMo.agreement"):
                     agreed = agreement(step, planned, chosen, found, prepared)
-                with traced("DeMo.communicate", cuda):
+                with span("DeMo.communicate"):
                     exchanged = communicate(step, momenta, prepared, agreed)
-            with traced("DeMo.vote", cuda):
+            with span("DeMo.vote"):
                 settled = vote(step, planned, chosen, found, agreed, exchanged)
-            with traced("DeMo.policy", cuda):
+            with span("DeMo.policy"):
                 budget = step.settings.comm_budget and decided is None
                 decision = policy(step, chosen, agreed) if budget else Decision(decided or view.policy)
             if decision.retry is not None:  # the policy moves down: this try ends, the step goes again lower
                 decided = decision.retry
                 continue
-            with traced("DeMo.judge", cuda):
+            with span("DeMo.judge"):
                 verdict = judge(step, chosen, signalled, found, agreed)
-            with traced("DeMo.land", cuda):
+            with span("DeMo.land"):
                 lands = step.settings.overlap or found.late is not None
                 landed = land(step, planned, chosen, found, momenta, prepared, agreed, verdict) if lands else None
-            with traced("DeMo.update", cuda):
+            with span("DeMo.update"):
                 update(step, planned, chosen, signalled, momenta, exchanged, verdict)
-            with traced("DeMo.commit", cuda):
+            with span("DeMo.commit"):
                 outcome = commit(step, planned, chosen, signalled, found, agreed, decision, verdict, landed)
             return step, settled, outcome
 
@@ -152,11 +152,11 @@ def plan(step: Step) -> StepPlan:
     view = step.view
     tier_index = (step.decided or view.policy).tier
     tier = view.tiers[tier_index]
-    items, layout_ck, settings_ck, whole = views.plan_items(
+    items, layout_ck, shared, settings_ck, whole = views.plan_items(
         view.param_groups, step.settings, view.secret, tier, view.topology.sharded
     )
     generator = F.rounding_noise(step.settings.param_rounding, step.transport.step)
-    return StepPlan(tier_index, tier, items, layout_ck, settings_ck, generator, whole)
+    return StepPlan(tier_index, tier, items, layout_ck, shared, settings_ck, generator, whole)
 
 
 def topology(step: Step, plan: StepPlan) -> Chosen:
@@ -215,10 +215,11 @@ def momentum(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, foun
     else:  # the gradient, scaled by the learning rate, as the group's update rule lets it in (its state staged)
         factors, entering = [(g["compression_decay"], g["lr"]) for g in chosen.groups], []
         for (p, g, _), grad in zip(chosen.items, signal.signals):
-            entered, changed = update_rules.get(g["update_rule"]).signal(grad, view.state[p])
-            if changed:
-                step.tx.update(view.state[p], changed)
-            entering.append(entered)
+            if g["update_rule"] in update_rules.OWN_SIGNAL:  # (the plan resolved every group's rule: a known name)
+                grad, changed = update_rules.get(g["update_rule"]).signal(grad, view.state[p])
+                if changed:
+                    step.tx.update(view.state[p], changed)
+            entering.append(grad)
     momenta = []
     for p, _, layout in chosen.items:  # each one's momentum (zeros before its first step), its blocks checked
         state, blocked = view.state[p], (layout.nblocks, layout.bsize)
@@ -236,10 +237,8 @@ def compress(
 ) -> Prepared:
     """The exchange's local part: top-k, encoding and error feedback on the working momenta; the payload."""
     average = "world" if signal.local else None  # a synchronisation averages over every rank
-    view = step.view
-    spec = views.exchange_spec(
-        step.settings, view.secret, view.sealer, chosen.layouts, plan.tier.value_format, step.transport.world, average
-    )
+    layouts, value_format, world = chosen.layouts, plan.tier.value_format, step.transport.world
+    spec = dataclasses.replace(step.view.spec, layouts=layouts, value_format=value_format, world=world, average=average)
     exchange = exchanges.build(step.settings.exchange, spec)
     if found.flags & SKIPPING_FLAGS:  # every rank will skip: zeros travel
         return Prepared(exchange, torch.zeros(exchange.payload_nbytes, dtype=torch.uint8, device=chosen.device))
@@ -272,7 +271,7 @@ def agreement(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, prepa
         prepared.payload,
         view.secret,
         chosen.device,
-        lambda: view.topology.node_settings(transport, view.settings_view(plan.tier)),
+        lambda: view.topology.node_settings(transport, plan.settings_view),
         view.sealer,
         riding,
         first=found.first,
@@ -321,28 +320,31 @@ def vote(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, agreed: Ag
     reaches every rank before any rank keeps the step, and a refusal anywhere raises the same error on every rank
     (``commit_vote``). It runs before the phases that act on the headers (policy, judge), on every rank alike.
 
-    With ``commit_vote="on"``, where the mode allows it (:func:`hf_demo.optim.settle.defers`: the defaults), a
-    steady step's verdict settles in the next exchange's all-gather: the step commits tentatively with an undo
-    log, no collective here (one round trip per step); a refusal posts a settling row and waits for the next
-    step; a step that is not steady runs the settling all-gather now (:mod:`hf_demo.optim.settle`).
+    With ``commit_vote="on"``, where the mode allows it (``defers``: the defaults), a steady step's verdict settles
+    in the next exchange's all-gather: the step commits tentatively with an undo log, no collective here (one round
+    trip per step); a refusal posts a settling row and waits for the next step; a step that is not steady runs the
+    settling all-gather now (:func:`hf_demo.optim.settle.vote`).
 
     Elsewhere (``commit_vote="separate"``, overlap, ``exchange="all_reduce"``, local steps, sharded parameters,
     elastic runs: why, in :mod:`hf_demo.optim.settle`) the verdict is a small all-gather of its own here
     (:func:`hf_demo.wire.agreement.vote`): two round trips per step; ``commit_vote="off"`` leaves it out (one
     round trip, and a refusal raises on the refusing rank only)."""
-    if step.settings.commit_vote == "on" and settle.defers(step, plan):
+    s, view, refusal, transport = step.settings, step.view, exchanged.refusal, step.transport
+    defers = (  # the modes where the verdict may settle in the next exchange (the others: hf_demo.optim.settle)
+        s.commit_vote == "on" and not s.overlap and s.exchange == "all_gather" and wire_agreement.RIDE
+        and transport.world > 1 and plan.tier.sync_every == 1 and view.topology.name == "flat" and not view.elastic
+    )  # fmt: skip
+    if defers:
         return settle.vote(step, chosen, found, agreed, exchanged.refusal)
-    refusal, transport = exchanged.refusal, step.transport
-    alone = step.settings.overlap or transport.world == 1  # overlap votes in the next header
-    if not alone and step.settings.commit_vote != "off":
+    alone = s.overlap or transport.world == 1  # overlap votes in the next header
+    if not alone and s.commit_vote != "off":
         try:
-            view = step.view
             wire_agreement.vote(transport, exchanged.refusal, chosen.device, view.sealer, view.secret, agreed.headers)
         except DeMoPayloadError as exc:
             refusal = exc
         except DeMoSyncError as exc:
             raise _parted(agreed, exc) from exc
-    refusal = step.view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
+    refusal = view.topology.agree_refusal(transport, chosen.device, refusal)  # every shard, where sharded
     if refusal is not None:
         raise refusal
     return Settled(row_bytes=agreed.row_bytes)

@@ -38,13 +38,15 @@ class Step:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """``plan``: the tier, every trainable (param, group, layout) in order, the checksums the ranks compare, the
-    step's rounding noise, and the parameters whose rule needs whole matrices."""
+    """``plan``: the tier, every trainable (param, group, layout) in order, the checksums the ranks compare (and the
+    settings the second covers, by name), the step's rounding noise, and the parameters whose rule needs whole
+    matrices."""
 
     tier_index: int
     tier: Tier
     items: list
     layout_ck: int
+    settings_view: dict  # every setting the ranks must share, by name: its value's repr (view.plan_items)
     settings_ck: int
     generator: torch.Generator | None
     whole: list = ()  # the trainable parameters whose update rule needs the whole matrix (a topology's matrices)

@@ -76,40 +76,6 @@ class Deferred(Exception):
         self.unsettled = unsettled
 
 
-def defers(step, plan) -> bool:
-    """Whether this step's verdict may settle in the next exchange (the modes in the module's docstring)."""
-    s, view = step.settings, step.view
-    return (
-        s.commit_vote == "on"
-        and not s.overlap
-        and s.exchange == "all_gather"
-        and agreement.RIDE
-        and step.transport.world > 1
-        and plan.tier.sync_every == 1
-        and view.topology.name == "flat"
-        and not view.elastic
-    )
-
-
-def unsteady_everywhere(step, found, agreed) -> bool:
-    """Whether the step is not steady by what every rank that trusted every header knows too, so that every rank
-    runs its settling all-gather now (:func:`vote`): what the ranks hold alike (a process's first exchange, a
-    payload that did not ride, a policy's second try, a resync due) or a header this rank read intact says (a flag
-    asking for more, fingerprints apart). A rank that refused a header (its stand-in decides nothing) can tell
-    from this alone; the budget policy's figures, which a stand-in changes, are left to :func:`vote`."""
-    if agreed.arrived is None or step.decided is not None:
-        return True
-    return not verdicts.decide(step.settings, step.transport.step, step.transport.world, found, agreed.headers).steady
-
-
-def settles_now(step, found, agreed) -> bool:
-    """Whether a rank that refused something in this step knows that every other rank runs its settling all-gather
-    now: the step is not steady by what they all know (:func:`unsteady_everywhere`), and this rank keeps no step
-    unsettled (so every row of the headers' all-gather was a header of this step: none it refused can be a
-    settling row of the step before, which would have made the others raise before the exchange)."""
-    return step.view.unsettled is None and unsteady_everywhere(step, found, agreed)
-
-
 def post(
     transport, settled: int, refusal, row_bytes: int, secret, sealer, device, flags: int = 0, word=None
 ) -> Pending:
@@ -121,22 +87,33 @@ def post(
 
 
 def vote(step, chosen, found, agreed, refusal) -> Settled:
-    """The vote part where the step's verdict may settle later: a steady step that this rank received whole
-    commits tentatively (no collective). Steady: the same on every rank that trusted every header, the headers
-    read as steady by the judge's own reading (:func:`unsteady_everywhere`, :func:`hf_demo.guards.decide`)
-    and the policy staying in its tier; a refusal posts this rank's settling row and defers (:class:`Deferred`),
-    unless every other rank settles it now too (:func:`settles_now`: this rank then waits for that all-gather with
-    them and raises at once, as they do); any other step runs the settling all-gather now and raises on every rank
-    where any rank refused, or, where a refusing rank deferred (:data:`agreement.DEFERS` in its word: it could not
-    tell the step was not steady), defers too, so that every rank raises in the same call, its next."""
-    transport, row_bytes = step.transport, agreed.row_bytes
-    if refusal is None and not unsteady_everywhere(step, found, agreed):
+    """The vote part where the step's verdict may settle later (the modes in the module's docstring: the phase's,
+    :func:`hf_demo.optim.phases.vote`): a steady step that this rank received whole commits tentatively (no
+    collective). Steady: the same on every rank that trusted every header, the headers read as steady by the
+    judge's own reading (:func:`hf_demo.guards.decide`) and the policy staying in its tier; a refusal posts this
+    rank's settling row and defers (:class:`Deferred`), unless every other rank settles it now too (this rank then
+    waits for that all-gather with them and raises at once, as they do); any other step runs the settling
+    all-gather now and raises on every rank where any rank refused, or, where a refusing rank deferred
+    (:data:`agreement.DEFERS` in its word: it could not tell the step was not steady), defers too, so that every
+    rank raises in the same call, its next."""
+    transport, row_bytes, number = step.transport, agreed.row_bytes, step.transport.step
+    # not steady by what every rank that trusted every header knows too, so every rank runs its settling all-gather
+    # now: what the ranks hold alike (a process's first exchange, a payload that did not ride, a policy's second
+    # try, a resync due) or a header this rank read intact says (a flag asking for more, fingerprints apart). A rank
+    # that refused a header (its stand-in decides nothing) can tell from this alone; the budget policy's figures,
+    # which a stand-in changes, are read below
+    unsteady = agreed.arrived is None or step.decided is not None
+    unsteady = unsteady or not verdicts.decide(step.settings, number, transport.world, found, agreed.headers).steady
+    if refusal is None and not unsteady:
         stays = not step.settings.comm_budget or (
             verdicts.policy_after(step, chosen, agreed.headers).tier == step.view.policy.tier
         )
         if stays:
             return Settled(tentative=True, row_bytes=row_bytes)
-    later = refusal is not None and not settles_now(step, found, agreed)
+    # a refusing rank knows that every other rank settles now where the step is not steady by what they all know
+    # and it keeps no step unsettled (so every row of the headers' all-gather was a header of this step: none it
+    # refused can be a settling row of the step before, which would have made the others raise before the exchange)
+    later = refusal is not None and not (unsteady and step.view.unsettled is None)
     word = agreement.verdict(refusal) | (agreement.DEFERS if later else 0)
     secret, sealer = step.view.secret, step.view.sealer
     posted = post(transport, transport.step, refusal, row_bytes, secret, sealer, chosen.device, word=word)

@@ -448,6 +448,8 @@ RULES = {
     )
 }
 UPDATE_RULES = tuple(RULES)
+# the rules whose Rule.signal changes what of a rank's gradient enters DeMo's momentum (the others let it in as it is)
+OWN_SIGNAL = tuple(name for name, rule in RULES.items() if rule.signal is not Rule.signal)
 FACTS = {name: rule.facts for name, rule in RULES.items()}
 # every key a rule keeps in the optimizer's per-parameter state, the same on every rank
 STATE_KEYS = tuple(sorted({e.key for f in FACTS.values() for e in f.state if e.agreed}))

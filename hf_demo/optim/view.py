@@ -55,11 +55,17 @@ GROUP_KEYS = ("lr", "weight_decay") + DeMoSettings.per_group_names()
 
 
 def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier, sharded: bool = True):
-    """([(param, group, layout)] of every trainable parameter, layout checksum, settings checksum, the trainable
-    parameters whose update rule needs the whole matrix: :meth:`OptimizerView.whole_matrix_params`) for a tier.
+    """([(param, group, layout)] of every trainable parameter, layout checksum, the settings view, settings checksum,
+    the trainable parameters whose update rule needs the whole matrix: :meth:`OptimizerView.whole_matrix_params`) for
+    a tier, each group checked. The settings view: every setting the ranks must share, by name, with its value (what
+    the settings checksum covers): DeMo's settings, whether payloads are signed, the tier, and each group's learning
+    rate, weight decay and per-group settings; ranks whose checksums differ compare these to name what differs.
     ``sharded`` False (the flat topology): every parameter is a plain tensor, its own local shard."""
     items, layout_key, whole = [], [], []
-    for group in param_groups:
+    view = dict(settings.reprs)
+    view["signed payloads (HF_DEMO_SECRET)"] = repr(secret is not None)
+    view["tier"] = repr(tier)
+    for i, group in enumerate(param_groups):
         validate_group(group)
         if update_rules.get(group["update_rule"]).whole_matrix:
             whole += [p for p in group["params"] if p.requires_grad]
@@ -70,21 +76,9 @@ def plan_items(param_groups, settings: DeMoSettings, secret: bytes | None, tier,
             layout = F.plan(shape, group["compression_chunk"], max(1, group["compression_topk"] // tier.topk_divisor))
             items.append((p, group, layout))
             layout_key.append((layout, str(p.dtype)))
-    view = settings_view(param_groups, settings, secret, tier)
-    return items, codec.checksum(tuple(layout_key)), codec.checksum(tuple(view.items())), whole
-
-
-def settings_view(param_groups, settings: DeMoSettings, secret: bytes | None, tier) -> dict[str, str]:
-    """Every setting the ranks must share, by name, with its value (what the settings checksum covers): DeMo's
-    settings, whether payloads are signed, the tier, and each group's learning rate, weight decay and per-group
-    settings. Ranks whose checksums differ compare these to name what differs."""
-    view = dict(settings.reprs)
-    view["signed payloads (HF_DEMO_SECRET)"] = repr(secret is not None)
-    view["tier"] = repr(tier)
-    for i, group in enumerate(param_groups):
         for k in GROUP_KEYS:
             view[f"param_groups[{i}].{k}"] = repr(group[k] if isinstance(group[k], str) else float(group[k]))
-    return view
+    return items, codec.checksum(tuple(layout_key)), view, codec.checksum(tuple(view.items())), whole
 
 
 def bytes_by_tier(items, tiers, index_coding: str) -> list[float]:
@@ -131,6 +125,7 @@ class OptimizerView:
     secret: bytes | None
     sealer: Sealer | None
     transform: object
+    spec: exchanges.ExchangeSpec  # the exchange's settings (exchange_spec, once): a step's spec is made from it
     topology: object  # hf_demo.topology: flat or sharded
     tiers: list
     policy: BudgetPolicy
@@ -153,9 +148,6 @@ class OptimizerView:
 
     def plan(self, tier):
         return plan_items(self.param_groups, self.settings, self.secret, tier, self.topology.sharded)
-
-    def settings_view(self, tier) -> dict[str, str]:
-        return settings_view(self.param_groups, self.settings, self.secret, tier)
 
     def bytes_by_tier(self, items) -> list[float]:
         return bytes_by_tier(items, self.tiers, self.settings.index_coding)
@@ -212,6 +204,7 @@ def of_optimizer(opt, elastic: bool = False) -> OptimizerView:
         secret=opt.secret,
         sealer=opt.sealer,
         transform=opt.transform,
+        spec=opt.spec,
         topology=opt.topology,
         tiers=opt.tiers,
         policy=opt.policy,
