@@ -138,6 +138,7 @@ def test_step_trace_counts_the_functions_and_files_of_one_steady_step():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(out["by_file"]) <= out["files"] and sum(out["by_file"].values()) == out["functions"]
     assert "optim/optimizer.py" in out["by_file"] and out["calls"] >= out["functions"]
+    assert out["functions"] <= 90 and out["files"] <= 12, out["names"]  # the design's bound (docs/DESIGN.md)
 
 
 def _plot_ranks(results: Path) -> subprocess.CompletedProcess:
