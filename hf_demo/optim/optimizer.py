@@ -11,10 +11,10 @@ right tag are refused; with ``HF_DEMO_ENCRYPT=1`` beside it, every header and pa
 to its sender instead (AES-256-GCM, :mod:`hf_demo.wire.sealing`; see SECURITY.md).
 
 DeMo owns its state: one frozen record (:class:`~hf_demo.optim.state.RunState`, ``run_state``), replaced whole by
-one of its methods, a transition named for what happened (the commit, with what the step changed: ``DeMo._commit``;
-``loaded`` at a load; ``settled``, ``land_in_flight``, ``reset_peers``, ``run_by``, ...); no other module assigns
-an attribute of a DeMo (``tests/test_state_ownership.py``). A tentative commit's undo puts back the record the
-commit replaced.
+one of its methods, a transition named for what happened (the commit, with what the step changed: the ``record``
+of its :class:`~hf_demo.optim.records.Outcome`; ``loaded`` at a load; ``settled``, ``land_in_flight``,
+``reset_peers``, ``run_by``, ...); no other module assigns an attribute of a DeMo
+(``tests/test_state_ownership.py``). A tentative commit's undo puts back the record the commit replaced.
 """
 
 from __future__ import annotations
@@ -214,27 +214,17 @@ class DeMo(torch.optim.Optimizer):
 
     def _commit(self, staged: StagedStep) -> None:
         """:meth:`StagedStep.commit`: the step's outcome staged last (its traffic counted, the record replaced by
-        what the step changed, ``took``), and its transaction committed; tentatively, with an undo log (which puts
-        the record and the traffic totals back), where its verdict settles later."""
+        what the step changed, ``outcome.record``), and its transaction committed; tentatively, with an undo log
+        (which puts the record and the traffic totals back), where its verdict settles later."""
         tx, outcome, settled = staged.close("committed"), staged.outcome, staged.settled
         if tx is None:
             return
         if outcome.warn_skips:
             tx.stage(lambda: phases.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
-        took = {"counters": outcome.counters}  # what the step changes of the record, by field
-        if outcome.landed is not None:  # overlap: the exchange this step started
-            took["pending"] = outcome.landed.pending
-        if outcome.exchanged:  # (the step's traffic: the last step's figures once counted)
-            took["first_checked"] = True
-            took["clock"] = policies.Clock(outcome.traffic.seconds * 1000.0, outcome.started, outcome.tier_index)
-        if outcome.exchanged or outcome.policy is not None:  # (or moved down into a local phase)
-            took["policy"] = outcome.policy
-        if outcome.wire_agreed is not None:  # what the payload takes on the wire, agreed: it rides from now on
-            took["wire_agreed"] = outcome.wire_agreed
         spare = self.run_state.undo_spare  # the last undo log's copies, reused
         self._put(undo_spare={})
         stats, state, totals = self.comm_stats, self.run_state, dict(vars(self.comm_stats))  # (the undo's pre-image)
-        tx.stage(lambda: (stats.commit_step(outcome.dense, outcome.traffic), self._put(**took)),
+        tx.stage(lambda: (stats.commit_step(outcome.dense, outcome.traffic), self._put(**outcome.record)),
                  before=lambda: lambda: (setattr(self, "run_state", state), vars(stats).update(totals)))  # fmt: skip
         tentative, row_bytes = settled is not None and settled.tentative, getattr(settled, "row_bytes", 0)
         if settled is not None and settled.again:  # a non-steady step every verdict of which was read whole

@@ -42,6 +42,7 @@ from hf_demo.errors import DeMoPayloadError, DeMoStateError, DeMoSyncError
 from hf_demo.exchange import transport as exchanges
 from hf_demo.optim import local_steps, overlap, settle, signals, update_rules
 from hf_demo.optim import view as views
+from hf_demo.optim.policy import Clock
 from hf_demo.optim.records import (
     SKIPPING_FLAGS,
     Agreed,
@@ -444,11 +445,14 @@ def commit(
     landed: Landed | None = None,
 ) -> Outcome:
     """The step's counters, policy, clock and traffic: the :class:`~hf_demo.optim.records.Outcome` the optimizer
-    takes last at the commit (they change whatever the step did). A local step has no records of the exchange."""
+    takes last at the commit (they change whatever the step did), and the fields of its record they replace. A
+    local step has no records of the exchange."""
     view = step.view
     dense = 4 * sum(layout.numel for layout in chosen.layouts)
     outcome = Outcome(dense, step.transport.traffic, view.counters, landed=landed)
-    counters = view.counters
+    counters, record = view.counters, {}
+    if landed is not None:  # overlap: the exchange this step started
+        record["pending"] = landed.pending
     if verdict is not None and verdict.resynced:
         counters = dataclasses.replace(counters, resyncs=counters.resyncs + 1)
     if not signal.communicates:  # a local step: the ranks stay apart until a synchronisation commits
@@ -458,9 +462,9 @@ def commit(
         policy = decision.policy
         if not step.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget
             policy = dataclasses.replace(policy, tier=0, over=0, under=0)
-        outcome = dataclasses.replace(
-            outcome, policy=policy, exchanged=True, started=found.started, tier_index=plan.tier_index
-        )
+        outcome = dataclasses.replace(outcome, policy=policy, exchanged=True)
+        seconds = step.transport.traffic.seconds  # the step's traffic (every try's), what its commit counts last
+        record.update(first_checked=True, clock=Clock(seconds * 1000.0, found.started, plan.tier_index))
         if agreed.wire_bytes is not None:  # what the payload takes on the wire, agreed: it rides from now on
             wire = {**view.wire_agreed, (step.transport.world, plan.tier_index): agreed.wire_bytes}
             outcome = dataclasses.replace(outcome, wire_agreed=wire)
@@ -471,7 +475,11 @@ def commit(
         counters = dataclasses.replace(counters, steps=counters.steps + 1)
         if signal.communicates:  # a synchronisation: the replicas agree
             counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
-    return dataclasses.replace(outcome, counters=counters)
+    if outcome.exchanged or outcome.policy is not None:  # (or moved down into a local phase)
+        record["policy"] = outcome.policy
+    if outcome.wire_agreed is not None:  # what the payload takes on the wire, agreed: it rides from now on
+        record["wire_agreed"] = outcome.wire_agreed
+    return dataclasses.replace(outcome, counters=counters, record={**record, "counters": counters})
 
 
 def _rechunked(p, momentum, blocked) -> str:

@@ -7,7 +7,7 @@ writes a phase computes are staged in ``step.tx`` and the optimizer takes the :c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -180,18 +180,18 @@ class Landed:
 
 @dataclass(frozen=True)
 class Outcome:
-    """``commit``: what the optimizer takes at the commit, after every other staged write, in this order: the
-    step's traffic (``dense`` bytes of a dense exchange to compare with), the exchange left in flight (when
+    """``commit``: what the optimizer takes at the commit, after every other staged write: the step's traffic
+    (``dense`` bytes of a dense exchange to compare with), then ``record``, the fields of the optimizer's
+    :class:`~hf_demo.optim.state.RunState` the step changes: the counters, the exchange left in flight (when
     ``landed``), the policy (None: as it was), the clock and first-exchange mark (when ``exchanged``), the payload
-    bytes agreed on the wire, the counters."""
+    bytes agreed on the wire."""
 
     dense: int
     traffic: Traffic
     counters: Counters
     policy: BudgetPolicy | None = None
     exchanged: bool = False
-    started: float = 0.0
-    tier_index: int = 0
     wire_agreed: dict | None = None
     landed: Landed | None = None
     warn_skips: bool = False
+    record: dict = field(default_factory=dict)
