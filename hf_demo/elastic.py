@@ -503,13 +503,13 @@ class Elastic(torch.optim.Optimizer):
         ``should_commit()`` says whether the step's transaction commits. An error that is not a
         :class:`DeMoSyncError` (a bug, a bad setting), or a :class:`DeMoSettingsError` (the replica groups' settings
         differ: every replica holds the same headers and raises it alike, and every retry would meet it again), is
-        raised once torchft has been told."""
+        raised once torchft has been told (:meth:`_should_commit`: even where torchft's call then fails)."""
         self._check_armed()
         self._armed = False
         if error is not None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
             self.stats.last_error = " ".join(str(error).split())[:1000]
-        commit = bool(self.manager.should_commit()) and error is None
+        commit = self._should_commit(error) and error is None
         self.last_committed = commit
         if commit:
             self.stats.committed_steps += 1
@@ -518,6 +518,21 @@ class Elastic(torch.optim.Optimizer):
         if error is not None and (not isinstance(error, DeMoSyncError) or isinstance(error, DeMoSettingsError)):
             raise error  # a bug, or settings that differ between replica groups: a retry would meet them again
         return commit
+
+    def _should_commit(self, error: BaseException | None) -> bool:
+        """torchft's ``should_commit()``. Where this step raised a :class:`DeMoSettingsError` (held by every process
+        of every replica group alike), a failure of that call is its consequence and the step is refused: in an HSDP
+        replica group shard rank 0 hosts the group's torchft manager server, and raising the settings error first
+        it may take the server with it while another shard rank's call is in flight or late (that rank meets
+        torchft's raw ``transport error``, shard rank 0 a timeout). The settings error is then raised there too,
+        torchft's failure in its traceback (``__context__``). Any other step's failure of the call is raised."""
+        try:
+            return bool(self.manager.should_commit())
+        except Exception as exc:
+            if not isinstance(error, DeMoSettingsError):
+                raise
+            error.__context__, error.__suppress_context__ = exc, False
+            return False
 
     def _check_armed(self) -> None:
         """One step (one commit decision) per quorum: :meth:`start_step` must come first."""

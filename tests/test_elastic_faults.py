@@ -8,6 +8,7 @@ The replica groups are ``examples/elastic.py`` processes around a real torchft L
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,33 @@ def test_a_settings_error_is_raised_after_torchft_is_told_not_retried():
     with pytest.raises(DeMoSettingsError, match="compression_topk"):
         elastic.decide(DeMoSettingsError("settings that differ:\n    compression_topk: rank 0 4, rank 1 2"))
     assert elastic.stats.refused_steps == 2 and manager.step == 0
+
+
+TRANSPORT_ERROR = 'status: Unknown, message: "transport error", details: [], metadata: MetadataMap { headers: {} }'
+
+
+def test_a_settings_error_is_raised_where_torchft_fails_after_it():
+    """HSDP: shard rank 0 of a replica group hosts its torchft manager server; raising the settings error first,
+    it may take the server with it while another shard rank's should_commit is still in flight (or the other's is
+    late, and its own times out). The settings error, which every process holds, is raised there too (torchft's
+    failure in its traceback), not torchft's raw RuntimeError; with no settings error torchft's failure is raised."""
+    _torchft()
+    manager = _Manager()
+
+    def gone():
+        raise RuntimeError(TRANSPORT_ERROR)
+
+    manager.should_commit = gone
+    elastic, _ = _elastic(manager)
+    elastic.start_step()
+    with pytest.raises(DeMoSettingsError, match="compression_topk") as caught:
+        elastic.decide(DeMoSettingsError("settings that differ:\n    compression_topk: rank 0 4, rank 1 2"))
+    assert TRANSPORT_ERROR in str(caught.value.__context__), caught.value.__context__
+    assert elastic.stats.refused_steps == 1 and not elastic.last_committed
+    for error in (None, DeMoSyncError("a peer died")):
+        elastic.start_step()
+        with pytest.raises(RuntimeError, match="transport error"):
+            elastic.decide(error)
 
 
 def test_a_joiner_keeps_its_own_learning_rate_for_the_headers_to_compare():
@@ -390,6 +418,10 @@ def test_an_hsdp_replica_group_with_another_lr_on_one_shard_rank_is_named_on_eve
     groups raises DeMoSettingsError naming the lr of every process (its replica group and shard rank), not only the
     processes whose replicate group's headers differ."""
     _torchft()
+    _lr_named_on_every_process(tmp_path)
+
+
+def _lr_named_on_every_process(tmp_path):
     from benchlib.elastic_groups import ReplicaGroups
 
     groups = ReplicaGroups(2, 2, tmp_path, [*FAST, "--steps", "50"], extra={"1": ["--lr", "0.01"]})
@@ -401,3 +433,18 @@ def test_an_hsdp_replica_group_with_another_lr_on_one_shard_rank_is_named_on_eve
         assert code == 1 and error is not None and error.startswith("DeMoSettingsError"), (key, code, error)
         assert "param_groups[0].lr" in error and "shard rank 0 0.01" in error, (key, error)
         assert error.count(" 0.003") == 3, (key, error)  # the three other processes' lr, each named
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(400)
+def test_an_hsdp_replica_group_with_another_lr_names_it_where_its_shard_rank_0_left_first(tmp_path, monkeypatch):
+    """The same, where shard rank 1 of replica group 0 asks torchft's should_commit only once shard rank 0 of its
+    group has exited (tests/scripts/elastic_late_commit.py: the order a loaded machine can give). Shard rank 0
+    waited for it until torchft's timeout, then left with its group's manager server; the late shard rank's call
+    met the server gone. Both raised torchft's raw error (a timeout; 'status: Unknown, message: "transport
+    error"') instead of the settings error every process holds. Now every process raises DeMoSettingsError."""
+    _torchft()
+    from benchlib import elastic_groups
+
+    monkeypatch.setattr(elastic_groups, "EXAMPLE", Path(__file__).parent / "scripts" / "elastic_late_commit.py")
+    _lr_named_on_every_process(tmp_path)
