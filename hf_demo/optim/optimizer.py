@@ -220,7 +220,7 @@ class DeMo(torch.optim.Optimizer):
         if tx is None:
             return
         if outcome.warn_skips:
-            tx.stage(lambda: phases.warn_skips(self.settings, outcome.counters), keeps_nothing=True)
+            tx.stage(lambda: phases.warn_skips(self.settings, outcome.record["counters"]), keeps_nothing=True)
         spare = self.run_state.undo_spare  # the last undo log's copies, reused
         self._put(undo_spare={})
         stats, state, totals = self.comm_stats, self.run_state, dict(vars(self.comm_stats))  # (the undo's pre-image)

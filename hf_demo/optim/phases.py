@@ -445,11 +445,10 @@ def commit(
     landed: Landed | None = None,
 ) -> Outcome:
     """The step's counters, policy, clock and traffic: the :class:`~hf_demo.optim.records.Outcome` the optimizer
-    takes last at the commit (they change whatever the step did), and the fields of its record they replace. A
-    local step has no records of the exchange."""
+    takes last at the commit (they change whatever the step did): its ``record``, the fields of the optimizer's
+    record the step replaces. A local step has no records of the exchange."""
     view = step.view
     dense = 4 * sum(layout.numel for layout in chosen.layouts)
-    outcome = Outcome(dense, step.transport.traffic, view.counters, landed=landed)
     counters, record = view.counters, {}
     if landed is not None:  # overlap: the exchange this step started
         record["pending"] = landed.pending
@@ -457,29 +456,26 @@ def commit(
         counters = dataclasses.replace(counters, resyncs=counters.resyncs + 1)
     if not signal.communicates:  # a local step: the ranks stay apart until a synchronisation commits
         counters = dataclasses.replace(counters, unsynced=True)
-        outcome = dataclasses.replace(outcome, policy=step.decided)  # moved down into a local phase, or None
+        if step.decided is not None:  # moved down into a local phase
+            record["policy"] = step.decided
     else:
         policy = decision.policy
         if not step.settings.comm_budget and policy.tier:  # a budget's tier resumed without a budget
             policy = dataclasses.replace(policy, tier=0, over=0, under=0)
-        outcome = dataclasses.replace(outcome, policy=policy, exchanged=True)
         seconds = step.transport.traffic.seconds  # the step's traffic (every try's), what its commit counts last
-        record.update(first_checked=True, clock=Clock(seconds * 1000.0, found.started, plan.tier_index))
+        clock = Clock(seconds * 1000.0, found.started, plan.tier_index)
+        record.update(policy=policy, first_checked=True, clock=clock)
         if agreed.wire_bytes is not None:  # what the payload takes on the wire, agreed: it rides from now on
-            wire = {**view.wire_agreed, (step.transport.world, plan.tier_index): agreed.wire_bytes}
-            outcome = dataclasses.replace(outcome, wire_agreed=wire)
-    if verdict.skip if verdict is not None else signal.skip:
+            record["wire_agreed"] = {**view.wire_agreed, (step.transport.world, plan.tier_index): agreed.wire_bytes}
+    skip = verdict.skip if verdict is not None else signal.skip
+    if skip:
         counters = counters.skipped()
-        outcome = dataclasses.replace(outcome, warn_skips=True)
     else:
         counters = dataclasses.replace(counters, steps=counters.steps + 1)
         if signal.communicates:  # a synchronisation: the replicas agree
             counters = dataclasses.replace(counters, consecutive_skips=0, unsynced=False)
-    if outcome.exchanged or outcome.policy is not None:  # (or moved down into a local phase)
-        record["policy"] = outcome.policy
-    if outcome.wire_agreed is not None:  # what the payload takes on the wire, agreed: it rides from now on
-        record["wire_agreed"] = outcome.wire_agreed
-    return dataclasses.replace(outcome, counters=counters, record={**record, "counters": counters})
+    record["counters"] = counters
+    return Outcome(dense, step.transport.traffic, record, exchanged=signal.communicates, warn_skips=skip)
 
 
 def _rechunked(p, momentum, blocked) -> str:

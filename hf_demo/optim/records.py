@@ -7,7 +7,7 @@ writes a phase computes are staged in ``step.tx`` and the optimizer takes the :c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +17,7 @@ from hf_demo.wire import codec
 if TYPE_CHECKING:
     from hf_demo.exchange.transport import StepTransport, Traffic
     from hf_demo.optim.policy import BudgetPolicy, Tier
-    from hf_demo.optim.state import Counters, PendingExchange
+    from hf_demo.optim.state import PendingExchange
     from hf_demo.optim.transaction import Transaction
 
 SKIPPING_FLAGS = codec.FLAG_NONFINITE | codec.FLAG_NONFINITE_PARAMS  # every rank skips: nothing is computed
@@ -182,16 +182,13 @@ class Landed:
 class Outcome:
     """``commit``: what the optimizer takes at the commit, after every other staged write: the step's traffic
     (``dense`` bytes of a dense exchange to compare with), then ``record``, the fields of the optimizer's
-    :class:`~hf_demo.optim.state.RunState` the step changes: the counters, the exchange left in flight (when
-    ``landed``), the policy (None: as it was), the clock and first-exchange mark (when ``exchanged``), the payload
-    bytes agreed on the wire."""
+    :class:`~hf_demo.optim.state.RunState` the step replaces: always the counters; the exchange left in flight
+    (``pending``, where the step landed one); the policy (where the step exchanged or moved down into a local
+    phase); the clock and first-exchange mark (where it ``exchanged``); the payload bytes agreed on the wire
+    (``wire_agreed``, where they changed). ``warn_skips``: the step was skipped."""
 
     dense: int
     traffic: Traffic
-    counters: Counters
-    policy: BudgetPolicy | None = None
+    record: dict
     exchanged: bool = False
-    wire_agreed: dict | None = None
-    landed: Landed | None = None
     warn_skips: bool = False
-    record: dict = field(default_factory=dict)

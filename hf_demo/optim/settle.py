@@ -167,10 +167,10 @@ def next_row_bytes(policy, wire_agreed: dict, tiers, outcome, world: int) -> int
     """The row size of the next exchange's first all-gather after a step that concluded ``outcome``, where the
     next step exchanges in the same way (None where a local phase starts: no exchange follows at once);
     ``policy``, ``wire_agreed``: the optimizer's before the step, ``tiers`` its tiers."""
-    policy = outcome.policy if outcome.policy is not None else policy
+    policy = outcome.record.get("policy", policy)  # (the step's, where it changed it)
     if not outcome.exchanged or tiers[policy.tier].sync_every != 1:
         return None
-    wire = outcome.wire_agreed if outcome.wire_agreed is not None else wire_agreed
+    wire = outcome.record.get("wire_agreed", wire_agreed)
     return codec.HEADER_BYTES + (wire.get((world, policy.tier), 0) if agreement.RIDE else 0)
 
 
