@@ -36,6 +36,7 @@ from hf_demo.optim.records import Chosen
 from hf_demo.refusals import refuse
 from hf_demo.topology import owners
 from hf_demo.topology.dtensor import is_shard, is_sharded, local, mesh_of, placements_of, shard_rows
+from hf_demo.topology.flat import chosen
 from hf_demo.wire import codec
 from hf_demo.wire.agreement import VOTE_BYTES, pack_words, unpack_words
 
@@ -149,8 +150,6 @@ class ShardedTopology:
 
     def select(self, items: list) -> Chosen:
         """This rank steps its shard of every item (``plan.items``) with the shard group's mean gradient."""
-        from hf_demo.topology.flat import chosen
-
         return chosen(items, [local(p.grad) for p, _, _ in items], [local(p) for p, _, _ in items])
 
     def identity(self) -> tuple[int, int, str]:
