@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache, cached_property, lru_cache
+from functools import cache, cached_property, lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -146,25 +146,29 @@ def from_blocks(blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return m[: layout.rows, : layout.cols].reshape(layout.shape)
 
 
-def transform_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks (..., b0, b1) -> their DCT coefficients ``D0 @ X @ D1.T``, fp32 (any number of leading dims:
-    one block, a parameter's, a bucket's)."""
+def transform_blocks(blocks: torch.Tensor, into: tuple | None = None, inverse: bool = False) -> torch.Tensor:
+    """Blocks (..., b0, b1) -> their DCT coefficients ``D0 @ X @ D1.T``, fp32 (any number of leading dims: one
+    block, a parameter's, a bucket's); ``inverse``: coefficients -> blocks, ``D0.T @ C @ D1``
+    (:func:`inverse_blocks`).
+
+    ``into``: two contiguous fp32 buffers ``(a, b)`` of ``blocks``' shape (a :class:`Workspace`'s), ``blocks``
+    contiguous and either one of them or apart from both: each product is written to the buffer it does not read
+    (``out=``: the same kernels, the same bits, no new tensor), and the result is ``a``, ``b`` or ``blocks`` (no
+    product: a 1 x 1 block)."""
     b0, b1 = blocks.shape[-2:]
-    if b0 > 1:
-        blocks = torch.matmul(_dct_matrix_on(b0, blocks.device), blocks)
-    if b1 > 1:
-        blocks = torch.matmul(blocks, _dct_matrix_on(b1, blocks.device).T)
+    d0 = _dct_matrix_on(b0, blocks.device) if b0 > 1 else None
+    d1 = _dct_matrix_on(b1, blocks.device) if b1 > 1 else None
+    left = d0 if d0 is None or not inverse else d0.T
+    right = d1 if d1 is None or inverse else d1.T
+    for factor, on_left in ((left, True), (right, False)):
+        if factor is not None:
+            out = None if into is None else into[1] if blocks.data_ptr() == into[0].data_ptr() else into[0]
+            blocks = torch.matmul(factor, blocks, out=out) if on_left else torch.matmul(blocks, factor, out=out)
     return blocks
 
 
-def inverse_blocks(coeffs: torch.Tensor) -> torch.Tensor:
-    """DCT coefficients (..., b0, b1) -> blocks (the inverse of :func:`transform_blocks`)."""
-    b0, b1 = coeffs.shape[-2:]
-    if b0 > 1:
-        coeffs = torch.matmul(_dct_matrix_on(b0, coeffs.device).T, coeffs)
-    if b1 > 1:
-        coeffs = torch.matmul(coeffs, _dct_matrix_on(b1, coeffs.device))
-    return coeffs
+# DCT coefficients (..., b0, b1) -> blocks, the inverse of transform_blocks (``into`` as there)
+inverse_blocks = partial(transform_blocks, inverse=True)
 
 
 def encode(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -211,11 +215,11 @@ class Identity:
     name = "identity"
 
     @staticmethod
-    def encode_blocks(x: torch.Tensor) -> torch.Tensor:
+    def encode_blocks(x: torch.Tensor, into: tuple | None = None) -> torch.Tensor:
         return x
 
     @staticmethod
-    def decode_blocks(coeffs: torch.Tensor) -> torch.Tensor:
+    def decode_blocks(coeffs: torch.Tensor, into: tuple | None = None) -> torch.Tensor:
         return coeffs
 
     @staticmethod
@@ -255,6 +259,7 @@ def get_transform(name: str):
 # by both).
 
 MAX_BUCKET_ELEMENTS = 1 << 24  # 64 MiB of fp32 coefficients per bucket
+ALIGNMENT = 16  # fp32 elements (64 bytes: the CPU allocator's): where a new tensor starts, and a GEMM's bits with it
 
 
 @dataclass(frozen=True)
@@ -377,20 +382,62 @@ def bucket_rows(tensors: list[torch.Tensor], bucketing: Bucketing) -> list[torch
     return [torch.cat([tensors[i] for i in bucket.members]) for bucket in bucketing.buckets]
 
 
-def stacked_blocks(tensors: list, run: Run) -> torch.Tensor:
+class Workspace:
+    """The buffers a step's per-bucket math writes into (``out=``), kept from step to step.
+
+    Without them every step allocates a bucket's stacked blocks, its transform's products and the magnitudes that
+    top-k ranks afresh: up to :data:`MAX_BUCKET_ELEMENTS` fp32 each (a larger parameter alone: more), and on a CPU
+    glibc's malloc maps every such block anew and page-faults it in, gigabytes a step. A buffer here is scratch:
+    what is written to it is dead before the function that took it returns (the next bucket takes it again), so
+    each role needs one buffer, of the largest size asked for, per device. What it holds: :data:`ROLES` buffers per
+    device, each the size of the largest bucket (the largest of ``MAX_BUCKET_ELEMENTS`` and the largest
+    parameter's padded blocks) in fp32. Not state: never saved, made again (once) after a restart.
+
+    One per optimizer (its :class:`~hf_demo.optim.state.RunState`): two optimizers never share one, and nothing
+    holds a buffer between two calls, so an optimizer's steps may run in any thread."""
+
+    ROLES = ("a", "b")  # a pair: stacked blocks and the products written in turn (transform_blocks' ``into``)
+
+    def __init__(self):
+        self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def take(self, role: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The ``role`` buffer on ``device`` as a contiguous fp32 tensor of ``shape`` (its first elements; grown,
+        made anew, where it is smaller). Its content is whatever was written last: write before reading."""
+        numel, key = math.prod(shape), (role, device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            self.buffers[key] = buffer = None  # the smaller one goes first: never both at once
+            self.buffers[key] = buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return buffer[:numel].view(shape)
+
+
+def stacked_blocks(tensors: list, run: Run, into: tuple | None = None) -> torch.Tensor:
     """The run's parameter-shaped tensors (None: zeros) -> ``(n, block_rows, block_cols, b0, b1)`` fp32,
-    zero-padded: the blocks of every member, as :func:`to_blocks` lays out one's."""
+    zero-padded: the blocks of every member, as :func:`to_blocks` lays out one's. ``into``: two contiguous fp32
+    buffers of the run's ``(rows, b0*b1)`` (a :class:`Workspace`'s): the blocks are stacked in the first and come
+    back contiguous in the second (no new tensor); blocks of one row (``b0 == 1``) come back as a view of the
+    first, as they come without ``into`` (strides and all: a product's kernel, and so its bits, depends on them)."""
     layout = run.layout
     first = next((tensors[i] for i in run.members if tensors[i] is not None), None)
     if first is None:
         raise ValueError("stacked_blocks needs at least one tensor of the run")
     xs = [tensors[i] if tensors[i] is not None else torch.zeros_like(first) for i in run.members]
-    m = torch.stack(xs).reshape(len(xs), layout.rows, layout.cols).float()
+    n, grid = len(xs), (len(xs), layout.block_rows * layout.b0, layout.block_cols * layout.b1)
+    if into is not None:  # stacked in a (padded: in b, then placed zero-padded in a), laid out block by block in b
+        a, b = into
+        m = torch.stack(xs, out=(b if layout.padded else a).view(-1)[: n * layout.numel].view((n, *layout.shape)))
+        if layout.padded:
+            a.view(grid).zero_()[:, : layout.rows, : layout.cols].copy_(m.view(n, layout.rows, layout.cols))
+        m = a.view(n, layout.block_rows, layout.b0, layout.block_cols, layout.b1).permute(0, 1, 3, 2, 4)
+        # a block of one row is transformed on this view itself (its product's kernel depends on the strides)
+        return m if layout.b0 == 1 else b.view(m.shape).copy_(m)
+    m = torch.stack(xs).reshape(n, layout.rows, layout.cols).float()
     pad_r = layout.block_rows * layout.b0 - layout.rows
     pad_c = layout.block_cols * layout.b1 - layout.cols
     if pad_r or pad_c:
         m = torch.nn.functional.pad(m, (0, pad_c, 0, pad_r))
-    m = m.view(len(xs), layout.block_rows, layout.b0, layout.block_cols, layout.b1)
+    m = m.view(n, layout.block_rows, layout.b0, layout.block_cols, layout.b1)
     return m.permute(0, 1, 3, 2, 4)
 
 
@@ -428,24 +475,36 @@ def accumulate(
     return out
 
 
-def accumulate_many(momenta: list, signals: list, layouts: list, factors: list, transform) -> Bucketed:
+def accumulate_many(
+    momenta: list, signals: list, layouts: list, factors: list, transform, workspace: Workspace | None = None
+) -> Bucketed:
     """:func:`accumulate` of every parameter, once per bucket: ``decay * momentum + scale * T(signal)`` with
     ``factors[i] = (decay, scale)``; the per-parameter results are row views of the buckets' new tensors (the
-    momenta are left as they are). Bitwise what :func:`accumulate` gives each parameter."""
+    momenta are left as they are). Bitwise what :func:`accumulate` gives each parameter. ``workspace``: the
+    signals' blocks and their transform are written to its buffers (:class:`Workspace`), not to new tensors."""
     bucketing = plan_buckets(tuple(layouts))
     out = []
     for bucket in bucketing.buckets:
         m = torch.cat([momenta[i] for i in bucket.members])
         coeffs = None  # T of the members' signals, (rows, bsize), run by run: a missing signal is zero (None: all)
         if not all(signals[i] is None for i in bucket.members):
-            parts = []
-            for run in bucket.runs:
+            parts, shape = [], (bucket.rows, bucket.bsize)
+            into = None if workspace is None else tuple(workspace.take(r, shape, m.device) for r in Workspace.ROLES)
+            for run in bucket.runs:  # with a workspace, each run's coefficients land in its rows of the b buffer
+                rows = slice(run.start, run.start + run.rows)  # computed there where they start aligned as a new
+                aligned = into is not None and run.start * bucket.bsize % ALIGNMENT == 0  # tensor: the GEMMs' bits
+                mine = tuple(t[rows] for t in into) if aligned else None  # depend on where their operands start
                 if all(signals[i] is None for i in run.members):
                     device = next(s for s in signals if s is not None).device
-                    parts.append(torch.zeros(run.rows, bucket.bsize, device=device))
+                    part = torch.zeros(run.rows, bucket.bsize, device=device) if mine is None else mine[1].zero_()
                 else:
-                    parts.append(transform.encode_blocks(stacked_blocks(signals, run)).reshape(run.rows, bucket.bsize))
-            coeffs = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    blocks = stacked_blocks(signals, run, mine)
+                    part = transform.encode_blocks(blocks, mine and tuple(t.view(blocks.shape) for t in mine))
+                    part = part.reshape(run.rows, bucket.bsize)
+                if into is not None and part.data_ptr() != into[1][rows].data_ptr():  # elsewhere, or one product: a
+                    into[1][rows].copy_(part)
+                parts.append(part)
+            coeffs = into[1] if into is not None else parts[0] if len(parts) == 1 else torch.cat(parts)
         own = [factors[i] for i in bucket.members]
         if len(set(own)) == 1:  # one decay and scale for the bucket (one parameter group): one op each
             decay, scale = own[0]
@@ -463,14 +522,17 @@ def accumulate_many(momenta: list, signals: list, layouts: list, factors: list, 
     return Bucketed.of(out, bucketing)
 
 
-def decode_many(coeffs: list, layouts: list, transform) -> list[torch.Tensor]:
+def decode_many(coeffs: list, layouts: list, transform, workspace: Workspace | None = None) -> list[torch.Tensor]:
     """Coefficients (nblocks, bsize) of every parameter -> parameter-shaped fp32 tensors, the inverse transform
     once per bucket (``coeffs`` best :class:`~hf_demo.compression.Bucketed`, as the exchanges return
-    them). Bitwise what ``transform.decode`` gives each parameter."""
+    them). Bitwise what ``transform.decode`` gives each parameter. ``workspace``: the transform's products are
+    written to its buffers (:class:`Workspace`); the tensors returned are new (they outlive the call)."""
     bucketing = plan_buckets(tuple(layouts))
     out: list = [None] * len(layouts)
     for bucket, rows in zip(bucketing.buckets, bucket_rows(coeffs, bucketing)):
-        blocks = transform.decode_blocks(rows.view(bucket.rows, bucket.b0, bucket.b1))
+        shape = (bucket.rows, bucket.b0, bucket.b1)
+        into = None if workspace is None else tuple(workspace.take(r, shape, rows.device) for r in Workspace.ROLES)
+        blocks = transform.decode_blocks(rows.view(shape), into)
         runs = blocks.reshape(bucket.rows, bucket.bsize)
         parts = [runs] if len(bucket.runs) == 1 else runs.split([run.rows for run in bucket.runs])
         for run, part in zip(bucket.runs, parts):  # each run's blocks -> its members' tensors (padding cropped),
@@ -479,16 +541,21 @@ def decode_many(coeffs: list, layouts: list, transform) -> list[torch.Tensor]:
             m = m.reshape(n, layout.block_rows * layout.b0, layout.block_cols * layout.b1)
             if layout.padded:
                 m = m[:, : layout.rows, : layout.cols]
-            for i, value in zip(run.members, m.reshape(n, *layout.shape).unbind(0)):
+            m = m.reshape(n, *layout.shape)  # a copy, but where the blocks' order is the tensor's: not a view of
+            if into is not None and m.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
+                m = m.clone()  # the workspace, which the next bucket writes
+            for i, value in zip(run.members, m.unbind(0)):
                 out[i] = value
     return out
 
 
-def select(momentum: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select(momentum: torch.Tensor, k: int, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest-magnitude coefficients of each block: (positions (nblocks, k) int64, values), the
     positions of a block in increasing order (what the Elias-Fano index code needs; the 16-bit code sends
-    the same order, so both codes lead to the same bits everywhere)."""
-    idx = momentum.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    the same order, so both codes lead to the same bits everywhere). ``scratch``: an fp32 tensor of the
+    momentum's shape the magnitudes are written to (a :class:`Workspace`'s buffer) instead of a new one."""
+    magnitudes = momentum.abs() if scratch is None else torch.abs(momentum, out=scratch)
+    idx = magnitudes.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     return idx, momentum.gather(1, idx)
 
 

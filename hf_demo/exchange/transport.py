@@ -672,13 +672,16 @@ class AllGatherExchange:
         self.secret = spec.secret
         self.sealer = spec.sealer
 
-    def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
+    def prepare(self, working: list[torch.Tensor], workspace: compression.Workspace | None = None) -> torch.Tensor:
         """Top-k, the payload and error feedback, once per bucket (``working``: the per-parameter momenta, best
         :class:`~hf_demo.compression.Bucketed` over this exchange's buckets: the feedback then lands in
-        their rows directly)."""
+        their rows directly; ``workspace``: the optimizer's, where top-k's magnitudes are written)."""
         bucketing = self.codec.bucketing
         rows = compression.bucket_rows(working, bucketing)
-        selections = [F.select(m, bucket.k) for m, bucket in zip(rows, bucketing.buckets)]
+        selections = [
+            F.select(m, bucket.k, None if workspace is None else workspace.take("a", m.shape, m.device))
+            for m, bucket in zip(rows, bucketing.buckets)
+        ]
         device = working[0].device if working else torch.device("cpu")
         payload, sent = self.codec.encode_buckets(selections, device)
         for m, (idx, _), values in zip(rows, selections, sent):
@@ -751,10 +754,13 @@ class AllReduceExchange:
         self.rides = self.union  # the nominations' all-gather can ride with the headers; the leader's broadcast not
         self.riding_name = "positions"
 
-    def _positions(self, working: list[torch.Tensor], device) -> torch.Tensor:
-        """This rank's nominated positions, index-coded: one buffer for every parameter."""
+    def _positions(self, working: list[torch.Tensor], device, workspace=None) -> torch.Tensor:
+        """This rank's nominated positions, index-coded: one buffer for every parameter (``workspace``: where
+        top-k's magnitudes are written, :meth:`AllGatherExchange.prepare`)."""
         streams = [
-            self.indices.pack_rows(F.select(m, b.k)[0], b.bsize, b.k).reshape(-1)
+            self.indices.pack_rows(
+                F.select(m, b.k, workspace and workspace.take("a", m.shape, m.device))[0], b.bsize, b.k
+            ).reshape(-1)
             for m, b in zip(compression.bucket_rows(working, self.bucketing), self.picked.buckets)
         ]
         return self.map.assemble(streams, device)
@@ -766,10 +772,10 @@ class AllReduceExchange:
         positions = CollectiveSpec("positions", "all_gather" if self.union else "broadcast", REPLICAS, "positions")
         return positions, CollectiveSpec("values", "all_reduce", REPLICAS, "values", overlaps=True)
 
-    def prepare(self, working: list[torch.Tensor]) -> torch.Tensor:
+    def prepare(self, working: list[torch.Tensor], workspace: compression.Workspace | None = None) -> torch.Tensor:
         device = working[0].device if working else torch.device("cpu")
         if self.union:
-            return self._positions(working, device)
+            return self._positions(working, device, workspace)
         return torch.empty(0, dtype=torch.uint8, device=device)
 
     def _agreed_rows(self, transport, headers, payload, working, arrived=None, skipped=False) -> torch.Tensor:

@@ -230,7 +230,7 @@ def momentum(step: Step, plan: StepPlan, chosen: Chosen, signal: Signalled, foun
             raise DeMoStateError(_rechunked(p, state["momentum"], blocked))
         else:
             momenta.append(state["momentum"])
-    return Momenta(F.accumulate_many(momenta, entering, chosen.layouts, factors, view.transform))
+    return Momenta(F.accumulate_many(momenta, entering, chosen.layouts, factors, view.transform, view.workspace))
 
 
 def compress(
@@ -243,7 +243,7 @@ def compress(
     exchange = exchanges.build(step.settings.exchange, spec)
     if found.flags & SKIPPING_FLAGS:  # every rank will skip: zeros travel
         return Prepared(exchange, torch.zeros(exchange.payload_nbytes, dtype=torch.uint8, device=chosen.device))
-    return Prepared(exchange, exchange.prepare(momenta.working))
+    return Prepared(exchange, exchange.prepare(momenta.working, step.view.workspace))
 
 
 def agreement(step: Step, plan: StepPlan, chosen: Chosen, found: Findings, prepared: Prepared) -> Agreed:

@@ -73,7 +73,7 @@ class LocalSignal:
         the settings and the number of ranks averaged over, :func:`local_steps.outer_factor`)."""
         view, s = step.view, step.settings
         factor = local_steps.outer_factor(s.outer_lr, s.outer_lr_scaling, step.transport.world)
-        changes = F.decode_many(updates, chosen.layouts, view.transform)
+        changes = F.decode_many(updates, chosen.layouts, view.transform, view.workspace)
         for p, m, change, inner in zip(chosen.params, working, changes, signal.inner):
             step.tx.set(view.state[p], "momentum", m)
             step.tx.stage(

@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, field
 
 import torch
 
-from hf_demo.compression import BlockLayout
+from hf_demo.compression import BlockLayout, Workspace
 from hf_demo.errors import DeMoStateError
 from hf_demo.exchange.transport import InFlight, Traffic
 from hf_demo.optim.policy import BudgetPolicy, Clock
@@ -44,6 +44,7 @@ class RunState:
     ddp_wrappers: list = field(default_factory=list)  # weak references to live DDP wrappers (guards.watched)
     topology: object = None  # the topology built over the process group (DeMo.topology)
     peers: object = None  # the topology a wrapper gave (DeMo.reset_peers: an elastic quorum's), which then steps DeMo
+    workspace: Workspace = field(default_factory=Workspace, compare=False)  # the step's scratch buffers (not state)
 
 
 def forgotten_peers() -> dict:

@@ -145,6 +145,7 @@ class OptimizerView:
     elastic: bool = False  # torchft says whom DeMo exchanges with and whether a step commits
     unsettled: object = None  # hf_demo.optim.settle.Unsettled: the last step, committed tentatively (or None)
     settle_prior: Callable[[], None] = lambda: None  # every rank received that step whole: its undo log goes
+    workspace: F.Workspace | None = None  # the buffers the per-bucket math writes into (this optimizer's own)
 
     def plan(self, tier):
         return plan_items(self.param_groups, self.settings, self.secret, tier, self.topology.sharded)
@@ -179,7 +180,7 @@ class OptimizerView:
         """(each parameter's direction for its decoded update, its rule's new state), nothing written: the inverse
         transform once per bucket, each rule once for all the parameters it steps (on whole matrices where the rule
         needs them: ``matrices``, the topology's view of ``params``; ``views``: each one's local tensor)."""
-        decoded = F.decode_many(updates, layouts, self.transform)
+        decoded = F.decode_many(updates, layouts, self.transform, self.workspace)
         by_rule: dict[str, list[int]] = {}
         for i, g in enumerate(groups):
             by_rule.setdefault(g["update_rule"], []).append(i)
@@ -224,4 +225,5 @@ def of_optimizer(opt, elastic: bool = False) -> OptimizerView:
         elastic=elastic,
         unsettled=opt.unsettled,
         settle_prior=opt._settle_prior,
+        workspace=opt.run_state.workspace,
     )
