@@ -385,31 +385,40 @@ def bucket_rows(tensors: list[torch.Tensor], bucketing: Bucketing) -> list[torch
 class Workspace:
     """The buffers a step's per-bucket math writes into (``out=``), kept from step to step.
 
-    Without them every step allocates a bucket's stacked blocks, its transform's products and the magnitudes that
-    top-k ranks afresh: up to :data:`MAX_BUCKET_ELEMENTS` fp32 each (a larger parameter alone: more), and on a CPU
-    glibc's malloc maps every such block anew and page-faults it in, gigabytes a step. A buffer here is scratch:
-    what is written to it is dead before the function that took it returns (the next bucket takes it again), so
-    each role needs one buffer, of the largest size asked for, per device. What it holds: :data:`ROLES` buffers per
-    device, each the size of the largest bucket (the largest of ``MAX_BUCKET_ELEMENTS`` and the largest
-    parameter's padded blocks) in fp32. Not state: never saved, made again (once) after a restart.
+    Without them every step allocates a bucket's stacked blocks, its transform's products, the magnitudes that
+    top-k ranks and the averaged coefficients afresh: up to :data:`MAX_BUCKET_ELEMENTS` fp32 each (a larger
+    parameter alone: more), and on a CPU glibc's malloc maps every such block anew and page-faults it in,
+    gigabytes a step. Each role is one buffer per device, of the largest size asked for:
 
-    One per optimizer (its :class:`~hf_demo.optim.state.RunState`): two optimizers never share one, and nothing
-    holds a buffer between two calls, so an optimizer's steps may run in any thread."""
+    - ``"a"``, ``"b"`` (:data:`ROLES`): scratch, dead before the function that took it returns (the next bucket
+      takes it again): each the size of the largest bucket (the largest of ``MAX_BUCKET_ELEMENTS`` and the largest
+      parameter's padded blocks);
+    - ``"dense"``: the step's own exchange's averaged coefficients, every bucket's (the exchange's ``finish``),
+      read by the inverse transform in the same step: the size of every coefficient (the momenta's).
+
+    Not state: never saved, made again (once) after a restart. One per optimizer (its
+    :class:`~hf_demo.optim.state.RunState`): two optimizers never share one, and nothing reads a buffer after the
+    step that wrote it, so an optimizer's steps may run in any thread."""
 
     ROLES = ("a", "b")  # a pair: stacked blocks and the products written in turn (transform_blocks' ``into``)
 
     def __init__(self):
         self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
 
-    def take(self, role: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """The ``role`` buffer on ``device`` as a contiguous fp32 tensor of ``shape`` (its first elements; grown,
-        made anew, where it is smaller). Its content is whatever was written last: write before reading."""
-        numel, key = math.prod(shape), (role, device)
+    def take(self, role: str, shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
+        """A contiguous fp32 tensor of each of ``shapes``, apart from each other, in the ``role`` buffer on
+        ``device`` (grown, made anew, where it is smaller), each starting :data:`ALIGNMENT`-aligned, as a new
+        tensor does. Their content is whatever was written last: write before reading."""
+        sizes = [math.prod(shape) for shape in shapes]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // ALIGNMENT) * ALIGNMENT)
+        key = (role, device)
         buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
+        if buffer is None or buffer.numel() < starts[-1]:
             self.buffers[key] = buffer = None  # the smaller one goes first: never both at once
-            self.buffers[key] = buffer = torch.empty(numel, dtype=torch.float32, device=device)
-        return buffer[:numel].view(shape)
+            self.buffers[key] = buffer = torch.empty(starts[-1], dtype=torch.float32, device=device)
+        return [buffer[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
 
 
 def stacked_blocks(tensors: list, run: Run, into: tuple | None = None) -> torch.Tensor:
@@ -489,7 +498,9 @@ def accumulate_many(
         coeffs = None  # T of the members' signals, (rows, bsize), run by run: a missing signal is zero (None: all)
         if not all(signals[i] is None for i in bucket.members):
             parts, shape = [], (bucket.rows, bucket.bsize)
-            into = None if workspace is None else tuple(workspace.take(r, shape, m.device) for r in Workspace.ROLES)
+            into = (
+                None if workspace is None else tuple(workspace.take(r, [shape], m.device)[0] for r in Workspace.ROLES)
+            )
             for run in bucket.runs:  # with a workspace, each run's coefficients land in its rows of the b buffer
                 rows = slice(run.start, run.start + run.rows)  # computed there where they start aligned as a new
                 aligned = into is not None and run.start * bucket.bsize % ALIGNMENT == 0  # tensor: the GEMMs' bits
@@ -531,7 +542,7 @@ def decode_many(coeffs: list, layouts: list, transform, workspace: Workspace | N
     out: list = [None] * len(layouts)
     for bucket, rows in zip(bucketing.buckets, bucket_rows(coeffs, bucketing)):
         shape = (bucket.rows, bucket.b0, bucket.b1)
-        into = None if workspace is None else tuple(workspace.take(r, shape, rows.device) for r in Workspace.ROLES)
+        into = None if workspace is None else tuple(workspace.take(r, [shape], rows.device)[0] for r in Workspace.ROLES)
         blocks = transform.decode_blocks(rows.view(shape), into)
         runs = blocks.reshape(bucket.rows, bucket.bsize)
         parts = [runs] if len(bucket.runs) == 1 else runs.split([run.rows for run in bucket.runs])
@@ -608,7 +619,9 @@ def first_occurrences(idx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 WEIGHTS = {"pickers": mean_weights, "world": world_weights}  # how an all-gather averages (hf_demo.exchange)
 
 
-def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+def densify(
+    idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sparse per-block coefficients -> dense (nblocks, bsize), duplicates summed in rank order.
 
     ``idx`` and ``values`` hold one run of ``layout.k`` positions per rank (rank after rank, as
@@ -616,9 +629,10 @@ def densify(idx: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> tor
     after the other, so a position picked by several ranks is summed in rank order on every device: one
     ``scatter_add_`` over all runs would sum duplicates with atomics on CUDA, in an order that changes from
     call to call, and the replicas would drift apart. On the CPU, where ``scatter_add_`` goes through the
-    positions in order, the result is bitwise the same as one call.
+    positions in order, the result is bitwise the same as one call. ``out``: the (nblocks, bsize) fp32 tensor to
+    write (a :class:`Workspace`'s), not a new one.
     """
-    out = values.new_zeros(idx.shape[0], layout.bsize)
+    out = values.new_zeros(idx.shape[0], layout.bsize) if out is None else out.zero_()
     k = layout.k
     for start in range(0, idx.shape[1], k):
         out.scatter_add_(1, idx[:, start : start + k], values[:, start : start + k])

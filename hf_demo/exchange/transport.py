@@ -679,7 +679,7 @@ class AllGatherExchange:
         bucketing = self.codec.bucketing
         rows = compression.bucket_rows(working, bucketing)
         selections = [
-            F.select(m, bucket.k, None if workspace is None else workspace.take("a", m.shape, m.device))
+            F.select(m, bucket.k, None if workspace is None else workspace.take("a", [m.shape], m.device)[0])
             for m, bucket in zip(rows, bucketing.buckets)
         ]
         device = working[0].device if working else torch.device("cpu")
@@ -705,8 +705,9 @@ class AllGatherExchange:
             rows = transport.all_gather(payload, "payload")
         return InFlight(transport.step, transport.rank, transport.world, headers, rows, envelopes=envelopes)
 
-    def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
-        """Every rank's payload row -> the averaged coefficients (validated first)."""
+    def finish(self, in_flight: InFlight, traffic: Traffic, workspace=None) -> list[torch.Tensor]:
+        """Every rank's payload row -> the averaged coefficients (validated first; ``workspace``: written to its
+        ``"dense"`` buffer, :class:`~hf_demo.compression.Workspace`, read before the step ends)."""
         received = in_flight.wait(traffic)
         if in_flight.refused is not None:  # a header refused when it started (overlap)
             raise in_flight.refused
@@ -721,9 +722,11 @@ class AllGatherExchange:
             )
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         bucketing = self.codec.bucketing
+        shapes = [(bucket.rows, bucket.bsize) for bucket in bucketing.buckets]
+        outs = [None] * len(shapes) if workspace is None else workspace.take("dense", shapes, received.device)
         dense = [
-            F.densify(*self.weights(idx, values, bucket), bucket)
-            for (idx, values), bucket in zip(self.codec.decode_buckets(received), bucketing.buckets)
+            F.densify(*self.weights(idx, values, bucket), bucket, out)
+            for (idx, values), bucket, out in zip(self.codec.decode_buckets(received), bucketing.buckets, outs)
         ]
         return compression.Bucketed.of(dense, bucketing)
 
@@ -759,7 +762,7 @@ class AllReduceExchange:
         top-k's magnitudes are written, :meth:`AllGatherExchange.prepare`)."""
         streams = [
             self.indices.pack_rows(
-                F.select(m, b.k, workspace and workspace.take("a", m.shape, m.device))[0], b.bsize, b.k
+                F.select(m, b.k, workspace and workspace.take("a", [m.shape], m.device)[0])[0], b.bsize, b.k
             ).reshape(-1)
             for m, b in zip(compression.bucket_rows(working, self.bucketing), self.picked.buckets)
         ]
@@ -889,7 +892,9 @@ class AllReduceExchange:
             sums = flat
         return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows)
 
-    def finish(self, in_flight: InFlight, traffic: Traffic) -> list[torch.Tensor]:
+    def finish(self, in_flight: InFlight, traffic: Traffic, workspace=None) -> list[torch.Tensor]:
+        """The summed values -> the averaged coefficients (validated first; ``workspace``: as
+        :meth:`AllGatherExchange.finish`)."""
         sums = in_flight.wait(traffic)
         if in_flight.refused is not None:
             raise in_flight.refused
@@ -910,9 +915,11 @@ class AllReduceExchange:
             order = self._sum_order(in_flight.positions.shape[0], sums.device)
             by_bucket = torch.empty_like(sums).index_copy_(0, order, sums)
             parts = by_bucket.split([idx.numel() for idx, _ in chosen])
-            for (idx, _), bucket, part in zip(chosen, self.picked.buckets, parts):
+            shapes = [(bucket.rows, bucket.bsize) for bucket in self.picked.buckets]
+            outs = [None] * len(shapes) if workspace is None else workspace.take("dense", shapes, sums.device)
+            for (idx, _), bucket, part, dense in zip(chosen, self.picked.buckets, parts, outs):
                 mean = part.float().view_as(idx) / in_flight.world
-                out.append(F.densify(idx, mean, bucket))  # runs of one rank's nominations: no repeats within
+                out.append(F.densify(idx, mean, bucket, dense))  # runs of one rank's nominations: no repeats within
         return compression.Bucketed.of(out, self.bucketing)
 
     def _unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:

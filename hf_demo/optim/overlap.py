@@ -69,6 +69,7 @@ def finish(view, traffic: Traffic) -> list[torch.Tensor] | None:
         index_coding=pending.index_coding,
         positions=pending.reduce_positions,
     )
+    # no workspace: this update lands beside the step's own, whose averaged coefficients take its buffer
     return exchanges.build(pending.exchange, spec).finish(pending.in_flight, traffic)
 
 

@@ -306,7 +306,7 @@ def communicate(step: Step, momenta: Momenta, prepared: Prepared, agreed: Agreed
     updates, refusal = None, None
     try:
         in_flight = exchange.start(transport, agreed.headers, prepared.payload, momenta.working, arrived=agreed.arrived)
-        updates = exchange.finish(in_flight, transport.traffic)
+        updates = exchange.finish(in_flight, transport.traffic, step.view.workspace)  # read by this step's update
     except DeMoPayloadError as exc:
         refusal = exc
     except DeMoSyncError as exc:
