@@ -259,7 +259,8 @@ def get_transform(name: str):
 # by both).
 
 MAX_BUCKET_ELEMENTS = 1 << 24  # 64 MiB of fp32 coefficients per bucket
-ALIGNMENT = 16  # fp32 elements (64 bytes: the CPU allocator's): where a new tensor starts, and a GEMM's bits with it
+ALIGNMENT = 128  # fp32 elements, 512 bytes (the CUDA caching allocator's; the CPU's 64 divides it): where a new tensor
+# starts, and with it a GEMM's bits (the kernel chosen depends on where its operands start)
 
 
 @dataclass(frozen=True)

@@ -63,14 +63,18 @@ def test_the_workspace_is_reused_from_step_to_step_owned_by_one_optimizer_and_no
     assert buffer.tell() < 4 * sum(p.numel() for p in params) * 2
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("transform", ["dct", "identity"])
 @pytest.mark.parametrize("chunk", [8, 64])
-def test_the_workspace_gives_the_bits_of_new_tensors(transform, chunk):
+def test_the_workspace_gives_the_bits_of_new_tensors(transform, chunk, device):
     torch.manual_seed(0)
     t, ws = F.get_transform(transform), F.Workspace()
     layouts = [F.plan(s, chunk, 4) for s in SHAPES]
-    momenta = [torch.randn(lay.nblocks, lay.bsize) for lay in layouts]
-    signals = [torch.randn(lay.shape) for lay in layouts]
+    momenta = [torch.randn(lay.nblocks, lay.bsize, device=device) for lay in layouts]
+    signals = [torch.randn(lay.shape, device=device) for lay in layouts]
     signals[1] = None  # a parameter without a signal counts zero
     factors = [(0.9, 1e-2)] * len(layouts)
     factors[2] = (0.5, 1.0)  # another group's decay and scale in a bucket
