@@ -356,7 +356,7 @@ def _shared_positions() -> None:
 
     calls = [0]
 
-    def select(momentum, k):
+    def select(momentum, k, scratch=None):  # (the workspace's scratch buffer: not needed here)
         gen = torch.Generator().manual_seed(1_000_003 * calls[0] + 17)
         calls[0] += 1
         draw = torch.rand(momentum.shape, generator=gen)

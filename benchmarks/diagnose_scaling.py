@@ -117,8 +117,8 @@ class Recorder:
         self.selects, self.changes = [], {}
         real_select, real_pseudo = functional.select, local_steps.pseudo_gradient
 
-        def select(momentum, k):
-            idx, values = real_select(momentum, k)
+        def select(momentum, k, scratch=None):
+            idx, values = real_select(momentum, k, scratch)
             self.selects.append((momentum.detach().clone(), idx))
             return idx, values
 
