@@ -397,7 +397,9 @@ class Workspace:
     - ``"dense"``: the step's own exchange's averaged coefficients, every bucket's (the exchange's ``finish``),
       read by the inverse transform in the same step: the size of every coefficient (the momenta's).
 
-    Not state: never saved, made again (once) after a restart. One per optimizer (its
+    Only a CPU's buffers are kept: on an accelerator :meth:`take` hands out new tensors (the same code and kernels),
+    as its caching allocator reuses the blocks already, and kept buffers would hold that memory through the forward
+    and backward passes. Not state: never saved, made again (once) after a restart. One per optimizer (its
     :class:`~hf_demo.optim.state.RunState`): two optimizers never share one, and nothing reads a buffer after the
     step that wrote it, so an optimizer's steps may run in any thread."""
 
@@ -409,7 +411,9 @@ class Workspace:
     def take(self, role: str, shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
         """A contiguous fp32 tensor of each of ``shapes``, apart from each other, in the ``role`` buffer on
         ``device`` (grown, made anew, where it is smaller), each starting :data:`ALIGNMENT`-aligned, as a new
-        tensor does. Their content is whatever was written last: write before reading."""
+        tensor does. Their content is whatever was written last: write before reading. Off the CPU: new tensors."""
+        if device.type != "cpu":  # the accelerator's caching allocator reuses the blocks (see the class)
+            return [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
         sizes = [math.prod(shape) for shape in shapes]
         starts = [0]
         for size in sizes:

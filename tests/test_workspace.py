@@ -102,3 +102,9 @@ def test_a_buffer_grows_to_the_largest_size_asked_and_parts_start_aligned():
     assert all(p.is_contiguous() and (p.data_ptr() - parts[0].data_ptr()) % (4 * F.ALIGNMENT) == 0 for p in parts)
     (small,) = ws.take("dense", [(4,)], torch.device("cpu"))
     assert small.data_ptr() == parts[0].data_ptr()  # the same buffer, not a new one
+
+
+def test_off_the_cpu_the_workspace_hands_out_new_tensors_and_keeps_none():
+    ws = F.Workspace()  # an accelerator's caching allocator reuses the blocks; kept, they would hold its memory
+    first, second = (ws.take("a", [(4, 4)], torch.device("meta"))[0] for _ in range(2))
+    assert first.shape == second.shape == (4, 4) and first is not second and not ws.buffers
