@@ -50,7 +50,10 @@ Methods (``--methods``; each may be given several times through ``--demo-configs
                 ``inner_rule=orthogonal`` (``sync_every > 1``) trains Muon-style groups too: local Muon steps for the
                 hidden matrices, local Adam steps for the rest; benchmark-only with ``sync_every > 1``:
                 ``inner_beta=X`` (the local steps' momentum), ``outer_momentum=B`` (an outer Nesterov momentum on
-                the mean change, DiLoCo's; the ``outer_lr`` setting multiplies what it applies). DeMo's own
+                the mean change, DiLoCo's; the ``outer_lr`` setting multiplies what it applies), ``inner_mix=G`` (at a
+                synchronisation each rank's inner momentum of a matrix stepped by local Muon steps takes the agreed
+                mean change, scaled to G times the momentum's own norm, and keeps its norm: the next local steps
+                start from the ranks' consensus). DeMo's own
                 ``outer_lr=X`` and ``outer_lr_scaling=sqrt_world`` (the mean change x X, x sqrt(W/2)) go to DeMo
                 as any setting does; the presets' is ``outer_lr_scaling=sqrt_world``. ``shared_positions=true`` (any
                 configuration; a prototype): every rank sends the same randomly drawn positions instead of its own
@@ -319,6 +322,8 @@ def _orthogonal_groups(model, kw: dict):
         local_steps.INNER_BETA = float(kw.pop("inner_beta"))  # this forked run's process only
     if "outer_momentum" in kw:
         _outer_momentum(float(kw.pop("outer_momentum")))
+    if "inner_mix" in kw:
+        _inner_mix(float(kw.pop("inner_mix")))
     if kw.get("update_rule") in update_rules.ORTHOGONAL:
         return muon_style_groups(model, hidden={"update_rule": kw["update_rule"]}, others=others)
     if kw.get("inner_rule") in update_rules.ORTHOGONAL:  # local Muon steps: the groups create_optimizer builds
@@ -341,6 +346,27 @@ def _outer_momentum(beta: float) -> None:
         v = buffers.get(id(param))
         buffers[id(param)] = v = update.clone() if v is None else v.mul_(beta).add_(update)
         original(param, state, update + beta * v, outer_lr, m_in, rule_state)
+
+    local_steps.commit_sync = commit_sync
+
+
+def _inner_mix(gain: float) -> None:
+    """Benchmark-only prototype (``inner_mix=G``, this forked run's process only): at a synchronisation the inner
+    momentum ``m`` of each matrix with a stateless inner rule (local Muon steps) becomes ``m + G * |m| * u / |u|``,
+    given ``m``'s norm back, ``u`` the agreed mean change (the same on every rank, no traffic; the pseudo-gradient
+    and ``m`` point the same way). Each rank's ``m`` is its own gradients' average, mostly its own noise; the mean
+    change holds every rank's, so the next local steps follow the consensus more than one rank's batches."""
+    from hf_demo.optim import local_steps
+
+    original = local_steps.commit_sync
+
+    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
+        if update.dim() >= 2 and m_in is not None and not rule_state:
+            norm_u, norm_m = update.float().norm(), m_in.norm()
+            if norm_u > 0 and norm_m > 0:
+                mixed = m_in + (gain * norm_m / norm_u) * update.float()
+                m_in = mixed * (norm_m / mixed.norm())
+        original(param, state, update, outer_lr, m_in, rule_state)
 
     local_steps.commit_sync = commit_sync
 

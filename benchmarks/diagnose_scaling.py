@@ -80,6 +80,8 @@ METRICS = (  # (key, what it is) per synchronisation
     ("kept_mean", "energy share of the ranks' mean buffer at the positions sent"),
     ("distinct", "distinct positions sent / (W x positions per rank)"),
     ("eff_lr_demo", "DeMo's per-step update RMS / 0.2 (hidden matrices)"),
+    ("cos_prev_demo", "cos(DeMo's applied change, its change at the previous synchronisation), hidden matrices"),
+    ("cos_prev_ref", "cos(DDP-Muon's change over the interval, over the previous interval), hidden matrices"),
     ("eff_lr_ref", "DDP-Muon's per-step update RMS / 0.2 (hidden matrices)"),
 )
 
@@ -284,6 +286,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     masks = {"all": torch.ones(sum(p.numel() for p in params), dtype=torch.bool), "hidden": hidden_mask(model, opt)}
     H = int(cfg.method.overrides["sync_every"])
     anchor, d_ref, lrs, syncs, drift, evals = flat(params), 0.0, [], [], [], []
+    prev = None  # (DeMo's change, DDP-Muon's) over the last interval, hidden matrices: what an outer momentum adds up
     for step in range(cfg.steps):
         lr = conv.lr_at(cfg, step)
         conv.set_lr(opt, lr)
@@ -307,6 +310,10 @@ def _rank(rank: int, world: int, job: dict) -> dict:
         n_h = int(masks["hidden"].sum())
         row["eff_lr_demo"] = float((anchor - now)[masks["hidden"]].norm()) / math.sqrt(n_h) / H / MUON_RMS
         row["eff_lr_ref"] = float(d_ref[masks["hidden"]].norm()) / math.sqrt(n_h) / H / MUON_RMS
+        now_pair = ((anchor - now)[masks["hidden"]], d_ref[masks["hidden"]])
+        row["cos_prev_demo"] = cos(now_pair[0], prev[0]) if prev else float("nan")
+        row["cos_prev_ref"] = cos(now_pair[1], prev[1]) if prev else float("nan")
+        prev = now_pair
         drift.append((step + 1, H, row["drift"]))
         syncs.append(row)
         anchor, d_ref, lrs = now, 0.0, []
@@ -372,6 +379,8 @@ TABLE = (
     ("drift", "drift at sync"),
     ("eff_lr_demo", "eff. lr DeMo"),
     ("eff_lr_ref", "eff. lr Muon"),
+    ("cos_prev_demo", "cos(DeMo, its last)"),
+    ("cos_prev_ref", "cos(Muon, its last)"),
     ("final_loss", "held-out loss"),
     ("muon_ratio", "/ DDP-Muon"),
 )
@@ -387,7 +396,7 @@ def table(runs: list[dict], results: Path, after: int) -> list[str]:
     head = "| configuration | W | seeds | " + " | ".join(label for _, label in TABLE) + " |"
     lines = [head, "|---|---:|---:|" + "---:|" * len(TABLE)]
     for (config, world), ss in sorted(groups.items()):
-        cells = [seed_stats([s[k] for s in ss]) for k, _ in TABLE]
+        cells = [seed_stats([s.get(k) for s in ss]) for k, _ in TABLE]  # older runs lack the newer metrics
         lines.append(f"| {config} | {world} | {len(ss)} | " + " | ".join(cells) + " |")
     return lines
 
