@@ -384,20 +384,20 @@ def bucket_rows(tensors: list[torch.Tensor], bucketing: Bucketing) -> list[torch
 
 
 class Workspace:
-    """The buffers a step's per-bucket math writes into (``out=``), kept from step to step.
+    """The buffers a step's per-bucket math writes into (``out=``), kept from step to step; :func:`take` hands them out.
 
     Without them every step allocates a bucket's stacked blocks, its transform's products, the magnitudes that
     top-k ranks and the averaged coefficients afresh: up to :data:`MAX_BUCKET_ELEMENTS` fp32 each (a larger
     parameter alone: more), and on a CPU glibc's malloc maps every such block anew and page-faults it in,
     gigabytes a step. Each role is one buffer per device, of the largest size asked for:
 
-    - ``"a"``, ``"b"`` (:data:`ROLES`): scratch, dead before the function that took it returns (the next bucket
-      takes it again): each the size of the largest bucket (the largest of ``MAX_BUCKET_ELEMENTS`` and the largest
-      parameter's padded blocks);
+    - ``"a"``, ``"b"`` (:data:`ROLES`, taken together as ``"pair"``): scratch, dead before the function that took it
+      returns (the next bucket takes it again): each the size of the largest bucket (the largest of
+      ``MAX_BUCKET_ELEMENTS`` and the largest parameter's padded blocks);
     - ``"dense"``: the step's own exchange's averaged coefficients, every bucket's (the exchange's ``finish``),
       read by the inverse transform in the same step: the size of every coefficient (the momenta's).
 
-    Only a CPU's buffers are kept: on an accelerator :meth:`take` hands out new tensors (the same code and kernels),
+    Only a CPU's buffers are kept: on an accelerator :func:`take` hands out new tensors (the same code and kernels),
     as its caching allocator reuses the blocks already, and kept buffers would hold that memory through the forward
     and backward passes. Not state: never saved, made again (once) after a restart. One per optimizer (its
     :class:`~hf_demo.optim.state.RunState`): two optimizers never share one, and nothing reads a buffer after the
@@ -408,22 +408,32 @@ class Workspace:
     def __init__(self):
         self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
 
-    def take(self, role: str, shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
-        """A contiguous fp32 tensor of each of ``shapes``, apart from each other, in the ``role`` buffer on
-        ``device`` (grown, made anew, where it is smaller), each starting :data:`ALIGNMENT`-aligned, as a new
-        tensor does. Their content is whatever was written last: write before reading. Off the CPU: new tensors."""
-        if device.type != "cpu":  # the accelerator's caching allocator reuses the blocks (see the class)
-            return [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
-        sizes = [math.prod(shape) for shape in shapes]
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + -(-size // ALIGNMENT) * ALIGNMENT)
-        key = (role, device)
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < starts[-1]:
-            self.buffers[key] = buffer = None  # the smaller one goes first: never both at once
-            self.buffers[key] = buffer = torch.empty(starts[-1], dtype=torch.float32, device=device)
-        return [buffer[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+def take(workspace: Workspace | None, role: str, shapes: list[tuple[int, ...]], device: torch.device):
+    """A contiguous fp32 tensor of each of ``shapes``, apart from each other, in ``workspace``'s ``role`` buffer on
+    ``device`` (grown, made anew, where it is smaller), each starting :data:`ALIGNMENT`-aligned, as a new tensor
+    does. Their content is whatever was written last: write before reading. Off the CPU: new tensors.
+    ``role="pair"`` (``shapes`` one shape): the tuple ``(a, b)``, a tensor of that shape in each of the
+    :data:`~Workspace.ROLES`' buffers (:func:`transform_blocks`' ``into``).
+
+    Without a workspace (None): what the functions that write into them take for "a new tensor":
+    ``[None] * len(shapes)`` (an ``out=`` each), and None for the pair. Every caller takes its buffers here."""
+    if role == "pair":
+        return None if workspace is None else tuple(take(workspace, r, shapes, device)[0] for r in Workspace.ROLES)
+    if workspace is None:
+        return [None] * len(shapes)
+    if device.type != "cpu":  # the accelerator's caching allocator reuses the blocks (see Workspace)
+        return [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // ALIGNMENT) * ALIGNMENT)
+    key, buffers = (role, device), workspace.buffers
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < starts[-1]:
+        buffers[key] = buffer = None  # the smaller one goes first: never both at once
+        buffers[key] = buffer = torch.empty(starts[-1], dtype=torch.float32, device=device)
+    return [buffer[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
 
 
 def stacked_blocks(tensors: list, run: Run, into: tuple | None = None) -> torch.Tensor:
@@ -503,9 +513,7 @@ def accumulate_many(
         coeffs = None  # T of the members' signals, (rows, bsize), run by run: a missing signal is zero (None: all)
         if not all(signals[i] is None for i in bucket.members):
             parts, shape = [], (bucket.rows, bucket.bsize)
-            into = (
-                None if workspace is None else tuple(workspace.take(r, [shape], m.device)[0] for r in Workspace.ROLES)
-            )
+            into = take(workspace, "pair", [shape], m.device)
             for run in bucket.runs:  # with a workspace, each run's coefficients land in its rows of the b buffer
                 rows = slice(run.start, run.start + run.rows)  # computed there where they start aligned as a new
                 aligned = into is not None and run.start * bucket.bsize % ALIGNMENT == 0  # tensor: the GEMMs' bits
@@ -547,7 +555,7 @@ def decode_many(coeffs: list, layouts: list, transform, workspace: Workspace | N
     out: list = [None] * len(layouts)
     for bucket, rows in zip(bucketing.buckets, bucket_rows(coeffs, bucketing)):
         shape = (bucket.rows, bucket.b0, bucket.b1)
-        into = None if workspace is None else tuple(workspace.take(r, [shape], rows.device)[0] for r in Workspace.ROLES)
+        into = take(workspace, "pair", [shape], rows.device)
         blocks = transform.decode_blocks(rows.view(shape), into)
         runs = blocks.reshape(bucket.rows, bucket.bsize)
         parts = [runs] if len(bucket.runs) == 1 else runs.split([run.rows for run in bucket.runs])

@@ -83,7 +83,7 @@ def test_the_workspace_gives_the_bits_of_new_tensors(transform, chunk, device):
         reused = F.accumulate_many(momenta, signals, layouts, factors, t, ws)
         assert all(torch.equal(a, b) for a, b in zip(new, reused))
         for m, b in zip(new.buckets, F.plan_buckets(tuple(layouts)).buckets):
-            (scratch,) = ws.take("a", [m.shape], m.device)
+            (scratch,) = F.take(ws, "a", [m.shape], m.device)
             assert all(torch.equal(x, y) for x, y in zip(F.select(m, b.k), F.select(m, b.k, scratch)))
         decoded = F.decode_many(new, layouts, t)
         again = F.decode_many(new, layouts, t, ws)
@@ -97,14 +97,24 @@ def _storages(ws: F.Workspace) -> set[int]:
 
 def test_a_buffer_grows_to_the_largest_size_asked_and_parts_start_aligned():
     ws = F.Workspace()
-    parts = ws.take("dense", [(3, 5), (2,), (4, 4)], torch.device("cpu"))
+    parts = F.take(ws, "dense", [(3, 5), (2,), (4, 4)], torch.device("cpu"))
     assert [p.shape for p in parts] == [(3, 5), (2,), (4, 4)]
     assert all(p.is_contiguous() and (p.data_ptr() - parts[0].data_ptr()) % (4 * F.ALIGNMENT) == 0 for p in parts)
-    (small,) = ws.take("dense", [(4,)], torch.device("cpu"))
+    (small,) = F.take(ws, "dense", [(4,)], torch.device("cpu"))
     assert small.data_ptr() == parts[0].data_ptr()  # the same buffer, not a new one
 
 
 def test_off_the_cpu_the_workspace_hands_out_new_tensors_and_keeps_none():
     ws = F.Workspace()  # an accelerator's caching allocator reuses the blocks; kept, they would hold its memory
-    first, second = (ws.take("a", [(4, 4)], torch.device("meta"))[0] for _ in range(2))
+    first, second = (F.take(ws, "a", [(4, 4)], torch.device("meta"))[0] for _ in range(2))
     assert first.shape == second.shape == (4, 4) and first is not second and not ws.buffers
+
+
+def test_take_gives_the_pair_from_two_buffers_and_without_a_workspace_what_stands_for_new_tensors():
+    ws, cpu = F.Workspace(), torch.device("cpu")
+    a, b = F.take(ws, "pair", [(3, 4)], cpu)
+    assert a.shape == b.shape == (3, 4) and set(ws.buffers) == {("a", cpu), ("b", cpu)}
+    assert a.data_ptr() == ws.buffers["a", cpu].data_ptr() and b.data_ptr() == ws.buffers["b", cpu].data_ptr()
+    assert F.take(None, "pair", [(3, 4)], cpu) is None  # transform_blocks' into: new tensors
+    assert F.take(None, "dense", [(3, 5), (2,)], cpu) == [None, None]  # an out= each: new tensors
+    assert F.take(None, "a", [(4, 4)], cpu) == [None]

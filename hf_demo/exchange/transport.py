@@ -679,7 +679,7 @@ class AllGatherExchange:
         bucketing = self.codec.bucketing
         rows = compression.bucket_rows(working, bucketing)
         selections = [
-            F.select(m, bucket.k, None if workspace is None else workspace.take("a", [m.shape], m.device)[0])
+            F.select(m, bucket.k, F.take(workspace, "a", [m.shape], m.device)[0])
             for m, bucket in zip(rows, bucketing.buckets)
         ]
         device = working[0].device if working else torch.device("cpu")
@@ -723,7 +723,7 @@ class AllGatherExchange:
         codec.verify_rows(in_flight.headers, received, self.secret, in_flight.rank, in_flight.step)
         bucketing = self.codec.bucketing
         shapes = [(bucket.rows, bucket.bsize) for bucket in bucketing.buckets]
-        outs = [None] * len(shapes) if workspace is None else workspace.take("dense", shapes, received.device)
+        outs = F.take(workspace, "dense", shapes, received.device)
         dense = [
             F.densify(*self.weights(idx, values, bucket), bucket, out)
             for (idx, values), bucket, out in zip(self.codec.decode_buckets(received), bucketing.buckets, outs)
@@ -762,7 +762,7 @@ class AllReduceExchange:
         top-k's magnitudes are written, :meth:`AllGatherExchange.prepare`)."""
         streams = [
             self.indices.pack_rows(
-                F.select(m, b.k, workspace and workspace.take("a", [m.shape], m.device)[0])[0], b.bsize, b.k
+                F.select(m, b.k, F.take(workspace, "a", [m.shape], m.device)[0])[0], b.bsize, b.k
             ).reshape(-1)
             for m, b in zip(compression.bucket_rows(working, self.bucketing), self.picked.buckets)
         ]
@@ -916,7 +916,7 @@ class AllReduceExchange:
             by_bucket = torch.empty_like(sums).index_copy_(0, order, sums)
             parts = by_bucket.split([idx.numel() for idx, _ in chosen])
             shapes = [(bucket.rows, bucket.bsize) for bucket in self.picked.buckets]
-            outs = [None] * len(shapes) if workspace is None else workspace.take("dense", shapes, sums.device)
+            outs = F.take(workspace, "dense", shapes, sums.device)
             for (idx, _), bucket, part, dense in zip(chosen, self.picked.buckets, parts, outs):
                 mean = part.float().view_as(idx) / in_flight.world
                 out.append(F.densify(idx, mean, bucket, dense))  # runs of one rank's nominations: no repeats within
