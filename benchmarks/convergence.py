@@ -93,7 +93,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
 
-from benchlib import toy  # noqa: E402
+from benchlib import patches, toy  # noqa: E402
 from benchlib.baselines import POWERSGD_START_ITER, ddp_baseline, ddp_muon, powersgd_bytes  # noqa: E402
 from benchlib.overrides import ALIASES, parse_overrides  # noqa: E402
 from benchlib.ranks import free_port  # noqa: E402
@@ -338,16 +338,14 @@ def _outer_momentum(beta: float) -> None:
     momentum on the mean change of each synchronisation, ``v <- B*v + change``, the anchor moving by
     ``outer_lr * (change + B*v)`` instead of ``outer_lr * change`` (``outer_lr``: DeMo's factor, from its
     ``outer_lr`` and ``outer_lr_scaling`` settings; identical on every rank; not in checkpoints)."""
-    from hf_demo.optim import local_steps
+    buffers = {}
 
-    original, buffers = local_steps.commit_sync, {}
-
-    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
+    def momentum(param, state, update, outer_lr, m_in, rule_state):
         v = buffers.get(id(param))
         buffers[id(param)] = v = update.clone() if v is None else v.mul_(beta).add_(update)
-        original(param, state, update + beta * v, outer_lr, m_in, rule_state)
+        return param, state, update + beta * v, outer_lr, m_in, rule_state
 
-    local_steps.commit_sync = commit_sync
+    patches.wrap_commit_sync(momentum)
 
 
 def _inner_mix(gain: float) -> None:
@@ -356,19 +354,16 @@ def _inner_mix(gain: float) -> None:
     given ``m``'s norm back, ``u`` the agreed mean change (the same on every rank, no traffic; the pseudo-gradient
     and ``m`` point the same way). Each rank's ``m`` is its own gradients' average, mostly its own noise; the mean
     change holds every rank's, so the next local steps follow the consensus more than one rank's batches."""
-    from hf_demo.optim import local_steps
 
-    original = local_steps.commit_sync
-
-    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
+    def mix(param, state, update, outer_lr, m_in, rule_state):
         if update.dim() >= 2 and m_in is not None and not rule_state:
             norm_u, norm_m = update.float().norm(), m_in.norm()
             if norm_u > 0 and norm_m > 0:
                 mixed = m_in + (gain * norm_m / norm_u) * update.float()
                 m_in = mixed * (norm_m / mixed.norm())
-        original(param, state, update, outer_lr, m_in, rule_state)
+        return param, state, update, outer_lr, m_in, rule_state
 
-    local_steps.commit_sync = commit_sync
+    patches.wrap_commit_sync(mix)
 
 
 def _shared_positions() -> None:

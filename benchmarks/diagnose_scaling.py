@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import convergence as conv  # noqa: E402
-from benchlib import toy  # noqa: E402
+from benchlib import patches, toy  # noqa: E402
 from benchlib.baselines import ddp_muon  # noqa: E402
 from benchlib.ranks import expect_ok, run_ranks  # noqa: E402
 
@@ -138,19 +138,16 @@ class Recorder:
 def orthogonal_outer(hidden_ids: set[int]) -> None:
     """Patch ``local_steps.commit_sync``: the mean change of a hidden matrix, orthogonalised and given its own
     Frobenius norm back, is what every rank applies (the same bits on every rank: the same input)."""
-    from hf_demo.optim import local_steps
     from hf_demo.optim.update_rules import matrix_view, newton_schulz
 
-    real = local_steps.commit_sync
-
-    def commit_sync(param, state, update, outer_lr, m_in, rule_state):
+    def orthogonalise(param, state, update, outer_lr, m_in, rule_state):
         if id(param) in hidden_ids and update.dim() >= 2:
             ortho = newton_schulz(matrix_view(update), 5)
             scale = update.norm() / ortho.norm().clamp(min=1e-12)
             update = (ortho * scale).reshape(update.shape)
-        real(param, state, update, outer_lr, m_in, rule_state)
+        return param, state, update, outer_lr, m_in, rule_state
 
-    local_steps.commit_sync = commit_sync
+    patches.wrap_commit_sync(orthogonalise)
 
 
 def flat(tensors) -> torch.Tensor:

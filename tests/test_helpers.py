@@ -53,3 +53,24 @@ def test_one_powersgd_byte_model_for_the_benchmarks_and_compare_py():
     for rank in (1, 4, 32):
         assert powersgd_bytes(shapes, rank) == recipes.powersgd_bytes_per_step(shapes, rank)
     assert powersgd_bytes([(1000, 1000)], 4) == 4 * 2000 * 4 and powersgd_bytes([(3, 2)], 4) == 4 * 6
+
+
+def test_the_commit_sync_patch_hands_the_changed_arguments_to_the_function_it_wraps(monkeypatch):
+    """benchlib.patches.wrap_commit_sync, the benchmarks' prototypes' one way to change a synchronisation (outer
+    momentum, inner mix, orthogonal outer step): what the transform returns is what the wrapped function gets;
+    two patches stack, the later one first."""
+    import torch
+
+    from benchlib import patches
+    from hf_demo.optim import local_steps
+
+    seen = []
+    monkeypatch.setattr(local_steps, "commit_sync", lambda *args: seen.append(args))  # restored after the test
+    param, state, update = torch.zeros(2, 2), {}, torch.full((2, 2), 2.0)
+    patches.wrap_commit_sync(lambda p, s, u, lr, m, r: (p, s, u * 3, lr, m, r))
+    local_steps.commit_sync(param, state, update, 0.5, None, {})
+    (args,) = seen
+    assert args[0] is param and args[1] is state and torch.equal(args[2], update * 3) and args[3:] == (0.5, None, {})
+    patches.wrap_commit_sync(lambda p, s, u, lr, m, r: (p, s, u + 1, lr * 2, m, r))
+    local_steps.commit_sync(param, state, update, 0.5, None, {})
+    assert torch.equal(seen[1][2], (update + 1) * 3) and seen[1][3] == 1.0
