@@ -705,7 +705,9 @@ class AllGatherExchange:
             rows = transport.all_gather(payload, "payload")
         return InFlight(transport.step, transport.rank, transport.world, headers, rows, envelopes=envelopes)
 
-    def finish(self, in_flight: InFlight, traffic: Traffic, workspace=None) -> list[torch.Tensor]:
+    def finish(
+        self, in_flight: InFlight, traffic: Traffic, workspace: compression.Workspace | None = None
+    ) -> list[torch.Tensor]:
         """Every rank's payload row -> the averaged coefficients (validated first; ``workspace``: written to its
         ``"dense"`` buffer, :class:`~hf_demo.compression.Workspace`, read before the step ends)."""
         received = in_flight.wait(traffic)
@@ -757,7 +759,9 @@ class AllReduceExchange:
         self.rides = self.union  # the nominations' all-gather can ride with the headers; the leader's broadcast not
         self.riding_name = "positions"
 
-    def _positions(self, working: list[torch.Tensor], device, workspace=None) -> torch.Tensor:
+    def _positions(
+        self, working: list[torch.Tensor], device, workspace: compression.Workspace | None = None
+    ) -> torch.Tensor:
         """This rank's nominated positions, index-coded: one buffer for every parameter (``workspace``: where
         top-k's magnitudes are written, :meth:`AllGatherExchange.prepare`)."""
         streams = [
@@ -892,7 +896,9 @@ class AllReduceExchange:
             sums = flat
         return InFlight(transport.step, transport.rank, transport.world, headers, sums, rows)
 
-    def finish(self, in_flight: InFlight, traffic: Traffic, workspace=None) -> list[torch.Tensor]:
+    def finish(
+        self, in_flight: InFlight, traffic: Traffic, workspace: compression.Workspace | None = None
+    ) -> list[torch.Tensor]:
         """The summed values -> the averaged coefficients (validated first; ``workspace``: as
         :meth:`AllGatherExchange.finish`)."""
         sums = in_flight.wait(traffic)
