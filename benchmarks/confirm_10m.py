@@ -1,6 +1,7 @@
 """Beyond toy models, on the CPU (issue 53, item 4): an 11.2M-parameter Llama with SmolLM2's tokenizer on the Python
 sources of the installed site-packages (``benchlib.code_corpus``, about 70M tokens; the last 2% of the sorted files
-held out), 1000 steps at W = 4 gloo ranks: DDP-Muon, the ``from_scratch`` preset, DDP-AdamW and the
+held out; the 136 packages of ``benchlib/confirm10m_packages.txt``, so that a package installed later does not change
+it), 1000 steps at W = 4 gloo ranks: DDP-Muon, the ``from_scratch`` preset, DDP-AdamW and the
 ``from_scratch_few_bytes`` preset, each through ``convergence.py`` (its own tag: ``convergence_confirm10m_<name>``).
 
 The model: hidden 192, intermediate 512, 4 layers of 3 heads, SmolLM2's vocabulary of 49,152 with the output head
@@ -44,7 +45,7 @@ COMMON = (
     "--corpus site-packages --shards interleaved --world 4 --threads 1 --tie-embeddings "
     "--hidden 192 --intermediate 512 --layers 4 --heads 3 --seq-len 128 --batch-size 4 --eval-batches 16 "
     f"--steps {STEPS} --warmup 50 --eval-every 50 --checkpoint-every 10 --seeds 0 --timeout-s 172800"
-).split()
+).split() + ["--corpus-packages", str(HERE / "benchlib" / "confirm10m_packages.txt")]
 
 
 def preset_config(name: str) -> str:

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -158,6 +159,7 @@ class RunConfig:
     shards: str = "contiguous"
     corpus: str = "stdlib"
     corpus_tokens: int | None = None
+    corpus_packages: tuple[str, ...] | None = None  # site-packages: only these top-level packages' sources
     device: str = "cpu"
     tie_embeddings: bool = False
     checkpoint_every: int = 0  # 0: none; else every rank saves its state every this many steps (resumable)
@@ -169,6 +171,8 @@ class RunConfig:
         extra = [] if self.shards == "contiguous" else [f"shards={self.shards}"]  # earlier runs' keys unchanged
         if self.corpus != "stdlib":
             extra += [f"corpus={self.corpus}", f"corpus_tokens={self.corpus_tokens}", f"heads={self.heads}"]
+        if self.corpus_packages is not None:
+            extra.append(f"corpus_packages={hashlib.sha1(repr(self.corpus_packages).encode()).hexdigest()[:12]}")
         if self.device != "cpu":
             extra.append(f"device={self.device}")
         if self.tie_embeddings:
@@ -214,7 +218,7 @@ CORPORA = ("stdlib", "site-packages")  # bytes of the standard library; SmolLM2 
 VOCAB = {"stdlib": 256, "site-packages": 49152}
 
 
-def _corpus(name: str = "stdlib", max_tokens: int | None = None):
+def _corpus(name: str = "stdlib", max_tokens: int | None = None, packages: tuple[str, ...] | None = None):
     global _CORPUS, _SPANS
     if _CORPUS is None:
         if name == "stdlib":
@@ -222,7 +226,7 @@ def _corpus(name: str = "stdlib", max_tokens: int | None = None):
         else:
             from benchlib.code_corpus import code_tokens
 
-            _CORPUS, _SPANS = code_tokens(max_tokens)
+            _CORPUS, _SPANS = code_tokens(max_tokens, packages=packages)
     return _CORPUS
 
 
@@ -394,7 +398,7 @@ def rank_setup(cfg: RunConfig, rank: int):
     import torch.distributed as dist
 
     data = toy.Data(
-        _corpus(cfg.corpus, cfg.corpus_tokens),
+        _corpus(cfg.corpus, cfg.corpus_tokens, cfg.corpus_packages),
         *(rank, cfg.world, cfg.seq_len, cfg.batch_size, cfg.seed, 0.02, cfg.eval_batches, cfg.shards, _SPANS),
     )
     device = torch.device(cfg.device)
@@ -563,7 +567,8 @@ def run(cfg: RunConfig) -> dict:
     """Train one configuration on ``cfg.world`` forked gloo ranks; rank 0's measurements as a dict."""
     import torch.multiprocessing as mp
 
-    _corpus(cfg.corpus, cfg.corpus_tokens)  # read once in the parent (never CUDA there), shared by the forked ranks
+    # read once in the parent (never CUDA there), shared by the forked ranks
+    _corpus(cfg.corpus, cfg.corpus_tokens, cfg.corpus_packages)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -914,6 +919,7 @@ def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
                         threads=args.threads,
                         corpus=args.corpus,
                         corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
+                        corpus_packages=_packages(args),
                         device=args.device,
                         tie_embeddings=args.tie_embeddings,
                         checkpoint_every=args.checkpoint_every,
@@ -923,6 +929,16 @@ def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
                     )
                 )
     return plan
+
+
+def _packages(args) -> tuple[str, ...] | None:
+    if args.corpus_packages is None:
+        return None
+    if args.corpus != "site-packages":
+        raise SystemExit(f"--corpus-packages picks site-packages' packages; --corpus is {args.corpus}")
+    from benchlib.code_corpus import read_packages
+
+    return read_packages(args.corpus_packages)
 
 
 def parse_args(argv=None):
@@ -965,6 +981,12 @@ def parse_args(argv=None):
         "packages' Python sources in SmolLM2 tokens (benchlib.code_corpus), a Llama with SmolLM2's vocabulary",
     )
     p.add_argument("--corpus-tokens", type=float, default=None, help="site-packages: at most this many tokens")
+    p.add_argument(
+        "--corpus-packages",
+        default=None,
+        help="site-packages: a file listing the top-level packages the corpus is made of, one a line (a corpus that "
+        "installing another package does not change; benchlib.code_corpus.read_packages)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on cuda:0 over gloo)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)

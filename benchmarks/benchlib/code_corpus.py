@@ -6,10 +6,14 @@ vendored copy) is left out. Each file is one document followed by the tokenizer'
 of a file is its top folder under site-packages (or the module itself at the top), so the ``by_directory`` split
 of ``benchlib.toy`` gives each rank whole packages. The token ids (uint16 on disk, int32 once read) and each file's
 (package, start, end) are cached under ``~/.cache/hf-demo-bench`` (``HF_DEMO_BENCH_CACHE``), keyed by the files'
-list and the token cap: a second run reads them in a second. Each batch of 256 files is cached as it is tokenised,
+paths under site-packages and the token cap (not by where the venv lives: every worktree of one venv shares the
+cache): a second run reads them in a second. Each batch of 256 files is cached as it is tokenised,
 so a tokenisation cut short (a busy machine) goes on where it stopped.
 
 What it holds depends on what is installed: a venv with ``hf-demo[dev]`` has about 18,000 files and 80M+ tokens.
+``packages`` pins it to a list of top-level packages, so that installing another package (a benchmark's peer)
+does not change a corpus that checkpointed runs are training on; a listed package that is not installed is an
+error.
 """
 
 from __future__ import annotations
@@ -47,28 +51,52 @@ def save_tokenizer(folder: str | Path) -> None:
     smollm2_tokenizer().save_pretrained(str(folder))
 
 
-def source_files(root: Path | None = None) -> list[tuple[str, Path]]:
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def read_packages(path: str | Path) -> tuple[str, ...]:
+    """The top-level package names listed in ``path``, one a line (``#`` starts a comment)."""
+    names = [line.split("#")[0].strip() for line in Path(path).read_text().splitlines()]
+    return tuple(sorted({n for n in names if n}))
+
+
+def source_files(root: Path | None = None, packages: tuple[str, ...] | None = None) -> list[tuple[str, Path]]:
     """(package, path) of every distinct ``.py`` file under ``root`` (default: this interpreter's
-    site-packages), sorted by path; vendored copies (same bytes) and test folders left out."""
-    root = Path(root or sysconfig.get_paths()["purelib"])
+    site-packages), sorted by path; vendored copies (same bytes) and test folders left out; only the top-level
+    ``packages`` named, when given (each must have files)."""
+    root = Path(root or site_packages())
     seen, out = set(), []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if SKIP_PARTS.intersection(rel.parts) or not path.is_file():
             continue
+        if packages is not None and rel.parts[0].removesuffix(".py") not in packages:
+            continue
         digest = hashlib.sha1(path.read_bytes()).digest()
         if digest not in seen:
             seen.add(digest)
             out.append((rel.parts[0].removesuffix(".py"), path))
+    missing = sorted(set(packages or ()) - {pkg for pkg, _ in out})
+    if missing:
+        raise ValueError(
+            f"the corpus's package list names {', '.join(missing)}, which {root} does not hold: install them, "
+            "or give a list without them (that is another corpus)"
+        )
     return out
+
+
+def _paths_key(files: list[tuple[str, Path]], root: Path) -> bytes:
+    """The files' paths under ``root``: the same key from every worktree or copy of one venv."""
+    return repr([str(p.relative_to(root)) for _, p in files]).encode()
 
 
 def _cache_base() -> Path:
     return Path(os.environ.get("HF_DEMO_BENCH_CACHE", Path.home() / ".cache" / "hf-demo-bench"))
 
 
-def _cache_path(files: list[tuple[str, Path]], max_tokens: int | None) -> Path:
-    key = hashlib.sha1(repr([str(p) for _, p in files]).encode() + repr(max_tokens).encode()).hexdigest()[:16]
+def _cache_path(files: list[tuple[str, Path]], root: Path, max_tokens: int | None) -> Path:
+    key = hashlib.sha1(_paths_key(files, root) + repr(max_tokens).encode()).hexdigest()[:16]
     return _cache_base() / f"site-packages-smollm2-{key}.pt"
 
 
@@ -85,10 +113,10 @@ class _Tokenizer:
         return [ids + [eos] for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
 
-def _batch_tokens(tokenize: _Tokenizer, batch: list[tuple[str, Path]]) -> list[torch.Tensor]:
+def _batch_tokens(tokenize: _Tokenizer, batch: list[tuple[str, Path]], root: Path) -> list[torch.Tensor]:
     """Each file's token ids (end-of-text token appended) as uint16, cached per batch of files: an interrupted
     tokenisation goes on where it stopped (about 10 CPU-minutes for 80M tokens on an idle machine)."""
-    key = hashlib.sha1(repr([str(p) for _, p in batch]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(_paths_key(batch, root)).hexdigest()[:16]
     path = _cache_base() / "site-packages-smollm2-batches" / f"{key}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
@@ -99,15 +127,26 @@ def _batch_tokens(tokenize: _Tokenizer, batch: list[tuple[str, Path]]) -> list[t
         raise ValueError(f"token id {top} does not fit the cache's uint16: a tokenizer over 65,536 tokens?")
     out = [t.to(torch.uint16) for t in out]
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(out, path.with_name(path.name + ".tmp"))
-    os.replace(path.with_name(path.name + ".tmp"), path)
+    _save_atomic(out, path)
     return out
 
 
-def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tuple[torch.Tensor, list]:
-    """(token ids as int32, [(package, start, end)] per file) of the corpus, up to ``max_tokens`` (whole files)."""
-    files = source_files(root)
-    cache = _cache_path(files, max_tokens)
+def _save_atomic(obj, path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file of this process's own: two runs tokenising the same
+    batch at once (``confirm_10m.py --jobs 2``) each write whole files, never each other's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def code_tokens(
+    max_tokens: int | None = None, root: Path | None = None, packages: tuple[str, ...] | None = None
+) -> tuple[torch.Tensor, list]:
+    """(token ids as int32, [(package, start, end)] per file) of the corpus, up to ``max_tokens`` (whole files);
+    only the top-level ``packages`` named, when given (:func:`source_files`)."""
+    root = Path(root or site_packages())
+    files = source_files(root, packages)
+    cache = _cache_path(files, root, max_tokens)
     if cache.exists():
         saved = torch.load(cache, weights_only=False)
         return saved["ids"].to(torch.int32), saved["spans"]
@@ -115,7 +154,7 @@ def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tupl
     chunks, spans, offset = [], [], 0
     for i in range(0, len(files), 256):  # batches of files through the fast tokenizer
         batch = files[i : i + 256]
-        for (pkg, _), ids in zip(batch, _batch_tokens(tokenize, batch), strict=True):
+        for (pkg, _), ids in zip(batch, _batch_tokens(tokenize, batch, root), strict=True):
             chunks.append(ids)
             spans.append((pkg, offset, offset + ids.numel()))
             offset += ids.numel()
@@ -123,5 +162,5 @@ def code_tokens(max_tokens: int | None = None, root: Path | None = None) -> tupl
             break
     ids = torch.cat(chunks)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"ids": ids, "spans": spans}, cache)  # uint16: 2 bytes a token on disk
+    _save_atomic({"ids": ids, "spans": spans}, cache)  # uint16: 2 bytes a token on disk
     return ids.to(torch.int32), spans
