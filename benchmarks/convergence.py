@@ -889,7 +889,7 @@ def build_methods(args) -> list[Method]:
 
 def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
     """Every run the arguments ask for: each method at each of its lrs, each seed."""
-    lrs = parse_lrs(args.lrs)
+    lrs, packages = parse_lrs(args.lrs), _packages(args)
     plan = []
     for m in build_methods(args):
         for lr in lrs.get(m.kind, lrs.get("*", DEFAULT_LRS[m.kind])):
@@ -919,7 +919,7 @@ def build_plan(args, stop_at: float | None = None) -> list[RunConfig]:
                         threads=args.threads,
                         corpus=args.corpus,
                         corpus_tokens=int(args.corpus_tokens) if args.corpus_tokens else None,
-                        corpus_packages=_packages(args),
+                        corpus_packages=packages,
                         device=args.device,
                         tie_embeddings=args.tie_embeddings,
                         checkpoint_every=args.checkpoint_every,

@@ -8,5 +8,6 @@ so they import this package as ``benchlib``; the tests have ``benchmarks/`` on t
 - :mod:`benchlib.toy`        the byte-level Llama and its windows of the Python standard library's sources
 - :mod:`benchlib.baselines`  DDP-AdamW and DDP + PowerSGD, and PowerSGD's bytes per step from the shapes
 - :mod:`benchlib.overrides`  DeMo keywords written ``key=value,...`` on a command line
+- :mod:`benchlib.atomic`     files written whole or not at all (``write_atomic``)
 - :mod:`benchlib.patches`    benchmark-only patches of hf_demo's internals (prototypes: ``wrap_commit_sync``)
 """

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from benchlib.atomic import write_atomic
+
 SKIP_PARTS = {"__pycache__", "tests", "test"}  # test suites repeat their package's code with fixtures
 
 
@@ -127,16 +129,8 @@ def _batch_tokens(tokenize: _Tokenizer, batch: list[tuple[str, Path]], root: Pat
         raise ValueError(f"token id {top} does not fit the cache's uint16: a tokenizer over 65,536 tokens?")
     out = [t.to(torch.uint16) for t in out]
     path.parent.mkdir(parents=True, exist_ok=True)
-    _save_atomic(out, path)
+    write_atomic(path, lambda tmp: torch.save(out, tmp))
     return out
-
-
-def _save_atomic(obj, path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file of this process's own: two runs tokenising the same
-    batch at once (``confirm_10m.py --jobs 2``) each write whole files, never each other's."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def code_tokens(
@@ -162,5 +156,5 @@ def code_tokens(
             break
     ids = torch.cat(chunks)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    _save_atomic({"ids": ids, "spans": spans}, cache)  # uint16: 2 bytes a token on disk
+    write_atomic(cache, lambda tmp: torch.save({"ids": ids, "spans": spans}, tmp))  # uint16: 2 bytes a token on disk
     return ids.to(torch.int32), spans

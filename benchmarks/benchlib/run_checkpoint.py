@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchlib.atomic import write_atomic
+
 STOP_FILE = "STOP"  # a file of this name in the checkpoints' folder stops every run at its next checkpoint
 
 
@@ -31,12 +33,6 @@ def default_root() -> Path:
 def corpus_signature(corpus: torch.Tensor) -> list[int]:
     """The corpus's length and a sum over every 997th token: enough to tell two corpora apart."""
     return [int(corpus.numel()), int(corpus[::997].long().sum())]
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class RunCheckpoint:
@@ -68,12 +64,12 @@ class RunCheckpoint:
     def save(self, step: int, state: dict, progress: dict | None) -> None:
         """Every rank's ``state`` at ``step`` (a collective: every rank calls it); rank 0 also ``progress``."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic(self.dir / f"step{step}.rank{self.rank}.pt", lambda p: torch.save(state, p))
+        write_atomic(self.dir / f"step{step}.rank{self.rank}.pt", lambda p: torch.save(state, p))
         dist.barrier()
         if self.rank == 0:
             marker = dict(step=step, key=self.key, corpus=self.signature)
-            _atomic(self.dir / "progress.json", lambda p: p.write_text(json.dumps({**progress, "key": self.key})))
-            _atomic(self.dir / "latest.json", lambda p: p.write_text(json.dumps(marker)))
+            write_atomic(self.dir / "progress.json", lambda p: p.write_text(json.dumps({**progress, "key": self.key})))
+            write_atomic(self.dir / "latest.json", lambda p: p.write_text(json.dumps(marker)))
         dist.barrier()
         for old in self.dir.glob(f"step*.rank{self.rank}.pt"):
             if old.name != f"step{step}.rank{self.rank}.pt":
