@@ -120,11 +120,11 @@ class Estimate:
     def _collective_seconds(self, cluster: Cluster, collectives: list[Collective]) -> tuple[float, float]:
         """(seconds of the collectives the step waits for, seconds of those that may hide), per step."""
         fixed = hidden = 0.0
-        for c in collectives:
+        for c, seconds in zip(collectives, _each_seconds(collectives, cluster)):
             if c.hideable:
-                hidden += _seconds(c, cluster)
+                hidden += seconds
             else:
-                fixed += _seconds(c, cluster)
+                fixed += seconds
         return fixed, hidden
 
     def _side_by_side_s(self, cluster: Cluster, side: list[Collective]) -> float:
@@ -135,8 +135,9 @@ class Estimate:
         if not side:
             return 0.0
         window = self.hide_window_s
-        early = [_seconds(c, cluster) for c in side if c.hideable]
-        last = max((_seconds(c, cluster) for c in side if not c.hideable), default=0.0)
+        seconds = _each_seconds(side, cluster)
+        early = [t for c, t in zip(side, seconds) if c.hideable]
+        last = max((t for c, t in zip(side, seconds) if not c.hideable), default=0.0)
         shared = max(max(early, default=0.0), sum(early) / cluster.concurrent) - window
         together = _seconds(side[0], cluster, sum(c.nbytes for c in side)) - window  # one period: DDP's, every step
         return max(0.0, last, shared, together)
@@ -171,6 +172,19 @@ def _seconds(c: Collective, cluster: Cluster, nbytes: float | None = None) -> fl
     total = (c.nbytes if nbytes is None else nbytes) * c.parallel
     link = cluster.link(c.scope)
     return collective_seconds(c.kind, total, c.world, link, inner, per_node, cluster.overhead) / c.every
+
+
+def _each_seconds(collectives: list[Collective], cluster: Cluster) -> list[float]:
+    """:func:`_seconds` of each collective, computed once per distinct collective (DDP's equal buckets: a
+    ten-trillion-parameter model has 1.6 million of them)."""
+    found: dict[tuple, float] = {}
+    out = []
+    for c in collectives:
+        key = (c.kind, c.nbytes, c.world, c.scope, c.every, c.parallel)
+        if key not in found:
+            found[key] = _seconds(c, cluster)
+        out.append(found[key])
+    return out
 
 
 # ---------------------------------------------------------------- the methods
