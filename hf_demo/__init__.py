@@ -1,5 +1,7 @@
 """hf-demo: DeMo (Decoupled Momentum Optimization) for the Hugging Face stack."""
 
+import importlib
+
 from hf_demo.errors import (
     DeMoError,
     DeMoNonFiniteError,
@@ -22,18 +24,28 @@ from hf_demo.optim.factory import create_optimizer, optimizer_cls_and_kwargs, pa
 from hf_demo.optim.optimizer import DeMo
 from hf_demo.optim.param_groups import muon_style_groups
 
-try:  # the Hugging Face integration needs transformers and accelerate (pip install hf-demo[hf])
-    from hf_demo.hf.trainer import DeMoTrainer, DeMoTrainerMixin, with_demo
-    from hf_demo.hf.training_args import DeMoArguments, DeMoTrainingArguments
-except ImportError as _exc:  # pragma: no cover - exercised only without transformers
-    _MISSING = _exc
+# the Hugging Face integration, imported on first use (it needs transformers and accelerate: pip install
+# 'hf-demo[hf]'): the optimizer, the planner and a custom loop import hf_demo without importing them
+_HF = {
+    "DeMoTrainer": "hf_demo.hf.trainer",
+    "DeMoTrainerMixin": "hf_demo.hf.trainer",
+    "with_demo": "hf_demo.hf.trainer",
+    "DeMoArguments": "hf_demo.hf.training_args",
+    "DeMoTrainingArguments": "hf_demo.hf.training_args",
+}
 
-    def __getattr__(name):
-        if name in ("DeMoTrainer", "DeMoTrainerMixin", "DeMoArguments", "DeMoTrainingArguments", "with_demo"):
-            raise ImportError(
-                f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'"
-            ) from _MISSING
-        raise AttributeError(name)
+
+def __getattr__(name: str):
+    if name not in _HF:
+        raise AttributeError(f"module 'hf_demo' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(_HF[name])
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in ("transformers", "accelerate"):
+            raise
+        raise ImportError(f"hf_demo.{name} needs transformers and accelerate: pip install 'hf-demo[hf]'") from exc
+    globals()[name] = value = getattr(module, name)
+    return value
 
 
 __version__ = "0.1.0"

@@ -39,11 +39,13 @@ def publish(cls: type, kind: str, base: type) -> type:
 
 
 MAKERS: dict = {}  # kind ("trainer", "config"): the function that makes such a class of a base; hf_demo.hf.trainer
-# fills it when imported, which importing this module does (the hf_demo package imports it), so a fresh process has it
+# fills it when imported (remake imports it in a fresh process that has not)
 
 
 def remake(kind: str, module: str, qualname: str) -> type:
     """The class ``with_demo`` makes of ``module.qualname`` (the same one, made on first use in this process)."""
+    if kind not in MAKERS:
+        importlib.import_module("hf_demo.hf.trainer")
     if kind not in MAKERS:
         raise ValueError(f"hf_demo: cannot remake a class of kind {kind!r} (a pickle from another hf_demo version?)")
     base = importlib.import_module(module)
