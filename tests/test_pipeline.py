@@ -74,6 +74,18 @@ def test_importing_hf_demo_hooks_no_other_optimizer():
     assert out.strip() == "0"
 
 
+def test_importing_hf_demo_leaves_the_hugging_face_stack_to_first_use():
+    """The optimizer alone needs torch only: transformers, accelerate and datasets come with the first use of the
+    integration's names (``hf_demo.DeMoTrainer`` and the rest), in the same process."""
+    code = (
+        "import sys, hf_demo; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'datasets') if m in sys.modules)); "
+        "hf_demo.DeMoTrainingArguments; print('transformers' in sys.modules, hf_demo.with_demo.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True hf_demo.hf.trainer"], out
+
+
 def test_a_failed_step_commits_nothing():
     """A step that raises after its collectives and checks (here: in the update rule) leaves every parameter,
     momentum and counter as it was: the writes are staged until the one commit."""
