@@ -18,6 +18,11 @@ A run takes hours on a busy 2-core machine, so runs checkpoint every 10 steps an
     python benchmarks/confirm_10m.py report                      # finished and unfinished runs, ratio to DDP-Muon
     touch ~/.cache/hf-demo-bench/checkpoints/STOP                # every run stops at its next checkpoint
 
+The corpus is the packages' sources at the versions installed: another install (``transformers`` 5.25 where the
+recorded runs had 5.24, say) makes another corpus and held-out split. ``run`` refuses to add runs to the recorded
+results on a corpus of another size than theirs (:data:`RECORDED_TOKENS`); a new series goes into its own
+``--results-dir`` with every method run again. ``report`` refuses runs whose held-out losses at step 0 differ.
+
 ``report`` writes ``results/convergence_confirm10m.{md,png}``: each method's held-out loss at the last step it
 reached, its ratio to DDP-Muon's at that step, bytes/param/step and wall time (with the machine's load).
 """
@@ -41,6 +46,10 @@ from benchlib.run_checkpoint import default_root, read_progress  # noqa: E402
 from hf_demo.settings import PRESETS  # noqa: E402
 
 STEPS = 1000
+# the corpus the recorded runs (benchmarks/results/convergence_confirm10m_*.json) trained on: the packages of
+# confirm10m_packages.txt at the versions installed then. Other versions give another corpus (and held-out split),
+# whose runs are not comparable with those.
+RECORDED_TOKENS = 70_844_677
 COMMON = (
     "--corpus site-packages --shards interleaved --world 4 --threads 1 --tie-embeddings "
     "--hidden 192 --intermediate 512 --layers 4 --heads 3 --seq-len 128 --batch-size 4 --eval-batches 16 "
@@ -76,6 +85,7 @@ def argv(name: str, results_dir: str) -> list[str]:
 
 def run_all(args) -> None:
     """Each method's ``convergence.py --resume`` in priority order, ``--jobs`` at a time, until ``--minutes``."""
+    check_corpus(args.results_dir)
     todo, running = list(args.methods), []
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -96,6 +106,35 @@ def run_all(args) -> None:
         if deadline is not None and time.time() > deadline and not running:
             break
     report(args)
+
+
+def check_corpus(results_dir: str, tokens: int | None = None) -> None:
+    """Refuse to add runs to the recorded results (the default ``--results-dir``) on another corpus than theirs."""
+    if Path(results_dir).resolve() != Path(convergence.RESULTS).resolve():
+        return
+    if tokens is None:
+        from benchlib.code_corpus import code_tokens, read_packages
+
+        tokens = code_tokens(packages=read_packages(COMMON[COMMON.index("--corpus-packages") + 1]))[0].numel()
+    if tokens != RECORDED_TOKENS:
+        raise SystemExit(
+            f"confirm_10m.py: the installed packages of confirm10m_packages.txt make a corpus of {tokens:,} tokens "
+            f"here; the recorded runs in {results_dir} trained on {RECORDED_TOKENS:,}: other versions of the "
+            "packages, another corpus and held-out split, so runs here are not comparable with those. Run every "
+            "method on this corpus into another --results-dir, or install the versions the recorded runs used."
+        )
+
+
+def check_same_start(found: dict) -> None:
+    """Every method starts from the same init: a different held-out loss at step 0 means another held-out split."""
+    starts = {name: r["evals"][0][1] for name, r in found.items() if r["evals"] and r["evals"][0][0] == 0}
+    if len(starts) > 1 and max(starts.values()) - min(starts.values()) > 1e-6:
+        given = ", ".join(f"{LABELS[n]} {v:.6f}" for n, v in starts.items())
+        raise SystemExit(
+            f"confirm_10m.py: the runs' held-out losses at step 0 differ ({given}) though every run starts from "
+            "the same init: they were evaluated on different corpora (other versions of the installed packages). "
+            "Compare only runs made on one corpus: put each corpus's runs in their own --results-dir."
+        )
 
 
 def runs(results_dir: str) -> dict[str, dict]:
@@ -122,6 +161,7 @@ def loss_at(evals, step: int) -> float | None:
 
 def report(args) -> str:
     found = runs(args.results_dir)
+    check_same_start(found)
     muon = found.get("muon")
     lines = [
         "# Beyond toy models: an 11.2M-parameter Llama, SmolLM2's tokenizer, site-packages' sources, W = 4",

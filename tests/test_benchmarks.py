@@ -226,3 +226,27 @@ def test_the_scaling_diagnosis_measures_the_real_run_and_its_metrics_hold_where_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (trained,) = json.loads((tmp_path / "convergence_t.json").read_text())
     assert trained["final_loss"] == runs["from_scratch"]["evals"][-1][1]
+
+
+def test_confirm_10m_keeps_runs_on_another_corpus_apart_from_the_recorded_ones(tmp_path):
+    """Other versions of the installed packages make another corpus and held-out split: ``run`` refuses to add
+    such runs to the recorded results, and ``report`` refuses runs whose held-out losses at step 0 (one init)
+    differ, with the recorded runs as they are accepted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import confirm_10m
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    recorded = str(ROOT / "benchmarks" / "results")
+    confirm_10m.check_corpus(recorded, tokens=confirm_10m.RECORDED_TOKENS)
+    confirm_10m.check_corpus(str(tmp_path), tokens=1)  # a series of its own elsewhere
+    with pytest.raises(SystemExit, match="corpus of 1 tokens here.*not comparable"):
+        confirm_10m.check_corpus(recorded, tokens=1)
+    found = {
+        name: json.loads(Path(recorded, f"convergence_confirm10m_{name}.json").read_text())[-1]
+        for name in ("muon", "from_scratch")
+    }
+    confirm_10m.check_same_start(found)
+    found["from_scratch"] = dict(found["from_scratch"], evals=[[0, 10.8235], *found["from_scratch"]["evals"][1:]])
+    with pytest.raises(SystemExit, match="DDP-Muon 10.820216.*10.823500.*different corpora"):
+        confirm_10m.check_same_start(found)

