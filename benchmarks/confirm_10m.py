@@ -50,11 +50,12 @@ STEPS = 1000
 # confirm10m_packages.txt at the versions installed then. Other versions give another corpus (and held-out split),
 # whose runs are not comparable with those.
 RECORDED_TOKENS = 70_844_677
+PACKAGES = HERE / "benchlib" / "confirm10m_packages.txt"
 COMMON = (
     "--corpus site-packages --shards interleaved --world 4 --threads 1 --tie-embeddings "
     "--hidden 192 --intermediate 512 --layers 4 --heads 3 --seq-len 128 --batch-size 4 --eval-batches 16 "
     f"--steps {STEPS} --warmup 50 --eval-every 50 --checkpoint-every 10 --seeds 0 --timeout-s 172800"
-).split() + ["--corpus-packages", str(HERE / "benchlib" / "confirm10m_packages.txt")]
+).split() + ["--corpus-packages", str(PACKAGES)]
 
 
 def preset_config(name: str) -> str:
@@ -115,7 +116,7 @@ def check_corpus(results_dir: str, tokens: int | None = None) -> None:
     if tokens is None:
         from benchlib.code_corpus import code_tokens, read_packages
 
-        tokens = code_tokens(packages=read_packages(COMMON[COMMON.index("--corpus-packages") + 1]))[0].numel()
+        tokens = code_tokens(packages=read_packages(PACKAGES))[0].numel()
     if tokens != RECORDED_TOKENS:
         raise SystemExit(
             f"confirm_10m.py: the installed packages of confirm10m_packages.txt make a corpus of {tokens:,} tokens "
